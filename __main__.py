@@ -1,0 +1,3 @@
+from dsv4.convert.cli import main
+
+main()

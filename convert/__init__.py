@@ -1,0 +1,1 @@
+"""Reading native checkpoints, planning and streaming the conversion, checking the result."""

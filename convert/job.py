@@ -1,0 +1,275 @@
+"""Running a Plan: the executor and the output directory's life cycle.
+
+Work happens in a hidden partial directory beside OUT with a journal of finished tensors;
+OUT appears (one rename) only once every tensor is written and the result is verified.
+A run killed at any point resumes from the journal and gives byte-identical files.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from dsv4 import __version__
+from dsv4.convert.errors import DSV4Error, OutputExistsError, SourceChangedError, WriteFailedError
+from dsv4.convert.inventory import INDEX_NAME, Inventory, read_local_header
+from dsv4.convert.plan import LAYOUT_RECORD, Plan, PlannedTensor, plan_conversion, plan_reverse
+from dsv4.convert.source import ByteReader, LocalReader
+from dsv4.convert.writer import ShardWriter, TensorSpec
+from dsv4.mapping.table import Table, load_table
+
+CONVERSION_RECORD = "conversion.json"
+JOURNAL = "journal.jsonl"
+STATE = "state.json"
+CHUNK = 16 * 1024 * 1024  # bytes per read/write: large enough for full disk speed
+DEFAULT_MAX_SHARD = 5 * 10**9
+# Test hook: SIGKILL this process once this many tensor bytes are written, so tests can
+# prove that a run killed anywhere resumes to byte-identical output.
+CRASH_AFTER_ENV = "DSV4_CRASH_AFTER_BYTES"
+
+
+@dataclass
+class ConversionResult:
+    out: Path
+    status: str  # "converted", "resumed" or "up-to-date"
+    bytes_read: int
+    bytes_written: int
+    seconds: float
+    tensors: int
+    plan: Plan
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "status": self.status,
+            "output": str(self.out),
+            "tensors": self.tensors,
+            "bytes_read": self.bytes_read,
+            "bytes_written": self.bytes_written,
+            "bytes_planned": self.plan.bytes_to_read,
+            "seconds": round(self.seconds, 3),
+        }
+
+
+def open_source(source: str | Path) -> tuple[Inventory, ByteReader]:
+    """A local checkpoint directory, or a hub repo `org/name[@revision]`."""
+    path = Path(source)
+    if path.exists():
+        from dsv4.convert.inventory import read_inventory
+
+        return read_inventory(path), LocalReader(path)
+    from dsv4.convert.hub import open_hub_source
+
+    return open_hub_source(str(source))
+
+
+def shard_layout(plan: Plan, max_shard_size: int) -> list[list[PlannedTensor]]:
+    """Tensors in write order, cut into shards of at most max_shard_size bytes (a larger
+    tensor gets a shard of its own)."""
+    shards: list[list[PlannedTensor]] = [[]]
+    size = 0
+    for t in plan.tensors:
+        if shards[-1] and size + t.nbytes > max_shard_size:
+            shards.append([])
+            size = 0
+        shards[-1].append(t)
+        size += t.nbytes
+    return shards
+
+
+def shard_name(k: int, n: int) -> str:
+    return f"model-{k + 1:05d}-of-{n:05d}.safetensors"
+
+
+def output_config(plan: Plan) -> dict[str, Any]:
+    config = {k: v for k, v in plan.config.items() if k != LAYOUT_RECORD}
+    if plan.direction == "forward":
+        config[LAYOUT_RECORD] = {"layout": plan.target, "table": plan.table, "table_version": plan.table_version, "tool_version": __version__}
+    return config
+
+
+def _fingerprint(plan: Plan, reader: ByteReader, shards: list[list[PlannedTensor]]) -> dict[str, Any]:
+    layout = [[(t.name, t.dtype, list(t.shape), [(p.file, p.start, p.end) for p in t.pieces]) for t in s] for s in shards]
+    return {
+        "tool_version": __version__,
+        "direction": plan.direction,
+        "table": plan.table,
+        "table_version": plan.table_version,
+        "source": {**reader.fingerprint(plan.files_needed), "revision": plan.revision},
+        "plan_sha256": hashlib.sha256(json.dumps(layout).encode()).hexdigest(),
+    }
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _journal(path: Path) -> dict[str, dict[str, Any]]:
+    """Finished tensors; a line torn by a kill is ignored (that tensor is redone)."""
+    done: dict[str, dict[str, Any]] = {}
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                entry = json.loads(line)
+                done[entry["name"]] = entry
+            except (ValueError, KeyError, TypeError):
+                continue
+    return done
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=2, sort_keys=True)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+class _Executor:
+    """Copies each planned tensor's byte ranges to its place in its shard, hashing as it goes."""
+
+    def __init__(self, reader: ByteReader, progress: Callable[[int], object]):
+        self.reader = reader
+        self.progress = progress
+        self.buf = memoryview(bytearray(CHUNK))
+        self.written = 0
+        crash = os.environ.get(CRASH_AFTER_ENV)
+        self.crash_after = int(crash) if crash else None
+
+    def run(self, t: PlannedTensor, writer: ShardWriter) -> str:
+        digest = hashlib.sha256()
+        at = 0
+        for piece in t.pieces:
+            offset = piece.start
+            while offset < piece.end:
+                n = min(CHUNK, piece.end - offset)
+                chunk = self.buf[:n]
+                self.reader.read_into(piece.file, offset, chunk)
+                writer.write(t.name, chunk, at)
+                digest.update(chunk)
+                offset += n
+                at += n
+                self.written += n
+                self.progress(n)
+                if self.crash_after is not None and self.written >= self.crash_after:
+                    os.kill(os.getpid(), signal.SIGKILL)
+        return digest.hexdigest()
+
+
+def _verify(partial: Path, shards: list[list[PlannedTensor]], names: list[str], journal: dict[str, dict[str, Any]]) -> None:
+    """Re-read every written header and check it against the plan and the journal."""
+    for tensors, name in zip(shards, names):
+        found, _ = read_local_header(partial / name)
+        for t in tensors:
+            src = found.get(t.name)
+            if src is None or (src.dtype, src.shape, src.nbytes) != (t.dtype, t.shape, t.nbytes):
+                raise WriteFailedError(f"{partial / name}: tensor {t.name} does not read back as planned")
+            if t.name not in journal:
+                raise WriteFailedError(f"{partial / name}: tensor {t.name} was never finished")
+
+
+def run_plan(plan: Plan, reader: ByteReader, out: str | Path, *, overwrite: bool = False, max_shard_size: int = DEFAULT_MAX_SHARD, quiet: bool = True) -> ConversionResult:
+    start = time.monotonic()
+    out = Path(out)
+    shards = shard_layout(plan, max_shard_size)
+    names = [shard_name(k, len(shards)) for k in range(len(shards))]
+    fingerprint = _fingerprint(plan, reader, shards)
+
+    record = _read_json(out / CONVERSION_RECORD) if out.is_dir() else None
+    if record is not None and record.get("fingerprint") == fingerprint and not overwrite:
+        return ConversionResult(out, "up-to-date", 0, 0, time.monotonic() - start, len(plan.tensors), plan)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
+        raise OutputExistsError(f"{out}: exists and is not empty (and is not this conversion's up-to-date output); pass --overwrite to replace it")
+
+    partial = out.parent / f".{out.name}.partial"
+    resumed = _read_json(partial / STATE) == fingerprint
+    if partial.exists() and not resumed:
+        shutil.rmtree(partial)
+    partial.mkdir(parents=True, exist_ok=True)
+    if not resumed:
+        _write_json(partial / STATE, fingerprint)
+    journal = _journal(partial / JOURNAL) if resumed else {}
+
+    todo = sum(t.nbytes for s in shards for t in s if t.name not in journal)
+    bar = tqdm(total=todo, unit="B", unit_scale=True, unit_divisor=1024, desc="convert", disable=quiet)
+    executor = _Executor(reader, bar.update)
+    try:
+        with open(partial / JOURNAL, "a") as jf:
+            for tensors, name in zip(shards, names):
+                specs = [TensorSpec(t.name, t.dtype, t.shape) for t in tensors]
+                with ShardWriter(partial / name, specs, {"format": "pt"}, resume=resumed) as writer:
+                    if not writer.resumed:
+                        for t in tensors:
+                            journal.pop(t.name, None)
+                    for t in tensors:
+                        if t.name in journal:
+                            continue
+                        sha = executor.run(t, writer)
+                        writer.sync()  # the journal may only name bytes that are on disk
+                        entry = {"name": t.name, "file": name, "nbytes": t.nbytes, "sha256": sha}
+                        jf.write(json.dumps(entry, sort_keys=True) + "\n")
+                        jf.flush()
+                        os.fsync(jf.fileno())
+                        journal[t.name] = entry
+        _verify(partial, shards, names, journal)
+        _finish(plan, partial, out, shards, names, journal, fingerprint)
+    except OSError as exc:
+        raise WriteFailedError(f"{partial}: conversion failed ({exc.strerror or exc}); no output directory was created; rerun to resume") from None
+    finally:
+        bar.close()
+        reader.close()
+    return ConversionResult(out, "resumed" if resumed else "converted", reader.bytes_read, executor.written, time.monotonic() - start, len(plan.tensors), plan)
+
+
+def _finish(plan: Plan, partial: Path, out: Path, shards: list[list[PlannedTensor]], names: list[str], journal: dict[str, dict[str, Any]], fingerprint: dict[str, Any]) -> None:
+    weight_map = {t.name: name for tensors, name in zip(shards, names) for t in tensors}
+    _write_json(partial / INDEX_NAME, {"metadata": {"total_size": plan.bytes_to_write}, "weight_map": weight_map})
+    _write_json(partial / "config.json", output_config(plan))
+    _write_json(
+        partial / CONVERSION_RECORD,
+        {
+            "tool": "dsv4-convert",
+            "tool_version": __version__,
+            "direction": plan.direction,
+            "table": plan.table,
+            "table_version": plan.table_version,
+            "target": plan.target,
+            "source": fingerprint["source"],
+            "fingerprint": fingerprint,
+            "skipped": len(plan.skipped),
+            "tensors": {t.name: {"file": journal[t.name]["file"], "nbytes": t.nbytes, "sha256": journal[t.name]["sha256"]} for s in shards for t in s},
+        },
+    )
+    (partial / JOURNAL).unlink()
+    (partial / STATE).unlink()
+    if out.exists():
+        old = out.parent / f".{out.name}.old-{os.getpid()}"
+        out.rename(old)
+        partial.rename(out)
+        shutil.rmtree(old)
+    else:
+        partial.rename(out)
+
+
+def convert(source: str | Path, out: str | Path, *, target: str = "xpu", reverse: bool = False, overwrite: bool = False, max_shard_size: int = DEFAULT_MAX_SHARD, quiet: bool = True, table: Table | None = None) -> ConversionResult:
+    """Convert `source` (native checkpoint, or with reverse=True a converted one) into `out`."""
+    table = table or load_table(target)
+    inv, reader = open_source(source)
+    try:
+        plan = plan_reverse(inv, table) if reverse else plan_conversion(inv, table)
+    except DSV4Error:
+        reader.close()
+        raise
+    return run_plan(plan, reader, out, overwrite=overwrite, max_shard_size=max_shard_size, quiet=quiet)

@@ -1,0 +1,147 @@
+"""The native DeepSeek V4 checkpoint format (spec 01): every tensor's name, dtype and shape.
+
+This is the one place the source format is written down. The synthetic checkpoint writer
+produces exactly this layout, the planner checks a real checkpoint's MTP tensors against
+it, and `--reverse` uses it to split fused tensors back into their native parts.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from dsv4.model.config import ModelConfig
+
+# name -> (safetensors dtype, shape)
+Layout = dict[str, tuple[str, tuple[int, ...]]]
+Variant = Literal["instruct", "base"]
+
+FP4_GROUP = 32  # one E8M0 scale per 32 packed e2m1 inputs
+
+
+def variant_of(cfg: ModelConfig) -> Variant:
+    """Instruct checkpoints carry FP4 routed experts, Base ("FP8 mixed") ones FP8."""
+    if cfg.expert_dtype == "fp4":
+        return "instruct"
+    if cfg.expert_dtype == "fp8":
+        return "base"
+    raise ValueError(f"config.json: unknown expert_dtype {cfg.expert_dtype!r} (expected fp4 or fp8)")
+
+
+def _blocks(n: int, block: int) -> int:
+    return -(-n // block)
+
+
+def _fp8_linear(out: Layout, name: str, rows: int, cols: int, cfg: ModelConfig, scale_dtype: str) -> None:
+    br, bc = cfg.weight_block_size
+    out[f"{name}.weight"] = ("F8_E4M3", (rows, cols))
+    out[f"{name}.scale"] = (scale_dtype, (_blocks(rows, br), _blocks(cols, bc)))
+
+
+def _fp4_linear(out: Layout, name: str, rows: int, cols: int) -> None:
+    out[f"{name}.weight"] = ("I8", (rows, cols // 2))
+    out[f"{name}.scale"] = ("F8_E8M0", (rows, cols // FP4_GROUP))
+
+
+def fp8_scale_dtype(cfg: ModelConfig) -> str:
+    """Base checkpoints store FP8 block scales as F32 values, instruct ones as E8M0 bytes."""
+    return "F8_E8M0" if variant_of(cfg) == "instruct" else "F32"
+
+
+def block_layout(cfg: ModelConfig, prefix: str) -> Layout:
+    """Tensors every decoder block has (main layer or MTP), names relative to `prefix`."""
+    H, I, E = cfg.hidden_size, cfg.moe_intermediate_size, cfg.n_routed_experts
+    D, nh, rq = cfg.head_dim, cfg.num_attention_heads, cfg.q_lora_rank
+    g, ro = cfg.o_groups, cfg.o_lora_rank
+    sdt = fp8_scale_dtype(cfg)
+    out: Layout = {}
+    for sub in ("attn", "ffn"):
+        out[f"{prefix}hc_{sub}_fn"] = ("F32", (cfg.hc_mix, cfg.hc_dim))
+        out[f"{prefix}hc_{sub}_base"] = ("F32", (cfg.hc_mix,))
+        out[f"{prefix}hc_{sub}_scale"] = ("F32", (3,))
+    out[f"{prefix}attn_norm.weight"] = ("BF16", (H,))
+    out[f"{prefix}ffn_norm.weight"] = ("BF16", (H,))
+    out[f"{prefix}attn.attn_sink"] = ("F32", (nh,))
+    _fp8_linear(out, f"{prefix}attn.wq_a", rq, H, cfg, sdt)
+    out[f"{prefix}attn.q_norm.weight"] = ("BF16", (rq,))
+    _fp8_linear(out, f"{prefix}attn.wq_b", nh * D, rq, cfg, sdt)
+    _fp8_linear(out, f"{prefix}attn.wkv", D, H, cfg, sdt)
+    out[f"{prefix}attn.kv_norm.weight"] = ("BF16", (D,))
+    _fp8_linear(out, f"{prefix}attn.wo_a", g * ro, nh * D // g, cfg, sdt)
+    _fp8_linear(out, f"{prefix}attn.wo_b", H, g * ro, cfg, sdt)
+    out[f"{prefix}ffn.gate.weight"] = ("BF16", (E, H))
+    for e in range(E):
+        for w, (rows, cols) in (("w1", (I, H)), ("w2", (H, I)), ("w3", (I, H))):
+            name = f"{prefix}ffn.experts.{e}.{w}"
+            if variant_of(cfg) == "instruct":
+                _fp4_linear(out, name, rows, cols)
+            else:
+                _fp8_linear(out, name, rows, cols, cfg, sdt)
+    _fp8_linear(out, f"{prefix}ffn.shared_experts.w1", I, H, cfg, sdt)
+    _fp8_linear(out, f"{prefix}ffn.shared_experts.w2", H, I, cfg, sdt)
+    _fp8_linear(out, f"{prefix}ffn.shared_experts.w3", I, H, cfg, sdt)
+    return out
+
+
+def mtp_layout(cfg: ModelConfig, i: int, *, with_emb_head: bool = False) -> Layout:
+    """All tensors of MTP block `mtp.{i}.` (39 + 6E). Base checkpoints may add emb/head."""
+    H = cfg.hidden_size
+    p = f"mtp.{i}."
+    out: Layout = {
+        f"{p}enorm.weight": ("BF16", (H,)),
+        f"{p}hnorm.weight": ("BF16", (H,)),
+        f"{p}norm.weight": ("BF16", (H,)),
+    }
+    _fp8_linear(out, f"{p}e_proj", H, H, cfg, fp8_scale_dtype(cfg))
+    _fp8_linear(out, f"{p}h_proj", H, H, cfg, fp8_scale_dtype(cfg))
+    out[f"{p}hc_head_fn"] = ("F32", (cfg.hc_mult, cfg.hc_dim))
+    out[f"{p}hc_head_base"] = ("F32", (cfg.hc_mult,))
+    out[f"{p}hc_head_scale"] = ("F32", (1,))
+    out.update(block_layout(cfg, p))
+    out[f"{p}ffn.gate.bias"] = ("F32", (cfg.n_routed_experts,))
+    if with_emb_head:
+        out[f"{p}emb.tok_emb.weight"] = ("BF16", (cfg.vocab_size, H))
+        out[f"{p}head.weight"] = ("BF16", (cfg.vocab_size, H))
+    return out
+
+
+def top_level_layout(cfg: ModelConfig) -> Layout:
+    V, H = cfg.vocab_size, cfg.hidden_size
+    return {
+        "embed.weight": ("BF16", (V, H)),
+        "head.weight": ("BF16", (V, H)),
+        "norm.weight": ("BF16", (H,)),
+        "hc_head_fn": ("F32", (cfg.hc_mult, cfg.hc_dim)),
+        "hc_head_base": ("F32", (cfg.hc_mult,)),
+        "hc_head_scale": ("F32", (1,)),
+    }
+
+
+def main_layer_layout(cfg: ModelConfig, j: int) -> Layout:
+    """Main decoder layer `layers.{j}.`: the block plus hash routing or score bias, plus the
+    compressor/indexer its compress ratio calls for."""
+    H, D, rq = cfg.hidden_size, cfg.head_dim, cfg.q_lora_rank
+    Di, nih = cfg.index_head_dim, cfg.index_n_heads
+    p = f"layers.{j}."
+    out = block_layout(cfg, p)
+    if j < cfg.num_hash_layers:
+        out[f"{p}ffn.gate.tid2eid"] = ("I64", (cfg.vocab_size, cfg.num_experts_per_tok))
+    else:
+        out[f"{p}ffn.gate.bias"] = ("F32", (cfg.n_routed_experts,))
+    ratio = cfg.compress_ratios[j] if j < len(cfg.compress_ratios) else 0
+    if ratio:
+        # overlapping windows (ratio 4) compress twice the width
+        width = 2 * D if ratio == 4 else D
+        c = f"{p}attn.compressor."
+        out[f"{c}ape"] = ("F32", (ratio, width))
+        out[f"{c}wkv.weight"] = ("BF16", (width, H))
+        out[f"{c}wgate.weight"] = ("BF16", (width, H))
+        out[f"{c}norm.weight"] = ("BF16", (D,))
+    if ratio == 4:
+        x = f"{p}attn.indexer."
+        _fp8_linear(out, f"{x}wq_b", nih * Di, rq, cfg, fp8_scale_dtype(cfg))
+        out[f"{x}weights_proj.weight"] = ("BF16", (nih, H))
+        out[f"{x}compressor.ape"] = ("F32", (4, 2 * Di))
+        out[f"{x}compressor.wkv.weight"] = ("BF16", (2 * Di, H))
+        out[f"{x}compressor.wgate.weight"] = ("BF16", (2 * Di, H))
+        out[f"{x}compressor.norm.weight"] = ("BF16", (Di,))
+    return out

@@ -1,0 +1,281 @@
+"""The planner: (inventory, table) -> Plan, a pure function with no I/O.
+
+A Plan lists every output tensor with the source byte ranges it is made of, in write
+order, and every skipped source key with its reason. Every operation in a table moves
+bytes (a row-major concat along dim 0 or a stack is its parts back to back), so a planned
+tensor is simply a list of byte ranges: the executor needs no knowledge of the ops.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+from dsv4.convert import native
+from dsv4.convert.dtypes import ITEMSIZE
+from dsv4.convert.errors import (
+    DuplicateTargetError,
+    LayoutMismatchError,
+    MissingSourceError,
+    PlanError,
+    TableError,
+    UncoveredKeyError,
+    UnsupportedLayoutError,
+)
+from dsv4.convert.inventory import Inventory, TensorSource
+from dsv4.mapping.table import Rule, Table, expand
+from dsv4.model.config import ModelConfig
+from dsv4.model.layout import target_layout
+
+Direction = Literal["forward", "reverse"]
+LAYOUT_RECORD = "dsv4_convert"  # key added to a converted config.json
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Bytes [start, end) of `file`, which hold (part of) source tensor `source`."""
+
+    source: str
+    file: str
+    start: int
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class PlannedTensor:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    pieces: tuple[Piece, ...]
+    op: str
+    rule: str
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.pieces)
+
+
+@dataclass(frozen=True)
+class Plan:
+    direction: Direction
+    source: str
+    config: dict[str, Any]
+    table: str
+    table_version: str
+    target: str
+    tensors: tuple[PlannedTensor, ...]
+    skipped: dict[str, str] = field(default_factory=dict)  # source key -> reason
+    revision: str | None = None
+
+    @property
+    def bytes_to_read(self) -> int:
+        # a shared tensor copied into several blocks is read once per copy
+        return sum(t.nbytes for t in self.tensors)
+
+    @property
+    def bytes_to_write(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+    @property
+    def files_needed(self) -> list[str]:
+        return sorted({p.file for t in self.tensors for p in t.pieces})
+
+    def summary(self) -> dict[str, Any]:
+        ops = Counter(t.op for t in self.tensors)
+        reasons = Counter(self.skipped.values())
+        return {
+            "direction": self.direction,
+            "source": self.source,
+            "revision": self.revision,
+            "table": f"{self.table} v{self.table_version}",
+            "target": self.target,
+            "tensors_out": len(self.tensors),
+            "source_keys_consumed": sum(len({p.source for p in t.pieces}) for t in self.tensors),
+            "source_keys_skipped": len(self.skipped),
+            "bytes_to_read": self.bytes_to_read,
+            "bytes_to_write": self.bytes_to_write,
+            "files_to_read": self.files_needed,
+            "ops": dict(sorted(ops.items())),
+            "skip_reasons": dict(reasons.most_common()),
+        }
+
+    def to_json(self) -> dict[str, Any]:
+        out = self.summary()
+        out["tensors"] = [
+            {"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "op": t.op, "rule": t.rule, "pieces": [asdict(p) for p in t.pieces]}
+            for t in self.tensors
+        ]
+        out["skipped"] = self.skipped
+        return out
+
+
+def model_config(inv: Inventory) -> ModelConfig:
+    try:
+        cfg = ModelConfig.from_dict(inv.config)
+        native.variant_of(cfg)
+    except (ValueError, TypeError) as exc:
+        raise UnsupportedLayoutError(f"{inv.location}/config.json: {exc}") from None
+    return cfg
+
+
+def _refuse(inv: Inventory, table: Table) -> None:
+    for rule in table.rules:
+        if rule.op != "refuse":
+            continue
+        for key in sorted(inv.tensors):
+            if rule.source_regexes[0].match(key):
+                raise UnsupportedLayoutError(f"{inv.tensors[key].file}: tensor {key}: {rule.reason}; refusing to convert")
+
+
+def _bounds(cfg: ModelConfig) -> dict[str, int]:
+    return {"i": cfg.num_nextn_predict_layers, "e": cfg.n_routed_experts, "j": cfg.num_hidden_layers}
+
+
+def _classify(inv: Inventory, rules: list[Rule], cfg: ModelConfig) -> dict[str, str]:
+    """Check that every key is covered by exactly one rule, in range; return the skips."""
+    skipped: dict[str, str] = {}
+    bounds = _bounds(cfg)
+    for key, src in inv.tensors.items():
+        hits = [(r, m) for r in rules for rx in r.source_regexes if (m := rx.match(key))]
+        if not hits:
+            raise UncoveredKeyError(f"{src.file}: tensor {key}: no rule of the mapping table covers it (unknown key; refusing to drop it silently)")
+        if len({r.label for r, _ in hits}) > 1:
+            raise TableError(f"tensor {key} is matched by several rules: {sorted({r.label for r, _ in hits})}")
+        rule, m = hits[0]
+        for ph, limit in bounds.items():
+            value = m.groupdict().get(ph)
+            if value is not None and int(value) >= limit:
+                what = {"i": "num_nextn_predict_layers", "e": "n_routed_experts", "j": "num_hidden_layers"}[ph]
+                raise UnsupportedLayoutError(f"{src.file}: tensor {key}: index {value} but config.json has {what} = {limit} (keys and config disagree)")
+        if rule.op == "skip":
+            skipped[key] = rule.reason or ""
+    return skipped
+
+
+def _bindings(rule: Rule, cfg: ModelConfig) -> Iterator[dict[str, int]]:
+    text = " ".join((*rule.sources, rule.target or ""))
+    if "{i}" in text or "{L}" in text:
+        for i in range(cfg.num_nextn_predict_layers):
+            yield {"i": i, "L": cfg.mtp_layer_index(i)}
+    else:
+        yield {}
+
+
+def _source_names(rule: Rule, binding: dict[str, int], cfg: ModelConfig) -> list[str]:
+    if rule.op == "stack":
+        return [expand(s, {**binding, "e": e}) for e in range(cfg.n_routed_experts) for s in rule.sources]
+    return [expand(s, binding) for s in rule.sources]
+
+
+def _combined_shape(rule: Rule, parts: list[tuple[int, ...]], cfg: ModelConfig, target: str) -> tuple[int, ...]:
+    if rule.op in ("copy", "rename"):
+        return parts[0]
+    per_row = parts[0][1:]
+    if any(p[1:] != per_row for p in parts):
+        raise LayoutMismatchError(f"{target}: sources {[list(p) for p in parts]} cannot be concatenated along dim 0")
+    if rule.op == "concat":
+        return (sum(p[0] for p in parts), *per_row)
+    k = len(rule.sources)
+    rows = sum(p[0] for p in parts[:k])
+    return (cfg.n_routed_experts, rows, *per_row)
+
+
+def _write_order(tensors: list[PlannedTensor]) -> tuple[PlannedTensor, ...]:
+    # follow the source files front to back, so reads move forward through each shard
+    return tuple(sorted(tensors, key=lambda t: (t.pieces[0].file, t.pieces[0].start)))
+
+
+def plan_conversion(inv: Inventory, table: Table) -> Plan:
+    """Forward: a native checkpoint -> the table's target layout."""
+    _refuse(inv, table)
+    cfg = model_config(inv)
+    rules = [r for r in table.rules_for(cfg.expert_dtype) if r.op != "refuse"]
+    skipped = _classify(inv, rules, cfg)
+    variant = native.variant_of(cfg)
+    expected_src: native.Layout = native.top_level_layout(cfg)
+    for i in range(cfg.num_nextn_predict_layers):
+        expected_src.update(native.mtp_layout(cfg, i, with_emb_head=True))
+    layout = target_layout(cfg)
+    consumed: Counter[str] = Counter()
+    out: dict[str, PlannedTensor] = {}
+    for rule in rules:
+        if rule.target is None:
+            continue
+        for binding in _bindings(rule, cfg):
+            target = expand(rule.target, binding)
+            pieces, shapes, dtypes = [], [], set()
+            for name in _source_names(rule, binding, cfg):
+                src = inv.tensors.get(name)
+                if src is None:
+                    raise MissingSourceError(f"{target}: its source tensor {name} is not in the checkpoint ({rule.label})")
+                want = expected_src[name]
+                if (src.dtype, src.shape) != want:
+                    raise LayoutMismatchError(f"{src.file}: tensor {name}: {src.dtype}{list(src.shape)} but config.json ({variant}) implies {want[0]}{list(want[1])}")
+                pieces.append(Piece(name, src.file, src.start, src.end))
+                shapes.append(src.shape)
+                dtypes.add(src.dtype)
+                consumed[name] += 1
+            if len(dtypes) != 1:
+                raise LayoutMismatchError(f"{target}: sources of one parameter have different dtypes {sorted(dtypes)}")
+            src_dtype = dtypes.pop()
+            dtype = rule.view or src_dtype
+            if ITEMSIZE[dtype] != ITEMSIZE[src_dtype]:
+                raise TableError(f"{rule.label}: view {dtype} would change the element size of {src_dtype}")
+            shape = _combined_shape(rule, shapes, cfg, target)
+            if target in out:
+                raise DuplicateTargetError(f"{target}: produced twice ({out[target].rule} and {rule.label})")
+            want_t = layout.get(target)
+            if want_t is None:
+                raise LayoutMismatchError(f"{target}: not a parameter of the bundled model for this config")
+            if (dtype, shape) != want_t:
+                raise LayoutMismatchError(f"{target}: would be {dtype}{list(shape)} but the model expects {want_t[0]}{list(want_t[1])} (sources {pieces[0].source}...)")
+            out[target] = PlannedTensor(target, dtype, shape, tuple(pieces), rule.op, rule.label)
+    missing = sorted(set(layout) - set(out))
+    if missing:
+        raise MissingSourceError(f"{missing[0]}: no rule of table {table.name} v{table.version} produces this parameter ({len(missing)} missing)")
+    once = {n for r in rules if r.op == "copy" for b in _bindings(r, cfg) for n in _source_names(r, b, cfg)}
+    twice = sorted(n for n, c in consumed.items() if c > 1 and n not in once)
+    if twice:
+        raise PlanError(f"tensor {twice[0]} is consumed by more than one rule")
+    return Plan("forward", inv.location, inv.config, table.name, table.version, table.target, _write_order(list(out.values())), skipped, inv.revision)
+
+
+def plan_reverse(inv: Inventory, table: Table) -> Plan:
+    """Reverse: a checkpoint in the table's target layout -> native names (only the tensors
+    the draft uses). Fused parameters are split back at the native sizes."""
+    cfg = model_config(inv)
+    layout = target_layout(cfg)
+    expected_src: native.Layout = native.top_level_layout(cfg)
+    for i in range(cfg.num_nextn_predict_layers):
+        expected_src.update(native.mtp_layout(cfg, i))
+    out: dict[str, PlannedTensor] = {}
+    for key, src in inv.tensors.items():
+        if key not in layout:
+            raise UncoveredKeyError(f"{src.file}: tensor {key}: not a parameter of the {table.target} layout")
+        if (src.dtype, src.shape) != layout[key]:
+            raise LayoutMismatchError(f"{src.file}: tensor {key}: {src.dtype}{list(src.shape)} but the model expects {layout[key][0]}{list(layout[key][1])}")
+    for rule in table.rules_for(cfg.expert_dtype):
+        if rule.target is None:
+            continue
+        for binding in _bindings(rule, cfg):
+            target = expand(rule.target, binding)
+            fused: TensorSource | None = inv.tensors.get(target)
+            if fused is None:
+                raise MissingSourceError(f"{target}: parameter missing from the {table.target} checkpoint")
+            at = fused.start
+            for name in _source_names(rule, binding, cfg):
+                dtype, shape = expected_src[name]
+                n = ITEMSIZE[dtype] * math.prod(shape)
+                if name not in out:  # a shared tensor copied into every block comes back once
+                    out[name] = PlannedTensor(name, dtype, shape, (Piece(target, fused.file, at, at + n),), f"split-{rule.op}", rule.label)
+                at += n
+            if at != fused.end:
+                raise LayoutMismatchError(f"{fused.file}: tensor {target}: {fused.nbytes} bytes but its native parts add up to {at - fused.start}")
+    return Plan("reverse", inv.location, inv.config, table.name, table.version, "native", _write_order(list(out.values())), {}, inv.revision)

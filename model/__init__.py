@@ -1,0 +1,1 @@
+"""The bundled MTP draft model: the authority on the target layout."""

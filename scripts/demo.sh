@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# The main job on its embedded default: write a small native DeepSeek V4 checkpoint,
+# convert it to the XPU MTP layout, check it, and smoke-test it on the best device present
+# (xpu > cuda > cpu) against the independent reference on the native checkpoint.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/bootstrap.sh
+work="${1:-out/demo}"
+run=(.venv/bin/convert-dsv4)
+"${run[@]}" synth "$work/native" --preset tiny --main-layers all --seed 0
+"${run[@]}" plan "$work/native" --target xpu
+"${run[@]}" "$work/native" "$work/xpu" --target xpu --overwrite
+"${run[@]}" smoke "$work/xpu" --reference "$work/native"
