@@ -131,6 +131,8 @@ def _print_plan(plan: Plan, as_json: bool, *, full: bool, header_bytes: int | No
 # --- subcommands (each lives beside the code it drives) --------------------------------
 # registered below; keep one line each
 cli.add_command(synth_command)
+from dsv4.model.smoke import smoke_command  # noqa: E402
+cli.add_command(smoke_command)
 
 
 def main() -> None:

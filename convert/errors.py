@@ -47,6 +47,10 @@ class MissingConfigError(InventoryError):
     exit_code = 18
 
 
+class SourceNotFoundError(InventoryError):
+    exit_code = 19
+
+
 # --- the mapping table ------------------------------------------------------------------
 class TableError(DSV4Error):
     exit_code = 20
@@ -110,10 +114,6 @@ class WriteFailedError(OutputError):
     exit_code = 42
 
 
-class SourceChangedError(OutputError):
-    """The source read back differs from what the plan (or a resumed journal) expects."""
-
-    exit_code = 43
 
 
 # --- loading into the bundled model -----------------------------------------------------

@@ -10,19 +10,22 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import signal
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 from tqdm import tqdm
 
 from dsv4 import __version__
-from dsv4.convert.errors import DSV4Error, OutputExistsError, SourceChangedError, WriteFailedError
-from dsv4.convert.inventory import INDEX_NAME, Inventory, read_local_header
+from dsv4.convert.errors import DSV4Error, OutputExistsError, SourceNotFoundError, WriteFailedError
+from dsv4.convert.inventory import INDEX_NAME, Inventory, read_inventory, read_local_header
 from dsv4.convert.plan import LAYOUT_RECORD, Plan, PlannedTensor, plan_conversion, plan_reverse
 from dsv4.convert.source import ByteReader, LocalReader
 from dsv4.convert.writer import ShardWriter, TensorSpec
@@ -36,6 +39,7 @@ DEFAULT_MAX_SHARD = 5 * 10**9
 # Test hook: SIGKILL this process once this many tensor bytes are written, so tests can
 # prove that a run killed anywhere resumes to byte-identical output.
 CRASH_AFTER_ENV = "DSV4_CRASH_AFTER_BYTES"
+HUB_REPO = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?")
 
 
 @dataclass
@@ -64,10 +68,10 @@ def open_source(source: str | Path) -> tuple[Inventory, ByteReader]:
     """A local checkpoint directory, or a hub repo `org/name[@revision]`."""
     path = Path(source)
     if path.exists():
-        from dsv4.convert.inventory import read_inventory
-
         return read_inventory(path), LocalReader(path)
-    from dsv4.convert.hub import open_hub_source
+    if not HUB_REPO.fullmatch(str(source)):
+        raise SourceNotFoundError(f"{source}: no such checkpoint directory (nor a hub repo id org/name[@revision])")
+    from dsv4.convert.hub import open_hub_source  # only hub sources need the network code
 
     return open_hub_source(str(source))
 
@@ -137,35 +141,74 @@ def _write_json(path: Path, obj: Any) -> None:
         os.fsync(f.fileno())
 
 
+def _all_zero(chunk: memoryview) -> bool:
+    # a run of zeros (a sparse source, or data that really is zero) is left as a hole in
+    # the output, as `cp --sparse=auto` does; the byte test is cheap next to the write
+    return chunk[0] == 0 and chunk[-1] == 0 and not torch.frombuffer(chunk, dtype=torch.uint8).any()
+
+
 class _Executor:
-    """Copies each planned tensor's byte ranges to its place in its shard, hashing as it goes."""
+    """Copies each planned tensor's byte ranges to its place in its shard, hashing as it
+    goes. Hashing runs in a worker thread (hashlib releases the GIL) on one buffer while
+    the next is read and written, so the checksum costs no extra time."""
 
     def __init__(self, reader: ByteReader, progress: Callable[[int], object]):
         self.reader = reader
         self.progress = progress
-        self.buf = memoryview(bytearray(CHUNK))
+        self.buffers = [memoryview(bytearray(CHUNK)) for _ in range(2)]
+        self.hasher = ThreadPoolExecutor(max_workers=1)  # one worker: updates stay in order
         self.written = 0
         crash = os.environ.get(CRASH_AFTER_ENV)
         self.crash_after = int(crash) if crash else None
 
     def run(self, t: PlannedTensor, writer: ShardWriter) -> str:
         digest = hashlib.sha256()
-        at = 0
+        pending: list[Future[None] | None] = [None, None]
+        at, k = 0, 0
         for piece in t.pieces:
             offset = piece.start
             while offset < piece.end:
                 n = min(CHUNK, piece.end - offset)
-                chunk = self.buf[:n]
+                slot = k % 2
+                if pending[slot] is not None:
+                    pending[slot].result()  # this buffer's previous bytes are hashed
+                chunk = self.buffers[slot][:n]
                 self.reader.read_into(piece.file, offset, chunk)
-                writer.write(t.name, chunk, at)
-                digest.update(chunk)
-                offset += n
-                at += n
+                pending[slot] = self.hasher.submit(digest.update, chunk)
+                if not _all_zero(chunk):
+                    writer.write(t.name, chunk, at)
+                offset, at, k = offset + n, at + n, k + 1
                 self.written += n
                 self.progress(n)
                 if self.crash_after is not None and self.written >= self.crash_after:
                     os.kill(os.getpid(), signal.SIGKILL)
+        for f in pending:
+            if f is not None:
+                f.result()
         return digest.hexdigest()
+
+    def close(self) -> None:
+        self.hasher.shutdown()
+
+
+def _still_valid(path: Path, entries: list[dict[str, Any]], offsets: dict[str, int]) -> set[str]:
+    """Journaled tensors whose bytes in a resumed shard still hash as recorded. The journal
+    is not fsynced per tensor (a kill -9 loses nothing the kernel already holds), so after
+    a crash of the machine itself a journaled tensor may be stale: it is then redone."""
+    ok = set()
+    with open(path, "rb") as f:
+        for e in entries:
+            f.seek(offsets[e["name"]])
+            digest, left = hashlib.sha256(), e["nbytes"]
+            while left:
+                block = f.read(min(CHUNK, left))
+                if not block:
+                    break
+                digest.update(block)
+                left -= len(block)
+            if not left and digest.hexdigest() == e["sha256"]:
+                ok.add(e["name"])
+    return ok
 
 
 def _verify(partial: Path, shards: list[list[PlannedTensor]], names: list[str], journal: dict[str, dict[str, Any]]) -> None:
@@ -210,25 +253,27 @@ def run_plan(plan: Plan, reader: ByteReader, out: str | Path, *, overwrite: bool
             for tensors, name in zip(shards, names):
                 specs = [TensorSpec(t.name, t.dtype, t.shape) for t in tensors]
                 with ShardWriter(partial / name, specs, {"format": "pt"}, resume=resumed) as writer:
-                    if not writer.resumed:
-                        for t in tensors:
-                            journal.pop(t.name, None)
+                    done = [journal[t.name] for t in tensors if t.name in journal]
+                    valid = _still_valid(writer.path, done, writer.offsets) if writer.resumed else set()
+                    for t in tensors:
+                        if t.name in journal and t.name not in valid:
+                            del journal[t.name]
                     for t in tensors:
                         if t.name in journal:
                             continue
                         sha = executor.run(t, writer)
-                        writer.sync()  # the journal may only name bytes that are on disk
                         entry = {"name": t.name, "file": name, "nbytes": t.nbytes, "sha256": sha}
                         jf.write(json.dumps(entry, sort_keys=True) + "\n")
                         jf.flush()
-                        os.fsync(jf.fileno())
                         journal[t.name] = entry
+                    writer.sync()
         _verify(partial, shards, names, journal)
         _finish(plan, partial, out, shards, names, journal, fingerprint)
     except OSError as exc:
         raise WriteFailedError(f"{partial}: conversion failed ({exc.strerror or exc}); no output directory was created; rerun to resume") from None
     finally:
         bar.close()
+        executor.close()
         reader.close()
     return ConversionResult(out, "resumed" if resumed else "converted", reader.bytes_read, executor.written, time.monotonic() - start, len(plan.tensors), plan)
 
@@ -261,6 +306,15 @@ def _finish(plan: Plan, partial: Path, out: Path, shards: list[list[PlannedTenso
         shutil.rmtree(old)
     else:
         partial.rename(out)
+    _fsync_dir(out.parent)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def convert(source: str | Path, out: str | Path, *, target: str = "xpu", reverse: bool = False, overwrite: bool = False, max_shard_size: int = DEFAULT_MAX_SHARD, quiet: bool = True, table: Table | None = None) -> ConversionResult:

@@ -9,6 +9,7 @@ tensor is simply a list of byte ranges: the executor needs no knowledge of the o
 from __future__ import annotations
 
 import math
+import re
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
@@ -138,12 +139,27 @@ def _bounds(cfg: ModelConfig) -> dict[str, int]:
     return {"i": cfg.num_nextn_predict_layers, "e": cfg.n_routed_experts, "j": cfg.num_hidden_layers}
 
 
+def _by_first_component(rules: list[Rule]) -> dict[str, list[tuple[Rule, re.Pattern[str]]]]:
+    """Rules indexed by the literal first name component of each source pattern ("*" when
+    that component is a placeholder), so each key is matched against a handful of rules:
+    a full Flash checkpoint has 69,187 keys."""
+    index: dict[str, list[tuple[Rule, re.Pattern[str]]]] = {}
+    for r in rules:
+        for pattern, rx in zip(r.sources, r.source_regexes):
+            head = pattern.split(".", 1)[0]
+            index.setdefault("*" if "{" in head else head, []).append((r, rx))
+    return index
+
+
 def _classify(inv: Inventory, rules: list[Rule], cfg: ModelConfig) -> dict[str, str]:
     """Check that every key is covered by exactly one rule, in range; return the skips."""
     skipped: dict[str, str] = {}
     bounds = _bounds(cfg)
+    index = _by_first_component(rules)
+    anywhere = index.get("*", [])
     for key, src in inv.tensors.items():
-        hits = [(r, m) for r in rules for rx in r.source_regexes if (m := rx.match(key))]
+        candidates = index.get(key.split(".", 1)[0], []) + anywhere
+        hits = [(r, m) for r, rx in candidates if (m := rx.match(key))]
         if not hits:
             raise UncoveredKeyError(f"{src.file}: tensor {key}: no rule of the mapping table covers it (unknown key; refusing to drop it silently)")
         if len({r.label for r, _ in hits}) > 1:

@@ -169,23 +169,23 @@ def validate(table: Table, native_keys: Mapping[str, set[str]], target_keys: Map
     seen: dict[tuple[str, str], Rule] = {}
     for rule in table.rules:
         _check_placeholders(rule, where)
+        if rule.op != "refuse":  # refuse rules describe other formats by design
+            allowed = set().union(*(native_keys[d] for d in EXPERT_DTYPES if rule.applies(d)))
+            for rx, src in zip(rule.source_regexes, rule.sources):
+                if not any(rx.match(k) for k in allowed):
+                    raise DeadRuleError(f"{where}: {rule.label}: source pattern {src} matches no tensor the native DeepSeek V4 format has: a dead rule")
+        if rule.target is None:
+            continue
         for dtype in EXPERT_DTYPES:
             if not rule.applies(dtype):
                 continue
-            if rule.target is not None:
-                prior = seen.get((rule.target, dtype))
-                if prior is not None:
-                    raise DuplicateTargetRuleError(f"{where}: {rule.label} and {prior.label} both write {rule.target}")
-                seen[(rule.target, dtype)] = rule
-                for name in bind_target(rule.target):
-                    if name not in target_keys[dtype]:
-                        raise UnknownTargetError(f"{where}: {rule.label}: {name} is not a parameter of the {table.target} layout ({dtype} experts)")
-        if rule.op == "refuse":
-            continue  # refuse rules describe other formats by design
-        allowed = set().union(*(native_keys[d] for d in EXPERT_DTYPES if rule.applies(d)))
-        for rx, src in zip(rule.source_regexes, rule.sources):
-            if not any(rx.match(k) for k in allowed):
-                raise DeadRuleError(f"{where}: {rule.label}: source pattern {src} matches no tensor the native DeepSeek V4 format has: a dead rule")
+            prior = seen.get((rule.target, dtype))
+            if prior is not None:
+                raise DuplicateTargetRuleError(f"{where}: {rule.label} and {prior.label} both write {rule.target}")
+            seen[(rule.target, dtype)] = rule
+            for name in bind_target(rule.target):
+                if name not in target_keys[dtype]:
+                    raise UnknownTargetError(f"{where}: {rule.label}: {name} is not a parameter of the {table.target} layout ({dtype} experts)")
 
 
 def load_table(name_or_path: str | Path = "xpu") -> Table:

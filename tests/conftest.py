@@ -6,3 +6,27 @@ import torch
 
 if not torch.cuda.is_available() and not (hasattr(torch, "xpu") and torch.xpu.is_available()):
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+from dsv4.convert.synth import write_checkpoint  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_native(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny instruct (FP4 experts) native checkpoint with all its main layers."""
+    return write_checkpoint(tmp_path_factory.mktemp("tiny") / "native", preset="tiny", main_layers="all", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_base(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Base (FP8 experts, F32 scales, MTP emb/head present) native checkpoint."""
+    return write_checkpoint(tmp_path_factory.mktemp("tiny-base") / "native", preset="tiny", variant="base", main_layers="all", seed=0)
+
+
+@pytest.fixture(scope="session")
+def flash_sparse(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The full-size Flash replica, all 69,187 tensors, data as file holes (zeros)."""
+    return write_checkpoint(tmp_path_factory.mktemp("flash") / "native", preset="flash", main_layers="all", sparse=True)

@@ -1,0 +1,139 @@
+"""config.json of the released DeepSeek V4 models, plus a tiny one for tests.
+
+Each preset is the complete field set of the released config.json (not only the fields
+`ModelConfig` reads), so a synthetic checkpoint looks like the release to any tool that
+reads its config. Base variants differ only in "expert_dtype" (spec 01 §1.2).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Literal
+
+Variant = Literal["instruct", "base", "dspark"]
+
+# Routed-expert storage per variant: Base is "FP8 mixed"; DSpark-0731 is an instruct release.
+EXPERT_DTYPE: dict[str, str] = {"instruct": "fp4", "base": "fp8", "dspark": "fp4"}
+
+# DeepSeek-V4-Pro's config.json, verbatim.
+_PRO: dict[str, Any] = {
+    "architectures": ["DeepseekV4ForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 0,
+    "eos_token_id": 1,
+    "hc_eps": 1e-06,
+    "hc_mult": 4,
+    "hc_sinkhorn_iters": 20,
+    "head_dim": 512,
+    "hidden_act": "silu",
+    "hidden_size": 7168,
+    "index_head_dim": 128,
+    "index_n_heads": 64,
+    "index_topk": 1024,
+    "initializer_range": 0.02,
+    "max_position_embeddings": 1048576,
+    "model_type": "deepseek_v4",
+    "moe_intermediate_size": 3072,
+    "n_routed_experts": 384,
+    "n_shared_experts": 1,
+    "norm_topk_prob": True,
+    "num_attention_heads": 128,
+    "num_experts_per_tok": 6,
+    "num_hidden_layers": 61,
+    "num_hash_layers": 3,
+    "num_key_value_heads": 1,
+    "num_nextn_predict_layers": 1,
+    "o_groups": 16,
+    "o_lora_rank": 1024,
+    "q_lora_rank": 1536,
+    "qk_rope_head_dim": 64,
+    "quantization_config": {
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "quant_method": "fp8",
+        "scale_fmt": "ue8m0",
+        "weight_block_size": [128, 128],
+    },
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": {
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "factor": 16,
+        "original_max_position_embeddings": 65536,
+        "type": "yarn",
+    },
+    "rope_theta": 10000,
+    "routed_scaling_factor": 2.5,
+    "scoring_func": "sqrtsoftplus",
+    "sliding_window": 128,
+    "swiglu_limit": 10.0,
+    "tie_word_embeddings": False,
+    "topk_method": "noaux_tc",
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.57.1",
+    "use_cache": True,
+    "vocab_size": 129280,
+    "compress_rope_theta": 160000,
+    # one entry per main layer plus the MTP layer (last, 0: sliding window only)
+    "compress_ratios": [128, 128] + [4, 128] * 29 + [4] + [0],
+    "expert_dtype": "fp4",
+}
+
+_FLASH: dict[str, Any] = {
+    **_PRO,
+    "hidden_size": 4096,
+    "num_hidden_layers": 43,
+    "num_attention_heads": 64,
+    "q_lora_rank": 1024,
+    "o_groups": 8,
+    "o_lora_rank": 1024,
+    "n_routed_experts": 256,
+    "moe_intermediate_size": 2048,
+    "routed_scaling_factor": 1.5,
+    "index_topk": 512,
+    "index_n_heads": 64,
+    "compress_ratios": [0, 0] + [4, 128] * 20 + [4] + [0],
+}
+
+# Small enough for a CPU forward in the Triton interpreter, yet every dim under an FP8
+# 128x128 block is a multiple of 128 and every FP4 input dim a multiple of 32, so the
+# quantised layouts keep their full-size shape rules (no ragged blocks).
+_TINY: dict[str, Any] = {
+    **_FLASH,
+    "hidden_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "q_lora_rank": 128,
+    "o_groups": 2,
+    "o_lora_rank": 128,
+    "n_routed_experts": 8,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 128,
+    "vocab_size": 512,
+    "sliding_window": 16,
+    "num_hash_layers": 1,
+    "index_n_heads": 2,
+    "index_head_dim": 64,
+    "compress_ratios": [4, 128, 0],
+}
+
+PRESETS: dict[str, dict[str, Any]] = {"flash": _FLASH, "pro": _PRO, "tiny": _TINY}
+
+
+def with_variant(config: dict[str, Any], variant: Variant) -> dict[str, Any]:
+    """A deep copy of `config` with "expert_dtype" set as `variant` stores its experts."""
+    if variant not in EXPERT_DTYPE:
+        raise ValueError(f"unknown variant {variant!r} (expected one of {', '.join(EXPERT_DTYPE)})")
+    out = copy.deepcopy(config)
+    out["expert_dtype"] = EXPERT_DTYPE[variant]
+    return out
+
+
+def preset_config(name: str, variant: Variant = "instruct") -> dict[str, Any]:
+    """The full config.json of preset `name` for `variant` (a fresh copy: callers may edit it)."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r} (expected one of {', '.join(PRESETS)})")
+    return with_variant(PRESETS[name], variant)

@@ -1,0 +1,258 @@
+"""Synthetic native DeepSeek V4 checkpoints, laid out like the release (spec 01).
+
+Every name, dtype and shape comes from `dsv4.convert.native`; the values are random but
+realistic (finite FP8, spread-out power-of-two scales, norms near 1) so that the MTP
+forward on them gives finite, non-trivial logits. Values are a pure function of
+(seed, tensor name): writing a subset of the layers does not change the others.
+
+Each shard is written header-first by `ShardWriter` and filled in row blocks of about
+`CHUNK_BYTES`, so memory stays bounded at any model size. With `sparse=True` only the
+headers are written: the tensor data are file holes that read back as zeros, so a
+full-size Flash or Pro replica costs almost no disk (for tests of inventory and planning).
+
+`variant="dspark"` writes the DSpark-0731 drafter (spec 01 §1.5), which converters must
+refuse. Its layout is invented (no header dump was seen): three stages `mtp.{0,1,2}`, each
+the usual MTP block minus enorm/hnorm/e_proj/h_proj, plus `main_norm`, an FP8 `main_proj`
+[H, 2H] (embedding and hidden state in one projection), `markov_head` [H, H] and
+`confidence_head` [1, H]. Its config.json keeps "num_nextn_predict_layers": 1 as the
+release does, so a converter has to recognise it by its tensor names, not its config.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Literal
+
+import click
+import torch
+
+from dsv4.convert.dtypes import TORCH_DTYPES, nbytes
+from dsv4.convert.native import Layout, main_layer_layout, mtp_layout, top_level_layout
+from dsv4.convert.presets import PRESETS, Variant, preset_config, with_variant
+from dsv4.convert.writer import ShardWriter, TensorSpec
+from dsv4.model.config import ModelConfig
+
+CHUNK_BYTES = 1 << 20  # output bytes generated per write; temporaries stay within ~32x this
+DSPARK_STAGES = 3
+INDEX_NAME = "model.safetensors.index.json"
+SHARD_METADATA = {"format": "pt"}  # what the released shards carry
+
+# Realistic magnitudes: a released FP8 block has its amax scaled to ~448, and weights of
+# std ~0.02 then need scales around 2^-13; FP4 groups of 32 have amax ~6 -> ~2^-8.
+FP8_WEIGHT_STD = 100.0
+FP8_SCALE_EXPONENTS = (-15, -11)  # inclusive range of log2 of an FP8 block scale
+FP4_SCALE_EXPONENTS = (-10, -6)
+E4M3_MAX = 448.0  # largest finite float8_e4m3fn; clamping keeps NaN bytes (0x7F/0xFF) out
+E8M0_BIAS = 127
+
+Fill = Callable[[tuple[int, ...], torch.Generator], torch.Tensor]
+
+
+def pack_e2m1(codes: torch.Tensor) -> torch.Tensor:
+    """Pack e2m1 codes (uint8 0..15, last dim even) two per byte along the last dim, as the
+    release stores FP4 experts (spec 01 §1.3): LOW nibble = even index, HIGH = odd."""
+    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).view(torch.int8)
+
+
+def shard_name(k: int, total: int) -> str:
+    return f"model-{k:05d}-of-{total:05d}.safetensors"
+
+
+def _dspark_layout(cfg: ModelConfig, i: int) -> Layout:
+    p = f"mtp.{i}."
+    dropped = ("enorm.", "hnorm.", "e_proj.", "h_proj.")
+    out = {k: v for k, v in mtp_layout(cfg, i).items() if not k[len(p) :].startswith(dropped)}
+    H, (br, bc) = cfg.hidden_size, cfg.weight_block_size
+    out[f"{p}main_norm.weight"] = ("BF16", (H,))
+    out[f"{p}main_proj.weight"] = ("F8_E4M3", (H, 2 * H))
+    out[f"{p}main_proj.scale"] = ("F8_E8M0", (-(-H // br), -(-2 * H // bc)))
+    out[f"{p}markov_head.weight"] = ("BF16", (H, H))
+    out[f"{p}confidence_head.weight"] = ("BF16", (1, H))
+    return out
+
+
+def shard_layouts(cfg: ModelConfig, variant: Variant, main_layers: int) -> list[Layout]:
+    """The tensors of each shard, in file order, as the release distributes them: embed,
+    one shard per main layer, head/norm/hc_head, then everything under mtp.*."""
+    top = top_level_layout(cfg)
+    first = {"embed.weight": top.pop("embed.weight")}
+    layers = [main_layer_layout(cfg, j) for j in range(main_layers)]
+    mtp: Layout = {}
+    if variant == "dspark":
+        for i in range(DSPARK_STAGES):
+            mtp.update(_dspark_layout(cfg, i))
+    else:
+        for i in range(cfg.num_nextn_predict_layers):
+            mtp.update(mtp_layout(cfg, i, with_emb_head=variant == "base"))
+    return [first, *layers, top, mtp]
+
+
+def _tensor_seed(seed: int, name: str) -> int:
+    digest = hashlib.sha256(f"{seed}/{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1  # manual_seed wants < 2^63
+
+
+def _gauss(std: float, mean: float = 0.0, dtype: torch.dtype = torch.float32) -> Fill:
+    return lambda shape, gen: (torch.randn(shape, generator=gen) * std + mean).to(dtype)
+
+
+def _e8m0(exponents: tuple[int, int]) -> Fill:
+    lo, hi = (e + E8M0_BIAS for e in exponents)
+    return lambda shape, gen: torch.randint(lo, hi + 1, shape, generator=gen, dtype=torch.uint8).view(torch.float8_e8m0fnu)
+
+
+def _f32_pow2(exponents: tuple[int, int]) -> Fill:
+    lo, hi = exponents
+    return lambda shape, gen: torch.exp2(torch.randint(lo, hi + 1, shape, generator=gen).float())
+
+
+def _fp8_weight(shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+    w = torch.randn(shape, generator=gen) * FP8_WEIGHT_STD
+    return w.clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+
+
+def _fp4_weight(shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+    # uniform codes: every nibble, including -0, is a finite e2m1 value
+    codes = torch.randint(0, 16, (*shape[:-1], 2 * shape[-1]), generator=gen, dtype=torch.uint8)
+    return pack_e2m1(codes)
+
+
+def _hc_fn(shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+    # hc_pre computes (X @ fn.T) / rms(X) over n_hc*H inputs: std 1/sqrt(n_hc*H) keeps the
+    # mixing logits ~N(0, 1) at any hidden size, away from sigmoid/softmax saturation
+    return torch.randn(shape, generator=gen) * shape[-1] ** -0.5
+
+
+def _hc_scale(shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+    return torch.rand(shape, generator=gen) * 0.5 + 0.5
+
+
+def _expert_ids(n_experts: int) -> Fill:
+    # each token's k hash-routed experts are distinct, as a real tid2eid table has them
+    return lambda shape, gen: torch.rand((shape[0], n_experts), generator=gen).topk(shape[1], dim=-1).indices
+
+
+def _filler(name: str, dtype: str, cfg: ModelConfig) -> Fill:
+    """How to draw tensor `name`'s values, from its dtype and role."""
+    leaf = name.rsplit(".", 1)[-1]
+    if dtype == "F8_E4M3":
+        return _fp8_weight
+    if dtype == "I8":
+        return _fp4_weight
+    if dtype == "F8_E8M0":
+        return _e8m0(FP4_SCALE_EXPONENTS if ".experts." in name else FP8_SCALE_EXPONENTS)
+    if dtype == "I64":
+        return _expert_ids(cfg.n_routed_experts)
+    if dtype == "BF16":
+        return _gauss(0.02, 1.0 if name.endswith("norm.weight") else 0.0, torch.bfloat16)
+    if dtype != "F32":
+        raise ValueError(f"{name}: no synthetic values for dtype {dtype}")
+    if leaf.startswith("hc_"):
+        if leaf.endswith("_fn"):
+            return _hc_fn
+        return _hc_scale if leaf.endswith("_scale") else _gauss(0.1)
+    if leaf == "scale":  # Base: FP8 block scales stored as F32 powers of two
+        return _f32_pow2(FP8_SCALE_EXPONENTS)
+    if leaf == "attn_sink":
+        return _gauss(0.1)
+    return _gauss(0.01)  # gate.bias, compressor ape
+
+
+def _fill_tensor(writer: ShardWriter, name: str, dtype: str, shape: tuple[int, ...], cfg: ModelConfig, seed: int) -> None:
+    """Generate tensor `name` in row blocks and write each at its offset in the file."""
+    fill = _filler(name, dtype, cfg)
+    gen = torch.Generator().manual_seed(_tensor_seed(seed, name))
+    row_shape = shape[1:]
+    row_bytes = nbytes(dtype, row_shape)
+    step = max(1, CHUNK_BYTES // row_bytes)
+    for r0 in range(0, shape[0], step):
+        block = fill((min(step, shape[0] - r0), *row_shape), gen)
+        assert block.dtype == TORCH_DTYPES[dtype], f"{name}: drew {block.dtype}, layout says {dtype}"
+        writer.write(name, block, at=r0 * row_bytes)
+
+
+def _resolve_config(preset: str | None, config: dict[str, Any] | None, variant: Variant) -> dict[str, Any]:
+    if config is not None:
+        return with_variant(config, variant)
+    if preset is None:
+        raise ValueError("give a preset or a config")
+    return preset_config(preset, variant)
+
+
+def write_checkpoint(
+    out_dir: str | Path,
+    *,
+    preset: str | None = "tiny",
+    config: dict[str, Any] | None = None,
+    variant: Variant = "instruct",
+    main_layers: int | Literal["all"] = 0,
+    seed: int = 0,
+    sparse: bool = False,
+) -> Path:
+    """Write a native checkpoint (config.json, index, shards) into `out_dir` and return it.
+
+    `config` (a full config.json dict) replaces `preset` when given; either way the
+    variant sets "expert_dtype". `main_layers` is how many of the main decoder layers
+    to write ("all" = num_hidden_layers); the embedding, head and MTP are always written.
+    """
+    raw = _resolve_config(preset, config, variant)
+    cfg = ModelConfig.from_dict(raw)
+    n_main = cfg.num_hidden_layers if main_layers == "all" else main_layers
+    if not isinstance(n_main, int) or not 0 <= n_main <= cfg.num_hidden_layers:
+        raise ValueError(f"main_layers must be 0..{cfg.num_hidden_layers} or 'all', not {main_layers!r}")
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    shards = shard_layouts(cfg, variant, n_main)
+    weight_map: dict[str, str] = {}
+    total_size = 0
+    for k, layout in enumerate(shards, start=1):
+        fname = shard_name(k, len(shards))
+        specs = [TensorSpec(name, dtype, shape) for name, (dtype, shape) in layout.items()]
+        with ShardWriter(out / fname, specs, SHARD_METADATA) as writer:
+            if not sparse:
+                for s in specs:
+                    _fill_tensor(writer, s.name, s.dtype, s.shape, cfg, seed)
+        weight_map.update(dict.fromkeys(layout, fname))
+        total_size += sum(s.nbytes for s in specs)
+
+    (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
+    index = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
+    (out / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+    return out
+
+
+def _main_layers_arg(ctx: click.Context, param: click.Parameter, value: str) -> int | str:
+    if value == "all":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise click.BadParameter("expected a number of layers or 'all'") from None
+
+
+@click.command("synth")
+@click.argument("out", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--preset", type=click.Choice(sorted(PRESETS)), help="released config to replicate (default tiny)")
+@click.option("--config", "config_path", type=click.Path(dir_okay=False, exists=True, path_type=Path), help="a config.json to use instead of a preset")
+@click.option("--variant", type=click.Choice(["instruct", "base", "dspark"]), default="instruct", show_default=True)
+@click.option("--main-layers", default="0", callback=_main_layers_arg, show_default=True, help="main decoder layers to write: K or 'all'")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--sparse", is_flag=True, help="headers only; tensor data are file holes (read back as zeros)")
+def synth_command(out: Path, preset: str | None, config_path: Path | None, variant: Variant, main_layers: int | str, seed: int, sparse: bool) -> None:
+    """Write a synthetic native DeepSeek V4 checkpoint to OUT."""
+    if preset and config_path:
+        raise click.UsageError("--preset and --config are alternatives; give one")
+    config = json.loads(config_path.read_text()) if config_path else None
+    try:
+        write_checkpoint(out, preset=preset or "tiny", config=config, variant=variant, main_layers=main_layers, seed=seed, sparse=sparse)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from exc
+    index = json.loads((out / INDEX_NAME).read_text())
+    n_files = len(set(index["weight_map"].values()))
+    size = index["metadata"]["total_size"]
+    holes = " (sparse)" if sparse else ""
+    click.echo(f"synth: {len(index['weight_map'])} tensors in {n_files} files, {size:,} bytes ({size / 1e9:.1f} GB) logical{holes} -> {out}")

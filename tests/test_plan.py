@@ -1,0 +1,193 @@
+"""The planner: a pure function (inventory, table) -> Plan that accounts for every source
+key and every target parameter, and refuses what it does not understand."""
+
+from __future__ import annotations
+
+import builtins
+import dataclasses
+import os
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from dsv4.convert import errors
+from dsv4.convert.inventory import Inventory, TensorSource, read_inventory
+from dsv4.convert.plan import plan_conversion
+from dsv4.convert.presets import preset_config
+from dsv4.convert.synth import write_checkpoint
+from dsv4.mapping.table import load_table
+from dsv4.model.config import ModelConfig
+
+
+def spec_layout(cfg: ModelConfig) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Spec 02 section 2.2, transcribed: the 41 parameters, for one MTP block."""
+    H, V, I, E = cfg.hidden_size, cfg.vocab_size, cfg.moe_intermediate_size, cfg.n_routed_experts
+    D, nh, rq, g, ro, hc = cfg.head_dim, cfg.num_attention_heads, cfg.q_lora_rank, cfg.o_groups, cfg.o_lora_rank, cfg.hc_mult
+    fp4 = cfg.expert_dtype == "fp4"
+    sc = "F8_E8M0" if fp4 else "F32"
+    L = f"model.layers.{cfg.num_hidden_layers}."
+    B = L + "mtp_block."
+    out = {
+        "model.embed_tokens.weight": ("BF16", (V, H)),
+        L + "shared_head.head.weight": ("BF16", (V, H)),
+        L + "shared_head.norm.weight": ("BF16", (H,)),
+        L + "enorm.weight": ("BF16", (H,)),
+        L + "hnorm.weight": ("BF16", (H,)),
+        L + "e_proj.weight": ("F8_E4M3", (H, H)),
+        L + "e_proj.weight_scale_inv": (sc, (H // 128, H // 128)),
+        L + "h_proj.weight": ("F8_E4M3", (H, H)),
+        L + "h_proj.weight_scale_inv": (sc, (H // 128, H // 128)),
+        L + "hc_head_fn": ("F32", (hc, hc * H)),
+        L + "hc_head_base": ("F32", (hc,)),
+        L + "hc_head_scale": ("F32", (1,)),
+        B + "attn_norm.weight": ("BF16", (H,)),
+        B + "ffn_norm.weight": ("BF16", (H,)),
+        B + "attn.attn_sink": ("F32", (nh,)),
+        B + "attn.fused_wqa_wkv.weight": ("F8_E4M3", (rq + D, H)),
+        B + "attn.fused_wqa_wkv.weight_scale_inv": (sc, (rq // 128 + D // 128, H // 128)),
+        B + "attn.q_norm.weight": ("BF16", (rq,)),
+        B + "attn.kv_norm.weight": ("BF16", (D,)),
+        B + "attn.wq_b.weight": ("F8_E4M3", (nh * D, rq)),
+        B + "attn.wq_b.weight_scale_inv": (sc, (nh * D // 128, rq // 128)),
+        B + "attn.wo_a.weight": ("F8_E4M3", (g * ro, nh * D // g)),
+        B + "attn.wo_a.weight_scale_inv": (sc, (g * ro // 128, nh * D // g // 128)),
+        B + "attn.wo_b.weight": ("F8_E4M3", (H, g * ro)),
+        B + "attn.wo_b.weight_scale_inv": (sc, (H // 128, g * ro // 128)),
+        B + "ffn.gate.weight": ("BF16", (E, H)),
+        B + "ffn.gate.e_score_correction_bias": ("F32", (E,)),
+        B + "ffn.shared_experts.gate_up_proj.weight": ("F8_E4M3", (2 * I, H)),
+        B + "ffn.shared_experts.gate_up_proj.weight_scale_inv": (sc, (2 * I // 128, H // 128)),
+        B + "ffn.shared_experts.down_proj.weight": ("F8_E4M3", (H, I)),
+        B + "ffn.shared_experts.down_proj.weight_scale_inv": (sc, (H // 128, I // 128)),
+    }
+    for s in ("attn", "ffn"):
+        out[B + f"hc_{s}_fn"] = ("F32", ((2 + hc) * hc, hc * H))
+        out[B + f"hc_{s}_base"] = ("F32", ((2 + hc) * hc,))
+        out[B + f"hc_{s}_scale"] = ("F32", (3,))
+    X = B + "ffn.experts.routed_experts."
+    if fp4:
+        out.update({X + "w13_weight": ("U8", (E, 2 * I, H // 2)), X + "w13_weight_scale": ("U8", (E, 2 * I, H // 32)), X + "w2_weight": ("U8", (E, H, I // 2)), X + "w2_weight_scale": ("U8", (E, H, I // 32))})
+    else:
+        out.update({X + "w13_weight": ("F8_E4M3", (E, 2 * I, H)), X + "w13_weight_scale_inv": ("F32", (E, 2 * I // 128, H // 128)), X + "w2_weight": ("F8_E4M3", (E, H, I)), X + "w2_weight_scale_inv": ("F32", (E, H // 128, I // 128))})
+    assert len(out) == 41
+    return out
+
+
+@pytest.fixture(scope="module")
+def table():
+    return load_table("xpu")
+
+
+@pytest.mark.parametrize("preset", ["tiny", "flash", "pro"])
+@pytest.mark.parametrize("variant", ["instruct", "base"])
+def test_plan_yields_the_41_spec_parameters(preset: str, variant: str, table, tmp_path: Path) -> None:
+    ckpt = write_checkpoint(tmp_path / "n", preset=preset, variant=variant, sparse=preset != "tiny", main_layers=2)
+    inv = read_inventory(ckpt)
+    plan = plan_conversion(inv, table)
+    cfg = ModelConfig.from_dict(preset_config(preset, variant))
+    assert {t.name: (t.dtype, t.shape) for t in plan.tensors} == spec_layout(cfg)
+    assert not [t for t in plan.tensors if "norm_gate" in t.name]
+    # every source key under mtp. is consumed exactly once or skipped with its reason
+    consumed = Counter(p.source for t in plan.tensors for p in t.pieces)
+    mtp_keys = {k for k in inv.tensors if k.startswith("mtp.")}
+    for key in mtp_keys:
+        assert (consumed[key] == 1) != (key in plan.skipped), key
+    assert {k for k in plan.skipped if k.startswith("mtp.")} == ({"mtp.0.emb.tok_emb.weight", "mtp.0.head.weight"} if variant == "base" else set())
+    assert all(plan.skipped.values())
+    assert set(consumed) | set(plan.skipped) == set(inv.tensors)
+
+
+def test_gate_bias_lands_on_e_score_correction_bias(tiny_native: Path, table) -> None:
+    plan = plan_conversion(read_inventory(tiny_native), table)
+    (t,) = [t for t in plan.tensors if t.pieces[0].source == "mtp.0.ffn.gate.bias"]
+    assert t.name == "model.layers.2.mtp_block.ffn.gate.e_score_correction_bias"
+
+
+def test_pieces_follow_the_ops(tiny_native: Path, table) -> None:
+    plan = {t.name: t for t in plan_conversion(read_inventory(tiny_native), table).tensors}
+    fused = plan["model.layers.2.mtp_block.attn.fused_wqa_wkv.weight"]
+    assert [p.source for p in fused.pieces] == ["mtp.0.attn.wq_a.weight", "mtp.0.attn.wkv.weight"]
+    w13 = plan["model.layers.2.mtp_block.ffn.experts.routed_experts.w13_weight"]
+    assert [p.source for p in w13.pieces[:4]] == ["mtp.0.ffn.experts.0.w1.weight", "mtp.0.ffn.experts.0.w3.weight", "mtp.0.ffn.experts.1.w1.weight", "mtp.0.ffn.experts.1.w3.weight"]
+    assert plan["model.embed_tokens.weight"].pieces[0].source == "embed.weight"
+    assert plan["model.layers.2.shared_head.head.weight"].pieces[0].source == "head.weight"
+
+
+def with_tensors(inv: Inventory, tensors: dict[str, TensorSource]) -> Inventory:
+    return dataclasses.replace(inv, tensors=tensors)
+
+
+def test_unknown_mtp_key_is_an_error(tiny_native: Path, table) -> None:
+    inv = read_inventory(tiny_native)
+    src = inv.tensors["mtp.0.enorm.weight"]
+    bad = with_tensors(inv, {**inv.tensors, "mtp.0.foo": dataclasses.replace(src, name="mtp.0.foo")})
+    with pytest.raises(errors.UncoveredKeyError, match=r"tensor mtp.0.foo: no rule"):
+        plan_conversion(bad, table)
+
+
+def test_missing_source(tiny_native: Path, table) -> None:
+    inv = read_inventory(tiny_native)
+    tensors = dict(inv.tensors)
+    del tensors["mtp.0.ffn.experts.5.w3.scale"]
+    with pytest.raises(errors.MissingSourceError, match=r"w13_weight_scale: its source tensor mtp.0.ffn.experts.5.w3.scale is not in the checkpoint"):
+        plan_conversion(with_tensors(inv, tensors), table)
+
+
+def test_shape_that_disagrees_with_config(tiny_native: Path, table) -> None:
+    inv = read_inventory(tiny_native)
+    src = inv.tensors["mtp.0.attn.wkv.weight"]
+    bad = dataclasses.replace(src, shape=(src.shape[0] // 2, src.shape[1] * 2))
+    with pytest.raises(errors.LayoutMismatchError, match=r"tensor mtp.0.attn.wkv.weight: F8_E4M3\[64, 512\] but config.json \(instruct\) implies F8_E4M3\[128, 256\]"):
+        plan_conversion(with_tensors(inv, {**inv.tensors, src.name: bad}), table)
+
+
+def test_dtype_that_disagrees_with_config(tiny_native: Path, table) -> None:
+    inv = read_inventory(tiny_native)
+    src = inv.tensors["mtp.0.e_proj.scale"]
+    bad = dataclasses.replace(src, dtype="U8")
+    with pytest.raises(errors.LayoutMismatchError, match=r"tensor mtp.0.e_proj.scale: U8"):
+        plan_conversion(with_tensors(inv, {**inv.tensors, src.name: bad}), table)
+
+
+def test_num_nextn_inconsistent_with_keys(tiny_native: Path, table) -> None:
+    inv = read_inventory(tiny_native)
+    extra = {k.replace("mtp.0.", "mtp.1.", 1): dataclasses.replace(v, name=k.replace("mtp.0.", "mtp.1.", 1)) for k, v in inv.tensors.items() if k.startswith("mtp.0.")}
+    with pytest.raises(errors.UnsupportedLayoutError, match=r"tensor mtp.1.* num_nextn_predict_layers = 1"):
+        plan_conversion(with_tensors(inv, {**inv.tensors, **extra}), table)
+
+
+def test_unknown_expert_dtype(tiny_native: Path, table) -> None:
+    inv = read_inventory(tiny_native)
+    bad = dataclasses.replace(inv, config={**inv.config, "expert_dtype": "mxfp6"})
+    with pytest.raises(errors.UnsupportedLayoutError, match="unknown expert_dtype 'mxfp6'"):
+        plan_conversion(bad, table)
+
+
+def test_absent_expert_dtype_means_fp4(tiny_native: Path, table) -> None:
+    inv = read_inventory(tiny_native)
+    config = {k: v for k, v in inv.config.items() if k != "expert_dtype"}
+    assert len(plan_conversion(dataclasses.replace(inv, config=config), table).tensors) == 41
+
+
+def test_dspark_drafter_is_refused(tmp_path: Path, table) -> None:
+    ckpt = write_checkpoint(tmp_path / "dspark", preset="tiny", variant="dspark")
+    with pytest.raises(errors.UnsupportedLayoutError, match=r"DSpark.*refusing to convert"):
+        plan_conversion(read_inventory(ckpt), table)
+
+
+def test_planning_full_flash_reads_no_tensor_data(flash_sparse: Path, table, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Headers only: the inventory reads headers; the planner itself touches no file."""
+    inv = read_inventory(flash_sparse)
+    assert len(inv.tensors) == 69_187
+
+    def no_io(*args, **kwargs):
+        raise AssertionError("the planner must not do I/O")
+
+    monkeypatch.setattr(builtins, "open", no_io)
+    monkeypatch.setattr(os, "open", no_io)
+    plan = plan_conversion(inv, table)
+    monkeypatch.undo()
+    assert len(plan.tensors) == 41
+    assert plan.bytes_to_read == 3_593_787_756 + 2 * 129280 * 4096 * 2  # MTP + embed + head
+    assert plan.files_needed == ["model-00001-of-00046.safetensors", "model-00045-of-00046.safetensors", "model-00046-of-00046.safetensors"]

@@ -1,0 +1,104 @@
+"""The mapping table is data a reviewer reads in one screen and a machine checks
+completely: a bad table is rejected before any checkpoint is read."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from dsv4.convert import errors
+from dsv4.mapping.table import TABLE_DIR, load_table
+
+SHIPPED = (TABLE_DIR / "xpu.toml").read_text()
+
+
+def table_with(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "variant.toml"
+    path.write_text(text)
+    return path
+
+
+def add_to_section(section: str, line: str, text: str = SHIPPED) -> str:
+    head = f"[{section}]\n"
+    assert head in text
+    return text.replace(head, head + line + "\n", 1)
+
+
+def test_shipped_table_loads_and_is_versioned() -> None:
+    table = load_table("xpu")
+    assert (table.name, table.target) == ("xpu", "xpu")
+    assert table.version == "1"
+    assert {r.op for r in table.rules} == {"copy", "rename", "concat", "stack", "skip", "refuse"}
+    assert all(r.reason for r in table.rules if r.op in ("skip", "refuse"))
+
+
+def test_no_target_mentions_norm_gate() -> None:
+    assert not [r for r in load_table().rules if r.target and "norm_gate" in r.target]
+
+
+def test_gate_bias_goes_to_e_score_correction_bias() -> None:
+    (rule,) = [r for r in load_table().rules if r.sources == ("mtp.{i}.ffn.gate.bias",)]
+    assert rule.target == "model.layers.{L}.mtp_block.ffn.gate.e_score_correction_bias"
+
+
+@pytest.mark.parametrize("key", ["mtp.0.attn.q_norm.weight", "mtp.0.attn.kv_norm.weight", "mtp.0.attn_norm.weight", "mtp.0.ffn_norm.weight", "mtp.0.enorm.weight", "mtp.0.hnorm.weight"])
+def test_norm_rules_are_anchored(key: str) -> None:
+    """The seed bug class: `.norm.weight` as a substring rule would also catch these."""
+    norm_rules = [r for r in load_table().rules if r.sources in (("mtp.{i}.norm.weight",), ("norm.weight",))]
+    assert len(norm_rules) == 2
+    for r in norm_rules:
+        assert not r.source_regexes[0].match(key)
+    assert norm_rules[0].source_regexes[0].match("mtp.0.norm.weight") or norm_rules[1].source_regexes[0].match("mtp.0.norm.weight")
+
+
+def test_old_buggy_norm_gate_entries_are_rejected(tmp_path: Path) -> None:
+    """vLLM's XPU remap sent ffn.gate.tid2eid into ffn.norm_gate: the MTP block has no
+    tid2eid, so such a rule can never fire: the loader names it as dead."""
+    bad = add_to_section("rename", '"mtp.{i}.ffn.gate.tid2eid" = "model.layers.{L}.mtp_block.ffn.norm_gate.tid2eid"')
+    with pytest.raises(errors.DeadRuleError, match=r"\[rename\] model.layers.\{L\}.mtp_block.ffn.norm_gate.tid2eid.*dead rule"):
+        load_table(table_with(tmp_path, bad))
+
+
+def test_rule_reading_a_norm_gate_source_is_dead(tmp_path: Path) -> None:
+    bad = add_to_section("skip", '"mtp.{i}.ffn.norm_gate.{rest}" = "old remap"')
+    with pytest.raises(errors.DeadRuleError, match=r"mtp.\{i\}.ffn.norm_gate"):
+        load_table(table_with(tmp_path, bad))
+
+
+def test_target_that_is_not_a_parameter(tmp_path: Path) -> None:
+    bad = SHIPPED.replace(
+        '"mtp.{i}.ffn_norm.weight" = "model.layers.{L}.mtp_block.ffn_norm.weight"',
+        '"mtp.{i}.ffn_norm.weight" = "model.layers.{L}.mtp_block.ffn.norm_gate.norm.weight"',
+    )
+    with pytest.raises(errors.UnknownTargetError, match=r"model.layers.2.mtp_block.ffn.norm_gate.norm.weight is not a parameter"):
+        load_table(table_with(tmp_path, bad))
+
+
+def test_unknown_op(tmp_path: Path) -> None:
+    with pytest.raises(errors.UnknownOpError, match="morph"):
+        load_table(table_with(tmp_path, SHIPPED + '\n[morph]\n"a" = "b"\n'))
+
+
+def test_unbound_placeholder(tmp_path: Path) -> None:
+    bad = SHIPPED.replace('"model.layers.{L}.hnorm.weight"', '"model.layers.{L}.experts.{e}.hnorm.weight"')
+    with pytest.raises(errors.UnboundPlaceholderError, match=r"\{e\}"):
+        load_table(table_with(tmp_path, bad))
+
+
+def test_unknown_placeholder(tmp_path: Path) -> None:
+    bad = add_to_section("skip", '"mtp.{k}.foo" = "x"')
+    with pytest.raises(errors.UnboundPlaceholderError, match=r"unknown placeholder \{k\}"):
+        load_table(table_with(tmp_path, bad))
+
+
+def test_two_rules_writing_one_target(tmp_path: Path) -> None:
+    bad = add_to_section("copy", '"norm.weight" = "model.layers.{L}.shared_head.norm.weight"')
+    with pytest.raises(errors.DuplicateTargetRuleError, match="shared_head.norm.weight"):
+        load_table(table_with(tmp_path, bad))
+
+
+def test_skip_needs_a_reason(tmp_path: Path) -> None:
+    bad = add_to_section("skip", '"mtp.{i}.foo" = ""')
+    with pytest.raises(errors.TableError, match="needs a reason"):
+        load_table(table_with(tmp_path, bad))
