@@ -36,8 +36,9 @@ JOURNAL = "journal.jsonl"
 STATE = "state.json"
 CHUNK = 16 * 1024 * 1024  # bytes per read/write: large enough for full disk speed
 DEFAULT_MAX_SHARD = 5 * 10**9
-# Test hook: SIGKILL this process once this many tensor bytes are written, so tests can
-# prove that a run killed anywhere resumes to byte-identical output.
+# Test hook: SIGKILL this process once the output stream (tensors in write order, those
+# finished by an earlier run included) reaches this byte, so tests can prove that a run
+# killed anywhere resumes to byte-identical output.
 CRASH_AFTER_ENV = "DSV4_CRASH_AFTER_BYTES"
 HUB_REPO = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?")
 
@@ -152,12 +153,13 @@ class _Executor:
     goes. Hashing runs in a worker thread (hashlib releases the GIL) on one buffer while
     the next is read and written, so the checksum costs no extra time."""
 
-    def __init__(self, reader: ByteReader, progress: Callable[[int], object]):
+    def __init__(self, reader: ByteReader, progress: Callable[[int], object], position: int = 0):
         self.reader = reader
         self.progress = progress
         self.buffers = [memoryview(bytearray(CHUNK)) for _ in range(2)]
         self.hasher = ThreadPoolExecutor(max_workers=1)  # one worker: updates stay in order
         self.written = 0
+        self.position = position  # bytes of the output stream done, earlier runs included
         crash = os.environ.get(CRASH_AFTER_ENV)
         self.crash_after = int(crash) if crash else None
 
@@ -179,8 +181,9 @@ class _Executor:
                     writer.write(t.name, chunk, at)
                 offset, at, k = offset + n, at + n, k + 1
                 self.written += n
+                self.position += n
                 self.progress(n)
-                if self.crash_after is not None and self.written >= self.crash_after:
+                if self.crash_after is not None and self.position >= self.crash_after:
                     os.kill(os.getpid(), signal.SIGKILL)
         for f in pending:
             if f is not None:
@@ -247,7 +250,7 @@ def run_plan(plan: Plan, reader: ByteReader, out: str | Path, *, overwrite: bool
 
     todo = sum(t.nbytes for s in shards for t in s if t.name not in journal)
     bar = tqdm(total=todo, unit="B", unit_scale=True, unit_divisor=1024, desc="convert", disable=quiet)
-    executor = _Executor(reader, bar.update)
+    executor = _Executor(reader, bar.update, position=plan.bytes_to_write - todo)
     try:
         with open(partial / JOURNAL, "a") as jf:
             for tensors, name in zip(shards, names):
