@@ -14,7 +14,7 @@ import re
 import shutil
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -96,9 +96,18 @@ def shard_name(k: int, n: int) -> str:
 
 
 def output_config(plan: Plan) -> dict[str, Any]:
+    from dsv4.convert.quant import carried_quantization  # used by this function alone
+
     config = {k: v for k, v in plan.config.items() if k != LAYOUT_RECORD}
+    # a compressed-tensors config names modules: rewritten to the draft's layer names
+    # (forward) or restored from the record (reverse); an FP8 block config goes through as is
+    quantization, note = carried_quantization(plan)
+    if quantization is not None:
+        config["quantization_config"] = quantization
     if plan.direction == "forward":
         config[LAYOUT_RECORD] = {"layout": plan.target, "table": plan.table, "table_version": plan.table_version, "tool_version": __version__}
+        if note is not None:
+            config[LAYOUT_RECORD]["quantization_config"] = note
     return config
 
 
@@ -148,50 +157,87 @@ def _all_zero(chunk: memoryview) -> bool:
     return chunk[0] == 0 and chunk[-1] == 0 and not torch.frombuffer(chunk, dtype=torch.uint8).any()
 
 
+@dataclass(frozen=True)
+class _Chunk:
+    """At most CHUNK bytes of one piece of one tensor."""
+
+    tensor: PlannedTensor
+    file: str
+    offset: int  # in the source file
+    n: int
+    at: int  # in the output tensor
+    last: bool  # the tensor's final chunk
+
+
+def _chunks(tensors: list[PlannedTensor]) -> list[_Chunk]:
+    out = []
+    for t in tensors:
+        spans = [(p.file, off, min(CHUNK, p.end - off)) for p in t.pieces for off in range(p.start, p.end, CHUNK)] or [("", 0, 0)]
+        at = 0
+        for k, (file, off, n) in enumerate(spans):
+            out.append(_Chunk(t, file, off, n, at, k == len(spans) - 1))
+            at += n
+    return out
+
+
 class _Executor:
-    """Copies each planned tensor's byte ranges to its place in its shard, hashing as it
-    goes. Hashing runs in a worker thread (hashlib releases the GIL) on one buffer while
-    the next is read and written, so the checksum costs no extra time."""
+    """Copies planned byte ranges to their final place in a shard, hashing each tensor.
+
+    Three stages overlap: a reader thread fills buffers ahead (source reads never wait for
+    output writes), the main thread writes, a hasher thread checksums (hashlib and file
+    I/O release the GIL). DEPTH buffers of CHUNK bytes bound the memory whatever the size
+    of the checkpoint."""
+
+    DEPTH = 4
 
     def __init__(self, reader: ByteReader, progress: Callable[[int], object], position: int = 0):
         self.reader = reader
         self.progress = progress
-        self.buffers = [memoryview(bytearray(CHUNK)) for _ in range(2)]
-        self.hasher = ThreadPoolExecutor(max_workers=1)  # one worker: updates stay in order
+        self.buffers = [memoryview(bytearray(CHUNK)) for _ in range(self.DEPTH)]
+        self.reads = ThreadPoolExecutor(max_workers=1)  # one reader: each file read front to back
+        self.hashes = ThreadPoolExecutor(max_workers=1)  # one hasher: digest updates stay in order
         self.written = 0
         self.position = position  # bytes of the output stream done, earlier runs included
         crash = os.environ.get(CRASH_AFTER_ENV)
         self.crash_after = int(crash) if crash else None
 
-    def run(self, t: PlannedTensor, writer: ShardWriter) -> str:
-        digest = hashlib.sha256()
-        pending: list[Future[None] | None] = [None, None]
-        at, k = 0, 0
-        for piece in t.pieces:
-            offset = piece.start
-            while offset < piece.end:
-                n = min(CHUNK, piece.end - offset)
-                slot = k % 2
-                if pending[slot] is not None:
-                    pending[slot].result()  # this buffer's previous bytes are hashed
-                chunk = self.buffers[slot][:n]
-                self.reader.read_into(piece.file, offset, chunk)
-                pending[slot] = self.hasher.submit(digest.update, chunk)
-                if not _all_zero(chunk):
-                    writer.write(t.name, chunk, at)
-                offset, at, k = offset + n, at + n, k + 1
-                self.written += n
-                self.position += n
-                self.progress(n)
-                if self.crash_after is not None and self.position >= self.crash_after:
-                    os.kill(os.getpid(), signal.SIGKILL)
-        for f in pending:
-            if f is not None:
-                f.result()
-        return digest.hexdigest()
+    def run(self, tensors: list[PlannedTensor], writer: ShardWriter) -> Iterator[tuple[PlannedTensor, str]]:
+        """Write `tensors` into `writer`; yields each finished tensor with its sha256."""
+        chunks = _chunks(tensors)
+        hashed: list[Future[None] | None] = [None] * self.DEPTH
+        reads: dict[int, Future[None]] = {}
+        digests: dict[str, Any] = {}
+
+        def start_read(k: int) -> None:
+            slot = k % self.DEPTH
+            if hashed[slot] is not None:
+                hashed[slot].result()  # the buffer's previous chunk is hashed (and written)
+            c = chunks[k]
+            reads[k] = self.reads.submit(self.reader.read_into, c.file, c.offset, self.buffers[slot][: c.n])
+
+        for k in range(min(self.DEPTH - 1, len(chunks))):
+            start_read(k)
+        for k, c in enumerate(chunks):
+            if k + self.DEPTH - 1 < len(chunks):
+                start_read(k + self.DEPTH - 1)
+            reads.pop(k).result()
+            view = self.buffers[k % self.DEPTH][: c.n]
+            digest = digests.setdefault(c.tensor.name, hashlib.sha256())
+            hashed[k % self.DEPTH] = self.hashes.submit(digest.update, view)
+            if c.n and not _all_zero(view):
+                writer.write(c.tensor.name, view, c.at)
+            self.written += c.n
+            self.position += c.n
+            self.progress(c.n)
+            if self.crash_after is not None and self.position >= self.crash_after:
+                os.kill(os.getpid(), signal.SIGKILL)
+            if c.last:
+                hashed[k % self.DEPTH].result()  # FIFO: every update of this tensor is done
+                yield c.tensor, digests.pop(c.tensor.name).hexdigest()
 
     def close(self) -> None:
-        self.hasher.shutdown()
+        self.reads.shutdown()
+        self.hashes.shutdown()
 
 
 def _still_valid(path: Path, entries: list[dict[str, Any]], offsets: dict[str, int]) -> set[str]:
@@ -261,10 +307,7 @@ def run_plan(plan: Plan, reader: ByteReader, out: str | Path, *, overwrite: bool
                     for t in tensors:
                         if t.name in journal and t.name not in valid:
                             del journal[t.name]
-                    for t in tensors:
-                        if t.name in journal:
-                            continue
-                        sha = executor.run(t, writer)
+                    for t, sha in executor.run([t for t in tensors if t.name not in journal], writer):
                         entry = {"name": t.name, "file": name, "nbytes": t.nbytes, "sha256": sha}
                         jf.write(json.dumps(entry, sort_keys=True) + "\n")
                         jf.flush()

@@ -123,6 +123,10 @@ def model_config(inv: Inventory) -> ModelConfig:
         native.variant_of(cfg)
     except (ValueError, TypeError) as exc:
         raise UnsupportedLayoutError(f"{inv.location}/config.json: {exc}") from None
+    # vLLM creates ffn.gate.e_score_correction_bias only for noaux_tc routing (NOTES.md)
+    method = inv.config.get("topk_method", "noaux_tc")
+    if method != "noaux_tc":
+        raise UnsupportedLayoutError(f"{inv.location}/config.json: topk_method {method!r}; the XPU MTP layout is defined for noaux_tc routing only")
     return cfg
 
 

@@ -37,6 +37,8 @@ class LocalReader:
         if fd is None:
             try:
                 fd = self._fds[file] = os.open(self.root / file, os.O_RDONLY)
+                # planned ranges are read front to back: ask for aggressive read-ahead
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
             except FileNotFoundError:
                 raise MissingShardError(f"{self.root / file}: shard disappeared while converting") from None
         return fd

@@ -164,6 +164,12 @@ def test_unknown_expert_dtype(tiny_native: Path, table) -> None:
         plan_conversion(bad, table)
 
 
+def test_routing_other_than_noaux_tc_is_refused(tiny_native: Path, table) -> None:
+    inv = read_inventory(tiny_native)
+    with pytest.raises(errors.UnsupportedLayoutError, match="topk_method 'greedy'"):
+        plan_conversion(dataclasses.replace(inv, config={**inv.config, "topk_method": "greedy"}), table)
+
+
 def test_absent_expert_dtype_means_fp4(tiny_native: Path, table) -> None:
     inv = read_inventory(tiny_native)
     config = {k: v for k, v in inv.config.items() if k != "expert_dtype"}
