@@ -1,0 +1,402 @@
+"""`convert-dsv4 batch MANIFEST`: convert (and push) many hub repositories, idempotently.
+
+Each source is first resolved to its commit (one metadata request). A source whose output
+already records that commit and the table's version is skipped before any of its files is
+read: the local output's conversion.json decides, or with --push the target repo's. Other
+sources are converted (reading only the planned byte ranges), checked with
+`convert-dsv4 check` (dsv4.convert.check) where it is installed, and with --push uploaded. A failing
+repository is reported and the others go on; every run writes a JSON report.
+
+Scale-out: the manifest's sources are sorted by id and shard K of N takes every N-th one
+from K, so array tasks split the work the same way on every machine without talking to
+each other. N and K default from Slurm array or Kubernetes indexed-Job variables.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import tomllib
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import click
+from huggingface_hub import HfApi, hf_hub_download
+from huggingface_hub.errors import EntryNotFoundError, HFValidationError, RepositoryNotFoundError, RevisionNotFoundError
+from huggingface_hub.utils import validate_repo_id
+
+from dsv4 import __version__
+from dsv4.convert.errors import BatchFailedError, DSV4Error, ManifestError, PushError
+from dsv4.convert.hub import HUB_SCHEME, HubSpec, hub_errors, open_hub_source, parse_spec, resolve_commit
+from dsv4.convert.job import CONVERSION_RECORD, DEFAULT_MAX_SHARD, run_plan
+from dsv4.convert.plan import plan_conversion
+from dsv4.mapping.table import Table, load_table
+
+TOP_KEYS = {"target", "sources", "output", "options"}
+OUTPUT_KEYS = {"dir", "name", "repo", "private"}
+OPTION_KEYS = {"max_shard_size", "check"}
+PLACEHOLDERS = ("org", "name", "target", "revision")
+DEFAULT_DIR = "converted"
+DEFAULT_NAME = "{name}-{target}"
+# Shards of an older conversion whose names the new one does not reuse are deleted from the
+# target repo in the same commit; anything else there (a model card) is left alone.
+STALE_SHARDS = ["model-*-of-*.safetensors"]
+NUM_SHARDS_ENV = "DSV4_NUM_SHARDS"
+
+
+@dataclass(frozen=True)
+class Source:
+    repo: str
+    revision: str | None  # as the manifest names it; None = the default branch
+    output: Path  # local output directory
+    push_repo: str | None  # target hub repo, when the manifest names one
+
+    @property
+    def key(self) -> str:
+        return f"{self.repo}@{self.revision}" if self.revision else self.repo
+
+
+@dataclass(frozen=True)
+class Manifest:
+    path: Path
+    target: str
+    out_dir: Path
+    sources: tuple[Source, ...]  # sorted by key: the order shards are cut from
+    private: bool | None  # visibility of target repos that --push creates; None: the hub's default
+    max_shard_size: int
+    check: bool
+
+
+def _table(raw: Any, where: str, keys: set[str]) -> dict[str, Any]:
+    if not isinstance(raw, dict):
+        raise ManifestError(f"{where}: must be a table")
+    unknown = sorted(set(raw) - keys)
+    if unknown:
+        raise ManifestError(f"{where}: unknown key {unknown[0]!r} (known: {', '.join(sorted(keys))})")
+    return raw
+
+
+def _fill(template: str, hub: HubSpec, target: str, where: str) -> str:
+    org, name = hub.repo.split("/")
+    try:
+        return template.format(org=org, name=name, target=target, revision=hub.revision or "main")
+    except (KeyError, IndexError, ValueError) as exc:
+        raise ManifestError(f"{where}: bad template {template!r} ({exc}); placeholders are {', '.join('{' + p + '}' for p in PLACEHOLDERS)}") from None
+
+
+def _parse_source(entry: Any, where: str) -> HubSpec:
+    if isinstance(entry, dict):
+        entry = _table(entry, where, {"repo", "revision"})
+        repo, revision = entry.get("repo"), entry.get("revision")
+        if not isinstance(repo, str) or "@" in repo or not (revision is None or isinstance(revision, str)):
+            raise ManifestError(f"{where}: needs repo = \"org/name\" and optionally revision = \"branch, tag or commit\"")
+        entry = f"{repo}@{revision}" if revision else repo
+    if not isinstance(entry, str):
+        raise ManifestError(f"{where}: a source is \"org/name[@revision]\" or {{repo = ..., revision = ...}}")
+    try:
+        return parse_spec(entry)
+    except DSV4Error as exc:
+        raise ManifestError(f"{where}: {exc}") from None
+
+
+def load_manifest(path: str | Path, out_dir: str | Path | None = None) -> Manifest:
+    """Read and check a batch manifest. `out_dir` overrides its output.dir."""
+    path = Path(path)
+    try:
+        raw = tomllib.loads(path.read_text())
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ManifestError(f"{path}: cannot read the manifest ({exc})") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ManifestError(f"{path}: not valid TOML ({exc})") from None
+    _table(raw, str(path), TOP_KEYS)
+    output = _table(raw.get("output", {}), f"{path}: [output]", OUTPUT_KEYS)
+    options = _table(raw.get("options", {}), f"{path}: [options]", OPTION_KEYS)
+    target = raw.get("target", "xpu")
+    name_t, repo_t, private = output.get("name", DEFAULT_NAME), output.get("repo"), output.get("private")
+    max_shard, check = options.get("max_shard_size", DEFAULT_MAX_SHARD), options.get("check", True)
+    if not isinstance(target, str) or not isinstance(name_t, str) or not (repo_t is None or isinstance(repo_t, str)):
+        raise ManifestError(f"{path}: target, output.name and output.repo are strings")
+    if not (private is None or isinstance(private, bool)) or not isinstance(check, bool):
+        raise ManifestError(f"{path}: output.private and options.check are true or false")
+    if not isinstance(max_shard, int) or isinstance(max_shard, bool) or max_shard <= 0:
+        raise ManifestError(f"{path}: options.max_shard_size is a positive number of bytes (e.g. 5_000_000_000)")
+    if out_dir is None:
+        dir_raw = output.get("dir", DEFAULT_DIR)
+        if not isinstance(dir_raw, str):
+            raise ManifestError(f"{path}: output.dir is a string")
+        out_root = path.parent / dir_raw  # relative to the manifest, so jobs may start anywhere
+    else:
+        out_root = Path(out_dir)
+
+    entries = raw.get("sources")
+    if not isinstance(entries, list) or not entries:
+        raise ManifestError(f"{path}: sources must be a non-empty list of \"org/name[@revision]\"")
+    sources: dict[str, Source] = {}
+    names: dict[str, str] = {}
+    for k, entry in enumerate(entries):
+        where = f"{path}: sources[{k}]"
+        hub = _parse_source(entry, where)
+        local = _fill(name_t, hub, target, f"{path}: output.name")
+        if not local or local in (".", "..") or "/" in local or "\\" in local:
+            raise ManifestError(f"{where}: output.name gives {local!r}, not a plain directory name")
+        push_repo = _fill(repo_t, hub, target, f"{path}: output.repo") if repo_t else None
+        if push_repo is not None:
+            try:
+                validate_repo_id(push_repo)
+                if push_repo.count("/") != 1:
+                    raise HFValidationError("needs org/name")
+            except HFValidationError:
+                raise ManifestError(f"{where}: output.repo gives {push_repo!r}, not a repo id org/name") from None
+        src = Source(hub.repo, hub.revision, out_root / local, push_repo)
+        if src.key in sources:
+            raise ManifestError(f"{where}: {src.key} is listed twice")
+        for label, value in (("local output", local), ("target repo", push_repo)):
+            if value is not None and (other := names.get(f"{label}:{value}")) is not None:
+                raise ManifestError(f"{where}: {src.key} and {other} get the same {label} {value!r}; tell them apart in the template ({{org}}, {{revision}})")
+            names[f"{label}:{value}"] = src.key
+        sources[src.key] = src
+    ordered = tuple(sources[k] for k in sorted(sources))
+    return Manifest(path, target, out_root, ordered, private, max_shard, check)
+
+
+def shard_from_env(num_shards: int | None, shard_index: int | None, env: Mapping[str, str] = os.environ) -> tuple[int, int]:
+    """(N, K): the options where given, else a Slurm array task ((SLURM_ARRAY_TASK_ID -
+    SLURM_ARRAY_TASK_MIN) / SLURM_ARRAY_TASK_STEP, of SLURM_ARRAY_TASK_COUNT) or a Kubernetes
+    indexed Job (JOB_COMPLETION_INDEX, with N from --num-shards / DSV4_NUM_SHARDS), else (1, 0)."""
+
+    def number(var: str) -> int:
+        try:
+            return int(env[var])
+        except ValueError:
+            raise ValueError(f"{var}={env[var]!r} is not an integer") from None
+
+    if shard_index is None:
+        if "SLURM_ARRAY_TASK_ID" in env:
+            low = number("SLURM_ARRAY_TASK_MIN") if "SLURM_ARRAY_TASK_MIN" in env else 0
+            step = number("SLURM_ARRAY_TASK_STEP") if "SLURM_ARRAY_TASK_STEP" in env else 1
+            shard_index = (number("SLURM_ARRAY_TASK_ID") - low) // step
+            if num_shards is None and "SLURM_ARRAY_TASK_COUNT" in env:
+                num_shards = number("SLURM_ARRAY_TASK_COUNT")
+        elif "JOB_COMPLETION_INDEX" in env:
+            shard_index = number("JOB_COMPLETION_INDEX")
+            if num_shards is None:
+                raise ValueError(f"JOB_COMPLETION_INDEX is set but not the number of shards: pass --num-shards or set {NUM_SHARDS_ENV} to the Job's completions")
+        elif num_shards not in (None, 1):
+            raise ValueError(f"--num-shards {num_shards} needs --shard-index (or SLURM_ARRAY_TASK_ID / JOB_COMPLETION_INDEX)")
+        else:
+            shard_index = 0
+    num_shards = 1 if num_shards is None else num_shards
+    if not 0 <= shard_index < num_shards:
+        raise ValueError(f"shard index {shard_index} is outside 0..{num_shards - 1} (a Slurm array must be a range like 0-7 or 1-15:2)")
+    return num_shards, shard_index
+
+
+def select_shard(sources: Sequence[Source], num_shards: int, shard_index: int) -> list[Source]:
+    """Shard K of N: every N-th source of the sorted list, from K. Each source lands in
+    exactly one shard, and shard sizes differ by at most one."""
+    return [s for k, s in enumerate(sorted(sources, key=lambda s: s.key)) if k % num_shards == shard_index]
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def records(record: Any, location: str, commit: str, table: Table) -> bool:
+    """Whether a conversion.json records a forward conversion of this commit with this table version."""
+    if not isinstance(record, dict) or not isinstance(record.get("source"), dict):
+        return False
+    source = record["source"]
+    return (
+        source.get("location") == location
+        and source.get("revision") == commit
+        and record.get("direction") == "forward"
+        and record.get("table") == table.name
+        and record.get("table_version") == table.version
+    )
+
+
+def pushed_record(repo: str) -> Any:
+    """The conversion.json on `repo`'s default branch; None when nothing was pushed there yet."""
+    with hub_errors(f"{HUB_SCHEME}{repo}/{CONVERSION_RECORD}", PushError):
+        try:
+            path = hf_hub_download(repo, CONVERSION_RECORD)
+        except (RepositoryNotFoundError, RevisionNotFoundError, EntryNotFoundError):
+            return None
+    return _read_json(Path(path))
+
+
+def push(out: Path, repo: str, message: str, description: str, private: bool | None) -> str:
+    """Upload `out` to `repo` (created if missing); returns the commit.
+
+    upload_folder is huggingface_hub 2.x's resumable uploader (it replaced
+    upload_large_folder): Xet uploads streamed while the folder is scanned, adaptive
+    multi-commit batches, and a re-run after an interruption skips what already landed. Unlike
+    upload_large_folder it takes a commit message, which must name the source commit and table
+    version. An output is a handful of files, far below one batch (~250 files), so it lands as
+    one commit: conversion.json never appears on the hub without its shards.
+    """
+    api = HfApi()
+    with hub_errors(f"{HUB_SCHEME}{repo}", PushError):
+        api.create_repo(repo, private=private, exist_ok=True)
+        info = api.upload_folder(repo_id=repo, folder_path=out, commit_message=message, commit_description=description, delete_patterns=STALE_SHARDS)
+    return info.oid
+
+
+def run_check(out: Path) -> str:
+    """Verify `out` with dsv4.convert.check where it is installed; returns its one-line
+    summary, or "unavailable". A failed check raises that check's own one-line error."""
+    try:
+        from dsv4.convert.check import run_checks
+    except ModuleNotFoundError as exc:
+        if exc.name != "dsv4.convert.check":  # the checker is there but broken: say so
+            raise
+        return "unavailable"
+    report = run_checks(out)
+    report.raise_for_failure()
+    return report.summary()
+
+
+class _Job:
+    """One source's run; `fetched` is kept up to date so a failure still reports it."""
+
+    def __init__(self, src: Source, manifest: Manifest, table: Table, push_to_hub: bool):
+        self.src, self.manifest, self.table, self.push_to_hub = src, manifest, table, push_to_hub
+        self.hub = HubSpec(src.repo, src.revision)
+        self.commit: str | None = None
+        self.fetched = 0
+
+    def run(self) -> tuple[str, dict[str, Any]]:
+        src, table = self.src, self.table
+        self.commit = commit = resolve_commit(self.hub)
+        what = f"source commit {commit[:12]} with table {table.name} v{table.version}"
+        target = src.push_repo if self.push_to_hub else None  # run_batch refuses --push without output.repo
+        if target and records(pushed_record(target), self.hub.location, commit, table):
+            return "skipped", {"reason": f"{HUB_SCHEME}{target} already records {what}"}
+        local = _read_json(src.output / CONVERSION_RECORD)
+        if records(local, self.hub.location, commit, table):
+            if not target:
+                return "skipped", {"reason": f"{src.output} already records {what}"}
+            conversion = "reused"
+        else:
+            inv, reader = open_hub_source(f"{src.repo}@{commit}")
+            self.fetched = inv.header_bytes
+            try:
+                plan = plan_conversion(inv, table)
+            except BaseException:
+                reader.close()
+                raise
+            try:
+                # replacing is safe only over an earlier conversion (it has a conversion.json), never over anything else
+                result = run_plan(plan, reader, src.output, overwrite=local is not None, max_shard_size=self.manifest.max_shard_size)
+            finally:
+                self.fetched = inv.header_bytes + reader.bytes_read
+            conversion = result.status
+        entry: dict[str, Any] = {"conversion": conversion, "check": run_check(src.output) if self.manifest.check else "disabled"}
+        if target:
+            message = f"Convert {src.repo}@{commit[:12]} with table {table.name} v{table.version}"
+            description = f"Source: {src.repo} commit {commit}\nTable: {table.name} v{table.version} (target {table.target})\nTool: dsv4-convert {__version__}"
+            entry["pushed"] = {"repo": target, "commit": push(src.output, target, message, description, self.manifest.private)}
+        return "converted", entry
+
+
+def _write_report(path: Path, report: dict[str, Any]) -> None:
+    # rewritten after every repo (atomically), so a killed job still leaves an accurate report
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
+    tmp.replace(path)
+
+
+def default_report_path(manifest: Manifest, num_shards: int, shard_index: int) -> Path:
+    name = "batch-report.json" if num_shards == 1 else f"batch-report-{shard_index}-of-{num_shards}.json"
+    return manifest.out_dir / name
+
+
+def run_batch(
+    manifest: Manifest,
+    *,
+    push_to_hub: bool = False,
+    num_shards: int = 1,
+    shard_index: int = 0,
+    report_path: Path | None = None,
+    echo: Callable[[str], object] = lambda line: None,
+) -> dict[str, Any]:
+    """Process this shard's sources; returns the report (also written to `report_path`)."""
+    start, started = time.monotonic(), datetime.now(UTC).isoformat(timespec="seconds")
+    if push_to_hub and any(s.push_repo is None for s in manifest.sources):
+        raise ManifestError(f"{manifest.path}: --push needs output.repo, the target repo name template")
+    table = load_table(manifest.target)
+    mine = select_shard(manifest.sources, num_shards, shard_index)
+    report_path = report_path or default_report_path(manifest, num_shards, shard_index)
+    report: dict[str, Any] = {
+        "tool": "dsv4-convert",
+        "tool_version": __version__,
+        "manifest": str(manifest.path),
+        "started": started,
+        "target": manifest.target,
+        "table": table.name,
+        "table_version": table.version,
+        "push": push_to_hub,
+        "shard": {"index": shard_index, "count": num_shards},
+        "planned": [{"repo": s.repo, "revision": s.revision, "output": str(s.output), "push_repo": s.push_repo} for s in mine],
+        "converted": [],
+        "skipped": [],
+        "failed": [],
+        "bytes_fetched": 0,
+        "seconds": 0.0,
+    }
+    for n, src in enumerate(mine, 1):
+        job = _Job(src, manifest, table, push_to_hub)
+        t0 = time.monotonic()
+        try:
+            outcome, entry = job.run()
+        except Exception as exc:  # one repo's failure, whatever it is, must not stop the others
+            outcome = "failed"
+            code = exc.exit_code if isinstance(exc, DSV4Error) else 1
+            reason = str(exc) if isinstance(exc, DSV4Error) else f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
+            entry = {"reason": reason, "error": type(exc).__name__, "exit_code": code}
+        entry = {"repo": src.repo, "revision": src.revision, "commit": job.commit, "output": str(src.output), **entry, "bytes_fetched": job.fetched, "seconds": round(time.monotonic() - t0, 3)}
+        report[outcome].append(entry)
+        report["bytes_fetched"] += job.fetched
+        report["seconds"] = round(time.monotonic() - start, 3)
+        _write_report(report_path, report)
+        detail = entry.get("reason") or f"{entry['conversion']} -> {src.output} ({job.fetched:,} bytes fetched, {entry['seconds']:.1f} s)"
+        echo(f"[{n}/{len(mine)}] {src.key}: {outcome}: {detail}")
+    report["seconds"] = round(time.monotonic() - start, 3)
+    _write_report(report_path, report)
+    return report
+
+
+@click.command("batch")
+@click.argument("manifest", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--out-dir", type=click.Path(file_okay=False, path_type=Path), help="Root of the local outputs (default: the manifest's output.dir).")
+@click.option("--push", "push_to_hub", is_flag=True, help="Upload each output to the manifest's output.repo (HF_TOKEN or `hf auth login` with write access).")
+@click.option("--num-shards", type=click.IntRange(min=1), envvar=NUM_SHARDS_ENV, help=f"Split the manifest into N shards [env {NUM_SHARDS_ENV}; default: SLURM_ARRAY_TASK_COUNT, else 1].")
+@click.option("--shard-index", type=click.IntRange(min=0), help="This run's shard, 0..N-1 [default: the Slurm array task's place in its array, or JOB_COMPLETION_INDEX].")
+@click.option("--report", "report_path", type=click.Path(dir_okay=False, path_type=Path), help="JSON report [default: OUT_DIR/batch-report[-K-of-N].json].")
+def batch_command(manifest: Path, out_dir: Path | None, push_to_hub: bool, num_shards: int | None, shard_index: int | None, report_path: Path | None) -> None:
+    """Convert every source repo of MANIFEST (TOML) that is not already converted.
+
+    A source is skipped, without reading any of its files, when its output (with --push: its
+    target repo) already records the source's current commit and the table's version. A
+    failing repo is reported and the others go on; the exit code is non-zero if any failed.
+    """
+    try:
+        n, k = shard_from_env(num_shards, shard_index)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+    m = load_manifest(manifest, out_dir)
+    path = report_path or default_report_path(m, n, k)
+    report = run_batch(m, push_to_hub=push_to_hub, num_shards=n, shard_index=k, report_path=path, echo=click.echo)
+    counts = {key: len(report[key]) for key in ("planned", "converted", "skipped", "failed")}
+    done = f"{counts['converted']} converted, {counts['skipped']} skipped, {counts['failed']} failed of {counts['planned']}"
+    click.echo(f"shard {k}/{n}: {done}; {report['bytes_fetched']:,} bytes fetched in {report['seconds']:.1f} s; report {path}")
+    if counts["failed"]:
+        raise BatchFailedError(f"{manifest}: {counts['failed']} of {counts['planned']} repositories failed; reasons in {path}")

@@ -1,0 +1,220 @@
+"""Hub sources: a model-hub repository `org/name[@revision]`, read in place.
+
+The revision is resolved to its commit first and every later request is pinned to that
+commit, so a branch that moves during a conversion cannot mix two versions of a checkpoint.
+config.json and the index come through huggingface_hub's download cache; of each shard only
+the header is read (two ranged requests), and then only the byte ranges the plan names.
+
+Every hub call goes through huggingface_hub, so HF_ENDPOINT, HF_TOKEN, HF_HOME and
+HF_HUB_OFFLINE mean what they mean there, and no token ever passes through this module.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import partial
+
+from fsspec.spec import AbstractBufferedFile
+from huggingface_hub import HfApi, HfFileSystem, ModelInfo, hf_hub_download
+from huggingface_hub.errors import (
+    GatedRepoError,
+    HFValidationError,
+    OfflineModeIsEnabled,
+    RepositoryNotFoundError,
+    RevisionNotFoundError,
+)
+from huggingface_hub.utils import validate_repo_id
+
+from dsv4.convert.errors import (
+    DownloadError,
+    DSV4Error,
+    HubError,
+    MissingConfigError,
+    MissingShardError,
+    RepoNotFound,
+    RevisionNotFound,
+    TruncatedShardError,
+)
+from dsv4.convert.inventory import INDEX_NAME, SINGLE_FILE, Inventory, TensorSource, load_index, merge_shards, parse_header, tensors_from_header
+
+HUB_SCHEME = "hub:"
+# huggingface_hub already retries HTTP errors and dropped connections (http_backoff: 5 tries,
+# 1 s doubling to 8 s). What it cannot see is a complete-looking response that is shorter
+# than the range asked for (a proxy cutting a body short); those are retried here.
+SHORT_READ_RETRIES = 3
+SHORT_READ_BACKOFF_S = 0.5  # doubled after each short read
+
+
+@dataclass(frozen=True)
+class HubSpec:
+    repo: str
+    revision: str | None  # None: the repo's default branch
+
+    @property
+    def location(self) -> str:
+        return f"{HUB_SCHEME}{self.repo}"
+
+
+def parse_spec(spec: str) -> HubSpec:
+    """`org/name` or `org/name@revision` (a branch, tag or commit; may contain '/')."""
+    repo, at, revision = spec.partition("@")
+    try:
+        validate_repo_id(repo)
+        ok = repo.count("/") == 1 and (revision != "" or not at)
+    except HFValidationError:
+        ok = False
+    if not ok:
+        raise RepoNotFound(f"{spec}: neither an existing local directory nor a hub repo id org/name[@revision]")
+    return HubSpec(repo, revision or None)
+
+
+@contextmanager
+def hub_errors(what: str, fallback: type[HubError] = HubError) -> Iterator[None]:
+    """Turn huggingface_hub's exceptions into this tool's one-line errors about `what`."""
+    try:
+        yield
+    except DSV4Error:
+        raise
+    except GatedRepoError:
+        raise RepoNotFound(f"{what}: gated repository; accept its terms on the hub, then set HF_TOKEN or run `hf auth login`") from None
+    except RepositoryNotFoundError:
+        raise RepoNotFound(f"{what}: repository not found (if it is private or gated, set HF_TOKEN or run `hf auth login`)") from None
+    except RevisionNotFoundError:
+        raise RevisionNotFound(f"{what}: revision not found in the repository") from None
+    except OfflineModeIsEnabled:
+        raise HubError(f"{what}: HF_HUB_OFFLINE is set, so the hub cannot be read; convert a local directory instead") from None
+    except Exception as exc:  # network and HTTP failures of any kind; their text is multi-line
+        status = getattr(getattr(exc, "response", None), "status_code", None)
+        detail = f"HTTP {status}" if status else (str(exc).strip().splitlines() or [""])[0]
+        raise fallback(f"{what}: hub request failed ({type(exc).__name__}: {detail})") from None
+
+
+class HubReader:
+    """ByteReader over one hub commit: each read is one ranged GET through HfFileSystem.
+
+    Files are opened with fsspec's "none" cache, so a read fetches exactly the bytes asked
+    for: the default read-ahead cache would fetch whole blocks past every tensor.
+    """
+
+    def __init__(self, hub: HubSpec, commit: str, sizes: dict[str, int]):
+        self.location = hub.location
+        self.repo = hub.repo
+        self.commit = commit
+        self.sizes = sizes
+        self.bytes_read = 0
+        self._fs = HfFileSystem()
+        self._files: dict[str, AbstractBufferedFile] = {}
+
+    def _where(self, file: str) -> str:
+        return f"{self.location}/{file}@{self.commit[:12]}"
+
+    def _open(self, file: str) -> AbstractBufferedFile:
+        f = self._files.get(file)
+        if f is None:
+            try:
+                f = self._fs.open(f"{self.repo}/{file}", "rb", revision=self.commit, cache_type="none", size=self.sizes[file])
+            except FileNotFoundError:
+                raise MissingShardError(f"{self._where(file)}: not in the repository at this commit") from None
+            self._files[file] = f
+        return f
+
+    def fetch(self, file: str, offset: int, n: int) -> bytes:
+        """Bytes [offset, offset + n) of `file`, checked for length. Not counted in
+        bytes_read (inventory reads headers with it; read_into counts tensor data)."""
+        size = self.sizes[file]
+        if offset + n > size:
+            raise TruncatedShardError(f"{self._where(file)}: ends at byte {size}, before the planned range {offset}..{offset + n}")
+        got = 0
+        for attempt in range(SHORT_READ_RETRIES + 1):
+            if attempt:
+                time.sleep(SHORT_READ_BACKOFF_S * 2 ** (attempt - 1))
+            with hub_errors(f"{self._where(file)}: bytes {offset}..{offset + n}", DownloadError):
+                f = self._open(file)
+                f.seek(offset)
+                data = f.read(n)
+            got = len(data)
+            if got == n:
+                return data
+            if got > n:  # the server ignored the Range header; retrying would pull whole shards again
+                raise DownloadError(f"{self._where(file)}: bytes {offset}..{offset + n}: the hub sent {got} bytes for a {n}-byte range")
+        raise DownloadError(f"{self._where(file)}: bytes {offset}..{offset + n}: got {got} of {n} bytes on each of {SHORT_READ_RETRIES + 1} attempts")
+
+    def read_into(self, file: str, offset: int, buf: memoryview) -> None:
+        buf[:] = self.fetch(file, offset, len(buf))
+        self.bytes_read += len(buf)
+
+    def fingerprint(self, files: list[str]) -> dict[str, object]:
+        return {"location": self.location, "revision": self.commit, "files": {f: self.sizes[f] for f in files}}
+
+    def close(self) -> None:
+        for f in self._files.values():
+            f.close()
+        self._files.clear()
+
+
+def _model_info(hub: HubSpec, *, files_metadata: bool = False) -> tuple[str, ModelInfo]:
+    """(commit, info) of the revision `hub` names."""
+    with hub_errors(f"{hub.location}@{hub.revision or 'default branch'}"):
+        info = HfApi().model_info(hub.repo, revision=hub.revision, files_metadata=files_metadata)
+    if not info.sha:
+        raise HubError(f"{hub.location}: the hub did not say which commit {hub.revision or 'the default branch'} is")
+    return info.sha, info
+
+
+def resolve_commit(hub: HubSpec) -> str:
+    """The commit `hub.revision` names now: one metadata request, no file bytes."""
+    return _model_info(hub)[0]
+
+
+def _download(hub: HubSpec, commit: str, file: str) -> bytes:
+    """A small file at `commit`, through huggingface_hub's cache (HF_HOME)."""
+    with hub_errors(f"{hub.location}/{file}@{commit[:12]}"):
+        path = hf_hub_download(hub.repo, file, revision=commit)
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def open_hub_source(spec: str) -> tuple[Inventory, HubReader]:
+    """Inventory of hub repo `org/name[@revision]` from its headers, and a reader pinned to
+    the resolved commit. Applies the same checks as the local reader."""
+    hub = parse_spec(spec)
+    commit, info = _model_info(hub, files_metadata=True)
+    sizes = {s.rfilename: s.size for s in info.siblings or [] if s.size is not None}
+
+    config_where = f"{hub.location}/config.json@{commit[:12]}"
+    if "config.json" not in sizes:
+        raise MissingConfigError(f"{config_where}: no config.json in the repository")
+    try:
+        config = json.loads(_download(hub, commit, "config.json"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise MissingConfigError(f"{config_where}: not valid JSON ({exc})") from None
+    weight_map: dict[str, str] | None
+    if INDEX_NAME in sizes:
+        weight_map = load_index(_download(hub, commit, INDEX_NAME), INDEX_NAME)
+        files = sorted(set(weight_map.values()))
+    elif SINGLE_FILE in sizes:
+        weight_map, files = None, [SINGLE_FILE]
+    else:
+        raise MissingShardError(f"{hub.location}@{commit[:12]}: neither {INDEX_NAME} nor {SINGLE_FILE} found")
+    for file in files:
+        if file not in sizes:
+            raise MissingShardError(f"{hub.location}/{file}@{commit[:12]}: shard named in {INDEX_NAME} is not in the repository")
+
+    reader = HubReader(hub, commit, {f: sizes[f] for f in files})
+    try:
+        header_bytes = 0
+        shards: list[tuple[str, dict[str, TensorSource]]] = []
+        for file in files:
+            size = sizes[file]
+            header, data_start = parse_header(reader.fetch(file, 0, min(8, size)), partial(reader.fetch, file, 8), file, size)
+            shards.append((file, tensors_from_header(header, file, data_start, size)))
+            header_bytes += data_start
+        tensors = merge_shards(hub.location, weight_map, shards)
+    except BaseException:
+        reader.close()
+        raise
+    return Inventory(hub.location, config, tensors, dict(reader.sizes), header_bytes, revision=commit), reader

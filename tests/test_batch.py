@@ -1,0 +1,261 @@
+"""`convert-dsv4 batch` (convert/batch.py) against a local fake hub: failures isolated and
+reported, reruns idempotent without fetching, a fixed repo picked up, pushes made once
+through huggingface_hub, shards covering the manifest exactly once, the token kept secret."""
+
+from __future__ import annotations
+
+import json
+import sys
+import types
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hubserver import FakeHub, hub_env, run_cli
+
+from dsv4.convert.batch import Source, load_manifest, run_check, select_shard, shard_from_env
+from dsv4.convert.errors import ConfigCheckError, ManifestError
+from dsv4.convert.job import CONVERSION_RECORD, convert
+from dsv4.convert.synth import write_checkpoint
+
+TOKEN = "hf_fakeTokenThatMustNeverBeWritten1234"
+REPOS = ("org/alpha", "org/beta", "org/gamma")  # gamma starts broken (a DSpark layout)
+
+
+@pytest.fixture(scope="module")
+def native(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("native")
+    for name, seed in (("alpha", 0), ("beta", 1), ("gamma", 2)):
+        write_checkpoint(root / name, preset="tiny", main_layers="all", seed=seed)
+        convert(root / name, root / f"{name}-converted")
+    write_checkpoint(root / "broken", preset="tiny", main_layers="all", seed=2, variant="dspark")
+    return root
+
+
+@pytest.fixture
+def hub(native: Path) -> Iterator[FakeHub]:
+    with FakeHub(token=TOKEN) as h:
+        for repo in REPOS:
+            name = repo.split("/")[1]
+            h.commit_dir(repo, native / ("broken" if name == "gamma" else name))
+        yield h
+
+
+def write_manifest(path: Path, *, repo_template: str | None = None, sources: tuple[str, ...] = REPOS, check: bool = False) -> Path:
+    output = 'dir = "out"\nname = "{name}-{target}"\n' + (f'repo = "{repo_template}"\n' if repo_template else "")
+    path.write_text(f'target = "xpu"\nsources = {json.dumps(list(sources))}\n\n[output]\n{output}\n[options]\ncheck = {str(check).lower()}\n')
+    return path
+
+
+def source_bytes(hub: FakeHub, repo: str) -> int:
+    """File bytes the hub sent for a source repo; any file request at all counts as one."""
+    return hub.bytes_served.get(repo, 0) + sum(1 for q in hub.requests if q.repo == repo and q.route == "resolve")
+
+
+def report_of(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text())
+
+
+def test_batch_isolates_failures_reruns_idempotently_and_picks_up_a_fix(native: Path, hub: FakeHub, tmp_path: Path) -> None:
+    manifest = write_manifest(tmp_path / "batch.toml", check=True)
+    report = tmp_path / "out" / "batch-report.json"
+    env = hub_env(hub, tmp_path / "hf")
+
+    r = run_cli("batch", str(manifest), env=env)
+    assert r.returncode == 66, r.stderr  # BatchFailedError: some repo failed
+    rep = report_of(report)
+    assert [e["repo"] for e in rep["converted"]] == ["org/alpha", "org/beta"]
+    assert [(e["repo"], e["exit_code"]) for e in rep["failed"]] == [("org/gamma", 35)]
+    assert "refusing to convert" in rep["failed"][0]["reason"]
+    assert [p["repo"] for p in rep["planned"]] == list(REPOS) and rep["skipped"] == []
+    assert all(e["check"] != "disabled" for e in rep["converted"])  # checked where the checker is installed
+    assert rep["bytes_fetched"] >= sum(e["bytes_fetched"] for e in rep["converted"]) > 0
+    for name in ("alpha", "beta"):
+        out = tmp_path / "out" / f"{name}-xpu"
+        for f in ("config.json", "model.safetensors.index.json", "model-00001-of-00001.safetensors"):
+            assert (out / f).read_bytes() == (native / f"{name}-converted" / f).read_bytes()
+    assert not (tmp_path / "out" / "gamma-xpu").exists()
+
+    hub.reset_counters()
+    r = run_cli("batch", str(manifest), env=env)
+    assert r.returncode == 66, r.stderr
+    rep = report_of(report)
+    assert [e["repo"] for e in rep["skipped"]] == ["org/alpha", "org/beta"] and rep["converted"] == []
+    assert all("already records source commit" in e["reason"] and "table xpu v" in e["reason"] for e in rep["skipped"])
+    assert source_bytes(hub, "org/alpha") == source_bytes(hub, "org/beta") == 0
+
+    fixed = hub.commit_dir("org/gamma", native / "gamma", "fix the layout")
+    hub.reset_counters()
+    r = run_cli("batch", str(manifest), env=env)
+    assert r.returncode == 0, r.stderr
+    rep = report_of(report)
+    assert [(e["repo"], e["commit"]) for e in rep["converted"]] == [("org/gamma", fixed)]
+    assert [e["repo"] for e in rep["skipped"]] == ["org/alpha", "org/beta"] and rep["failed"] == []
+    assert source_bytes(hub, "org/alpha") == source_bytes(hub, "org/beta") == 0
+    assert json.loads((tmp_path / "out" / "gamma-xpu" / CONVERSION_RECORD).read_text())["source"]["revision"] == fixed
+
+
+def test_push_uploads_through_the_hub_once_and_never_writes_the_token(native: Path, hub: FakeHub, tmp_path: Path) -> None:
+    manifest = write_manifest(tmp_path / "batch.toml", repo_template="dest/{name}-{target}", sources=REPOS[:2])
+    report = tmp_path / "out" / "batch-report.json"
+    runs = []
+
+    # without a token the fake hub refuses writes: the push fails, and only the push
+    runs.append(r := run_cli("batch", str(manifest), "--push", env=hub_env(hub, tmp_path / "hf")))
+    assert r.returncode == 66, r.stderr
+    assert {(e["repo"], e["error"]) for e in report_of(report)["failed"]} == {("org/alpha", "PushError"), ("org/beta", "PushError")}
+    assert hub.pushed == []
+
+    env = hub_env(hub, tmp_path / "hf", HF_TOKEN=TOKEN)
+    runs.append(r := run_cli("batch", str(manifest), "--push", env=env))
+    assert r.returncode == 0, r.stderr
+    rep = report_of(report)
+    assert [e["conversion"] for e in rep["converted"]] == ["reused", "reused"]  # converted by the first run
+    assert sorted(p["repo"] for p in hub.pushed) == ["dest/alpha-xpu", "dest/beta-xpu"]
+    for p, e in zip(sorted(hub.pushed, key=lambda p: p["repo"]), rep["converted"], strict=True):
+        assert e["commit"][:12] in p["message"] and "table xpu v1" in p["message"] and e["pushed"]["commit"] == p["oid"]
+        assert {"conversion.json", "model-00001-of-00001.safetensors"} <= set(p["files"])
+    shard = "model-00001-of-00001.safetensors"
+    assert hub.files("dest/alpha-xpu")[shard] == (native / "alpha-converted" / shard).read_bytes()
+    assert all(q.authorized for q in hub.requests if q.route in ("create", "preupload", "commit") and q.status == 200)
+
+    # the skip must come from the target repo's record: the local outputs are gone
+    for name in ("alpha", "beta"):
+        for f in (tmp_path / "out" / f"{name}-xpu").iterdir():
+            f.unlink()
+    hub.reset_counters()
+    pushed_before = len(hub.pushed)
+    runs.append(r := run_cli("batch", str(manifest), "--push", env=env))
+    assert r.returncode == 0, r.stderr
+    rep = report_of(report)
+    assert [e["repo"] for e in rep["skipped"]] == ["org/alpha", "org/beta"]
+    assert all(e["reason"].startswith("hub:dest/") for e in rep["skipped"])
+    assert len(hub.pushed) == pushed_before and source_bytes(hub, "org/alpha") == source_bytes(hub, "org/beta") == 0
+
+    written = [run.stdout + run.stderr for run in runs] + [p.read_text(errors="replace") for p in tmp_path.rglob("*") if p.is_file()]
+    assert not [w for w in written if TOKEN in w]
+
+
+def test_two_shards_cover_every_repo_exactly_once(hub: FakeHub, tmp_path: Path) -> None:
+    manifest = write_manifest(tmp_path / "batch.toml")
+    base = hub_env(hub, tmp_path / "hf")
+    runs = [
+        run_cli("batch", str(manifest), "--num-shards", "2", "--shard-index", "0", env=base),
+        run_cli("batch", str(manifest), env={**base, "JOB_COMPLETION_INDEX": "1", "DSV4_NUM_SHARDS": "2"}),
+    ]
+    assert sorted(r.returncode for r in runs) == [0, 66]  # the broken repo fails in exactly one shard
+    planned = [p["repo"] for k in (0, 1) for p in report_of(tmp_path / "out" / f"batch-report-{k}-of-2.json")["planned"]]
+    assert sorted(planned) == sorted(REPOS) and len(planned) == len(set(planned))
+
+
+def _sources(n: int) -> list[Source]:
+    return [Source(f"org/m{k:03d}", None, Path(f"m{k}"), None) for k in range(n)]
+
+
+@pytest.mark.parametrize("count", [1, 2, 3, 5, 8])
+def test_select_shard_partitions_deterministically(count: int) -> None:
+    sources = _sources(11)
+    shards = [select_shard(sources, count, k) for k in range(count)]
+    assert sorted(s.key for shard in shards for s in shard) == sorted(s.key for s in sources)
+    assert max(map(len, shards)) - min(map(len, shards)) <= 1
+    assert shards == [select_shard(list(reversed(sources)), count, k) for k in range(count)]  # manifest order does not matter
+
+
+@pytest.mark.parametrize(
+    ("options", "env", "expected"),
+    [
+        ((None, None), {}, (1, 0)),
+        ((4, 2), {"SLURM_ARRAY_TASK_ID": "0", "SLURM_ARRAY_TASK_COUNT": "2"}, (4, 2)),  # options win
+        ((None, None), {"SLURM_ARRAY_TASK_ID": "5", "SLURM_ARRAY_TASK_MIN": "4", "SLURM_ARRAY_TASK_COUNT": "3"}, (3, 1)),
+        ((None, None), {"SLURM_ARRAY_TASK_ID": "7", "SLURM_ARRAY_TASK_MIN": "1", "SLURM_ARRAY_TASK_STEP": "3", "SLURM_ARRAY_TASK_COUNT": "4"}, (4, 2)),
+        ((3, None), {"JOB_COMPLETION_INDEX": "2"}, (3, 2)),
+    ],
+)
+def test_shard_from_env(options: tuple[int | None, int | None], env: dict[str, str], expected: tuple[int, int]) -> None:
+    assert shard_from_env(*options, env=env) == expected
+
+
+@pytest.mark.parametrize(
+    ("options", "env", "words"),
+    [
+        ((None, None), {"JOB_COMPLETION_INDEX": "0"}, "DSV4_NUM_SHARDS"),
+        ((2, None), {}, "--shard-index"),
+        ((None, None), {"SLURM_ARRAY_TASK_ID": "x", "SLURM_ARRAY_TASK_COUNT": "2"}, "SLURM_ARRAY_TASK_ID"),
+        ((2, 2), {}, "outside 0..1"),
+    ],
+)
+def test_shard_from_env_refuses_what_it_cannot_split_on(options: tuple[int | None, int | None], env: dict[str, str], words: str) -> None:
+    with pytest.raises(ValueError, match=words):
+        shard_from_env(*options, env=env)
+
+
+def test_manifest_forms_and_outputs(tmp_path: Path) -> None:
+    path = tmp_path / "m.toml"
+    path.write_text(
+        'sources = ["org/a", "org/b@v2", {repo = "org/c", revision = "abc123"}]\n'
+        '[output]\nname = "{org}-{name}-{revision}"\nrepo = "me/{name}-{target}"\nprivate = true\n'
+        "[options]\nmax_shard_size = 1_000_000\n"
+    )
+    m = load_manifest(path)
+    assert [(s.repo, s.revision) for s in m.sources] == [("org/a", None), ("org/b", "v2"), ("org/c", "abc123")]
+    assert [s.output for s in m.sources] == [tmp_path / "converted" / n for n in ("org-a-main", "org-b-v2", "org-c-abc123")]
+    assert [s.push_repo for s in m.sources] == ["me/a-xpu", "me/b-xpu", "me/c-xpu"]
+    assert (m.target, m.private, m.max_shard_size, m.check) == ("xpu", True, 1_000_000, True)
+    assert load_manifest(path, tmp_path / "elsewhere").sources[0].output == tmp_path / "elsewhere" / "org-a-main"
+
+
+@pytest.mark.parametrize(
+    ("text", "words"),
+    [
+        ('sources = ["org/a"]\ncolour = "red"\n', "unknown key 'colour'"),
+        ("sources = []\n", "non-empty"),
+        ('sources = ["org/a", "org/a"]\n', "listed twice"),
+        ('sources = ["not a repo"]\n', "sources[0]"),
+        ('sources = ["org/a"]\n[output]\nname = "{nmae}"\n', "placeholders are"),
+        ('sources = ["org/a@v1", "org/a@v2"]\n', "tell them apart in the template"),
+        ('sources = ["org/a"]\n[output]\nrepo = "{name}"\n', "not a repo id"),
+        ('sources = ["org/a"]\n[options]\nmax_shard_size = "5GB"\n', "max_shard_size"),
+        ("sources = [", "not valid TOML"),
+    ],
+)
+def test_manifest_errors_name_file_and_key(tmp_path: Path, text: str, words: str) -> None:
+    path = tmp_path / "m.toml"
+    path.write_text(text)
+    with pytest.raises(ManifestError) as err:
+        load_manifest(path)
+    assert words in str(err.value) and str(path) in str(err.value) and "\n" not in str(err.value)
+
+
+def test_push_without_a_target_repo_template_is_refused_before_any_work(tmp_path: Path) -> None:
+    manifest = write_manifest(tmp_path / "batch.toml", sources=("org/a",))
+    r = run_cli("batch", str(manifest), "--push", env={"PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")})
+    assert r.returncode == 64 and "output.repo" in r.stderr, r.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_run_check_uses_the_checker_where_installed(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    class Report:
+        def __init__(self, error: Exception | None):
+            self.error = error
+
+        def raise_for_failure(self) -> None:
+            if self.error is not None:
+                raise self.error
+
+        def summary(self) -> str:
+            return "fine"
+
+    checked: list[Path] = []
+    fake = types.ModuleType("dsv4.convert.check")
+    fake.run_checks = lambda path, error=None: checked.append(path) or Report(error)  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "dsv4.convert.check", fake)
+    assert run_check(tmp_path) == "fine" and checked == [tmp_path]
+
+    failure = ConfigCheckError(f"{tmp_path}/config.json: no conversion record")
+    fake.run_checks = lambda path: Report(failure)  # type: ignore[attr-defined]
+    with pytest.raises(ConfigCheckError):
+        run_check(tmp_path)
+
+    monkeypatch.setitem(sys.modules, "dsv4.convert.check", None)  # not installed
+    assert run_check(tmp_path) == "unavailable"

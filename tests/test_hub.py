@@ -1,0 +1,156 @@
+"""Hub sources (convert/hub.py) against a local fake hub: same output as from disk, only the
+planned byte ranges fetched, revisions pinned, transient failures retried, errors one line.
+
+The CLI runs in a subprocess per conversion: huggingface_hub reads HF_ENDPOINT and friends at
+import, so that is also the honest test that those variables are honoured.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from hubserver import FakeHub, Fault, hub_env, run_cli
+
+from dsv4.convert.errors import RepoNotFound
+from dsv4.convert.hub import HubSpec, parse_spec
+from dsv4.convert.inventory import INDEX_NAME, read_inventory
+from dsv4.convert.job import CONVERSION_RECORD, convert
+from dsv4.convert.plan import plan_conversion
+from dsv4.convert.synth import write_checkpoint
+from dsv4.mapping.table import load_table
+
+REPO = "org/tiny"
+COMPARED = ("config.json", INDEX_NAME)  # plus every shard; conversion.json names the source, so it differs
+
+
+@pytest.fixture(scope="module")
+def native(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("native")
+    write_checkpoint(root / "seed0", preset="tiny", main_layers="all", seed=0)
+    write_checkpoint(root / "seed1", preset="tiny", main_layers="all", seed=1)
+    write_checkpoint(root / "dspark", preset="tiny", main_layers="all", seed=0, variant="dspark")
+    for name in ("seed0", "seed1"):
+        convert(root / name, root / f"{name}-converted")
+    return root
+
+
+@pytest.fixture
+def hub() -> Iterator[FakeHub]:
+    with FakeHub() as h:
+        yield h
+
+
+def same_output(a: Path, b: Path) -> None:
+    shards = sorted(p.name for p in a.glob("*.safetensors"))
+    assert shards == sorted(p.name for p in b.glob("*.safetensors")) and shards
+    for name in (*COMPARED, *shards):
+        assert (a / name).read_bytes() == (b / name).read_bytes(), name
+
+
+def test_hub_source_is_byte_identical_and_reads_only_planned_ranges(native: Path, hub: FakeHub, tmp_path: Path) -> None:
+    commit = hub.commit_dir(REPO, native / "seed0")
+    out = tmp_path / "out"
+    r = run_cli("convert", REPO, str(out), "--json", env=hub_env(hub, tmp_path / "hf"))
+    assert r.returncode == 0, r.stderr
+    same_output(native / "seed0-converted", out)
+    record = json.loads((out / CONVERSION_RECORD).read_text())
+    assert record["source"]["location"] == f"hub:{REPO}" and record["source"]["revision"] == commit
+
+    # What the hub may serve: the planned tensor bytes (5% slack), every shard's header
+    # (8-byte length + JSON, all shards: the inventory checks them all), config.json and the index.
+    inv = read_inventory(native / "seed0")
+    plan = plan_conversion(inv, load_table("xpu"))
+    small = sum((native / "seed0" / f).stat().st_size for f in COMPARED)
+    served = hub.bytes_served[REPO]
+    assert json.loads(r.stdout)["bytes_read"] == plan.bytes_to_read
+    assert served <= 1.05 * plan.bytes_to_read + inv.header_bytes + small
+    assert served < 0.5 * sum(inv.file_sizes.values())  # far from the shards' total
+    shard_gets = [q for q in hub.requests if q.route == "resolve" and q.method == "GET" and q.path.endswith(".safetensors")]
+    assert shard_gets and all(q.range is not None for q in shard_gets)  # never a whole shard
+    assert {q.revision for q in hub.requests if q.route == "resolve"} == {commit}  # pinned to the resolved commit
+
+
+def test_revision_pins_an_older_commit(native: Path, hub: FakeHub, tmp_path: Path) -> None:
+    old = hub.commit_dir(REPO, native / "seed0")
+    hub.commit_dir(REPO, native / "seed1")  # main moves on
+    env = hub_env(hub, tmp_path / "hf")
+    r = run_cli("convert", f"{REPO}@{old}", str(tmp_path / "old"), env=env)
+    assert r.returncode == 0, r.stderr
+    same_output(native / "seed0-converted", tmp_path / "old")
+    assert json.loads((tmp_path / "old" / CONVERSION_RECORD).read_text())["source"]["revision"] == old
+    r = run_cli("convert", REPO, str(tmp_path / "main"), env=env)
+    assert r.returncode == 0, r.stderr
+    same_output(native / "seed1-converted", tmp_path / "main")
+
+
+def _data_range(method: str, repo: str | None, route: str, path: str | None, rng: tuple[int, int] | None) -> bool:
+    # a tensor-data read of the MTP shard (offsets past every tiny header)
+    return route == "resolve" and path is not None and path.endswith("00005-of-00005.safetensors") and rng is not None and rng[0] > 65536
+
+
+def test_transient_errors_are_retried(native: Path, hub: FakeHub, tmp_path: Path) -> None:
+    hub.commit_dir(REPO, native / "seed0")
+    # a 503 (huggingface_hub's backoff retries it), then a body cut short (our reader retries it)
+    hub.faults.extend([Fault(_data_range, status=503), Fault(_data_range, status=None, truncate_to=100)])
+    r = run_cli("convert", REPO, str(tmp_path / "out"), env=hub_env(hub, tmp_path / "hf"))
+    assert r.returncode == 0, r.stderr
+    same_output(native / "seed0-converted", tmp_path / "out")
+    assert all(f.times == 0 for f in hub.faults)  # both fired
+    failed = [q for q in hub.requests if q.status == 503]
+    assert len(failed) == 1 and any(q.status == 206 and q.range == failed[0].range for q in hub.requests)
+
+
+def test_a_range_that_keeps_coming_back_short_fails_with_one_line(native: Path, hub: FakeHub, tmp_path: Path) -> None:
+    hub.commit_dir(REPO, native / "seed0")
+    hub.faults.append(Fault(_data_range, status=None, truncate_to=100, times=1000))
+    out = tmp_path / "out"
+    r = run_cli("convert", REPO, str(out), "--quiet", env=hub_env(hub, tmp_path / "hf"))
+    assert r.returncode == 63, r.stderr  # DownloadError
+    line = r.stderr.strip()
+    assert "\n" not in line and f"hub:{REPO}/model-00005-of-00005.safetensors" in line and "got 100 of" in line
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    ("spec", "extra_env", "code", "words"),
+    [
+        ("org/missing", {}, 61, "repository not found"),
+        (f"{REPO}@no-such-branch", {}, 62, "revision not found"),
+        (REPO, {"HF_HUB_OFFLINE": "1"}, 60, "HF_HUB_OFFLINE"),
+    ],
+)
+def test_hub_errors_are_one_line_with_their_exit_code(native: Path, hub: FakeHub, tmp_path: Path, spec: str, extra_env: dict[str, str], code: int, words: str) -> None:
+    hub.commit_dir(REPO, native / "seed0")
+    r = run_cli("plan", spec, env=hub_env(hub, tmp_path / "hf", **extra_env))
+    assert r.returncode == code, r.stderr
+    assert r.stderr.count("\n") == 1 and words in r.stderr and spec.split("@")[0] in r.stderr
+    if "HF_HUB_OFFLINE" in extra_env:
+        assert not [q for q in hub.requests if q.repo == REPO]
+
+
+def test_hub_checks_like_the_local_reader(native: Path, hub: FakeHub, tmp_path: Path) -> None:
+    files = {p.name: p.read_bytes() for p in (native / "seed0").iterdir()}
+    del files["model-00003-of-00005.safetensors"]  # still named in the index
+    hub.commit(REPO, files)
+    hub.commit("org/dspark", {p.name: p.read_bytes() for p in (native / "dspark").iterdir()})
+    env = hub_env(hub, tmp_path / "hf")
+    r = run_cli("plan", REPO, env=env)
+    assert r.returncode == 11 and "model-00003-of-00005.safetensors" in r.stderr, r.stderr  # MissingShardError
+    r = run_cli("convert", "org/dspark", str(tmp_path / "out"), env=env)
+    assert r.returncode == 35 and "refusing to convert" in r.stderr, r.stderr  # UnsupportedLayoutError
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("spec", ["org/name", "org/name@main", "org/name@refs/pr/1", "org/name@0123456789abcdef0123456789abcdef01234567"])
+def test_parse_spec_accepts_repo_ids_with_revisions(spec: str) -> None:
+    repo, _, revision = spec.partition("@")
+    assert parse_spec(spec) == HubSpec(repo, revision or None)
+
+
+@pytest.mark.parametrize("spec", ["name-only", "a/b/c", "org/name@", "./local/dir", "org/na me"])
+def test_parse_spec_refuses_what_is_not_a_repo_id(spec: str) -> None:
+    with pytest.raises(RepoNotFound, match="org/name"):
+        parse_spec(spec)
