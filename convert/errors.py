@@ -135,3 +135,116 @@ class ShapeMismatchError(LoadError):
 
 class DtypeMismatchError(LoadError):
     exit_code = 54
+
+
+# --- model hub and batch ----------------------------------------------------------------
+class HubError(DSV4Error):
+    exit_code = 60
+
+
+class RepoNotFound(HubError):
+    exit_code = 61
+
+
+class RevisionNotFound(HubError):
+    exit_code = 62
+
+
+class DownloadError(HubError):
+    """A planned byte range could not be fetched whole (wrong length, retries exhausted)."""
+
+    exit_code = 63
+
+
+class ManifestError(HubError):
+    exit_code = 64
+
+
+class PushError(HubError):
+    exit_code = 65
+
+
+class BatchFailedError(HubError):
+    """At least one repository of a batch failed; the others were still processed."""
+
+    exit_code = 66
+
+
+# --- check ------------------------------------------------------------------------------
+# `convert-dsv4 check`: one class per failed check, each with its own exit code, so CI can
+# tell the failures apart. The quantisation classes also serve the converter, which carries
+# a compressed-tensors quantization_config into the output (convert/quant.py).
+class CheckError(DSV4Error):
+    exit_code = 70
+
+
+class IndexCheckError(CheckError):
+    """Index and shard headers disagree: names, missing or stray shards, offsets, gaps."""
+
+    exit_code = 71
+
+
+class UnreadableTensorError(CheckError):
+    exit_code = 72
+
+
+class SizeCheckError(CheckError):
+    """index total_size or conversion.json sizes/files disagree with the shards."""
+
+    exit_code = 73
+
+
+class ChecksumMismatchError(CheckError):
+    exit_code = 74
+
+
+class ConfigCheckError(CheckError):
+    """config.json lacks the conversion record or disagrees with the tensors."""
+
+    exit_code = 75
+
+
+class MissingTensorsError(CheckError):
+    exit_code = 76
+
+
+class UnexpectedTensorsError(CheckError):
+    exit_code = 77
+
+
+class TensorShapeError(CheckError):
+    exit_code = 78
+
+
+class TensorDtypeError(CheckError):
+    exit_code = 79
+
+
+class QuantSchemeError(CheckError):
+    """A linear of the draft resolves to no scheme, or to several, and is not ignored."""
+
+    exit_code = 80
+
+
+class EmptyQuantNameError(CheckError):
+    """A linear with an empty quantisation layer name (vLLM issue #44817)."""
+
+    exit_code = 81
+
+
+class QuantCarryError(CheckError):
+    """The source quantization_config cannot be carried to the draft's layer names unchanged."""
+
+    exit_code = 82
+
+
+class SmokeFailedError(CheckError):
+    """The strict load or the few-token forward failed."""
+
+    exit_code = 84
+
+
+class NativeParityError(CheckError):
+    """The converted draft disagrees with the reference run on the native checkpoint."""
+
+    exit_code = 85

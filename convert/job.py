@@ -275,6 +275,7 @@ def _verify(partial: Path, shards: list[list[PlannedTensor]], names: list[str], 
 def run_plan(plan: Plan, reader: ByteReader, out: str | Path, *, overwrite: bool = False, max_shard_size: int = DEFAULT_MAX_SHARD, quiet: bool = True) -> ConversionResult:
     start = time.monotonic()
     out = Path(out)
+    config = output_config(plan)  # before any byte is written: a config that cannot be carried fails here
     shards = shard_layout(plan, max_shard_size)
     names = [shard_name(k, len(shards)) for k in range(len(shards))]
     fingerprint = _fingerprint(plan, reader, shards)
@@ -314,7 +315,7 @@ def run_plan(plan: Plan, reader: ByteReader, out: str | Path, *, overwrite: bool
                         journal[t.name] = entry
                     writer.sync()
         _verify(partial, shards, names, journal)
-        _finish(plan, partial, out, shards, names, journal, fingerprint)
+        _finish(plan, config, partial, out, shards, names, journal, fingerprint)
     except OSError as exc:
         raise WriteFailedError(f"{partial}: conversion failed ({exc.strerror or exc}); no output directory was created; rerun to resume") from None
     finally:
@@ -324,10 +325,10 @@ def run_plan(plan: Plan, reader: ByteReader, out: str | Path, *, overwrite: bool
     return ConversionResult(out, "resumed" if resumed else "converted", reader.bytes_read, executor.written, time.monotonic() - start, len(plan.tensors), plan)
 
 
-def _finish(plan: Plan, partial: Path, out: Path, shards: list[list[PlannedTensor]], names: list[str], journal: dict[str, dict[str, Any]], fingerprint: dict[str, Any]) -> None:
+def _finish(plan: Plan, config: dict[str, Any], partial: Path, out: Path, shards: list[list[PlannedTensor]], names: list[str], journal: dict[str, dict[str, Any]], fingerprint: dict[str, Any]) -> None:
     weight_map = {t.name: name for tensors, name in zip(shards, names) for t in tensors}
     _write_json(partial / INDEX_NAME, {"metadata": {"total_size": plan.bytes_to_write}, "weight_map": weight_map})
-    _write_json(partial / "config.json", output_config(plan))
+    _write_json(partial / "config.json", config)
     _write_json(
         partial / CONVERSION_RECORD,
         {

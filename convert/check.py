@@ -1,0 +1,603 @@
+"""`convert-dsv4 check DIR`: verify a converted checkpoint, one named check at a time.
+
+Each check passes, fails with its own exit code (convert/errors.py, 71..85) and a one-line
+reason naming the file and tensor, or is skipped with the reason why (not requested, or a
+check it builds on failed). `run_checks` returns the whole report for library callers (the
+batch job); the command prints it, optionally as JSON and as JUnit XML with one test case
+per check, so GitHub Actions and GitLab show each one, and exits with the first failure's
+code.
+
+The checks, in order (a later one may need an earlier one's result):
+  index      index and shard headers agree: names, shards present, no stray shard, every
+             tensor's bytes inside its file, no gaps or overlaps (safetensors' own rule)
+  readable   every tensor reads through safetensors, in bounded row blocks
+  sizes      the index's total_size and conversion.json's files and sizes match the shards
+  checksums  every tensor's sha256 matches conversion.json (skipped with --fast)
+  config     config.json records the conversion (layout, table) and agrees with the
+             tensors: MTP blocks present, expert_dtype, FP8 block size vs scale shapes
+  layout     names, shapes and dtypes equal target_layout(config): the model's own layout
+  quant      every linear has a quantisation layer name and resolves to one scheme
+  smoke      strict load into the bundled model and a few-token forward (--smoke)
+  native     numerical parity with the reference on the native checkpoint (--native)
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import math
+import os
+import re
+import time
+import xml.etree.ElementTree as ET
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import cache
+from pathlib import Path
+from typing import Any, Literal
+
+import click
+import torch
+from safetensors import safe_open
+
+from dsv4.convert.errors import (
+    CheckError,
+    ChecksumMismatchError,
+    ConfigCheckError,
+    DSV4Error,
+    IndexCheckError,
+    MissingTensorsError,
+    NativeParityError,
+    SizeCheckError,
+    SmokeFailedError,
+    TableError,
+    TensorDtypeError,
+    TensorShapeError,
+    UnexpectedTensorsError,
+    UnreadableTensorError,
+)
+from dsv4.convert.inventory import INDEX_NAME, Inventory, TensorSource, check_shard_name, load_index, merge_shards, read_local_header
+from dsv4.convert.job import CONVERSION_RECORD
+from dsv4.convert.native import variant_of
+from dsv4.convert.plan import LAYOUT_RECORD
+from dsv4.convert.quant import build_draft, check_draft_quantization
+from dsv4.mapping.table import load_table
+from dsv4.model.config import ModelConfig
+from dsv4.model.layout import target_layout
+
+READ_BLOCK = 64 << 20  # bytes per read of one tensor: bounded memory at any tensor size
+SMOKE_TOKENS = 4
+NATIVE_MIN_TOP1 = 1.0  # as `convert-dsv4 smoke --reference`
+NATIVE_MAX_REL_DIFF = 2e-2  # max|diff| / max|value|: bf16 rounding, far below a wrong weight
+LIST_AT_MOST = 3  # names quoted in a one-line reason; the JSON details list all of them
+
+Status = Literal["pass", "fail", "skip"]
+
+
+class _Skipped(Exception):
+    """A check that did not run, and why."""
+
+
+@dataclass
+class CheckResult:
+    name: str
+    status: Status
+    reason: str
+    exit_code: int = 0
+    error: CheckError | None = field(default=None, repr=False)
+    seconds: float = 0.0
+    details: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"name": self.name, "status": self.status, "reason": self.reason, "seconds": round(self.seconds, 3)}
+        if self.error is not None:
+            out["exit_code"] = self.exit_code
+            out["error"] = type(self.error).__name__
+        if self.details:
+            out["details"] = self.details
+        return out
+
+
+@dataclass
+class CheckReport:
+    checkpoint: str
+    results: list[CheckResult]
+
+    @property
+    def failures(self) -> list[CheckResult]:
+        return [r for r in self.results if r.status == "fail"]
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures
+
+    @property
+    def exit_code(self) -> int:
+        """The first failed check's code (checks run in a fixed order), 0 when all passed."""
+        return self.failures[0].exit_code if self.failures else 0
+
+    def result(self, name: str) -> CheckResult:
+        return next(r for r in self.results if r.name == name)
+
+    def summary(self) -> str:
+        counts = {s: sum(r.status == s for r in self.results) for s in ("pass", "fail", "skip")}
+        verdict = "OK" if self.ok else f"FAILED (exit {self.exit_code})"
+        return f"{self.checkpoint}: {verdict}: {counts['pass']} passed, {counts['fail']} failed, {counts['skip']} skipped"
+
+    def raise_for_failure(self) -> None:
+        """Raise the first failed check's error (its one-line reason and exit code)."""
+        for r in self.failures:
+            assert r.error is not None
+            raise r.error
+
+    def to_json(self) -> dict[str, Any]:
+        return {"checkpoint": self.checkpoint, "ok": self.ok, "exit_code": self.exit_code, "summary": self.summary(), "checks": [r.to_json() for r in self.results]}
+
+    def to_junit(self) -> str:
+        """JUnit XML: one test case per check; a failure carries the reason, a skip its why."""
+        total = sum(r.seconds for r in self.results)
+        counts = {"tests": str(len(self.results)), "failures": str(len(self.failures)), "errors": "0", "skipped": str(sum(r.status == "skip" for r in self.results)), "time": f"{total:.3f}"}
+        suites = ET.Element("testsuites", {"name": "convert-dsv4 check", **counts})
+        suite = ET.SubElement(suites, "testsuite", {"name": f"convert-dsv4 check {self.checkpoint}", **counts})
+        for r in self.results:
+            case = ET.SubElement(suite, "testcase", {"classname": "convert-dsv4.check", "name": r.name, "time": f"{r.seconds:.3f}"})
+            if r.status == "fail":
+                failure = ET.SubElement(case, "failure", {"message": r.reason, "type": type(r.error).__name__})
+                failure.text = f"{r.reason} (exit code {r.exit_code})"
+            elif r.status == "skip":
+                ET.SubElement(case, "skipped", {"message": r.reason})
+            else:
+                ET.SubElement(case, "system-out").text = r.reason
+        ET.indent(suites)
+        return ET.tostring(suites, encoding="unicode", xml_declaration=True) + "\n"
+
+
+@dataclass
+class _Context:
+    """What the checks share: options, and what earlier checks found."""
+
+    root: Path
+    fast: bool
+    smoke: bool
+    native: Path | None
+    device: str
+    tokens: int
+    min_top1: float
+    max_rel_diff: float
+    config: dict[str, Any] | None = None
+    config_error: str | None = None
+    inv: Inventory | None = None
+    hashes: dict[str, str] = field(default_factory=dict)
+    unreadable: set[str] = field(default_factory=set)
+    cfg: ModelConfig | None = None
+    record: dict[str, Any] | None = None  # conversion.json
+    smoke_report: dict[str, Any] | None = None
+    passed: set[str] = field(default_factory=set)
+
+    def where(self, file: str) -> str:
+        return str(self.root / file)
+
+    def need_inventory(self) -> Inventory:
+        if self.inv is None:
+            raise _Skipped("needs the index and shard headers (index check failed)")
+        return self.inv
+
+    def need_config(self) -> ModelConfig:
+        if self.cfg is None:
+            raise _Skipped(f"needs a model config: {self.config_error}")
+        return self.cfg
+
+
+def _short(names: list[str]) -> str:
+    head = ", ".join(names[:LIST_AT_MOST])
+    return head + (f" and {len(names) - LIST_AT_MOST} more" if len(names) > LIST_AT_MOST else "")
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
+
+
+# --- index -------------------------------------------------------------------------------
+def _check_data_section(file: str, found: dict[str, TensorSource], data_start: int, size: int) -> None:
+    """safetensors' own rule: the tensors tile the data section exactly (no gap, no overlap,
+    nothing after the last one)."""
+    at = data_start
+    for src in sorted(found.values(), key=lambda s: (s.start, s.end)):
+        if src.start < at:
+            raise IndexCheckError(f"{file}: tensor {src.name}: bytes {src.start}..{src.end} overlap the previous tensor (which ends at {at})")
+        if src.start > at:
+            raise IndexCheckError(f"{file}: bytes {at}..{src.start} before tensor {src.name} belong to no tensor")
+        at = src.end
+    if at != size:
+        raise IndexCheckError(f"{file}: bytes {at}..{size} after the last tensor belong to no tensor")
+
+
+def check_index(ctx: _Context, details: dict[str, Any]) -> str:
+    index_path = ctx.root / INDEX_NAME
+    if not index_path.is_file():
+        raise IndexCheckError(f"{index_path}: missing (the converter always writes one)")
+    try:
+        weight_map = load_index(index_path.read_bytes(), INDEX_NAME)
+        files = sorted(set(weight_map.values()))
+        shards = []
+        sizes: dict[str, int] = {}
+        for file in files:
+            check_shard_name(file, INDEX_NAME)
+            shard = ctx.root / file
+            if not shard.is_file():
+                raise IndexCheckError(f"{shard}: named in {INDEX_NAME} (for {_short(sorted(n for n, f in weight_map.items() if f == file))}) but does not exist")
+            if shard.resolve().parent != ctx.root.resolve():
+                raise IndexCheckError(f"{shard}: resolves to {shard.resolve()}, outside the checkpoint directory")
+            found, data_start = read_local_header(shard)
+            sizes[file] = shard.stat().st_size
+            _check_data_section(str(shard), found, data_start, sizes[file])
+            shards.append((file, found))
+        tensors = merge_shards(str(ctx.root), weight_map, shards)
+    except CheckError:
+        raise
+    except DSV4Error as exc:  # the inventory's typed errors: the message names file and tensor
+        raise IndexCheckError(str(exc)) from None
+    stray = sorted(p.name for p in ctx.root.glob("*.safetensors") if p.name not in sizes)
+    if stray:
+        raise IndexCheckError(f"{ctx.where(stray[0])}: shard not named in {INDEX_NAME} (a loader that globs *.safetensors would read it; {len(stray)} such file(s))")
+    ctx.inv = Inventory(str(ctx.root), ctx.config or {}, tensors, sizes)
+    details.update(shards=files, tensors=len(tensors))
+    return f"{len(files)} shard(s), {len(tensors)} tensors: index and headers agree, data sections tile their files"
+
+
+# --- readable + checksums: one pass over the data ----------------------------------------
+def _next_data(fd: int, offset: int) -> int:
+    """Where data (not a file hole) next starts at or after `offset`, the file's size when
+    only a hole follows. Without hole support a file system reports data everywhere."""
+    if not hasattr(os, "SEEK_DATA"):
+        return offset
+    try:
+        return os.lseek(fd, offset, os.SEEK_DATA)
+    except OSError as exc:
+        if exc.errno == errno.ENXIO:
+            return os.fstat(fd).st_size
+        raise
+
+
+@cache
+def _zeros(n: int) -> bytes:
+    return bytes(n)
+
+
+def _read_tensor(f: Any, fd: int, src: TensorSource, digest: Any | None) -> None:
+    """Read every byte of `src` through safetensors in row blocks of at most READ_BLOCK
+    bytes, feeding them (row-major, as on disk) to `digest`. A block lying in a file hole
+    (sparse test replicas) reads as zeros by definition, so it is hashed as zeros unread."""
+    sl = f.get_slice(src.name) if src.shape else None  # a 0-d tensor is one block
+    rows = src.shape[0] if src.shape else 1
+    row_bytes = src.nbytes // rows if rows else 0
+    step = max(1, READ_BLOCK // max(1, row_bytes))
+    for r in range(0, rows, step):
+        lo, hi = src.start + r * row_bytes, src.start + min(rows, r + step) * row_bytes
+        if _next_data(fd, lo) >= hi:
+            if digest is not None:
+                digest.update(_zeros(hi - lo))
+            continue
+        block = sl[r : r + step] if sl is not None else f.get_tensor(src.name)
+        data = block.contiguous().view(-1).view(torch.uint8).numpy()
+        if digest is not None:
+            digest.update(data)
+        else:
+            data.max()  # safetensors maps the file: only touching every byte reads it
+
+
+def check_readable(ctx: _Context, details: dict[str, Any]) -> str:
+    inv = ctx.need_inventory()
+    by_file: dict[str, list[TensorSource]] = {}
+    for src in inv.tensors.values():
+        by_file.setdefault(src.file, []).append(src)
+    failed: dict[str, str] = {}
+    for file, tensors in sorted(by_file.items()):
+        fd = os.open(ctx.root / file, os.O_RDONLY)
+        try:
+            with safe_open(ctx.root / file, framework="pt", device="cpu") as f:
+                for src in sorted(tensors, key=lambda s: s.start):  # front to back through the file
+                    digest = None if ctx.fast else hashlib.sha256()
+                    try:
+                        _read_tensor(f, fd, src, digest)
+                    except Exception as exc:  # any failure to read is this check's finding
+                        failed[src.name] = f"{file}: tensor {src.name}: {_first_line(exc)}"
+                        continue
+                    if digest is not None:
+                        ctx.hashes[src.name] = digest.hexdigest()
+        except Exception as exc:  # safetensors refusing the whole file
+            for src in tensors:
+                failed.setdefault(src.name, f"{file}: {_first_line(exc)}")
+        finally:
+            os.close(fd)
+    ctx.unreadable = set(failed)
+    if failed:
+        details["unreadable"] = failed
+        names = sorted(failed)
+        raise UnreadableTensorError(f"{len(failed)} tensor(s) unreadable: {failed[names[0]]}" + (f" (and {_short(names[1:])})" if len(names) > 1 else ""))
+    total = sum(src.nbytes for src in inv.tensors.values())
+    details["bytes"] = total
+    return f"{len(inv.tensors)} tensors, {total:,} bytes read through safetensors"
+
+
+# --- sizes and checksums -----------------------------------------------------------------
+def _conversion_record(ctx: _Context) -> dict[str, Any]:
+    path = ctx.root / CONVERSION_RECORD
+    try:
+        record = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise SizeCheckError(f"{path}: missing (the converter writes every tensor's file, size and sha256 there)") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise SizeCheckError(f"{path}: unreadable ({_first_line(exc)})") from None
+    if not isinstance(record, dict) or not isinstance(record.get("tensors"), dict):
+        raise SizeCheckError(f"{path}: has no 'tensors' object")
+    return record
+
+
+def check_sizes(ctx: _Context, details: dict[str, Any]) -> str:
+    inv = ctx.need_inventory()
+    total = sum(src.nbytes for src in inv.tensors.values())
+    index = json.loads((ctx.root / INDEX_NAME).read_text())
+    declared = (index.get("metadata") or {}).get("total_size")
+    if declared != total:
+        raise SizeCheckError(f"{ctx.where(INDEX_NAME)}: metadata.total_size is {declared!r} but the {len(inv.tensors)} tensors hold {total:,} bytes")
+    record = _conversion_record(ctx)
+    listed = record["tensors"]
+    missing = sorted(set(inv.tensors) - set(listed))
+    if missing:
+        raise SizeCheckError(f"{ctx.where(CONVERSION_RECORD)}: does not list {len(missing)} tensor(s) the shards hold: {_short(missing)}")
+    extra = sorted(set(listed) - set(inv.tensors))
+    if extra:
+        raise SizeCheckError(f"{ctx.where(CONVERSION_RECORD)}: lists {len(extra)} tensor(s) no shard holds: {_short(extra)}")
+    for name, src in sorted(inv.tensors.items()):
+        entry = listed[name]
+        if entry.get("file") != src.file or entry.get("nbytes") != src.nbytes:
+            raise SizeCheckError(f"{ctx.where(CONVERSION_RECORD)}: tensor {name}: recorded as {entry.get('nbytes')!r} bytes in {entry.get('file')!r}, but it is {src.nbytes:,} bytes in {src.file}")
+    ctx.record = record
+    details["total_size"] = total
+    return f"total_size {total:,} bytes = the tensors' sum; {CONVERSION_RECORD} lists the same {len(listed)} tensors, files and sizes"
+
+
+def check_checksums(ctx: _Context, details: dict[str, Any]) -> str:
+    inv = ctx.need_inventory()
+    if ctx.fast:
+        raise _Skipped(f"--fast: {len(inv.tensors)} tensors not hashed (sizes, names and files still checked)")
+    if ctx.record is None:
+        raise _Skipped(f"needs {CONVERSION_RECORD} with every tensor (sizes check failed)")
+    listed = ctx.record["tensors"]
+    wrong = sorted(n for n, h in ctx.hashes.items() if listed[n].get("sha256") != h)
+    details.update(hashed=len(ctx.hashes), differ=wrong, unreadable=sorted(ctx.unreadable))
+    if wrong:
+        first = inv.tensors[wrong[0]]
+        raise ChecksumMismatchError(f"{ctx.where(first.file)}: tensor {first.name}: sha256 differs from {CONVERSION_RECORD}" + (f" ({len(wrong)} tensors differ: {_short(wrong)})" if len(wrong) > 1 else ""))
+    note = f"; {len(ctx.unreadable)} unreadable tensor(s) not hashed" if ctx.unreadable else ""
+    return f"{len(ctx.hashes)} tensors match {CONVERSION_RECORD}'s sha256{note}"
+
+
+# --- config ------------------------------------------------------------------------------
+EXPERT = re.compile(r"\.ffn\.experts\.routed_experts\.(w13|w2)_(weight|weight_scale|weight_scale_inv)\Z")
+LAYER = re.compile(r"model\.layers\.(\d+)\.")
+
+
+def _expert_dtype_of(name: str, dtype: str) -> str | None:
+    """The expert_dtype a routed-expert tensor implies (spec 02 §2.2): FP4 experts are uint8
+    weights with `_weight_scale`; FP8 experts are e4m3 weights with `_weight_scale_inv`."""
+    m = EXPERT.search(name)
+    if m is None:
+        return None
+    if m.group(2) == "weight":
+        return {"U8": "fp4", "F8_E4M3": "fp8"}.get(dtype, f"unknown ({dtype})")
+    return "fp4" if m.group(2) == "weight_scale" else "fp8"
+
+
+def check_config(ctx: _Context, details: dict[str, Any]) -> str:
+    where = ctx.where("config.json")
+    if ctx.config is None or ctx.cfg is None:
+        raise ConfigCheckError(f"{where}: {ctx.config_error}")
+    inv = ctx.need_inventory()
+    config, cfg = ctx.config, ctx.cfg
+    record = config.get(LAYOUT_RECORD)
+    keys = ("layout", "table", "table_version", "tool_version")
+    if not isinstance(record, dict) or any(k not in record for k in keys):
+        raise ConfigCheckError(f"{where}: no {LAYOUT_RECORD} record with {', '.join(keys)}: not a checkpoint this converter wrote")
+    try:
+        table = load_table(record["table"])
+    except TableError as exc:
+        raise ConfigCheckError(f"{where}: {LAYOUT_RECORD}.table {record['table']!r} is not a table this tool has ({_first_line(exc)})") from None
+    if (record["layout"], record["table_version"]) != (table.target, table.version):
+        raise ConfigCheckError(f"{where}: converted to layout {record['layout']!r} with table {record['table']} v{record['table_version']}, but this tool's table {table.name} is v{table.version} for layout {table.target!r}: reconvert")
+    if ctx.record is not None and (ctx.record.get("table"), ctx.record.get("target")) != (record["table"], record["layout"]):
+        raise ConfigCheckError(f"{where}: {LAYOUT_RECORD} says table {record['table']!r} / layout {record['layout']!r}, {CONVERSION_RECORD} says {ctx.record.get('table')!r} / {ctx.record.get('target')!r}")
+
+    expected_layers = {cfg.mtp_layer_index(i) for i in range(cfg.num_nextn_predict_layers)}
+    present = {int(m.group(1)) for name in inv.tensors if (m := LAYER.match(name))}
+    if present != expected_layers:
+        raise ConfigCheckError(f"{where}: num_nextn_predict_layers = {cfg.num_nextn_predict_layers} and num_hidden_layers = {cfg.num_hidden_layers} mean MTP layer(s) {sorted(expected_layers)}, but the tensors hold layer(s) {sorted(present)}")
+
+    for name, src in sorted(inv.tensors.items()):
+        implied = _expert_dtype_of(name, src.dtype)
+        if implied is not None and implied != cfg.expert_dtype:
+            raise ConfigCheckError(f"{where}: expert_dtype is {cfg.expert_dtype!r} but {src.file}: tensor {name} ({src.dtype}) holds {implied} experts")
+
+    quant = config.get("quantization_config")
+    block = None
+    if isinstance(quant, dict) and quant.get("quant_method") == "fp8":
+        block = quant.get("weight_block_size")
+        if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+            raise ConfigCheckError(f"{where}: quantization_config.weight_block_size is {block!r}, not two positive integers")
+        layout = target_layout(cfg)
+        for name, src in sorted(inv.tensors.items()):
+            weight = inv.tensors.get(name.removesuffix("_scale_inv"))
+            if not name.endswith("_scale_inv") or weight is None or weight.dtype != "F8_E4M3" or name not in layout or weight.name not in layout:
+                continue
+            if weight.shape == layout[weight.name][1] and src.shape != layout[name][1]:
+                raise ConfigCheckError(f"{where}: quantization_config.weight_block_size {block} gives {name} the shape {list(layout[name][1])}, but {src.file} holds {list(src.shape)} for {weight.name} {list(weight.shape)}")
+    what = f"FP8 blocks {block}" if block else f"{quant.get('quant_method')} quantisation (names: see quant)" if isinstance(quant, dict) else "no quantization_config"
+    details.update(layout=record["layout"], table=record["table"], table_version=record["table_version"], mtp_layers=sorted(present))
+    return f"converted to {record['layout']!r} with table {record['table']} v{record['table_version']}; MTP layer(s) {sorted(present)}; expert_dtype {cfg.expert_dtype}; {what} agree with the tensors"
+
+
+# --- layout ------------------------------------------------------------------------------
+def check_layout(ctx: _Context, details: dict[str, Any]) -> str:
+    inv, cfg = ctx.need_inventory(), ctx.need_config()
+    want = target_layout(cfg)
+    missing = sorted(set(want) - set(inv.tensors))
+    unexpected = sorted(set(inv.tensors) - set(want))
+    both = sorted(set(want) & set(inv.tensors))
+    shape = [f"{n} is {list(inv.tensors[n].shape)} in {inv.tensors[n].file}, expected {list(want[n][1])}" for n in both if inv.tensors[n].shape != want[n][1]]
+    dtype = [f"{n} is {inv.tensors[n].dtype} in {inv.tensors[n].file}, expected {want[n][0]}" for n in both if inv.tensors[n].dtype != want[n][0]]
+    details.update(missing=missing, unexpected=unexpected, shape=shape, dtype=dtype)
+    findings: list[tuple[type[CheckError], str]] = []
+    if missing:
+        findings.append((MissingTensorsError, f"{len(missing)} missing: {_short(missing)}"))
+    if unexpected:
+        findings.append((UnexpectedTensorsError, f"{len(unexpected)} unexpected: {_short([f'{n} in {inv.tensors[n].file}' for n in unexpected])}"))
+    if shape:
+        findings.append((TensorShapeError, f"{len(shape)} mis-shaped: {_short(shape)}"))
+    if dtype:
+        findings.append((TensorDtypeError, f"{len(dtype)} of the wrong dtype: {_short(dtype)}"))
+    if findings:
+        raise findings[0][0](f"{ctx.where(INDEX_NAME)}: not the {cfg.expert_dtype} target layout: " + "; ".join(text for _, text in findings))
+    return f"all {len(want)} tensors of the target layout present with their shapes and dtypes, nothing else"
+
+
+# --- quantisation ------------------------------------------------------------------------
+def check_quant(ctx: _Context, details: dict[str, Any]) -> str:
+    cfg = ctx.need_config()
+    assert ctx.config is not None  # a parsed cfg implies a parsed config.json
+    summary = check_draft_quantization(build_draft(cfg), ctx.config, ctx.where("config.json"))
+    if summary.library_missing:
+        raise _Skipped(summary.reason)
+    details.update(layers=summary.layers, schemes_checked=summary.schemes_checked)
+    return summary.reason
+
+
+# --- smoke and native parity -------------------------------------------------------------
+def check_smoke(ctx: _Context, details: dict[str, Any]) -> str:
+    if not (ctx.smoke or ctx.native):
+        raise _Skipped("not requested (--smoke or --native)")
+    if "layout" not in ctx.passed:
+        raise _Skipped("needs the target layout (layout check failed): a strict load would fail")
+    from dsv4.model.smoke import run_smoke  # imports the reference and kernels: only here
+
+    try:
+        report = run_smoke(ctx.root, ctx.device, ctx.tokens, ctx.native)
+    except Exception as exc:  # a failed load or forward, whatever raised it, is this check's finding
+        said = _first_line(exc)
+        raise SmokeFailedError(said if str(ctx.root) in said else f"{ctx.root}: {said}") from None
+    ctx.smoke_report = report
+    details.update({k: report[k] for k in ("device", "kernels", "hidden_shape", "logits_shape", "load_ms", "forward_warm_ms")})
+    return f"strict load and {ctx.tokens}-token forward on {report['device']}: hidden {report['hidden_shape']}, logits {report['logits_shape']}, finite; fused norms: {report['kernels']}"
+
+
+def check_native(ctx: _Context, details: dict[str, Any]) -> str:
+    if ctx.native is None:
+        raise _Skipped("not requested (--native SRC)")
+    if ctx.smoke_report is None:
+        raise _Skipped("needs the smoke run (smoke check failed or was skipped)")
+    r = ctx.smoke_report
+    hidden = r["hidden_max_abs_diff"] / max(r["hidden_max_abs"], 1e-30)
+    logits = r["logits_max_abs_diff"] / max(r["logits_max_abs"], 1e-30)
+    details.update({k: r[k] for k in ("hidden_max_abs_diff", "hidden_max_abs", "logits_max_abs_diff", "logits_max_abs", "top1_agreement")})
+    said = f"hidden max|diff| {hidden:.2%} of max|h|, logits {logits:.2%} of max|logit|, top-1 agreement {r['top1_agreement']:.3f}"
+    if not (math.isfinite(hidden) and math.isfinite(logits)) or hidden > ctx.max_rel_diff or logits > ctx.max_rel_diff or r["top1_agreement"] < ctx.min_top1:
+        raise NativeParityError(f"{ctx.root}: differs from the reference on {ctx.native}: {said} (limits {ctx.max_rel_diff:.0%}, top-1 {ctx.min_top1:.3f})")
+    return f"agrees with the reference on {ctx.native}: {said}"
+
+
+# each check returns its one-line reason and may fill `details` (kept on failure too)
+CHECKS: tuple[tuple[str, Callable[[_Context, dict[str, Any]], str]], ...] = (
+    ("index", check_index),
+    ("readable", check_readable),
+    ("sizes", check_sizes),
+    ("checksums", check_checksums),
+    ("config", check_config),
+    ("layout", check_layout),
+    ("quant", check_quant),
+    ("smoke", check_smoke),
+    ("native", check_native),
+)
+
+
+def _load_config(ctx: _Context) -> None:
+    path = ctx.root / "config.json"
+    try:
+        ctx.config = json.loads(path.read_text())
+    except FileNotFoundError:
+        ctx.config_error = "no config.json in the checkpoint directory"
+        return
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        ctx.config_error = f"not valid JSON ({_first_line(exc)})"
+        return
+    try:
+        ctx.cfg = ModelConfig.from_dict(ctx.config)
+        variant_of(ctx.cfg)
+    except (ValueError, TypeError) as exc:
+        ctx.cfg = None
+        ctx.config_error = _first_line(exc)
+
+
+def run_checks(
+    path: str | Path,
+    *,
+    native: str | Path | None = None,
+    smoke: bool = False,
+    fast: bool = False,
+    device: str = "cpu",
+    tokens: int = SMOKE_TOKENS,
+    min_top1: float = NATIVE_MIN_TOP1,
+    max_rel_diff: float = NATIVE_MAX_REL_DIFF,
+) -> CheckReport:
+    """Run every check on the converted checkpoint at `path` and return the report (never
+    raises for a failed check; `report.raise_for_failure()` does). `native` (the checkpoint
+    it was converted from) implies the smoke run, which then also runs the reference."""
+    ctx = _Context(Path(path), fast, smoke, Path(native) if native is not None else None, device, tokens, min_top1, max_rel_diff)
+    _load_config(ctx)
+    results = []
+    for name, check in CHECKS:
+        start = time.monotonic()
+        details: dict[str, Any] = {}
+        try:
+            result = CheckResult(name, "pass", check(ctx, details))
+            ctx.passed.add(name)
+        except _Skipped as skip:
+            result = CheckResult(name, "skip", str(skip))
+        except CheckError as exc:
+            result = CheckResult(name, "fail", str(exc), exc.exit_code, exc)
+        result.details = details
+        result.seconds = time.monotonic() - start
+        results.append(result)
+    return CheckReport(str(ctx.root), results)
+
+
+@click.command("check")
+@click.argument("directory", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--native", "native", type=click.Path(exists=True, file_okay=False, path_type=Path), help="the NATIVE checkpoint DIRECTORY was converted from: check numerical parity with the reference on it (implies --smoke)")
+@click.option("--smoke", is_flag=True, help="load strictly into the bundled model and run a few-token forward")
+@click.option("--fast", is_flag=True, help="skip hashing the tensor data against conversion.json (says so in the report)")
+@click.option("--device", default="cpu", show_default=True, help="device for --smoke and --native")
+@click.option("--json", "as_json", is_flag=True, help="print the report as JSON")
+@click.option("--junit", type=click.Path(dir_okay=False, path_type=Path), help="also write the report as JUnit XML to this file, one test case per check")
+def check_command(directory: Path, native: Path | None, smoke: bool, fast: bool, device: str, as_json: bool, junit: Path | None) -> None:
+    """Verify converted checkpoint DIRECTORY; exit with the first failed check's code.
+
+    \b
+    exit codes: 71 index/headers  72 unreadable tensor  73 sizes  74 checksum
+                75 config vs tensors  76 missing  77 unexpected  78 shape  79 dtype
+                80 quantisation scheme  81 empty quantisation name (vLLM #44817)
+                84 smoke  85 native parity
+    """
+    report = run_checks(directory, native=native, smoke=smoke, fast=fast, device=device)
+    if junit is not None:
+        junit.write_text(report.to_junit())
+    if as_json:
+        click.echo(json.dumps(report.to_json(), indent=2))
+    else:
+        for r in report.results:
+            code = f" [{r.exit_code}]" if r.status == "fail" else ""
+            click.echo(f"  {r.status.upper():4} {r.name:9} {r.reason}{code}")
+        click.echo(report.summary())
+    # the process exit code travels on the error: cli.main() exits with it
+    report.raise_for_failure()

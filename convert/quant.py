@@ -1,0 +1,363 @@
+"""Quantisation layer names: carrying a quantization_config across the conversion, and
+checking that every linear of the draft resolves to one scheme (spec 02 §2.3).
+
+A compressed-tensors config names modules (`targets`, `ignore`, `re:` regexes, class names
+such as "Linear"). Written for the native checkpoint it names `mtp.0.attn.wq_a`,
+`mtp.0.ffn.experts.7.w1`, ...; the draft's layers are `model.layers.{L}.attn.fused_wqa_wkv`,
+`model.layers.{L}.ffn.experts`, ... Nothing here rewrites pattern text. Instead:
+
+1. every native module feeding a draft layer is resolved against the source config with
+   compressed-tensors' own matching functions (ignore first, then the most specific target);
+2. which native modules make up which draft layer comes from the conversion plan, i.e. from
+   the mapping table's rules (a concat fuses wq_a + wkv, a stack fuses all routed experts);
+3. the parts of one draft layer must agree, otherwise no config for the draft can reproduce
+   the source's assignment: that is an error, never a silent change;
+4. the output config lists each draft layer by its exact name, in the group (or the ignore
+   list) its parts resolved to, and is verified by resolving it again the same way.
+
+compressed-tensors is an optional extra (dsv4-convert[quant]) and is imported lazily: a
+converter run without it fails only when a source actually holds such a config, and
+`check` reports the scheme check as skipped.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass
+from functools import cache
+from types import ModuleType
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from dsv4.convert.errors import CheckError, EmptyQuantNameError, QuantCarryError, QuantSchemeError
+from dsv4.convert.plan import LAYOUT_RECORD, Plan
+from dsv4.model.config import ModelConfig
+from dsv4.model.mtp import DeepSeekV4MTP, Experts
+from dsv4.model.quant import Embedding, QuantLayer
+
+CT_METHOD = "compressed-tensors"
+INSTALL_HINT = "pip install 'dsv4-convert[quant]'"
+# vLLM's message when a layer's name matches no target (issue #44817: the name was "")
+NO_TARGET = "Unable to find matching target for {name} in the compressed-tensors config"
+# Parts of a compressed-tensors config that name layers but are not config groups or ignore:
+# carrying them would leave native names behind, so a non-empty one is refused.
+NAMED_SIBLINGS = ("sparsity_config", "transform_config", "moe_sparsity_config")
+# An FP8 config with a list of layer names left unquantised would keep native names.
+FP8_NAME_LISTS = ("modules_to_not_convert", "ignored_layers")
+
+LayerKind = Literal["linear", "moe", "embedding"]
+Status = Literal["scheme", "ignored", "unmatched", "ambiguous"]
+
+
+class FusedMoE(nn.Linear):
+    """What compressed-tensors' class matching sees for the routed experts. vLLM's FusedMoE
+    takes the scheme of a "Linear" target (`_add_fused_moe_to_target_scheme_map`); deriving
+    from Linear gives that, and the class name matches a "FusedMoE" target."""
+
+
+_STAND_IN_CLASS: dict[LayerKind, type[nn.Module]] = {"linear": nn.Linear, "moe": FusedMoE, "embedding": nn.Embedding}
+
+
+@cache
+def _stand_in(kind: LayerKind) -> nn.Module:
+    # Class targets are matched on the module's class (its MRO names), nothing else: a
+    # 1x1 layer on the meta device stands for every layer of its kind.
+    return _STAND_IN_CLASS[kind](1, 1, device="meta")
+
+
+@dataclass(frozen=True)
+class DraftLayer:
+    path: str  # module path in the model
+    name: str  # quantisation layer name ("" when built without one)
+    kind: LayerKind
+
+
+def draft_layers(model: nn.Module) -> list[DraftLayer]:
+    """Every linear-like module of `model` with its quantisation layer name. A plain torch
+    Linear or Embedding carries no name at all: it is listed with "" (the seed bug's shape)."""
+    out = []
+    for path, mod in model.named_modules():
+        if not isinstance(mod, (QuantLayer, nn.Linear, nn.Embedding)):
+            continue
+        name = mod.quant_name if isinstance(mod, QuantLayer) else ""
+        kind: LayerKind = "embedding" if isinstance(mod, (Embedding, nn.Embedding)) else "moe" if isinstance(mod, Experts) else "linear"
+        out.append(DraftLayer(path, name, kind))
+    return out
+
+
+def build_draft(cfg: ModelConfig) -> DeepSeekV4MTP:
+    """The bundled draft model on the meta device: names and classes, no memory."""
+    with torch.device("meta"):
+        return DeepSeekV4MTP(cfg)
+
+
+@dataclass(frozen=True)
+class LayerMap:
+    """The draft's quantisation layers and the native modules each is made of."""
+
+    kinds: dict[str, LayerKind]
+    parts: dict[str, tuple[str, ...]]
+
+    def native_kind(self, draft: str) -> LayerKind:
+        # the parts of fused experts are each a plain linear (w1, w2, w3 of one expert)
+        return "linear" if self.kinds[draft] == "moe" else self.kinds[draft]
+
+
+def layer_map(plan: Plan) -> LayerMap:
+    """From a forward plan: each planned tensor belongs to the draft layer whose module path
+    prefixes its name, and is made of source tensors whose module is their name minus the
+    last component (`mtp.0.attn.wq_a.scale` -> `mtp.0.attn.wq_a`)."""
+    layers = {layer.path: layer for layer in draft_layers(build_draft(ModelConfig.from_dict(plan.config)))}
+    kinds: dict[str, LayerKind] = {}
+    parts: dict[str, dict[str, None]] = {}  # insertion-ordered sets
+    for t in plan.tensors:
+        segments = t.name.split(".")
+        owner = next((layers[p] for k in range(len(segments) - 1, 0, -1) if (p := ".".join(segments[:k])) in layers), None)
+        if owner is None:
+            continue  # a norm or hyper-connection parameter: not a quantisation layer
+        kinds[owner.name] = owner.kind
+        for piece in t.pieces:
+            parts.setdefault(owner.name, {})[piece.source.rsplit(".", 1)[0]] = None
+    return LayerMap(kinds, {name: tuple(p) for name, p in parts.items()})
+
+
+def compressed_tensors() -> ModuleType | None:
+    """compressed-tensors' matching module, or None when the optional extra is not installed."""
+    try:
+        from compressed_tensors.utils import match
+    except ImportError:
+        return None
+    return match
+
+
+@dataclass(frozen=True)
+class Resolution:
+    """What a config gives one layer: a scheme, ignored, nothing, or several schemes at the
+    same precedence (`via` names the entries that decided)."""
+
+    status: Status
+    group: str | None = None
+    scheme: str | None = None  # canonical JSON of the scheme, so equal schemes compare equal
+    via: tuple[str, ...] = ()
+
+    @property
+    def outcome(self) -> tuple[str, str | None]:
+        return self.status, self.scheme
+
+    def describe(self) -> str:
+        via = ", ".join(repr(v) for v in self.via)
+        if self.status == "scheme":
+            return f"{self.group} (via {via})"
+        if self.status == "ignored":
+            return f"ignored (via {via})"
+        if self.status == "ambiguous":
+            return f"targets {via} of different schemes"
+        return "no scheme (no entry matches)"
+
+
+class Matcher:
+    """A parsed compressed-tensors config, resolved with the library's matching functions.
+
+    Precedence follows compressed-tensors (`match_targets`: exact names, then regexes, then
+    classes; the first wins) and vLLM (a name match beats a class match). Two name matches
+    with different schemes are ambiguous: the two orders could pick different ones.
+    """
+
+    def __init__(self, config: Mapping[str, Any], where: str, error: type[CheckError]) -> None:
+        match = compressed_tensors()
+        if match is None:
+            raise error(f"{where}: quantization_config is {CT_METHOD}, which needs the compressed-tensors library: {INSTALL_HINT}")
+        from compressed_tensors.quantization import QuantizationConfig
+        from pydantic import ValidationError
+
+        try:
+            parsed = QuantizationConfig.model_validate(dict(config))
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            raise error(f"{where}: quantization_config is not a valid {CT_METHOD} config: {'.'.join(map(str, first['loc']))}: {first['msg']}") from None
+        self.match = match
+        # a target repeated in a later group takes that group, as compressed-tensors' own
+        # target -> scheme ordered dict does
+        self.target_group: dict[str, str] = {}
+        for group, scheme in parsed.config_groups.items():
+            for target in scheme.targets:
+                self.target_group[target] = group
+        self.schemes = {g: json.dumps(s.model_dump(mode="json", exclude={"targets"}), sort_keys=True) for g, s in parsed.config_groups.items()}
+        self.ignore: list[str] = list(parsed.ignore or [])
+
+    def resolve(self, name: str, kind: LayerKind) -> Resolution:
+        module = _stand_in(kind)
+        ignored = [e for e in self.ignore if self.match.is_match(name, module, e)]
+        if ignored:
+            return Resolution("ignored", via=(ignored[0],))
+        matched = self.match.match_targets(name, module, self.target_group)
+        if not matched:
+            return Resolution("unmatched")
+        tier = [t for t in matched if self.match.match_name(name, t)] or matched
+        if len({self.schemes[self.target_group[t]] for t in tier}) > 1:
+            return Resolution("ambiguous", via=tuple(tier))
+        group = self.target_group[matched[0]]
+        return Resolution("scheme", group, self.schemes[group], (matched[0],))
+
+    def entries(self) -> list[tuple[str, str]]:
+        """(where in the config, entry) for every target and ignore entry."""
+        return [(f"config_groups.{g}.targets", t) for t, g in self.target_group.items()] + [("ignore", e) for e in self.ignore]
+
+
+def _refuse_named_siblings(qc: Mapping[str, Any], where: str) -> None:
+    for key in NAMED_SIBLINGS:
+        value = qc.get(key)
+        if key == "sparsity_config" and isinstance(value, Mapping):
+            # llm-compressor writes a dense sparsity_config with no targets: nothing to carry
+            value = [*(value.get("targets") or []), *(value.get("ignore") or [])]
+        if value:
+            raise QuantCarryError(f"{where}: quantization_config.{key} names layers too; carrying it is not supported (refusing rather than leaving native names in it)")
+
+
+def rewrite_for_draft(qc: Mapping[str, Any], layers: LayerMap, where: str) -> tuple[dict[str, Any], list[str]]:
+    """`qc` (written for native names) with targets and ignore rewritten to the draft's
+    quantisation layer names, so each draft layer gets the scheme its native parts had;
+    plus the draft linears that no entry matched, which go to `ignore` (no scheme either
+    way, but vLLM refuses a linear that matches nothing)."""
+    _refuse_named_siblings(qc, where)
+    source = Matcher(qc, where, QuantCarryError)
+    expected: dict[str, Resolution] = {}
+    for draft, natives in layers.parts.items():
+        kind = layers.native_kind(draft)
+        found = {n: source.resolve(n, kind) for n in natives}
+        for native, res in found.items():
+            if res.status == "ambiguous":
+                raise QuantCarryError(f"{where}: quantization_config matches {native} with {res.describe()} at the same precedence; which one {draft} should get is undefined")
+        outcomes: dict[tuple[str, str | None], str] = {}
+        for native, res in found.items():
+            outcomes.setdefault(res.outcome, native)
+        if len(outcomes) > 1:
+            said = "; ".join(f"{n} -> {found[n].describe()}" for n in outcomes.values())
+            raise QuantCarryError(f"{where}: quantization_config cannot be carried: the draft fuses {len(natives)} native modules into {draft}, and they resolve differently ({said}); one layer takes one scheme")
+        expected[draft] = found[natives[0]]
+
+    out = copy.deepcopy(dict(qc))
+    targets: dict[str, list[str]] = {g: [] for g in out["config_groups"]}
+    ignore: list[str] = []
+    added: list[str] = []
+    for draft in sorted(expected):
+        res = expected[draft]
+        if res.status == "scheme":
+            assert res.group is not None
+            targets[res.group].append(draft)
+        elif res.status == "ignored":
+            ignore.append(draft)
+        elif layers.kinds[draft] != "embedding":
+            ignore.append(draft)
+            added.append(draft)
+    groups = {}
+    for group, body in out["config_groups"].items():
+        if not targets[group]:
+            continue  # the group covers only layers outside the draft (main-model layers)
+        groups[group] = targets[group] if isinstance(body, list) else {**body, "targets": targets[group]}
+    out["config_groups"] = groups
+    out["ignore"] = ignore
+
+    rewritten = Matcher(out, where, QuantCarryError)
+    for draft, res in expected.items():
+        want = ("ignored", None) if draft in added else res.outcome
+        got = rewritten.resolve(draft, layers.kinds[draft])
+        if got.outcome != want:
+            raise QuantCarryError(f"{where}: rewritten quantization_config gives {draft} {got.describe()}, its native parts had {res.describe()}")
+    return out, added
+
+
+def carried_quantization(plan: Plan) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """(quantization_config for the output config.json, record for its dsv4_convert entry).
+
+    Forward: an FP8 block config names no layers and is carried unchanged (its block size
+    is what the planned scale shapes were checked against); a compressed-tensors config is
+    rewritten to the draft's names and the source kept in the record. Reverse: the source
+    config comes back from that record.
+    """
+    where = f"{plan.source}/config.json"
+    qc = plan.config.get("quantization_config")
+    if plan.direction == "reverse":
+        note = (plan.config.get(LAYOUT_RECORD) or {}).get("quantization_config")
+        return (note["source"] if note else qc), None
+    if qc is None:
+        return None, None
+    method = qc.get("quant_method")
+    if method == "fp8":
+        named = [k for k in FP8_NAME_LISTS if qc.get(k)]
+        if named:
+            raise QuantCarryError(f"{where}: quantization_config.{named[0]} lists native module names; carrying them to the draft is not supported")
+        return qc, None
+    if method != CT_METHOD:
+        raise QuantCarryError(f"{where}: quantization_config quant_method {method!r} is not one this converter carries (fp8, {CT_METHOD}): its layer names would stay native")
+    out, added = rewrite_for_draft(qc, layer_map(plan), where)
+    return out, {"source": qc, "names": "rewritten from native module names to the draft's quantisation layer names", "added_to_ignore": added}
+
+
+@dataclass(frozen=True)
+class QuantSummary:
+    """A passed (or, without the library, partly skipped) quantisation check."""
+
+    layers: int
+    schemes_checked: bool
+    reason: str
+    library_missing: bool = False  # a compressed-tensors config, but not the library to check it
+
+
+def _short(items: list[str], n: int = 3) -> str:
+    return ", ".join(items[:n]) + (f" and {len(items) - n} more" if len(items) > n else "")
+
+
+def check_draft_quantization(model: nn.Module, config: Mapping[str, Any], where: str) -> QuantSummary:
+    """Every linear of `model` has a quantisation layer name and, under a compressed-tensors
+    `quantization_config` in `config`, resolves to exactly one scheme or is ignored; every
+    entry of that config names some layer of the draft. Raises EmptyQuantNameError or
+    QuantSchemeError with a one-line reason; `where` is the config.json path."""
+    layers = draft_layers(model)
+    qc = config.get("quantization_config")
+    ct_config = qc if isinstance(qc, Mapping) and qc.get("quant_method") == CT_METHOD else None
+    matcher = Matcher(ct_config, where, QuantSchemeError) if ct_config is not None and compressed_tensors() is not None else None
+
+    empty = [layer for layer in layers if not layer.name]
+    if empty:
+        said = []
+        for layer in empty:
+            res = matcher.resolve("", layer.kind) if matcher is not None else Resolution("unmatched")
+            if res.status == "unmatched":
+                said.append(f"module {layer.path} has an empty quantisation layer name: {NO_TARGET.format(name='')} (vLLM issue #44817: built without prefix=)")
+            else:
+                said.append(f"module {layer.path} has an empty quantisation layer name: only {res.describe()} reaches it and no ignore entry can name it (vLLM issue #44817: built without prefix=)")
+        raise EmptyQuantNameError(f"{where}: {'; '.join(said)}")
+
+    if ct_config is None:
+        what = "FP8 block quantisation (checked against the scale shapes under config)" if isinstance(qc, Mapping) and qc.get("quant_method") == "fp8" else "no compressed-tensors quantization_config"
+        return QuantSummary(len(layers), False, f"{len(layers)} quantisation layer names, none empty; {what}")
+    if matcher is None:
+        return QuantSummary(len(layers), False, f"compressed-tensors not installed ({INSTALL_HINT}): schemes not checked; {len(layers)} quantisation layer names, none empty", library_missing=True)
+
+    # entries naming nothing of the draft first: native names left in explain everything after
+    problems = [
+        f"{place} entry {entry!r} matches no layer of the draft (native names left unrewritten?)"
+        for place, entry in matcher.entries()
+        if not any(matcher.match.is_match(layer.name, _stand_in(layer.kind), entry) for layer in layers)
+    ]
+    outcome: Counter[str] = Counter()
+    for layer in layers:
+        if layer.kind == "embedding":
+            continue  # not a linear: it may take a scheme but need not
+        res = matcher.resolve(layer.name, layer.kind)
+        if res.status == "unmatched":
+            problems.append(f"{layer.name}: {NO_TARGET.format(name=layer.name)} and no ignore entry names it")
+        elif res.status == "ambiguous":
+            problems.append(f"{layer.name}: matched by {res.describe()}")
+        else:
+            outcome[res.group or "ignored"] += 1
+    if problems:
+        raise QuantSchemeError(f"{where}: {len(problems)} problem(s): {_short(problems)}")
+    counts = ", ".join(f"{n} {g}" for g, n in sorted(outcome.items()))
+    return QuantSummary(len(layers), True, f"every linear resolves to exactly one scheme or is ignored ({counts})")
