@@ -10,4 +10,5 @@ run=(.venv/bin/convert-dsv4)
 "${run[@]}" synth "$work/native" --preset tiny --main-layers all --seed 0
 "${run[@]}" plan "$work/native" --target xpu
 "${run[@]}" "$work/native" "$work/xpu" --target xpu --overwrite
+"${run[@]}" check "$work/xpu" --native "$work/native"
 "${run[@]}" smoke "$work/xpu" --reference "$work/native"
