@@ -133,6 +133,8 @@ def _print_plan(plan: Plan, as_json: bool, *, full: bool, header_bytes: int | No
 cli.add_command(synth_command)
 from dsv4.model.smoke import smoke_command  # noqa: E402
 cli.add_command(smoke_command)
+from dsv4.convert.batch import batch_command; cli.add_command(batch_command)  # noqa: E402, E702
+from dsv4.convert.check import check_command; cli.add_command(check_command)  # noqa: E402, E702
 
 
 def main() -> None:

@@ -1,0 +1,235 @@
+"""The MTP draft's two fused RMSNorm kernels (spec 03 §3.1), in Triton, each beside a plain
+torch reference that defines its meaning.
+
+* `fused_mtp_input_rmsnorm`: the embedding rows of tokens at position 0 are zeroed before
+  their norm (vLLM's mask, so their output is exactly 0), then enorm over the embedding and
+  hnorm over each of the n_hc residual streams (RMS over H, one weight for all streams).
+  One program per (token, task): task 0 = enorm, task 1+j = hnorm of stream j.
+* `mtp_shared_head_rmsnorm`: the shared head's norm, one program per token.
+
+Both: out of place, fp32 math, one rounding at the store, T = 0 launches nothing.
+
+Triton runs on whatever device the tensors are on (CUDA, XPU; CPU only under
+TRITON_INTERPRET=1). Where Triton is not importable, or cannot run on the tensors' device,
+the torch reference runs instead and a warning says so once.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import warnings
+from typing import Any
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+    from triton import knobs
+    from triton.runtime.driver import driver
+except ImportError:  # the kernels are an optional extra (pyproject: [kernels]), triton >= 3.4
+    triton = None
+
+_warned: set[str] = set()
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """Row RMSNorm over the last dim: fp32 math, one rounding to x's dtype at the end."""
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
+    if weight is not None:
+        y = y * weight.float()
+    return y.to(x.dtype)
+
+
+def fused_mtp_input_rmsnorm_ref(
+    e: torch.Tensor,
+    positions: torch.Tensor,
+    prev: torch.Tensor,
+    enorm_w: torch.Tensor,
+    hnorm_w: torch.Tensor,
+    eps: float,
+    n_hc: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """e [T, H], positions [T], prev [T, n_hc, H] or [T, n_hc*H] -> (e_out [T, H], h_out like prev)."""
+    T, H = e.shape
+    e = torch.where((positions == 0).unsqueeze(-1), torch.zeros_like(e), e)
+    h = rms_norm_ref(prev.reshape(T, n_hc, H), hnorm_w, eps).view(prev.shape)
+    return rms_norm_ref(e, enorm_w, eps), h
+
+
+def mtp_shared_head_rmsnorm_ref(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    return rms_norm_ref(x, w, eps)
+
+
+def triton_usable(device: torch.device) -> str | None:
+    """None when the Triton kernels can run on `device`, else the reason they cannot."""
+    if triton is None:
+        return "triton is not importable"
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        return "tensors are on the CPU and TRITON_INTERPRET is not 1"
+    return None
+
+
+def backend(device: torch.device) -> str:
+    """'triton' or 'torch fallback (<reason>)': what the fused norms run as on `device`."""
+    why = triton_usable(device)
+    return "triton" if why is None else f"torch fallback ({why})"
+
+
+def _fallback(device: torch.device) -> bool:
+    why = triton_usable(device)
+    if why is None:
+        return False
+    if why not in _warned:
+        _warned.add(why)
+        warnings.warn(f"dsv4.model.kernels: {why}; running the torch reference instead", stacklevel=3)
+    return True
+
+
+# Triton reads TRITON_INTERPRET when the kernels are decorated, at import; so do we.
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+# (kernel, device, dtypes, constexprs) -> (launcher, function, packed metadata)
+_compiled: dict[tuple[Any, ...], tuple[Any, Any, Any]] = {}
+
+
+def _hooks_registered() -> bool:
+    # Triton >= 3.5 keeps launch hooks in HookChains (empty: none); earlier ones use None
+    hooks = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
+    return any(getattr(h, "calls", h) for h in hooks)
+
+
+def _launch(kernel: Any, grid: tuple[int, int], tensors: tuple[torch.Tensor, ...], eps: float, consts: dict[str, int], num_warps: int) -> None:
+    """Launch `kernel` on `grid` with args (*tensors, eps, **consts).
+
+    At T <= 256 these kernels take a few microseconds on the device and the host's launch
+    path is most of the cost: Triton's `kernel[grid](...)` re-binds and re-specialises every
+    argument on every call (~15-25 us on the H200 host measured, against ~6-9 us for the
+    launcher itself). So after the first launch the compiled kernel's launcher is called
+    directly, with the arguments Triton's own launch passes it. That is safe only when the
+    current device, the dtypes and the constants match and every pointer is 16-byte aligned
+    again (what the compiled code may assume), so the key says exactly that. With launch
+    hooks registered (profilers) every launch takes Triton's ordinary path.
+    """
+    if _INTERPRET:
+        kernel[grid](*tensors, eps, **consts, num_warps=num_warps)
+        return
+    device = driver.active.get_current_device()
+    key = (kernel, device, *[t.dtype for t in tensors], *consts.values())
+    ptr_bits = 0
+    for t in tensors:
+        ptr_bits |= t.data_ptr()
+    aligned = ptr_bits & 15 == 0
+    hit = _compiled.get(key) if aligned else None
+    if hit is not None and not _hooks_registered():
+        run, function, packed = hit
+        stream = driver.active.get_current_stream(device)
+        run(grid[0], grid[1], 1, stream, function, packed, None, None, None, *tensors, eps, *consts.values())
+        return
+    compiled = kernel[grid](*tensors, eps, **consts, num_warps=num_warps)
+    if aligned:
+        _compiled[key] = (compiled.run, compiled.function, compiled.packed_metadata)
+
+
+@functools.cache
+def _launch_params(H: int) -> tuple[int, int]:
+    block = triton.next_power_of_2(H)
+    # 8 warps at most: measured on an H200, 16 warps lose 5-10% of bandwidth at H = 7168
+    return block, max(1, min(8, block // 512))
+
+
+if triton is not None:
+
+    @triton.jit
+    def _to_bf16_rtne(y):
+        # fp32 -> bf16, round to nearest even, by integer arithmetic: the same bits on
+        # every backend. (The Triton interpreter's cast truncates; GPUs round to nearest.)
+        bits = y.to(tl.uint32, bitcast=True)
+        bits = bits + 0x7FFF + ((bits >> 16) & 1)
+        return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+    @triton.jit
+    def _rms_row(x, w_ptr, out_ptr, offs, mask, eps, H: tl.constexpr):
+        w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(x * x, axis=0) / H + eps)
+        y = x * rstd * w
+        if out_ptr.dtype.element_ty == tl.bfloat16:
+            out = _to_bf16_rtne(y)
+        else:
+            out = y.to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + offs, out, mask=mask)
+
+    @triton.jit
+    def _fused_mtp_input_rmsnorm_kernel(
+        e_ptr, pos_ptr, prev_ptr, ew_ptr, hw_ptr, eo_ptr, ho_ptr, eps,
+        H: tl.constexpr, N_HC: tl.constexpr, BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        t = tl.program_id(0).to(tl.int64)
+        task = tl.program_id(1)
+        offs = tl.arange(0, BLOCK)
+        mask = offs < H
+        if task == 0:
+            keep = tl.load(pos_ptr + t) != 0
+            x = tl.load(e_ptr + t * H + offs, mask=mask, other=0.0).to(tl.float32)
+            # zero before the norm: 0 * rsqrt(0 + eps) is exactly 0, whatever the weight
+            x = tl.where(keep, x, 0.0)
+            _rms_row(x, ew_ptr, eo_ptr + t * H, offs, mask, eps, H)
+        else:
+            row = (t * N_HC + task - 1) * H
+            x = tl.load(prev_ptr + row + offs, mask=mask, other=0.0).to(tl.float32)
+            _rms_row(x, hw_ptr, ho_ptr + row, offs, mask, eps, H)
+
+    @triton.jit
+    def _rmsnorm_kernel(x_ptr, w_ptr, out_ptr, eps, H: tl.constexpr, BLOCK: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        offs = tl.arange(0, BLOCK)
+        mask = offs < H
+        x = tl.load(x_ptr + t * H + offs, mask=mask, other=0.0).to(tl.float32)
+        _rms_row(x, w_ptr, out_ptr + t * H, offs, mask, eps, H)
+
+
+def fused_mtp_input_rmsnorm(
+    e: torch.Tensor,
+    positions: torch.Tensor,
+    prev: torch.Tensor,
+    enorm_w: torch.Tensor,
+    hnorm_w: torch.Tensor,
+    eps: float,
+    n_hc: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """e [T, H], positions [T], prev [T, n_hc, H] (or flat [T, n_hc*H]) -> (e_out [T, H],
+    h_out shaped like prev). Semantics: `fused_mtp_input_rmsnorm_ref`."""
+    if _fallback(e.device):
+        return fused_mtp_input_rmsnorm_ref(e, positions, prev, enorm_w, hnorm_w, eps, n_hc)
+    T, H = e.shape
+    e, prev, positions = e.contiguous(), prev.contiguous(), positions.contiguous()
+    enorm_w, hnorm_w = enorm_w.contiguous(), hnorm_w.contiguous()
+    e_out = torch.empty_like(e)
+    h_out = torch.empty_like(prev)
+    if T == 0:
+        return e_out, h_out
+    block, warps = _launch_params(H)
+    _launch(
+        _fused_mtp_input_rmsnorm_kernel,
+        (T, 1 + n_hc),
+        (e, positions, prev, enorm_w, hnorm_w, e_out, h_out),
+        eps,
+        {"H": H, "N_HC": n_hc, "BLOCK": block},
+        warps,
+    )
+    return e_out, h_out
+
+
+def mtp_shared_head_rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [T, H] -> RMSNorm(x) * w [T, H]. Semantics: `mtp_shared_head_rmsnorm_ref`."""
+    if _fallback(x.device):
+        return mtp_shared_head_rmsnorm_ref(x, w, eps)
+    T, H = x.shape
+    x, w = x.contiguous(), w.contiguous()
+    out = torch.empty_like(x)
+    if T == 0:
+        return out
+    block, warps = _launch_params(H)
+    _launch(_rmsnorm_kernel, (T, 1), (x, w, out), eps, {"H": H, "BLOCK": block}, warps)
+    return out

@@ -1,0 +1,119 @@
+"""Strict loading of a converted checkpoint into the bundled draft model.
+
+The converted checkpoint's keys ARE the model's parameter names (spec 02 §2.4): there is
+no remap here, and anything other than an exact match of names, shapes and dtypes is an
+error naming the tensor and its file. Silent drops are how vLLM users got 0% draft
+acceptance with no load-time error; this loader refuses them.
+
+Every header is checked before any data is read; the data are then read one tensor at a
+time with safetensors (memory-mapped), so memory stays at the model's own size.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from dsv4.convert.dtypes import SAFETENSORS_NAMES
+from dsv4.convert.errors import (
+    DtypeMismatchError,
+    LoadError,
+    MissingKeyError,
+    ShapeMismatchError,
+    UnexpectedKeyError,
+)
+from dsv4.model.config import ModelConfig
+from dsv4.model.mtp import DeepSeekV4MTP
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+
+def default_device() -> torch.device:
+    """xpu, else cuda, else cpu."""
+    if hasattr(torch, "xpu") and torch.xpu.is_available():
+        return torch.device("xpu")
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    return torch.device("cpu")
+
+
+def _weight_map(root: Path) -> dict[str, str]:
+    index = root / INDEX_NAME
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError):
+            raise LoadError(f"{index}: not a safetensors index (JSON with a weight_map)") from None
+        for shard in set(weight_map.values()):
+            if not isinstance(shard, str) or Path(shard).name != shard or shard in ("", ".", ".."):
+                raise LoadError(f"{index}: shard name {shard!r} is not a plain file name")
+        return weight_map
+    single = root / SINGLE_FILE
+    if single.is_file():
+        with safe_open(single, framework="pt") as f:
+            return dict.fromkeys(f.keys(), SINGLE_FILE)
+    raise LoadError(f"{root}: neither {INDEX_NAME} nor {SINGLE_FILE} found")
+
+
+def load_converted(path: str | Path, device: str | torch.device | None = None) -> DeepSeekV4MTP:
+    """Build the draft model for `path`/config.json and load the converted weights strictly.
+
+    Raises MissingKeyError, UnexpectedKeyError, ShapeMismatchError, DtypeMismatchError
+    (all LoadError) naming the first offending tensor and its file.
+    """
+    root = Path(path)
+    config_path = root / "config.json"
+    if not config_path.is_file():
+        raise LoadError(f"{config_path}: no config.json in the converted checkpoint")
+    try:
+        cfg = ModelConfig.from_file(config_path)
+    except (ValueError, TypeError) as exc:
+        raise LoadError(f"{config_path}: {exc}") from None
+    dev = torch.device(device) if device is not None else default_device()
+
+    with torch.device("meta"):
+        model = DeepSeekV4MTP(cfg)
+    expected = model.state_dict()
+    weight_map = _weight_map(root)
+    index_file = INDEX_NAME if (root / INDEX_NAME).is_file() else SINGLE_FILE
+    for name in expected:
+        if name not in weight_map:
+            raise MissingKeyError(f"{root / index_file}: missing tensor {name} (a parameter of the draft model)")
+
+    by_file: dict[str, list[str]] = {}
+    for name, file in weight_map.items():
+        by_file.setdefault(file, []).append(name)
+
+    # headers first: a bad checkpoint fails before any tensor data is read
+    for file, names in sorted(by_file.items()):
+        shard = root / file
+        if not shard.is_file():
+            raise LoadError(f"{shard}: shard named in {index_file} does not exist")
+        with safe_open(shard, framework="pt") as f:
+            in_file = set(f.keys())
+            for name in sorted(in_file - set(names)):
+                raise UnexpectedKeyError(f"{shard}: unexpected tensor {name} (not listed in {index_file})")
+            for name in sorted(names):
+                if name not in in_file:
+                    raise MissingKeyError(f"{shard}: tensor {name} is listed in {index_file} but absent")
+                if name not in expected:
+                    raise UnexpectedKeyError(f"{shard}: unexpected tensor {name} (not a parameter of the draft model)")
+                want = expected[name]
+                sl = f.get_slice(name)
+                dtype, shape = sl.get_dtype(), tuple(sl.get_shape())
+                if shape != tuple(want.shape):
+                    raise ShapeMismatchError(f"{shard}: tensor {name} has shape {list(shape)}, the model expects {list(want.shape)}")
+                if dtype != SAFETENSORS_NAMES[want.dtype]:
+                    raise DtypeMismatchError(f"{shard}: tensor {name} has dtype {dtype}, the model expects {SAFETENSORS_NAMES[want.dtype]}")
+
+    model = model.to_empty(device=dev)
+    params = model.state_dict()
+    for file, names in sorted(by_file.items()):
+        with safe_open(root / file, framework="pt", device="cpu") as f:
+            for name in names:
+                params[name].copy_(f.get_tensor(name))
+    return model.eval()

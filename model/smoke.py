@@ -1,0 +1,108 @@
+"""`convert-dsv4 smoke OUT`: load a converted checkpoint strictly into the bundled model,
+run one draft step on a few tokens and check it (spec 03 §3.5)."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import click
+import torch
+
+from dsv4.convert.errors import DSV4Error
+from dsv4.model import kernels
+from dsv4.model.loader import default_device, load_converted
+from dsv4.model.reference import NativeReference
+
+R = TypeVar("R")
+
+
+class SmokeCheckError(DSV4Error):
+    """A loaded model ran but its output failed a check (shape, finiteness, agreement)."""
+
+    exit_code = 60
+
+
+def _sync(device: torch.device) -> None:
+    if device.type != "cpu":
+        getattr(torch, device.type).synchronize(device)
+
+
+def _timed(device: torch.device, fn: Callable[[], R]) -> tuple[R, float]:
+    """fn's result and its wall time in ms, the device synchronised on both sides."""
+    _sync(device)
+    t0 = time.perf_counter()
+    out = fn()
+    _sync(device)
+    return out, (time.perf_counter() - t0) * 1e3
+
+
+def run_smoke(
+    out_dir: str | Path,
+    device: str | None = None,
+    tokens: int = 8,
+    reference_dir: str | Path | None = None,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """Load, run forward + compute_logits (twice: the first includes kernel compilation),
+    check shapes and finiteness, and compare with the native reference when given."""
+    dev = torch.device(device) if device else default_device()
+    report: dict[str, Any] = {"checkpoint": str(out_dir), "device": str(dev), "kernels": kernels.backend(dev), "tokens": tokens}
+    model, report["load_ms"] = _timed(dev, lambda: load_converted(out_dir, dev))
+    cfg = model.config
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, cfg.vocab_size, (tokens,), generator=gen).to(dev)
+    positions = torch.arange(tokens).to(dev)
+    prev = torch.randn(tokens, cfg.hc_dim, generator=gen).to(torch.bfloat16).to(dev)
+
+    for run in ("first", "warm"):
+        h, report[f"forward_{run}_ms"] = _timed(dev, lambda: model(ids, positions, prev))
+        logits, report[f"logits_{run}_ms"] = _timed(dev, lambda: model.compute_logits(h))
+    report["hidden_shape"], report["logits_shape"] = list(h.shape), list(logits.shape)
+    where = f"{out_dir}"
+    if tuple(h.shape) != (tokens, cfg.hc_dim):
+        raise SmokeCheckError(f"{where}: forward returned {list(h.shape)}, expected {[tokens, cfg.hc_dim]}")
+    if tuple(logits.shape) != (tokens, cfg.vocab_size):
+        raise SmokeCheckError(f"{where}: compute_logits returned {list(logits.shape)}, expected {[tokens, cfg.vocab_size]}")
+    if not (torch.isfinite(h).all() and torch.isfinite(logits).all()):
+        raise SmokeCheckError(f"{where}: non-finite values in the draft's hidden states or logits")
+
+    if reference_dir is not None:
+        ref, report["reference_load_ms"] = _timed(dev, lambda: NativeReference(reference_dir, dev))
+        h_ref, report["reference_forward_ms"] = _timed(dev, lambda: ref.forward(ids, positions, prev))
+        logits_ref, report["reference_logits_ms"] = _timed(dev, lambda: ref.compute_logits(h_ref))
+        report["reference"] = str(reference_dir)
+        report["hidden_max_abs_diff"] = (h.float() - h_ref.float()).abs().max().item()
+        report["hidden_max_abs"] = h_ref.float().abs().max().item()
+        report["logits_max_abs_diff"] = (logits - logits_ref).abs().max().item()
+        report["logits_max_abs"] = logits_ref.abs().max().item()
+        report["top1_agreement"] = (logits.argmax(-1) == logits_ref.argmax(-1)).float().mean().item()
+    return report
+
+
+@click.command("smoke")
+@click.argument("out", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--device", help="xpu, cuda, cpu, cuda:1, ... (default: xpu, else cuda, else cpu)")
+@click.option("--tokens", type=click.IntRange(min=1), default=8, show_default=True, help="tokens in the draft step")
+@click.option("--reference", "reference_dir", type=click.Path(exists=True, file_okay=False, path_type=Path), help="the NATIVE checkpoint OUT was converted from: compare with an independent reference")
+@click.option("--min-top1", type=click.FloatRange(0, 1), default=1.0, show_default=True, help="fail when top-1 agreement with the reference is lower")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="print the report as JSON")
+def smoke_command(out: Path, device: str | None, tokens: int, reference_dir: Path | None, min_top1: float, seed: int, as_json: bool) -> None:
+    """Load converted checkpoint OUT into the bundled draft model and run one MTP step."""
+    report = run_smoke(out, device, tokens, reference_dir, seed)
+    if as_json:
+        click.echo(json.dumps(report, indent=2))
+    else:
+        click.echo(f"smoke: {out} on {report['device']}, fused norms: {report['kernels']}")
+        click.echo(f"  load {report['load_ms']:.0f} ms; forward {report['forward_first_ms']:.1f} ms first, {report['forward_warm_ms']:.1f} ms warm; "
+                   f"logits {report['logits_first_ms']:.1f} / {report['logits_warm_ms']:.1f} ms")
+        click.echo(f"  hidden {report['hidden_shape']}, logits {report['logits_shape']}, all finite")
+        if reference_dir is not None:
+            click.echo(f"  vs reference {reference_dir}: hidden max|diff| {report['hidden_max_abs_diff']:.4g} (max|h| {report['hidden_max_abs']:.4g}), "
+                       f"logits max|diff| {report['logits_max_abs_diff']:.4g} (max {report['logits_max_abs']:.4g}), top-1 agreement {report['top1_agreement']:.3f}")
+    if reference_dir is not None and report["top1_agreement"] < min_top1:
+        raise SmokeCheckError(f"{out}: top-1 agreement with the reference {report['top1_agreement']:.3f} is below {min_top1}")

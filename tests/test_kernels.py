@@ -1,0 +1,210 @@
+"""The fused MTP norm kernels agree with their torch references (spec 03 §3.1).
+
+On a machine without a GPU the Triton kernels run in the interpreter (conftest.py);
+with one, on the GPU. Either way the kernel must be within one bf16 ulp of the reference
+on every element: the only allowed difference is the order of the fp32 sum of squares
+(both round to nearest even at the store).
+"""
+
+import warnings
+
+import pytest
+import torch
+
+from dsv4.model import kernels
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "xpu" if hasattr(torch, "xpu") and torch.xpu.is_available() else "cpu")
+EPS = 1e-6
+N_HC = 4
+
+
+def bf16_ulps(a: torch.Tensor, b: torch.Tensor) -> int:
+    """Largest distance between a and b in bf16 units in the last place (+0 and -0 equal)."""
+    assert a.dtype == b.dtype == torch.bfloat16 and a.shape == b.shape
+    if a.numel() == 0:
+        return 0
+
+    def ordered(x: torch.Tensor) -> torch.Tensor:
+        bits = x.view(torch.int16).int()
+        return torch.where(bits < 0, -(bits + 32768), bits)  # sign-magnitude -> monotonic
+
+    return int((ordered(a) - ordered(b)).abs().max())
+
+
+def _bf(*values: float) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.bfloat16)
+
+
+def test_ulp_measure_counts_bf16_steps_across_zero():
+    assert bf16_ulps(_bf(1.0), _bf(1.0)) == 0
+    assert bf16_ulps(_bf(0.0), _bf(-0.0)) == 0
+    assert bf16_ulps(_bf(1.0), _bf(1.0078125)) == 1  # bf16 spacing at 1 is 2^-7
+    assert bf16_ulps(_bf(1.0), _bf(1.015625)) == 2
+    tiny = torch.tensor([1], dtype=torch.int16).view(torch.bfloat16)  # smallest subnormal
+    assert bf16_ulps(tiny, -tiny) == 2
+
+
+def _inputs(T: int, H: int, seed: int) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+    e = (torch.randn(T, H, generator=g) * 3).to(torch.bfloat16)
+    prev = (torch.randn(T, N_HC, H, generator=g) * 5).to(torch.bfloat16)
+    # about a third of the tokens start a sequence (position 0)
+    positions = torch.randint(0, 3, (T,), generator=g) * torch.randint(1, 100, (T,), generator=g)
+    ew = (1 + 0.1 * torch.randn(H, generator=g)).to(torch.bfloat16)
+    hw = (1 + 0.1 * torch.randn(H, generator=g)).to(torch.bfloat16)
+    return tuple(t.to(DEVICE) for t in (e, positions, prev, ew, hw))
+
+
+SHAPES = [(0, 64), (1, 1), (1, 7), (3, 129), (17, 256), (5, 1000), (33, 4096), (2, 7168)]
+
+
+@pytest.mark.parametrize(("T", "H"), SHAPES)
+def test_fused_input_rmsnorm_matches_reference_within_one_ulp(T, H):
+    e, positions, prev, ew, hw = _inputs(T, H, seed=T * 1000 + H)
+    e_in, prev_in = e.clone(), prev.clone()
+    e_out, h_out = kernels.fused_mtp_input_rmsnorm(e, positions, prev, ew, hw, EPS, N_HC)
+    e_ref, h_ref = kernels.fused_mtp_input_rmsnorm_ref(e, positions, prev, ew, hw, EPS, N_HC)
+    assert e_out.shape == (T, H) and e_out.dtype == torch.bfloat16
+    assert h_out.shape == (T, N_HC, H) and h_out.dtype == torch.bfloat16
+    assert bf16_ulps(e_out, e_ref) <= 1
+    assert bf16_ulps(h_out, h_ref) <= 1
+    assert torch.equal(e, e_in) and torch.equal(prev, prev_in), "the kernel must not write its inputs"
+
+
+def test_fused_input_rmsnorm_accepts_flat_previous_hidden_states():
+    e, positions, prev, ew, hw = _inputs(6, 96, seed=1)
+    _, h_3d = kernels.fused_mtp_input_rmsnorm(e, positions, prev, ew, hw, EPS, N_HC)
+    _, h_flat = kernels.fused_mtp_input_rmsnorm(e, positions, prev.flatten(1), ew, hw, EPS, N_HC)
+    assert h_flat.shape == (6, N_HC * 96)
+    assert torch.equal(h_flat.view(6, N_HC, 96), h_3d)
+
+
+def _unaligned(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of t whose data start 2 bytes past a 16-byte boundary."""
+    buf = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
+    out = buf[1:].view(t.shape)
+    out.copy_(t)
+    assert out.data_ptr() % 16 != 0 and out.is_contiguous()
+    return out
+
+
+def test_repeated_and_unaligned_calls_agree_with_the_reference():
+    # the second call of a shape takes the cached launch; an unaligned input must not
+    e, positions, prev, ew, hw = _inputs(11, 520, seed=11)
+    e_ref, h_ref = kernels.fused_mtp_input_rmsnorm_ref(e, positions, prev, ew, hw, EPS, N_HC)
+    for args in ((e, prev), (e, prev), (_unaligned(e), _unaligned(prev)), (e, prev)):
+        e_out, h_out = kernels.fused_mtp_input_rmsnorm(args[0], positions, args[1], ew, hw, EPS, N_HC)
+        assert bf16_ulps(e_out, e_ref) <= 1 and bf16_ulps(h_out, h_ref) <= 1
+    for x in (e, e, _unaligned(e), e):
+        assert bf16_ulps(kernels.mtp_shared_head_rmsnorm(x, ew, EPS), kernels.rms_norm_ref(e, ew, EPS)) <= 1
+
+
+class _CountingKernel:
+    """Stands in for a Triton kernel and counts launches through Triton's JIT path."""
+
+    def __init__(self, kernel):
+        self.kernel, self.jit_launches = kernel, 0
+
+    def __getitem__(self, grid):
+        self.jit_launches += 1
+        return self.kernel[grid]
+
+
+def test_after_the_first_launch_the_compiled_kernel_is_called_directly(monkeypatch):
+    if kernels.triton_usable(DEVICE) is not None or kernels._INTERPRET:
+        pytest.skip("the cached launch exists on GPUs only")
+    counting = _CountingKernel(kernels._rmsnorm_kernel)
+    monkeypatch.setattr(kernels, "_rmsnorm_kernel", counting)
+    monkeypatch.setattr(kernels, "_compiled", {})
+    x, _, _, w, _ = _inputs(8, 640, seed=4)
+    outs = [kernels.mtp_shared_head_rmsnorm(x, w, EPS) for _ in range(3)]
+    outs.append(kernels.mtp_shared_head_rmsnorm(x[:5], w, EPS))  # other T: same compiled kernel
+    assert counting.jit_launches == 1
+    assert all(torch.equal(o, outs[0]) for o in outs[1:3]) and torch.equal(outs[3], outs[0][:5])
+    kernels.mtp_shared_head_rmsnorm(_unaligned(x), w, EPS)
+    assert counting.jit_launches == 2, "an unaligned pointer must take Triton's own launch"
+
+
+def test_non_contiguous_inputs_are_accepted():
+    e, positions, prev, ew, hw = _inputs(4, 64, seed=5)
+    e_t = e.t().contiguous().t()  # same values, column-major
+    e_out, _ = kernels.fused_mtp_input_rmsnorm(e_t, positions, prev, ew, hw, EPS, N_HC)
+    e_ref, _ = kernels.fused_mtp_input_rmsnorm_ref(e, positions, prev, ew, hw, EPS, N_HC)
+    assert bf16_ulps(e_out, e_ref) <= 1
+
+
+def test_position_zero_embedding_rows_are_exactly_zero_and_streams_are_not_masked():
+    T, H = 9, 200
+    e, _, prev, ew, hw = _inputs(T, H, seed=7)
+    positions = torch.tensor([0, 5, 0, 1, 2, 0, 9, 3, 4], device=DEVICE)
+    e_out, h_out = kernels.fused_mtp_input_rmsnorm(e, positions, prev, ew, hw, EPS, N_HC)
+    masked = positions == 0
+    assert torch.equal(e_out[masked], torch.zeros_like(e_out[masked]))
+    assert not torch.signbit(e_out[masked]).any(), "masked rows are +0, not -0"
+    assert (e_out[~masked] != 0).any(dim=-1).all()
+    # the mask is the embedding's only (vLLM): the residual streams of those tokens are normed
+    assert bf16_ulps(h_out[masked], kernels.rms_norm_ref(prev[masked], hw, EPS)) <= 1
+    assert (h_out[masked] != 0).any()
+
+
+def test_each_stream_is_normed_over_hidden_not_over_all_streams():
+    T, H = 2, 64
+    e, positions, _, ew, hw = _inputs(T, H, seed=3)
+    prev = torch.ones(T, N_HC, H, dtype=torch.bfloat16, device=DEVICE)
+    prev[:, 1] *= 100  # a stream with a larger scale must still come out at unit RMS
+    hw = torch.ones_like(hw)
+    _, h_out = kernels.fused_mtp_input_rmsnorm(e, positions, prev, ew, hw, EPS, N_HC)
+    assert torch.equal(h_out, torch.ones_like(h_out))
+
+
+@pytest.mark.parametrize(("T", "H"), SHAPES)
+def test_shared_head_rmsnorm_matches_reference_within_one_ulp(T, H):
+    g = torch.Generator().manual_seed(H + T)
+    x = (torch.randn(T, H, generator=g) * 4).to(torch.bfloat16).to(DEVICE)
+    w = (1 + 0.1 * torch.randn(H, generator=g)).to(torch.bfloat16).to(DEVICE)
+    x_in = x.clone()
+    out = kernels.mtp_shared_head_rmsnorm(x, w, EPS)
+    assert out.shape == (T, H) and out.dtype == torch.bfloat16
+    assert bf16_ulps(out, kernels.mtp_shared_head_rmsnorm_ref(x, w, EPS)) <= 1
+    assert torch.equal(x, x_in)
+
+
+def test_references_are_fp32_math_with_one_rounding():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 300, generator=g).to(torch.bfloat16)
+    w = (1 + 0.1 * torch.randn(300, generator=g)).to(torch.bfloat16)
+    x64 = x.double()
+    exact = x64 / torch.sqrt(x64.square().mean(-1, keepdim=True) + EPS) * w.double()
+    assert bf16_ulps(kernels.mtp_shared_head_rmsnorm_ref(x, w, EPS), exact.to(torch.bfloat16)) <= 1
+
+
+class _NoLaunch:
+    def __getitem__(self, grid):
+        raise AssertionError(f"kernel launched with grid {grid} for T = 0")
+
+
+def test_zero_tokens_launch_nothing(monkeypatch):
+    if kernels.triton_usable(DEVICE) is not None:
+        pytest.skip(kernels.triton_usable(DEVICE))
+    monkeypatch.setattr(kernels, "_fused_mtp_input_rmsnorm_kernel", _NoLaunch())
+    monkeypatch.setattr(kernels, "_rmsnorm_kernel", _NoLaunch())
+    e, positions, prev, ew, hw = _inputs(0, 128, seed=0)
+    e_out, h_out = kernels.fused_mtp_input_rmsnorm(e, positions, prev, ew, hw, EPS, N_HC)
+    assert e_out.shape == (0, 128) and h_out.shape == (0, N_HC, 128)
+    assert kernels.mtp_shared_head_rmsnorm(e, ew, EPS).shape == (0, 128)
+
+
+def test_without_triton_the_torch_reference_runs_and_says_so_once(monkeypatch):
+    monkeypatch.setattr(kernels, "triton", None)
+    monkeypatch.setattr(kernels, "_warned", set())
+    e, positions, prev, ew, hw = _inputs(5, 64, seed=2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            e_out, h_out = kernels.fused_mtp_input_rmsnorm(e, positions, prev, ew, hw, EPS, N_HC)
+            out = kernels.mtp_shared_head_rmsnorm(e, ew, EPS)
+    assert [str(w.message) for w in caught] == ["dsv4.model.kernels: triton is not importable; running the torch reference instead"]
+    e_ref, h_ref = kernels.fused_mtp_input_rmsnorm_ref(e, positions, prev, ew, hw, EPS, N_HC)
+    assert torch.equal(e_out, e_ref) and torch.equal(h_out, h_ref)
+    assert torch.equal(out, kernels.mtp_shared_head_rmsnorm_ref(e, ew, EPS))
+    assert kernels.backend(DEVICE) == "torch fallback (triton is not importable)"

@@ -1,0 +1,68 @@
+"""`convert-dsv4 smoke`: load strictly, run a draft step, check it (spec 03 §3.5)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from dsv4.convert.cli import cli
+from dsv4.convert.job import convert
+from dsv4.convert.synth import write_checkpoint
+from dsv4.model.smoke import SmokeCheckError
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("smoke")
+    native = write_checkpoint(root / "native", preset="tiny", variant="instruct", seed=0)
+    convert(native, root / "converted")
+    return native, root / "converted"
+
+
+def test_smoke_reports_shapes_timings_and_agreement_as_json(pair):
+    native, converted = pair
+    result = CliRunner().invoke(cli, ["smoke", str(converted), "--device", "cpu", "--tokens", "12", "--reference", str(native), "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout[result.stdout.index("{") :])
+    assert report["device"] == "cpu"
+    expected_kernels = "triton" if os.environ.get("TRITON_INTERPRET") == "1" else report["kernels"]
+    assert report["kernels"] == expected_kernels
+    assert report["hidden_shape"] == [12, 4 * 256] and report["logits_shape"] == [12, 512]
+    assert report["top1_agreement"] == 1.0
+    assert report["hidden_max_abs_diff"] < 0.05 and report["logits_max_abs_diff"] < 0.05
+    for stage in ("load_ms", "forward_first_ms", "forward_warm_ms", "logits_first_ms", "logits_warm_ms", "reference_forward_ms"):
+        assert report[stage] > 0
+
+
+def test_smoke_says_which_device_and_kernels_ran(pair):
+    _, converted = pair
+    result = CliRunner().invoke(cli, ["smoke", str(converted), "--device", "cpu", "--tokens", "3"])
+    assert result.exit_code == 0, result.output
+    assert f"smoke: {converted} on cpu, fused norms: " in result.output
+    assert "hidden [3, 1024], logits [3, 512], all finite" in result.output
+
+
+def test_smoke_fails_when_the_reference_disagrees(pair, tmp_path):
+    # a reference from another seed is another model: agreement must fall below 1
+    other = write_checkpoint(tmp_path / "other", preset="tiny", variant="instruct", seed=9)
+    result = CliRunner().invoke(cli, ["smoke", str(pair[1]), "--device", "cpu", "--tokens", "16", "--reference", str(other)])
+    assert isinstance(result.exception, SmokeCheckError)
+    assert "top-1 agreement with the reference" in str(result.exception)
+
+
+def test_a_bad_checkpoint_exits_with_the_load_error_code(pair, tmp_path):
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    for f in pair[1].iterdir():
+        (bad / f.name).write_bytes(f.read_bytes())
+    index = json.loads((bad / "model.safetensors.index.json").read_text())
+    del index["weight_map"]["model.layers.2.enorm.weight"]
+    (bad / "model.safetensors.index.json").write_text(json.dumps(index))
+    proc = subprocess.run([sys.executable, "-m", "dsv4", "smoke", str(bad), "--device", "cpu"], capture_output=True, text=True)
+    assert proc.returncode == 51, proc.stderr  # MissingKeyError: the index no longer lists a parameter
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: ")
+    assert "model.layers.2.enorm.weight" in proc.stderr.strip().splitlines()[-1]
