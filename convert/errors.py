@@ -137,6 +137,12 @@ class DtypeMismatchError(LoadError):
     exit_code = 54
 
 
+class SmokeCheckError(DSV4Error):
+    """A loaded model ran but its output failed a check (shape, finiteness, agreement)."""
+
+    exit_code = 55
+
+
 # --- model hub and batch ----------------------------------------------------------------
 class HubError(DSV4Error):
     exit_code = 60

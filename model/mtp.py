@@ -13,7 +13,8 @@ code (inference/model.py), all deliberate:
 * Attention has no KV cache: the T tokens of one call are one sequence, attended causally
   within the sliding window by token index; `positions` drive RoPE and the
   positions == 0 embedding mask, as in vLLM.
-* The shared expert uses the plain SwiGLU; swiglu_limit clamps the routed experts only.
+* The shared expert's SwiGLU is clamped by swiglu_limit like the routed experts' (vLLM and
+  DeepSeek both clamp it; spec 03 section 3.4 is silent: NOTES.md).
 """
 
 from __future__ import annotations
@@ -179,12 +180,14 @@ class SharedExperts(nn.Module):
         H, I = cfg.hidden_size, cfg.n_shared_experts * cfg.moe_intermediate_size
         sdt, blk = fp8_linear_scale_dtype(cfg), cfg.weight_block_size
         p = f"{layer_prefix}.ffn.shared_experts"
-        self.inter = I
+        self.inter, self.limit = I, cfg.swiglu_limit
         self.gate_up_proj = Fp8Linear(H, (I, I), sdt, f"{p}.gate_up_proj", blk)
         self.down_proj = Fp8Linear(I, (H,), sdt, f"{p}.down_proj", blk)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         g, u = self.gate_up_proj(x).float().split(self.inter, dim=-1)
+        if self.limit > 0:
+            g, u = g.clamp(max=self.limit), u.clamp(-self.limit, self.limit)
         return self.down_proj((F.silu(g) * u).to(x.dtype))
 
 

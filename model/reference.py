@@ -158,7 +158,7 @@ class NativeReference:
         if cfg.norm_topk_prob:
             wts = wts / wts.sum(-1, keepdim=True)
         wts = wts * cfg.routed_scaling_factor
-        y = self._expert(x, "ffn.shared_experts", 0.0).float()
+        y = self._expert(x, "ffn.shared_experts", cfg.swiglu_limit).float()
         for e in range(cfg.n_routed_experts):
             rows, slots = (idx == e).nonzero(as_tuple=True)
             if rows.numel():

@@ -12,18 +12,12 @@ from typing import Any, TypeVar
 import click
 import torch
 
-from dsv4.convert.errors import DSV4Error
+from dsv4.convert.errors import SmokeCheckError
 from dsv4.model import kernels
 from dsv4.model.loader import default_device, load_converted
 from dsv4.model.reference import NativeReference
 
 R = TypeVar("R")
-
-
-class SmokeCheckError(DSV4Error):
-    """A loaded model ran but its output failed a check (shape, finiteness, agreement)."""
-
-    exit_code = 60
 
 
 def _sync(device: torch.device) -> None:

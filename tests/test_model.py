@@ -337,3 +337,26 @@ def test_device_preference_is_xpu_then_cuda_then_cpu(monkeypatch):
     if hasattr(torch, "xpu"):
         monkeypatch.setattr(torch.xpu, "is_available", lambda: True)
         assert default_device() == torch.device("xpu")
+
+
+def test_the_shared_expert_swiglu_is_clamped_like_the_routed_ones():
+    """vLLM (SiluAndMulWithClamp) and DeepSeek clamp the shared expert too (NOTES.md)."""
+    from dsv4.model.mtp import SharedExperts
+
+    cfg = cfg_of("tiny", "instruct")
+    shared = SharedExperts(cfg, "model.layers.2")
+    H, I = cfg.hidden_size, cfg.moe_intermediate_size
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for lin in (shared.gate_up_proj, shared.down_proj):
+            lin.weight = nn.Parameter((torch.randn(w.shape, generator=g) * 4).to(torch.float8_e4m3fn), requires_grad=False)
+            lin.weight_scale_inv = nn.Parameter(torch.full(lin.weight_scale_inv.shape, 1.0).to(torch.float8_e8m0fnu), requires_grad=False)
+    x = (torch.randn(3, H, generator=g) * 4).to(torch.bfloat16)
+    gate, up = (x @ shared.gate_up_proj.dequantized().T).float().split(I, dim=-1)
+    limit = cfg.swiglu_limit
+    assert gate.abs().max() > limit and up.abs().max() > limit  # the clamp has work to do
+    clamped = (torch.nn.functional.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)).to(torch.bfloat16)
+    unclamped = (torch.nn.functional.silu(gate) * up).to(torch.bfloat16)
+    w2 = shared.down_proj.dequantized().T
+    assert torch.equal(shared(x), clamped @ w2)
+    assert not torch.equal(shared(x), unclamped @ w2)

@@ -12,7 +12,7 @@ from click.testing import CliRunner
 from dsv4.convert.cli import cli
 from dsv4.convert.job import convert
 from dsv4.convert.synth import write_checkpoint
-from dsv4.model.smoke import SmokeCheckError
+from dsv4.convert.errors import SmokeCheckError
 
 
 @pytest.fixture(scope="module")
