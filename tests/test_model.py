@@ -349,7 +349,7 @@ def test_the_shared_expert_swiglu_is_clamped_like_the_routed_ones():
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for lin in (shared.gate_up_proj, shared.down_proj):
-            lin.weight = nn.Parameter((torch.randn(w.shape, generator=g) * 4).to(torch.float8_e4m3fn), requires_grad=False)
+            lin.weight = nn.Parameter((torch.randn(lin.weight.shape, generator=g) * 4).to(torch.float8_e4m3fn), requires_grad=False)
             lin.weight_scale_inv = nn.Parameter(torch.full(lin.weight_scale_inv.shape, 1.0).to(torch.float8_e8m0fnu), requires_grad=False)
     x = (torch.randn(3, H, generator=g) * 4).to(torch.bfloat16)
     gate, up = (x @ shared.gate_up_proj.dequantized().T).float().split(I, dim=-1)
