@@ -18,6 +18,7 @@ from dsv4.model.loader import default_device, load_converted
 from dsv4.model.reference import NativeReference
 
 R = TypeVar("R")
+TIE_REL = 0.01  # top-1 near-tie: the reference's two candidates within 1% of max|logit|
 
 
 def _sync(device: torch.device) -> None:
@@ -74,7 +75,20 @@ def run_smoke(
         report["logits_max_abs_diff"] = (logits - logits_ref).abs().max().item()
         report["logits_max_abs"] = logits_ref.abs().max().item()
         report["top1_agreement"] = (logits.argmax(-1) == logits_ref.argmax(-1)).float().mean().item()
+        report["top1_agreement_up_to_ties"] = top1_agreement_up_to_ties(logits, logits_ref)
     return report
+
+
+def top1_agreement_up_to_ties(logits: torch.Tensor, logits_ref: torch.Tensor, rel_tie: float = TIE_REL) -> float:
+    """Share of tokens whose top-1 agrees with the reference's, where a disagreement counts
+    as agreeing when the reference itself puts the two tokens within rel_tie * max|logit|
+    of each other: bf16 implementations on different hardware can order such a near-tie
+    either way (seen on random tiny checkpoints: 0.14% logit differences, one flipped token
+    in four). A disagreement on a token the reference ranks decisively still fails."""
+    tol = rel_tie * logits_ref.abs().max()
+    mine = logits.argmax(-1, keepdim=True)
+    gap = logits_ref.max(-1, keepdim=True).values - logits_ref.gather(-1, mine)
+    return (gap <= tol).float().mean().item()
 
 
 @click.command("smoke")
@@ -82,7 +96,7 @@ def run_smoke(
 @click.option("--device", help="xpu, cuda, cpu, cuda:1, ... (default: xpu, else cuda, else cpu)")
 @click.option("--tokens", type=click.IntRange(min=1), default=8, show_default=True, help="tokens in the draft step")
 @click.option("--reference", "reference_dir", type=click.Path(exists=True, file_okay=False, path_type=Path), help="the NATIVE checkpoint OUT was converted from: compare with an independent reference")
-@click.option("--min-top1", type=click.FloatRange(0, 1), default=1.0, show_default=True, help="fail when top-1 agreement with the reference is lower")
+@click.option("--min-top1", type=click.FloatRange(0, 1), default=1.0, show_default=True, help="fail when top-1 agreement with the reference is lower (a disagreement on a near-tie, within 1% of max|logit| in the reference, counts as agreeing)")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="print the report as JSON")
 def smoke_command(out: Path, device: str | None, tokens: int, reference_dir: Path | None, min_top1: float, seed: int, as_json: bool) -> None:
@@ -97,6 +111,7 @@ def smoke_command(out: Path, device: str | None, tokens: int, reference_dir: Pat
         click.echo(f"  hidden {report['hidden_shape']}, logits {report['logits_shape']}, all finite")
         if reference_dir is not None:
             click.echo(f"  vs reference {reference_dir}: hidden max|diff| {report['hidden_max_abs_diff']:.4g} (max|h| {report['hidden_max_abs']:.4g}), "
-                       f"logits max|diff| {report['logits_max_abs_diff']:.4g} (max {report['logits_max_abs']:.4g}), top-1 agreement {report['top1_agreement']:.3f}")
-    if reference_dir is not None and report["top1_agreement"] < min_top1:
-        raise SmokeCheckError(f"{out}: top-1 agreement with the reference {report['top1_agreement']:.3f} is below {min_top1}")
+                       f"logits max|diff| {report['logits_max_abs_diff']:.4g} (max {report['logits_max_abs']:.4g}), "
+                   f"top-1 agreement {report['top1_agreement']:.3f} ({report['top1_agreement_up_to_ties']:.3f} counting near-ties)")
+    if reference_dir is not None and report["top1_agreement_up_to_ties"] < min_top1:
+        raise SmokeCheckError(f"{out}: top-1 agreement with the reference {report['top1_agreement_up_to_ties']:.3f} (near-ties counted as agreeing) is below {min_top1}")

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from click.testing import CliRunner
 
 from dsv4.convert.cli import cli
@@ -66,3 +67,13 @@ def test_a_bad_checkpoint_exits_with_the_load_error_code(pair, tmp_path):
     assert proc.returncode == 51, proc.stderr  # MissingKeyError: the index no longer lists a parameter
     assert proc.stderr.strip().splitlines()[-1].startswith("error: ")
     assert "model.layers.2.enorm.weight" in proc.stderr.strip().splitlines()[-1]
+
+
+def test_top1_agreement_forgives_near_ties_only():
+    from dsv4.model.smoke import top1_agreement_up_to_ties
+
+    ref = torch.tensor([[10.0, 9.95, 0.0], [10.0, 5.0, 0.0], [0.0, 1.0, 10.0]])
+    # token 0: a near-tie (gap 0.05 <= 1% of 10) flipped; token 1: a decisive flip; token 2 agrees
+    mine = torch.tensor([[9.9, 10.0, 0.0], [5.0, 10.0, 0.0], [0.0, 1.0, 10.0]])
+    assert top1_agreement_up_to_ties(mine, ref) == pytest.approx(2 / 3)
+    assert top1_agreement_up_to_ties(ref, ref) == 1.0
