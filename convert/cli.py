@@ -3,6 +3,7 @@ subcommands plan, check, smoke-test, synthesise and batch-convert."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import sys
 from typing import TYPE_CHECKING
@@ -14,19 +15,37 @@ from dsv4.convert.errors import DSV4Error
 
 if TYPE_CHECKING:
     from dsv4.convert.plan import Plan
-from dsv4.convert.synth import synth_command
+
+# Subcommands that live beside the code they drive, imported only when invoked: the model
+# (Triton) and the hub client (huggingface_hub) cost start-up time a conversion need not pay.
+LAZY_COMMANDS = {
+    "check": "dsv4.convert.check:check_command",
+    "smoke": "dsv4.model.smoke:smoke_command",
+    "synth": "dsv4.convert.synth:synth_command",
+    "batch": "dsv4.convert.batch:batch_command",
+}
 
 
-class _DefaultToConvert(click.Group):
-    """`convert-dsv4 IN OUT ...` means `convert-dsv4 convert IN OUT ...`."""
+class _Commands(click.Group):
+    """`convert-dsv4 IN OUT ...` means `convert-dsv4 convert IN OUT ...`; the subcommands
+    of LAZY_COMMANDS are imported when used."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted({*self.commands, *LAZY_COMMANDS})
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        if name in LAZY_COMMANDS and name not in self.commands:
+            module, attr = LAZY_COMMANDS[name].split(":")
+            self.add_command(getattr(importlib.import_module(module), attr), name)
+        return super().get_command(ctx, name)
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
-        if args and not args[0].startswith("-") and args[0] not in self.commands:
+        if args and not args[0].startswith("-") and args[0] not in self.list_commands(ctx):
             args = ["convert", *args]
         return super().parse_args(ctx, args)
 
 
-@click.group(cls=_DefaultToConvert, context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=_Commands, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="convert-dsv4")
 def cli() -> None:
     """Convert a native DeepSeek V4 checkpoint's MTP draft layer into vLLM's XPU MTP layout.
@@ -126,15 +145,6 @@ def _print_plan(plan: Plan, as_json: bool, *, full: bool, header_bytes: int | No
     click.echo("  ops:  " + ", ".join(f"{op} x{n}" for op, n in s["ops"].items()))
     for reason, n in s["skip_reasons"].items():
         click.echo(f"  skip x{n}: {reason}")
-
-
-# --- subcommands (each lives beside the code it drives) --------------------------------
-# registered below; keep one line each
-cli.add_command(synth_command)
-from dsv4.model.smoke import smoke_command  # noqa: E402
-cli.add_command(smoke_command)
-from dsv4.convert.batch import batch_command; cli.add_command(batch_command)  # noqa: E402, E702
-from dsv4.convert.check import check_command; cli.add_command(check_command)  # noqa: E402, E702
 
 
 def main() -> None:
