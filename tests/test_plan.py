@@ -18,60 +18,7 @@ from dsv4.convert.presets import preset_config
 from dsv4.convert.synth import write_checkpoint
 from dsv4.mapping.table import load_table
 from dsv4.model.config import ModelConfig
-
-
-def spec_layout(cfg: ModelConfig) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """Spec 02 section 2.2, transcribed: the 41 parameters, for one MTP block."""
-    H, V, I, E = cfg.hidden_size, cfg.vocab_size, cfg.moe_intermediate_size, cfg.n_routed_experts
-    D, nh, rq, g, ro, hc = cfg.head_dim, cfg.num_attention_heads, cfg.q_lora_rank, cfg.o_groups, cfg.o_lora_rank, cfg.hc_mult
-    fp4 = cfg.expert_dtype == "fp4"
-    sc = "F8_E8M0" if fp4 else "F32"
-    L = f"model.layers.{cfg.num_hidden_layers}."
-    B = L + "mtp_block."
-    out = {
-        "model.embed_tokens.weight": ("BF16", (V, H)),
-        L + "shared_head.head.weight": ("BF16", (V, H)),
-        L + "shared_head.norm.weight": ("BF16", (H,)),
-        L + "enorm.weight": ("BF16", (H,)),
-        L + "hnorm.weight": ("BF16", (H,)),
-        L + "e_proj.weight": ("F8_E4M3", (H, H)),
-        L + "e_proj.weight_scale_inv": (sc, (H // 128, H // 128)),
-        L + "h_proj.weight": ("F8_E4M3", (H, H)),
-        L + "h_proj.weight_scale_inv": (sc, (H // 128, H // 128)),
-        L + "hc_head_fn": ("F32", (hc, hc * H)),
-        L + "hc_head_base": ("F32", (hc,)),
-        L + "hc_head_scale": ("F32", (1,)),
-        B + "attn_norm.weight": ("BF16", (H,)),
-        B + "ffn_norm.weight": ("BF16", (H,)),
-        B + "attn.attn_sink": ("F32", (nh,)),
-        B + "attn.fused_wqa_wkv.weight": ("F8_E4M3", (rq + D, H)),
-        B + "attn.fused_wqa_wkv.weight_scale_inv": (sc, (rq // 128 + D // 128, H // 128)),
-        B + "attn.q_norm.weight": ("BF16", (rq,)),
-        B + "attn.kv_norm.weight": ("BF16", (D,)),
-        B + "attn.wq_b.weight": ("F8_E4M3", (nh * D, rq)),
-        B + "attn.wq_b.weight_scale_inv": (sc, (nh * D // 128, rq // 128)),
-        B + "attn.wo_a.weight": ("F8_E4M3", (g * ro, nh * D // g)),
-        B + "attn.wo_a.weight_scale_inv": (sc, (g * ro // 128, nh * D // g // 128)),
-        B + "attn.wo_b.weight": ("F8_E4M3", (H, g * ro)),
-        B + "attn.wo_b.weight_scale_inv": (sc, (H // 128, g * ro // 128)),
-        B + "ffn.gate.weight": ("BF16", (E, H)),
-        B + "ffn.gate.e_score_correction_bias": ("F32", (E,)),
-        B + "ffn.shared_experts.gate_up_proj.weight": ("F8_E4M3", (2 * I, H)),
-        B + "ffn.shared_experts.gate_up_proj.weight_scale_inv": (sc, (2 * I // 128, H // 128)),
-        B + "ffn.shared_experts.down_proj.weight": ("F8_E4M3", (H, I)),
-        B + "ffn.shared_experts.down_proj.weight_scale_inv": (sc, (H // 128, I // 128)),
-    }
-    for s in ("attn", "ffn"):
-        out[B + f"hc_{s}_fn"] = ("F32", ((2 + hc) * hc, hc * H))
-        out[B + f"hc_{s}_base"] = ("F32", ((2 + hc) * hc,))
-        out[B + f"hc_{s}_scale"] = ("F32", (3,))
-    X = B + "ffn.experts.routed_experts."
-    if fp4:
-        out.update({X + "w13_weight": ("U8", (E, 2 * I, H // 2)), X + "w13_weight_scale": ("U8", (E, 2 * I, H // 32)), X + "w2_weight": ("U8", (E, H, I // 2)), X + "w2_weight_scale": ("U8", (E, H, I // 32))})
-    else:
-        out.update({X + "w13_weight": ("F8_E4M3", (E, 2 * I, H)), X + "w13_weight_scale_inv": ("F32", (E, 2 * I // 128, H // 128)), X + "w2_weight": ("F8_E4M3", (E, H, I)), X + "w2_weight_scale_inv": ("F32", (E, H // 128, I // 128))})
-    assert len(out) == 41
-    return out
+from spec02 import spec_layout
 
 
 @pytest.fixture(scope="module")
