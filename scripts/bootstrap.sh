@@ -21,7 +21,7 @@ if ! .venv/bin/python -c 'import torch' 2>/dev/null; then
   echo "bootstrap: no torch found; installing torch==2.13.0"
   "${pip[@]}" torch==2.13.0
 fi
-.venv/bin/python - <<'PY'
+.venv/bin/python -W ignore - <<'PY'
 import sys, torch
 if not hasattr(torch, "float8_e8m0fnu"):
     sys.exit(f"bootstrap: torch {torch.__version__} lacks float8_e8m0fnu; dsv4-convert needs torch >= 2.7")
