@@ -41,6 +41,7 @@ import click
 import torch
 from safetensors import safe_open
 
+from dsv4.convert.dtypes import tensor_bytes
 from dsv4.convert.errors import (
     CheckError,
     ChecksumMismatchError,
@@ -281,9 +282,9 @@ def _read_tensor(f: Any, fd: int, src: TensorSource, digest: Any | None) -> None
                 digest.update(_zeros(hi - lo))
             continue
         block = sl[r : r + step] if sl is not None else f.get_tensor(src.name)
-        data = block.contiguous().view(-1).view(torch.uint8).numpy()
+        data = block.contiguous().view(-1).view(torch.uint8)
         if digest is not None:
-            digest.update(data)
+            digest.update(tensor_bytes(data))
         else:
             data.max()  # safetensors maps the file: only touching every byte reads it
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib
 import json
 import sys
+import warnings
 from typing import TYPE_CHECKING
 
 import click
@@ -148,6 +149,8 @@ def _print_plan(plan: Plan, as_json: bool, *, full: bool, header_bytes: int | No
 
 
 def main() -> None:
+    # numpy is no dependency of this tool; torch warns at import when it is absent
+    warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
     try:
         cli(standalone_mode=False)
     except DSV4Error as exc:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
@@ -28,3 +30,16 @@ def nbytes(dtype: str, shape: tuple[int, ...] | list[int]) -> int:
     for d in shape:
         n *= d
     return n
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The raw bytes of a tensor, whatever its dtype, without a copy on the CPU.
+
+    An E8M0 or FP8 tensor must never pass through a numeric conversion on its way to disk.
+    torch tensors do not implement the buffer protocol and numpy is not a dependency, so
+    the bytes are viewed through ctypes; the view keeps the tensor alive.
+    """
+    t = t.detach().contiguous().cpu()
+    raw = (ctypes.c_ubyte * t.nbytes).from_address(t.data_ptr())
+    raw.tensor = t  # type: ignore[attr-defined]  # lifetime: the memory belongs to t
+    return memoryview(raw).cast("B")

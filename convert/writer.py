@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from dsv4.convert.dtypes import ITEMSIZE, nbytes
+from dsv4.convert.dtypes import ITEMSIZE, nbytes, tensor_bytes
 
 HEADER_ALIGN = 8  # safetensors pads its header so tensor data start 8-byte aligned
 
@@ -55,11 +55,7 @@ def encode_header(specs: Sequence[TensorSpec], metadata: dict[str, str] | None =
 
 
 def _as_bytes(data: bytes | bytearray | memoryview | torch.Tensor) -> memoryview:
-    if isinstance(data, torch.Tensor):
-        # raw bytes, whatever the dtype: an E8M0 or FP8 tensor must never pass through a
-        # numeric conversion on its way to disk
-        data = data.detach().contiguous().cpu().view(torch.uint8).numpy()
-    return memoryview(data).cast("B")
+    return tensor_bytes(data) if isinstance(data, torch.Tensor) else memoryview(data).cast("B")
 
 
 class ShardWriter:

@@ -278,3 +278,20 @@ def test_json_summary(tiny_native: Path, tmp_path: Path) -> None:
     assert summary["status"] == "converted" and summary["output"] == str(tmp_path / "out")
     assert summary["bytes_read"] == summary["bytes_written"] == summary["bytes_planned"] > 0
     assert summary["seconds"] >= 0
+
+
+def test_synth_convert_and_check_need_no_numpy(tmp_path: Path) -> None:
+    """numpy is not a runtime dependency: the byte paths must not reach for it."""
+    script = f"""
+import sys
+sys.modules["numpy"] = None  # any import of numpy now fails
+from dsv4.convert.synth import write_checkpoint
+from dsv4.convert.job import convert
+from dsv4.convert.check import run_checks
+src = write_checkpoint({str(tmp_path / 'n')!r}, preset="tiny", seed=3)
+convert(src, {str(tmp_path / 'x')!r})
+report = run_checks({str(tmp_path / 'x')!r})
+assert report.ok, report.summary()
+"""
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
