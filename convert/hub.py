@@ -12,6 +12,7 @@ HF_HUB_OFFLINE mean what they mean there, and no token ever passes through this 
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -97,8 +98,13 @@ class HubReader:
     """ByteReader over one hub commit: each read is one ranged GET through HfFileSystem.
 
     Files are opened with fsspec's "none" cache, so a read fetches exactly the bytes asked
-    for: the default read-ahead cache would fetch whole blocks past every tensor.
+    for: the default read-ahead cache would fetch whole blocks past every tensor. Requests
+    are latency-bound (Flash's draft is ~1,600 ranges), so the executor keeps
+    `parallel_reads` of them in flight; each thread has its own file objects (an fsspec
+    file's seek-then-read is not thread-safe).
     """
+
+    parallel_reads = 8
 
     def __init__(self, hub: HubSpec, commit: str, sizes: dict[str, int]):
         self.location = hub.location
@@ -107,19 +113,24 @@ class HubReader:
         self.sizes = sizes
         self.bytes_read = 0
         self._fs = HfFileSystem()
-        self._files: dict[str, AbstractBufferedFile] = {}
+        self._local = threading.local()
+        self._lock = threading.Lock()
+        self._opened: list[AbstractBufferedFile] = []
 
     def _where(self, file: str) -> str:
         return f"{self.location}/{file}@{self.commit[:12]}"
 
     def _open(self, file: str) -> AbstractBufferedFile:
-        f = self._files.get(file)
+        files: dict[str, AbstractBufferedFile] = self._local.__dict__.setdefault("files", {})
+        f = files.get(file)
         if f is None:
             try:
                 f = self._fs.open(f"{self.repo}/{file}", "rb", revision=self.commit, cache_type="none", size=self.sizes[file])
             except FileNotFoundError:
                 raise MissingShardError(f"{self._where(file)}: not in the repository at this commit") from None
-            self._files[file] = f
+            files[file] = f
+            with self._lock:
+                self._opened.append(f)
         return f
 
     def fetch(self, file: str, offset: int, n: int) -> bytes:
@@ -145,15 +156,18 @@ class HubReader:
 
     def read_into(self, file: str, offset: int, buf: memoryview) -> None:
         buf[:] = self.fetch(file, offset, len(buf))
-        self.bytes_read += len(buf)
+        with self._lock:  # called from several reader threads
+            self.bytes_read += len(buf)
 
     def fingerprint(self, files: list[str]) -> dict[str, object]:
         return {"location": self.location, "revision": self.commit, "files": {f: self.sizes[f] for f in files}}
 
     def close(self) -> None:
-        for f in self._files.values():
-            f.close()
-        self._files.clear()
+        with self._lock:
+            for f in self._opened:
+                f.close()
+            self._opened.clear()
+        self._local = threading.local()
 
 
 def _model_info(hub: HubSpec, *, files_metadata: bool = False) -> tuple[str, ModelInfo]:

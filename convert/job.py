@@ -183,18 +183,19 @@ def _chunks(tensors: list[PlannedTensor]) -> list[_Chunk]:
 class _Executor:
     """Copies planned byte ranges to their final place in a shard, hashing each tensor.
 
-    Three stages overlap: a reader thread fills buffers ahead (source reads never wait for
+    Three stages overlap: reader threads fill buffers ahead (source reads never wait for
     output writes), the main thread writes, a hasher thread checksums (hashlib and file
-    I/O release the GIL). DEPTH buffers of CHUNK bytes bound the memory whatever the size
-    of the checkpoint."""
-
-    DEPTH = 4
+    I/O release the GIL). A local disk gets one reader, reading each file front to back;
+    a hub reader asks for several (its requests are latency-bound). `depth` buffers of CHUNK
+    bytes bound the memory whatever the size of the checkpoint."""
 
     def __init__(self, reader: ByteReader, progress: Callable[[int], object], position: int = 0):
         self.reader = reader
         self.progress = progress
-        self.buffers = [memoryview(bytearray(CHUNK)) for _ in range(self.DEPTH)]
-        self.reads = ThreadPoolExecutor(max_workers=1)  # one reader: each file read front to back
+        readers = getattr(reader, "parallel_reads", 1)
+        self.depth = readers + 3  # reads in flight, plus the chunk being written and hashed
+        self.buffers = [memoryview(bytearray(CHUNK)) for _ in range(self.depth)]
+        self.reads = ThreadPoolExecutor(max_workers=readers)
         self.hashes = ThreadPoolExecutor(max_workers=1)  # one hasher: digest updates stay in order
         self.written = 0
         self.position = position  # bytes of the output stream done, earlier runs included
@@ -204,26 +205,26 @@ class _Executor:
     def run(self, tensors: list[PlannedTensor], writer: ShardWriter) -> Iterator[tuple[PlannedTensor, str]]:
         """Write `tensors` into `writer`; yields each finished tensor with its sha256."""
         chunks = _chunks(tensors)
-        hashed: list[Future[None] | None] = [None] * self.DEPTH
+        hashed: list[Future[None] | None] = [None] * self.depth
         reads: dict[int, Future[None]] = {}
         digests: dict[str, Any] = {}
 
         def start_read(k: int) -> None:
-            slot = k % self.DEPTH
+            slot = k % self.depth
             if hashed[slot] is not None:
                 hashed[slot].result()  # the buffer's previous chunk is hashed (and written)
             c = chunks[k]
             reads[k] = self.reads.submit(self.reader.read_into, c.file, c.offset, self.buffers[slot][: c.n])
 
-        for k in range(min(self.DEPTH - 1, len(chunks))):
+        for k in range(min(self.depth - 1, len(chunks))):
             start_read(k)
         for k, c in enumerate(chunks):
-            if k + self.DEPTH - 1 < len(chunks):
-                start_read(k + self.DEPTH - 1)
+            if k + self.depth - 1 < len(chunks):
+                start_read(k + self.depth - 1)
             reads.pop(k).result()
-            view = self.buffers[k % self.DEPTH][: c.n]
+            view = self.buffers[k % self.depth][: c.n]
             digest = digests.setdefault(c.tensor.name, hashlib.sha256())
-            hashed[k % self.DEPTH] = self.hashes.submit(digest.update, view)
+            hashed[k % self.depth] = self.hashes.submit(digest.update, view)
             if c.n and not _all_zero(view):
                 writer.write(c.tensor.name, view, c.at)
             self.written += c.n
@@ -232,7 +233,7 @@ class _Executor:
             if self.crash_after is not None and self.position >= self.crash_after:
                 os.kill(os.getpid(), signal.SIGKILL)
             if c.last:
-                hashed[k % self.DEPTH].result()  # FIFO: every update of this tensor is done
+                hashed[k % self.depth].result()  # FIFO: every update of this tensor is done
                 yield c.tensor, digests.pop(c.tensor.name).hexdigest()
 
     def close(self) -> None:
