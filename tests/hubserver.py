@@ -24,6 +24,7 @@ import re
 import subprocess
 import sys
 import threading
+import time
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -86,14 +87,19 @@ class Fault:
 
 
 class FakeHub:
-    def __init__(self, token: str | None = None):
-        """`token`: when set, write routes answer 401 unless it comes as a Bearer token."""
+    def __init__(self, token: str | None = None, latency_s: float = 0.0):
+        """`token`: when set, write routes answer 401 unless it comes as a Bearer token.
+        `latency_s`: each ranged file read waits this long, as a distant hub would, so a
+        test can see how many of them a client keeps in flight (`max_ranges_in_flight`)."""
         self.repos: dict[str, Repo] = {}
         self.bytes_served: dict[str, int] = defaultdict(int)
         self.requests: list[Request] = []
         self.pushed: list[dict[str, Any]] = []
         self.faults: list[Fault] = []
         self._token = token
+        self.latency_s = latency_s
+        self.ranges_in_flight = 0
+        self.max_ranges_in_flight = 0
         self._lock = threading.Lock()
         self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
         self._server = _Server(("127.0.0.1", 0), _Handler)
@@ -357,6 +363,13 @@ class _Handler(BaseHTTPRequestHandler):
         if rng is not None:
             headers["Content-Range"] = f"bytes {rng[0]}-{rng[0] + len(body) - 1}/{len(data)}"
         send = self.command == "GET"
+        if rng is not None and send and self.hub.latency_s:
+            with self.hub._lock:
+                self.hub.ranges_in_flight += 1
+                self.hub.max_ranges_in_flight = max(self.hub.max_ranges_in_flight, self.hub.ranges_in_flight)
+            time.sleep(self.hub.latency_s)
+            with self.hub._lock:
+                self.hub.ranges_in_flight -= 1
         self._log(repo, "resolve", status, path, rng, len(body) if send else 0)
         self._send(status, body, headers, send_body=send)
 
