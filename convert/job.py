@@ -28,7 +28,7 @@ from dsv4.convert.errors import DSV4Error, OutputExistsError, SourceNotFoundErro
 from dsv4.convert.inventory import INDEX_NAME, Inventory, read_inventory, read_local_header
 from dsv4.convert.plan import LAYOUT_RECORD, Plan, PlannedTensor, plan_conversion, plan_reverse
 from dsv4.convert.source import ByteReader, LocalReader
-from dsv4.convert.writer import ShardWriter, TensorSpec
+from dsv4.convert.writer import ShardWriter, TensorSpec, shard_name
 from dsv4.mapping.table import Table, load_table
 
 CONVERSION_RECORD = "conversion.json"
@@ -89,10 +89,6 @@ def shard_layout(plan: Plan, max_shard_size: int) -> list[list[PlannedTensor]]:
         shards[-1].append(t)
         size += t.nbytes
     return shards
-
-
-def shard_name(k: int, n: int) -> str:
-    return f"model-{k + 1:05d}-of-{n:05d}.safetensors"
 
 
 def output_config(plan: Plan) -> dict[str, Any]:

@@ -32,7 +32,7 @@ import torch
 from dsv4.convert.dtypes import TORCH_DTYPES, nbytes
 from dsv4.convert.native import Layout, main_layer_layout, mtp_layout, top_level_layout
 from dsv4.convert.presets import PRESETS, Variant, preset_config, with_variant
-from dsv4.convert.writer import ShardWriter, TensorSpec
+from dsv4.convert.writer import ShardWriter, TensorSpec, shard_name
 from dsv4.model.config import ModelConfig
 
 CHUNK_BYTES = 1 << 20  # output bytes generated per write; temporaries stay within ~32x this
@@ -55,10 +55,6 @@ def pack_e2m1(codes: torch.Tensor) -> torch.Tensor:
     """Pack e2m1 codes (uint8 0..15, last dim even) two per byte along the last dim, as the
     release stores FP4 experts (spec 01 §1.3): LOW nibble = even index, HIGH = odd."""
     return (codes[..., 0::2] | (codes[..., 1::2] << 4)).view(torch.int8)
-
-
-def shard_name(k: int, total: int) -> str:
-    return f"model-{k:05d}-of-{total:05d}.safetensors"
 
 
 def _dspark_layout(cfg: ModelConfig, i: int) -> Layout:
@@ -209,7 +205,7 @@ def write_checkpoint(
     shards = shard_layouts(cfg, variant, n_main)
     weight_map: dict[str, str] = {}
     total_size = 0
-    for k, layout in enumerate(shards, start=1):
+    for k, layout in enumerate(shards):
         fname = shard_name(k, len(shards))
         specs = [TensorSpec(name, dtype, shape) for name, (dtype, shape) in layout.items()]
         with ShardWriter(out / fname, specs, SHARD_METADATA) as writer:

@@ -22,6 +22,11 @@ from dsv4.convert.dtypes import ITEMSIZE, nbytes, tensor_bytes
 HEADER_ALIGN = 8  # safetensors pads its header so tensor data start 8-byte aligned
 
 
+def shard_name(k: int, n: int) -> str:
+    """File name of shard k (0-based) of n, as the released checkpoints name theirs."""
+    return f"model-{k + 1:05d}-of-{n:05d}.safetensors"
+
+
 @dataclass(frozen=True)
 class TensorSpec:
     name: str
