@@ -123,10 +123,11 @@ def model_config(inv: Inventory) -> ModelConfig:
         native.variant_of(cfg)
     except (ValueError, TypeError) as exc:
         raise UnsupportedLayoutError(f"{inv.location}/config.json: {exc}") from None
-    # vLLM creates ffn.gate.e_score_correction_bias only for noaux_tc routing (NOTES.md)
+    # vLLM creates ffn.gate.e_score_correction_bias only for noaux_tc routing (NOTES.md),
+    # and the draft's router is sqrtsoftplus (spec 03 section 3.4)
     method = inv.config.get("topk_method", "noaux_tc")
-    if method != "noaux_tc":
-        raise UnsupportedLayoutError(f"{inv.location}/config.json: topk_method {method!r}; the XPU MTP layout is defined for noaux_tc routing only")
+    if method != "noaux_tc" or cfg.scoring_func != "sqrtsoftplus":
+        raise UnsupportedLayoutError(f"{inv.location}/config.json: topk_method {method!r}, scoring_func {cfg.scoring_func!r}; the XPU MTP layout is defined for noaux_tc routing with sqrtsoftplus scores only")
     return cfg
 
 

@@ -86,10 +86,6 @@ class ShardWriter:
             self._file.write(head)
             self._file.truncate(self.size)
 
-    def data_offset(self, name: str) -> int:
-        """Absolute byte offset of tensor `name`'s first byte in the file."""
-        return self.offsets[name]
-
     def write(self, name: str, data: bytes | bytearray | memoryview | torch.Tensor, at: int = 0) -> int:
         """Write raw bytes at byte offset `at` within tensor `name`; returns bytes written."""
         view = _as_bytes(data)

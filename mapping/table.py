@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 import tomllib
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -96,9 +96,6 @@ class Table:
 
     def rules_for(self, expert_dtype: str) -> list[Rule]:
         return [r for r in self.rules if r.applies(expert_dtype)]
-
-    def producing(self, expert_dtype: str) -> Iterator[Rule]:
-        return (r for r in self.rules_for(expert_dtype) if r.target is not None)
 
 
 def _parse(raw: dict[str, Any], where: str) -> tuple[dict[str, Any], list[Rule]]:

@@ -37,7 +37,6 @@ from dsv4.model.quant import (
     weight_param,
 )
 
-ACT_DTYPE = torch.bfloat16
 
 
 def fp8_linear_scale_dtype(cfg: ModelConfig) -> torch.dtype:
@@ -208,6 +207,8 @@ class Experts(QuantLayer):
 class MoE(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_prefix: str) -> None:
         super().__init__()
+        if cfg.scoring_func != "sqrtsoftplus":
+            raise ValueError(f"config.json: scoring_func {cfg.scoring_func!r}; the DeepSeek V4 MTP routes with sqrtsoftplus (spec 03 section 3.4)")
         self.cfg = cfg
         p = f"{layer_prefix}.ffn"
         self.gate = Gate(cfg, f"{p}.gate")

@@ -111,10 +111,11 @@ def test_unknown_expert_dtype(tiny_native: Path, table) -> None:
         plan_conversion(bad, table)
 
 
-def test_routing_other_than_noaux_tc_is_refused(tiny_native: Path, table) -> None:
+@pytest.mark.parametrize("field, value", [("topk_method", "greedy"), ("scoring_func", "sigmoid")])
+def test_routing_other_than_noaux_tc_sqrtsoftplus_is_refused(tiny_native: Path, table, field: str, value: str) -> None:
     inv = read_inventory(tiny_native)
-    with pytest.raises(errors.UnsupportedLayoutError, match="topk_method 'greedy'"):
-        plan_conversion(dataclasses.replace(inv, config={**inv.config, "topk_method": "greedy"}), table)
+    with pytest.raises(errors.UnsupportedLayoutError, match=f"{field} '{value}'"):
+        plan_conversion(dataclasses.replace(inv, config={**inv.config, field: value}), table)
 
 
 def test_absent_expert_dtype_means_fp4(tiny_native: Path, table) -> None:
