@@ -32,8 +32,7 @@ from huggingface_hub.utils import validate_repo_id
 from dsv4 import __version__
 from dsv4.convert.errors import BatchFailedError, DSV4Error, ManifestError, PushError
 from dsv4.convert.hub import HUB_SCHEME, HubSpec, hub_errors, open_hub_source, parse_spec, resolve_commit
-from dsv4.convert.job import CONVERSION_RECORD, DEFAULT_MAX_SHARD, run_plan
-from dsv4.convert.plan import plan_conversion
+from dsv4.convert.job import CONVERSION_RECORD, DEFAULT_MAX_SHARD, plan_source, run_plan
 from dsv4.mapping.table import Table, load_table
 
 TOP_KEYS = {"target", "sources", "output", "options"}
@@ -287,11 +286,7 @@ class _Job:
         else:
             inv, reader = open_hub_source(f"{src.repo}@{commit}")
             self.fetched = inv.header_bytes
-            try:
-                plan = plan_conversion(inv, table)
-            except BaseException:
-                reader.close()
-                raise
+            plan = plan_source(inv, reader, table)
             try:
                 # replacing is safe only over an earlier conversion (it has a conversion.json), never over anything else
                 result = run_plan(plan, reader, src.output, overwrite=local is not None, max_shard_size=self.manifest.max_shard_size)

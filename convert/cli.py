@@ -87,15 +87,10 @@ def convert_command(source: str, out: str, target: str, reverse: bool, overwrite
     memory in a hidden partial directory, and resumes there if interrupted. OUT appears
     only when complete and verified; rerunning on an up-to-date OUT does nothing.
     """
-    from dsv4.convert.job import convert, open_source
-    from dsv4.convert.plan import plan_conversion, plan_reverse
-    from dsv4.mapping.table import load_table
+    from dsv4.convert.job import convert
 
     if dry_run:
-        inv, reader = open_source(source)
-        reader.close()
-        table = load_table(target)
-        _print_plan((plan_reverse if reverse else plan_conversion)(inv, table), as_json, full=False)
+        _print_plan(_plan(source, target, reverse)[0], as_json, full=False)
         return
     result = convert(source, out, target=target, reverse=reverse, overwrite=overwrite, max_shard_size=_parse_size(max_shard_size), quiet=quiet or as_json)
     if as_json:
@@ -113,14 +108,20 @@ def convert_command(source: str, out: str, target: str, reverse: bool, overwrite
 @click.option("--json", "as_json", is_flag=True, help="The whole plan (every tensor and byte range, every skip) as JSON.")
 def plan_command(source: str, target: str, reverse: bool, as_json: bool) -> None:
     """Show what converting SOURCE would read and write. Reads headers only."""
-    from dsv4.convert.job import open_source
-    from dsv4.convert.plan import plan_conversion, plan_reverse
+    plan, header_bytes = _plan(source, target, reverse)
+    _print_plan(plan, as_json, full=True, header_bytes=header_bytes)
+
+
+def _plan(source: str, target: str, reverse: bool) -> tuple[Plan, int]:
+    """The plan for SOURCE, from headers only, and the header bytes read."""
+    from dsv4.convert.job import open_source, plan_source
     from dsv4.mapping.table import load_table
 
+    table = load_table(target)
     inv, reader = open_source(source)
+    plan = plan_source(inv, reader, table, reverse=reverse)
     reader.close()
-    plan = (plan_reverse if reverse else plan_conversion)(inv, load_table(target))
-    _print_plan(plan, as_json, full=True, header_bytes=inv.header_bytes)
+    return plan, inv.header_bytes
 
 
 def _gb(n: int) -> str:

@@ -24,7 +24,7 @@ import torch
 from tqdm import tqdm
 
 from dsv4 import __version__
-from dsv4.convert.errors import DSV4Error, OutputExistsError, SourceNotFoundError, WriteFailedError
+from dsv4.convert.errors import OutputExistsError, SourceNotFoundError, WriteFailedError
 from dsv4.convert.inventory import INDEX_NAME, Inventory, read_inventory, read_local_header
 from dsv4.convert.plan import LAYOUT_RECORD, Plan, PlannedTensor, plan_conversion, plan_reverse
 from dsv4.convert.source import ByteReader, LocalReader
@@ -361,13 +361,18 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def convert(source: str | Path, out: str | Path, *, target: str = "xpu", reverse: bool = False, overwrite: bool = False, max_shard_size: int = DEFAULT_MAX_SHARD, quiet: bool = True, table: Table | None = None) -> ConversionResult:
-    """Convert `source` (native checkpoint, or with reverse=True a converted one) into `out`."""
-    table = table or load_table(target)
-    inv, reader = open_source(source)
+def plan_source(inv: Inventory, reader: ByteReader, table: Table, *, reverse: bool = False) -> Plan:
+    """Plan the conversion of an opened source; the reader is closed when planning fails."""
     try:
-        plan = plan_reverse(inv, table) if reverse else plan_conversion(inv, table)
-    except DSV4Error:
+        return plan_reverse(inv, table) if reverse else plan_conversion(inv, table)
+    except BaseException:
         reader.close()
         raise
+
+
+def convert(source: str | Path, out: str | Path, *, target: str = "xpu", reverse: bool = False, overwrite: bool = False, max_shard_size: int = DEFAULT_MAX_SHARD, quiet: bool = True) -> ConversionResult:
+    """Convert `source` (native checkpoint, or with reverse=True a converted one) into `out`."""
+    table = load_table(target)
+    inv, reader = open_source(source)
+    plan = plan_source(inv, reader, table, reverse=reverse)
     return run_plan(plan, reader, out, overwrite=overwrite, max_shard_size=max_shard_size, quiet=quiet)

@@ -8,7 +8,6 @@ tensor is simply a list of byte ranges: the executor needs no knowledge of the o
 
 from __future__ import annotations
 
-import math
 import re
 from collections import Counter
 from collections.abc import Iterator
@@ -16,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 from dsv4.convert import native
-from dsv4.convert.dtypes import ITEMSIZE
+from dsv4.convert.dtypes import ITEMSIZE, nbytes
 from dsv4.convert.errors import (
     DuplicateTargetError,
     LayoutMismatchError,
@@ -213,6 +212,14 @@ def _write_order(tensors: list[PlannedTensor]) -> tuple[PlannedTensor, ...]:
     return tuple(sorted(tensors, key=lambda t: (t.pieces[0].file, t.pieces[0].start)))
 
 
+def _native_draft_layout(cfg: ModelConfig, *, with_emb_head: bool) -> native.Layout:
+    """The native top-level tensors and every MTP block: what a draft can be made of."""
+    layout = native.top_level_layout(cfg)
+    for i in range(cfg.num_nextn_predict_layers):
+        layout.update(native.mtp_layout(cfg, i, with_emb_head=with_emb_head))
+    return layout
+
+
 def plan_conversion(inv: Inventory, table: Table) -> Plan:
     """Forward: a native checkpoint -> the table's target layout."""
     _refuse(inv, table)
@@ -220,9 +227,7 @@ def plan_conversion(inv: Inventory, table: Table) -> Plan:
     rules = [r for r in table.rules_for(cfg.expert_dtype) if r.op != "refuse"]
     skipped = _classify(inv, rules, cfg)
     variant = native.variant_of(cfg)
-    expected_src: native.Layout = native.top_level_layout(cfg)
-    for i in range(cfg.num_nextn_predict_layers):
-        expected_src.update(native.mtp_layout(cfg, i, with_emb_head=True))
+    expected_src = _native_draft_layout(cfg, with_emb_head=True)
     layout = target_layout(cfg)
     consumed: Counter[str] = Counter()
     out: dict[str, PlannedTensor] = {}
@@ -273,9 +278,7 @@ def plan_reverse(inv: Inventory, table: Table) -> Plan:
     the draft uses). Fused parameters are split back at the native sizes."""
     cfg = model_config(inv)
     layout = target_layout(cfg)
-    expected_src: native.Layout = native.top_level_layout(cfg)
-    for i in range(cfg.num_nextn_predict_layers):
-        expected_src.update(native.mtp_layout(cfg, i))
+    expected_src = _native_draft_layout(cfg, with_emb_head=False)
     out: dict[str, PlannedTensor] = {}
     for key, src in inv.tensors.items():
         if key not in layout:
@@ -293,7 +296,7 @@ def plan_reverse(inv: Inventory, table: Table) -> Plan:
             at = fused.start
             for name in _source_names(rule, binding, cfg):
                 dtype, shape = expected_src[name]
-                n = ITEMSIZE[dtype] * math.prod(shape)
+                n = nbytes(dtype, shape)
                 if name not in out:  # a shared tensor copied into every block comes back once
                     out[name] = PlannedTensor(name, dtype, shape, (Piece(target, fused.file, at, at + n),), f"split-{rule.op}", rule.label)
                 at += n
