@@ -32,7 +32,7 @@ from huggingface_hub.utils import validate_repo_id
 from dsv4 import __version__
 from dsv4.convert.errors import BatchFailedError, DSV4Error, ManifestError, PushError
 from dsv4.convert.hub import HUB_SCHEME, HubSpec, hub_errors, open_hub_source, parse_spec, resolve_commit
-from dsv4.convert.job import CONVERSION_RECORD, DEFAULT_MAX_SHARD, plan_source, run_plan
+from dsv4.convert.job import CONVERSION_RECORD, DEFAULT_MAX_SHARD, plan_source, read_record, run_plan
 from dsv4.mapping.table import Table, load_table
 
 TOP_KEYS = {"target", "sources", "output", "options"}
@@ -200,13 +200,6 @@ def select_shard(sources: Sequence[Source], num_shards: int, shard_index: int) -
     return [s for k, s in enumerate(sorted(sources, key=lambda s: s.key)) if k % num_shards == shard_index]
 
 
-def _read_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-
-
 def records(record: Any, location: str, commit: str, table: Table) -> bool:
     """Whether a conversion.json records a forward conversion of this commit with this table version."""
     if not isinstance(record, dict) or not isinstance(record.get("source"), dict):
@@ -228,7 +221,7 @@ def pushed_record(repo: str) -> Any:
             path = hf_hub_download(repo, CONVERSION_RECORD)
         except (RepositoryNotFoundError, RevisionNotFoundError, EntryNotFoundError):
             return None
-    return _read_json(Path(path))
+    return read_record(Path(path))
 
 
 def push(out: Path, repo: str, message: str, description: str, private: bool | None) -> str:
@@ -278,7 +271,7 @@ class _Job:
         target = src.push_repo if self.push_to_hub else None  # run_batch refuses --push without output.repo
         if target and records(pushed_record(target), self.hub.location, commit, table):
             return "skipped", {"reason": f"{HUB_SCHEME}{target} already records {what}"}
-        local = _read_json(src.output / CONVERSION_RECORD)
+        local = read_record(src.output / CONVERSION_RECORD)
         if records(local, self.hub.location, commit, table):
             if not target:
                 return "skipped", {"reason": f"{src.output} already records {what}"}

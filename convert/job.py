@@ -119,7 +119,8 @@ def _fingerprint(plan: Plan, reader: ByteReader, shards: list[list[PlannedTensor
     }
 
 
-def _read_json(path: Path) -> Any:
+def read_record(path: Path) -> Any:
+    """A JSON record (conversion.json, the resume state), or None if absent or unreadable."""
     try:
         return json.loads(path.read_text())
     except (OSError, ValueError):
@@ -277,14 +278,14 @@ def run_plan(plan: Plan, reader: ByteReader, out: str | Path, *, overwrite: bool
     names = [shard_name(k, len(shards)) for k in range(len(shards))]
     fingerprint = _fingerprint(plan, reader, shards)
 
-    record = _read_json(out / CONVERSION_RECORD) if out.is_dir() else None
+    record = read_record(out / CONVERSION_RECORD) if out.is_dir() else None
     if record is not None and record.get("fingerprint") == fingerprint and not overwrite:
         return ConversionResult(out, "up-to-date", 0, 0, time.monotonic() - start, len(plan.tensors), plan)
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
         raise OutputExistsError(f"{out}: exists and is not empty (and is not this conversion's up-to-date output); pass --overwrite to replace it")
 
     partial = out.parent / f".{out.name}.partial"
-    resumed = _read_json(partial / STATE) == fingerprint
+    resumed = read_record(partial / STATE) == fingerprint
     if partial.exists() and not resumed:
         shutil.rmtree(partial)
     partial.mkdir(parents=True, exist_ok=True)
