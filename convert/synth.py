@@ -30,6 +30,7 @@ import click
 import torch
 
 from dsv4.convert.dtypes import TORCH_DTYPES, nbytes
+from dsv4.convert.inventory import INDEX_NAME
 from dsv4.convert.native import Layout, main_layer_layout, mtp_layout, top_level_layout
 from dsv4.convert.presets import PRESETS, Variant, preset_config, with_variant
 from dsv4.convert.writer import ShardWriter, TensorSpec, shard_name
@@ -37,7 +38,6 @@ from dsv4.model.config import ModelConfig
 
 CHUNK_BYTES = 1 << 20  # output bytes generated per write; temporaries stay within ~32x this
 DSPARK_STAGES = 3
-INDEX_NAME = "model.safetensors.index.json"
 SHARD_METADATA = {"format": "pt"}  # what the released shards carry
 
 # Realistic magnitudes: a released FP8 block has its amax scaled to ~448, and weights of

@@ -25,11 +25,10 @@ from dsv4.convert.errors import (
     ShapeMismatchError,
     UnexpectedKeyError,
 )
+from dsv4.convert.inventory import INDEX_NAME, SINGLE_FILE
 from dsv4.model.config import ModelConfig
 from dsv4.model.mtp import DeepSeekV4MTP
 
-INDEX_NAME = "model.safetensors.index.json"
-SINGLE_FILE = "model.safetensors"
 
 
 def default_device() -> torch.device:
