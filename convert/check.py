@@ -58,7 +58,7 @@ from dsv4.convert.errors import (
     UnexpectedTensorsError,
     UnreadableTensorError,
 )
-from dsv4.convert.inventory import INDEX_NAME, Inventory, TensorSource, check_shard_name, load_index, merge_shards, read_local_header
+from dsv4.convert.inventory import INDEX_NAME, Inventory, TensorSource, load_index, merge_shards, read_local_shards
 from dsv4.convert.job import CONVERSION_RECORD
 from dsv4.convert.native import variant_of
 from dsv4.convert.plan import LAYOUT_RECORD
@@ -222,20 +222,11 @@ def check_index(ctx: _Context, details: dict[str, Any]) -> str:
     try:
         weight_map = load_index(index_path.read_bytes(), INDEX_NAME)
         files = sorted(set(weight_map.values()))
-        shards = []
-        sizes: dict[str, int] = {}
-        for file in files:
-            check_shard_name(file, INDEX_NAME)
-            shard = ctx.root / file
-            if not shard.is_file():
-                raise IndexCheckError(f"{shard}: named in {INDEX_NAME} (for {_short(sorted(n for n, f in weight_map.items() if f == file))}) but does not exist")
-            if shard.resolve().parent != ctx.root.resolve():
-                raise IndexCheckError(f"{shard}: resolves to {shard.resolve()}, outside the checkpoint directory")
-            found, data_start = read_local_header(shard)
-            sizes[file] = shard.stat().st_size
-            _check_data_section(str(shard), found, data_start, sizes[file])
-            shards.append((file, found))
-        tensors = merge_shards(str(ctx.root), weight_map, shards)
+        shards = read_local_shards(ctx.root, weight_map, files)
+        for shard in shards:
+            _check_data_section(ctx.where(shard.file), shard.tensors, shard.data_start, shard.size)
+        tensors = merge_shards(str(ctx.root), weight_map, [(s.file, s.tensors) for s in shards])
+        sizes = {s.file: s.size for s in shards}
     except CheckError:
         raise
     except DSV4Error as exc:  # the inventory's typed errors: the message names file and tensor

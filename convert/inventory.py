@@ -143,6 +143,32 @@ def load_index(raw: bytes, index_file: str) -> dict[str, str]:
     return weight_map
 
 
+@dataclass(frozen=True)
+class LocalShard:
+    file: str
+    tensors: dict[str, TensorSource]
+    data_start: int  # bytes before the data section: what reading the header cost
+    size: int
+
+
+def read_local_shards(root: Path, weight_map: Mapping[str, str] | None, files: list[str]) -> list[LocalShard]:
+    """The headers of `files` in checkpoint directory `root`: each must exist and resolve
+    to a file inside `root` (a symlink may not lead elsewhere)."""
+    real_root = root.resolve()
+    out = []
+    for file in files:
+        shard = root / file
+        if not shard.is_file():
+            named = sorted(n for n, f in (weight_map or {}).items() if f == file)
+            what = f" for {named[0]}" + (f" and {len(named) - 1} more tensors" if len(named) > 1 else "") if named else ""
+            raise MissingShardError(f"{shard}: named in {INDEX_NAME}{what} but does not exist")
+        if shard.resolve().parent != real_root:
+            raise UnsafeShardPathError(f"{shard}: resolves to {shard.resolve()}, outside the checkpoint directory")
+        found, data_start = read_local_header(shard)
+        out.append(LocalShard(file, found, data_start, shard.stat().st_size))
+    return out
+
+
 def read_inventory(path: str | Path) -> Inventory:
     """Open a local checkpoint directory (index + shards, or one model.safetensors),
     reading only config.json, the index and each shard's header."""
@@ -164,19 +190,8 @@ def read_inventory(path: str | Path) -> Inventory:
     else:
         raise MissingShardError(f"{root}: neither {INDEX_NAME} nor {SINGLE_FILE} found")
 
-    real_root = root.resolve()
-    file_sizes: dict[str, int] = {}
-    header_bytes = 0
-    shards = []
-    for file in files:
-        shard = root / file
-        if not shard.is_file():
-            raise MissingShardError(f"{shard}: shard named in {INDEX_NAME} does not exist")
-        if shard.resolve().parent != real_root:
-            raise UnsafeShardPathError(f"{shard}: resolves to {shard.resolve()}, outside the checkpoint directory")
-        found, n = read_local_header(shard)
-        header_bytes += n
-        file_sizes[file] = shard.stat().st_size
-        shards.append((file, found))
-    tensors = merge_shards(str(root), weight_map, shards)
+    shards = read_local_shards(root, weight_map, files)
+    file_sizes = {s.file: s.size for s in shards}
+    header_bytes = sum(s.data_start for s in shards)
+    tensors = merge_shards(str(root), weight_map, [(s.file, s.tensors) for s in shards])
     return Inventory(str(root), config, tensors, file_sizes, header_bytes)
