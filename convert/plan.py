@@ -75,13 +75,14 @@ class Plan:
     revision: str | None = None
 
     @property
-    def bytes_to_read(self) -> int:
-        # a shared tensor copied into several blocks is read once per copy
+    def bytes_to_write(self) -> int:
         return sum(t.nbytes for t in self.tensors)
 
     @property
-    def bytes_to_write(self) -> int:
-        return sum(t.nbytes for t in self.tensors)
+    def bytes_to_read(self) -> int:
+        # every output byte is read once from the source (a shared tensor copied into
+        # several blocks is read once per copy)
+        return self.bytes_to_write
 
     @property
     def files_needed(self) -> list[str]:
