@@ -1,0 +1,82 @@
+"""Strict JSON: the parser every record of this tool goes through (safetensors headers,
+indexes, config.json, conversion.json).
+
+Python's json module accepts what safetensors and most JSON readers refuse, and fails in
+ways that are not ValueErrors: duplicate keys (the last one silently wins), NaN and
+Infinity, integers of any length (or a ValueError past 4,300 digits), and nesting deep
+enough to raise RecursionError. Each of those becomes a StrictJSONError here, with a
+one-line reason, so a caller can turn it into its own error naming the file.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+MAX_DEPTH = 64  # no record of this tool nests deeper than 4; 64 leaves room for any config
+MAX_INT_DIGITS = 20  # an unsigned 64-bit integer has 20 digits; sizes and offsets fit in it
+
+
+class StrictJSONError(ValueError):
+    """Not strict JSON; the message is one line, without the file's name."""
+
+
+def _object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise StrictJSONError(f"duplicate key {key!r}")
+        out[key] = value
+    return out
+
+
+def _int(text: str) -> int:
+    if len(text.lstrip("-")) > MAX_INT_DIGITS:
+        raise StrictJSONError(f"integer of {len(text.lstrip('-'))} digits (at most {MAX_INT_DIGITS})")
+    return int(text)
+
+
+def _float(text: str) -> float:
+    value = float(text)
+    if value in (float("inf"), float("-inf")):
+        raise StrictJSONError(f"number {text[:30]} overflows a double")
+    return value
+
+
+def _constant(name: str) -> Any:
+    raise StrictJSONError(f"{name} is not JSON")
+
+
+def _depth(value: Any) -> int:
+    """Nesting depth, iteratively (the structure may be too deep for recursion)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, (dict, list)):
+            if depth > deepest:
+                deepest = depth
+                if deepest > MAX_DEPTH:
+                    break
+            stack.extend((child, depth + 1) for child in (node.values() if isinstance(node, dict) else node))
+    return deepest
+
+
+def loads(raw: bytes | str) -> Any:
+    """Parse `raw` as strict JSON (UTF-8 if bytes)."""
+    try:
+        text = raw.decode("utf-8") if isinstance(raw, (bytes, bytearray, memoryview)) else raw
+    except UnicodeDecodeError as exc:
+        raise StrictJSONError(f"not UTF-8 ({exc.reason} at byte {exc.start})") from None
+    try:
+        value = json.loads(text, object_pairs_hook=_object, parse_int=_int, parse_float=_float, parse_constant=_constant)
+    except StrictJSONError:
+        raise
+    except RecursionError:
+        raise StrictJSONError(f"nested more than {MAX_DEPTH} levels deep") from None
+    except json.JSONDecodeError as exc:
+        raise StrictJSONError(f"not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})") from None
+    except ValueError as exc:  # e.g. a float literal Python cannot represent
+        raise StrictJSONError(f"not valid JSON ({exc})") from None
+    if _depth(value) > MAX_DEPTH:
+        raise StrictJSONError(f"nested more than {MAX_DEPTH} levels deep")
+    return value
