@@ -110,8 +110,8 @@ class Request:
 @dataclass
 class Fault:
     """Answer matching requests with `status`, or (status None) with only the first
-    `truncate_to` bytes of the asked range (all of them when None), `times` times, each
-    `delay_s` later than the others."""
+    `truncate_to` bytes of the asked range (all of them when None), `times` times; each
+    such answer comes `delay_s` late."""
 
     match: Callable[[str, str | None, str, str | None, tuple[int, int] | None], bool]
     status: int | None = 503
