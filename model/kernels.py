@@ -141,10 +141,12 @@ class LaunchConfig(NamedTuple):
 
 
 # Per kernel and BLOCK = next_power_of_2(H): (largest T, config) in increasing T; the first
-# entry whose T bound is >= T applies. Chosen on an H200 under CUDA-graph replay, the fastest
-# config in two sweeps against vLLM 0.33.0's kernels (4 warps, 1 row; BENCHMARKS.md "Against
-# vLLM"). A table, not autotuning: a served draft step launches these inside a captured
-# graph, where a first-call search would be timed into the capture.
+# entry whose T bound is >= T applies. Chosen on an H200 under CUDA-graph replay from two
+# sweeps against vLLM 0.33.0's kernels (4 warps, 1 row) at T in {1, 4, 16, 64, 256, 4096,
+# 16384}: one config per range of T, at most 4% slower than the sweep's fastest at each
+# measured T (BENCHMARKS.md, "Against vLLM 0.33.0"). A table, not autotuning: a served
+# draft step launches these inside a captured graph, where a first-call search would be
+# timed into the capture.
 _TUNED: dict[tuple[str, int], tuple[tuple[int, LaunchConfig], ...]] = {
     ("fused_input", 4096): ((256, LaunchConfig(8, 1)), (1 << 62, LaunchConfig(16, 2))),
     ("fused_input", 8192): ((256, LaunchConfig(4, 1)), (1 << 62, LaunchConfig(16, 2))),
@@ -159,7 +161,7 @@ def launch_config(kernel: str, H: int, T: int) -> LaunchConfig:
         if T <= t_max:
             break
     else:
-        # untuned sizes: at most 8 warps (on an H200, 16 lose 5-10% of bandwidth at H = 7168)
+        # untuned sizes: the launch from before the table, one row per program, BLOCK / 512 warps, at most 8
         config = LaunchConfig(max(1, min(8, triton.next_power_of_2(H) // 512)), 1)
     return config if T % config.rows == 0 else config._replace(rows=1)
 
@@ -168,8 +170,8 @@ if triton is not None:
 
     # The interpreter's fp32 -> bf16 cast truncates; compiled code is asked for round to
     # nearest even, which the interpreter gets by integer arithmetic instead: the same bits
-    # on every backend. (On GPUs the cast is one instruction per two values; the integer
-    # rounding cost 2-8% of device time on an H200 at T = 16-256.)
+    # on every backend. (On an H200 the integer rounding cost 2.7-8.6% of device time at
+    # T <= 256 against the cast.)
     _INTERPRETED = tl.constexpr(_INTERPRET)
 
     @triton.jit
@@ -184,7 +186,8 @@ if triton is not None:
 
     @triton.jit
     def _rms_rows(x, w_ptr, out_ptr, rows, offs, mask, eps, H: tl.constexpr):
-        # x [ROWS, BLOCK] fp32 of the rows `rows` (of H each); one weight for all rows
+        # x [ROWS, BLOCK] fp32 of the rows `rows` (of H each); one weight for all rows, loaded
+        # before the reduction (after it, as vLLM does, was up to 8.7% slower at T <= 256)
         w = tl.load(w_ptr + offs, mask=offs < H, other=0.0).to(tl.float32)
         rstd = tl.rsqrt(tl.sum(x * x, axis=1) / H + eps)
         y = x * rstd[:, None] * w[None, :]
