@@ -49,6 +49,9 @@ CONFIG = "config.json"
 # the partial directory's bookkeeping, removed before it becomes OUT
 JOURNAL = "journal.jsonl"  # one line per finished tensor
 STATE = "state.json"  # the fingerprint of the conversion the partial directory holds
+# OUT's hidden siblings are `.OUT.<suffix>` in OUT's parent; the previous output aside is
+# `.OUT.old-<pid of the run replacing it>`
+PARTIAL, LOCK, OWNER, OLD = "partial", "lock", "lock.owner", "old-"
 TOOL = "dsv4-convert"  # conversion.json's "tool": what marks a directory as this tool's output
 # A run that just took the lock writes its owner record a moment later; a refused run
 # looks this long for that record before it says the owner is unknown.
@@ -121,13 +124,19 @@ def resolve_output(out: Path, source: Path | None) -> Path:
     return real
 
 
-def _sibling_pattern(real: Path) -> re.Pattern[str]:
-    """OUT's hidden siblings (the names in this module's docstring)."""
-    return re.compile(rf"\.{re.escape(real.name)}\.(partial|old-\d+|lock|lock\.owner)")
+def _sibling(real: Path, suffix: str) -> Path:
+    return real.parent / f".{real.name}.{suffix}"
+
+
+def _sibling_pattern(real: Path, *, only_old: bool = False) -> re.Pattern[str]:
+    """The names of OUT's hidden siblings (or of its previous outputs aside only)."""
+    old = re.escape(OLD) + r"\d+"
+    suffixes = old if only_old else "|".join([old, *map(re.escape, (PARTIAL, LOCK, OWNER))])
+    return re.compile(rf"\.{re.escape(real.name)}\.({suffixes})")
 
 
 def _describe(owner: Any) -> str | None:
-    """'pid N on host H since T' from an owner record, or None when the record is unusable
+    """'pid N on host H, running since T' from an owner record, or None when the record is unusable
     or names a process of this host that no longer runs (a killed run's stale record)."""
     if not isinstance(owner, dict):
         return None
@@ -152,10 +161,9 @@ class OutputClaim:
     def __init__(self, out: Path, path: Path):
         self.out = out
         self.path = path
-        parent, name = path.parent, path.name
-        self.partial = parent / f".{name}.partial"
-        self.lock_path = parent / f".{name}.lock"
-        self.owner_path = parent / f".{name}.lock.owner"
+        self.partial = _sibling(path, PARTIAL)
+        self.lock_path = _sibling(path, LOCK)
+        self.owner_path = _sibling(path, OWNER)
         self.journal = self.partial / JOURNAL
         self._aside: Path | None = None  # the previous output, while it is being replaced
         self.published = False
@@ -195,7 +203,7 @@ class OutputClaim:
         renames of a publish, and a partial directory without resume state (one a publish
         already emptied of it, or one killed before its state was written). A partial
         directory that some conversion can resume is kept until a run needs the place."""
-        pattern = re.compile(rf"\.{re.escape(self.path.name)}\.old-\d+")
+        pattern = _sibling_pattern(self.path, only_old=True)
         with os.scandir(self.path.parent) as entries:
             leftovers = [Path(e.path) for e in entries if pattern.fullmatch(e.name)]
         for old in leftovers:
@@ -257,7 +265,7 @@ class OutputClaim:
         (self.partial / STATE).unlink(missing_ok=True)
         fsync_dir(self.partial)
         if os.path.lexists(self.path):
-            self._aside = self.path.parent / f".{self.path.name}.old-{os.getpid()}"
+            self._aside = _sibling(self.path, f"{OLD}{os.getpid()}")
             self.path.rename(self._aside)
             try:
                 self.partial.rename(self.path)
