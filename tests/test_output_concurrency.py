@@ -10,8 +10,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 from dsv4.convert import errors
 from dsv4.convert.check import run_checks
 from dsv4.convert.inventory import INDEX_NAME
@@ -83,7 +81,6 @@ def kinds(a: Path, b: Path) -> list[tuple[str, list[list[str]]]]:
     ]
 
 
-@pytest.mark.slow
 def test_two_converters_on_one_out_leave_exactly_one_complete_output(tiny_native: Path, tmp_path: Path) -> None:
     other = write_checkpoint(tmp_path / "other", preset="tiny", main_layers="all", seed=5)
     plan = []

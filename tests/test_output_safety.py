@@ -284,6 +284,10 @@ def test_a_read_only_output_file_system_is_exit_42(tiny_native: Path, tmp_path: 
     assert code == errors.WriteFailedError.exit_code == 42
     line = one_line(err)
     assert str(parent) in line and "Read-only file system" in line and "was not changed" in line
+    # OUT's parent itself missing and not creatable there: the parent's own code
+    code, _, err = run(tiny_native, parent / "new" / "out", "-q")
+    assert code == errors.OutputParentError.exit_code
+    assert f"{parent / 'new'}: OUT's parent directory cannot be created (Read-only file system)" in one_line(err)
     assert list(parent.iterdir()) == []
 
 
