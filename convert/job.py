@@ -65,9 +65,13 @@ class ConversionResult:
 
 
 def local_source(source: str | Path) -> Path | None:
-    """The directory of a local source; None for a hub repo id."""
+    """The directory of a local source; None for a hub repo id; neither is exit 19."""
     path = Path(source)
-    return path if path.exists() else None
+    if path.exists():
+        return path
+    if not HUB_REPO.fullmatch(str(source)):
+        raise SourceNotFoundError(f"{source}: no such checkpoint directory (nor a hub repo id org/name[@revision])")
+    return None
 
 
 def open_source(source: str | Path) -> tuple[Inventory, ByteReader]:
@@ -75,8 +79,6 @@ def open_source(source: str | Path) -> tuple[Inventory, ByteReader]:
     path = local_source(source)
     if path is not None:
         return read_inventory(path), LocalReader(path)
-    if not HUB_REPO.fullmatch(str(source)):
-        raise SourceNotFoundError(f"{source}: no such checkpoint directory (nor a hub repo id org/name[@revision])")
     from dsv4.convert.hub import open_hub_source  # only hub sources need the network code
 
     return open_hub_source(str(source))

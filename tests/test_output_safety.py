@@ -351,3 +351,9 @@ def test_a_failure_after_publishing_says_that_out_was_published(tiny_native: Pat
     monkeypatch.undo()
     assert run(other, out, "-q")[0] == 0  # up to date; and as OUT's next owner it removed the leftover
     assert siblings(out) == [".out.lock"]
+
+
+def test_a_source_that_does_not_exist_touches_nothing(tmp_path: Path, run) -> None:
+    code, _, err = run(tmp_path / "no-such-dir", tmp_path / "a" / "out", "-q")
+    assert code == errors.SourceNotFoundError.exit_code and "no-such-dir" in one_line(err)
+    assert list(tmp_path.iterdir()) == []  # neither OUT's parent nor its lock was created
