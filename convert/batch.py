@@ -33,6 +33,7 @@ from dsv4 import __version__
 from dsv4.convert.errors import BatchFailedError, DSV4Error, ManifestError, PushError
 from dsv4.convert.hub import HUB_SCHEME, HubSpec, hub_errors, open_hub_source, parse_spec, resolve_commit
 from dsv4.convert.job import CONVERSION_RECORD, DEFAULT_MAX_SHARD, plan_source, read_record, run_plan
+from dsv4.convert.sizes import shard_size
 from dsv4.mapping.table import Table, load_table
 
 TOP_KEYS = {"target", "sources", "output", "options"}
@@ -121,8 +122,12 @@ def load_manifest(path: str | Path, out_dir: str | Path | None = None) -> Manife
         raise ManifestError(f"{path}: target, output.name and output.repo are strings")
     if not (private is None or isinstance(private, bool)) or not isinstance(check, bool):
         raise ManifestError(f"{path}: output.private and options.check are true or false")
-    if not isinstance(max_shard, int) or isinstance(max_shard, bool) or max_shard <= 0:
+    if not isinstance(max_shard, int) or isinstance(max_shard, bool):
         raise ManifestError(f"{path}: options.max_shard_size is a positive number of bytes (e.g. 5_000_000_000)")
+    try:
+        max_shard = shard_size(max_shard)  # the rule --max-shard-size follows
+    except ValueError as exc:
+        raise ManifestError(f"{path}: options.max_shard_size: {exc}") from None
     if out_dir is None:
         dir_raw = output.get("dir", DEFAULT_DIR)
         if not isinstance(dir_raw, str):
