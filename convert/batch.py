@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import string
 import time
 import tomllib
 from collections.abc import Callable, Mapping, Sequence
@@ -82,9 +83,16 @@ def _table(raw: Any, where: str, keys: set[str]) -> dict[str, Any]:
 
 def _fill(template: str, hub: HubSpec, target: str, where: str) -> str:
     org, name = hub.repo.split("/")
+    values = {"org": org, "name": name, "target": target, "revision": hub.revision or "main"}
     try:
-        return template.format(org=org, name=name, target=target, revision=hub.revision or "main")
-    except (KeyError, IndexError, ValueError) as exc:
+        # bare placeholders only: str.format would also run "{name.upper}" (attribute access)
+        # and "{name:>999999999}" (a gigabyte of padding) straight from the manifest
+        fields = [(f, spec, conv) for _, f, spec, conv in string.Formatter().parse(template) if f is not None]
+        bad = next((f"{{{f}{'!' + conv if conv else ''}{':' + spec if spec else ''}}}" for f, spec, conv in fields if f not in values or spec or conv), None)
+        if bad is not None:
+            raise ValueError(f"{bad} is not a placeholder")
+        return template.format(**values)
+    except ValueError as exc:
         raise ManifestError(f"{where}: bad template {template!r} ({exc}); placeholders are {', '.join('{' + p + '}' for p in PLACEHOLDERS)}") from None
 
 
