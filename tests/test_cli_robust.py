@@ -313,3 +313,12 @@ def test_outputs_below_a_file_end_in_one_line(tiny_native: Path, out: Path, tmp_
         code, _, err = run_main(monkeypatch, capsys, *args)
         assert code != 0
         assert str(blocker) in one_error_line(err), args
+
+
+@pytest.mark.parametrize("template", ["{name.x}", "{name.upper}", "{name:>99999999}", "{name!r}", "{0}"])
+def test_manifest_templates_take_bare_placeholders_only(template: str, tmp_path: Path) -> None:
+    """str.format would run attribute access and a gigabyte of padding from the manifest."""
+    manifest = tmp_path / "m.toml"
+    manifest.write_text(f'sources = ["org/a"]\n[output]\nname = "{template}"\n')
+    with pytest.raises(ManifestError, match=r"output\.name: bad template .* is not a placeholder"):
+        load_manifest(manifest)
