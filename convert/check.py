@@ -333,8 +333,10 @@ def _conversion_record(ctx: _Context) -> dict[str, Any]:
     for name, entry in record["tensors"].items():
         if not isinstance(entry, dict):
             raise SizeCheckError(f"{path}: tensors[{name!r}] is {_brief(entry)}, not an object with file, nbytes and sha256")
-        if not isinstance(entry.get("file"), str) or not _is_int(entry.get("nbytes")):
-            raise SizeCheckError(f"{path}: tensors[{name!r}]: file {_brief(entry.get('file'))} and nbytes {_brief(entry.get('nbytes'))} are not a file name and a byte count")
+        if not isinstance(entry.get("file"), str):
+            raise SizeCheckError(f"{path}: tensors[{name!r}].file is {_brief(entry.get('file'))}, not a file name")
+        if not _is_int(entry.get("nbytes")):
+            raise SizeCheckError(f"{path}: tensors[{name!r}].nbytes is {_brief(entry.get('nbytes'))}, not a byte count")
     return record
 
 
@@ -451,6 +453,8 @@ def check_config(ctx: _Context, details: dict[str, Any]) -> str:
             raise ConfigCheckError(f"{where}: expert_dtype is {cfg.expert_dtype!r} but {src.file}: tensor {name} ({src.dtype}) holds {implied} experts")
 
     quant = config.get("quantization_config")
+    if quant is not None and not isinstance(quant, dict):
+        raise ConfigCheckError(f"{where}: quantization_config is {_brief(quant)}, not an object")
     block = None
     if isinstance(quant, dict) and quant.get("quant_method") == "fp8":
         block = quant.get("weight_block_size")
@@ -608,7 +612,7 @@ def run_checks(
 @click.option("--fast", is_flag=True, help="skip hashing the tensor data against conversion.json (says so in the report)")
 @click.option("--device", default="cpu", show_default=True, help="device for --smoke and --native")
 @click.option("--json", "as_json", is_flag=True, help="print the report as JSON")
-@click.option("--junit", type=click.Path(dir_okay=False, path_type=Path), help="also write the report as JUnit XML to this file, one test case per check")
+@click.option("--junit", type=click.Path(dir_okay=False, path_type=Path), help="also write the report as JUnit XML to this file (its folder is created), one test case per check")
 def check_command(directory: Path, native: Path | None, smoke: bool, fast: bool, device: str, as_json: bool, junit: Path | None) -> None:
     """Verify converted checkpoint DIRECTORY; exit with the first failed check's code.
 
@@ -617,6 +621,7 @@ def check_command(directory: Path, native: Path | None, smoke: bool, fast: bool,
                 75 config vs tensors  76 missing  77 unexpected  78 shape  79 dtype
                 80 quantisation scheme  81 empty quantisation name (vLLM #44817)
                 84 smoke  85 native parity
+                42 the --junit file could not be written (after the report is printed)
     """
     report = run_checks(directory, native=native, smoke=smoke, fast=fast, device=device)
     if as_json:
@@ -640,5 +645,7 @@ def write_junit(report: CheckReport, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(report.to_junit())
     except OSError as exc:
+        # mkdir says "File exists" when the folder's name is taken by a file
+        why = f"{path.parent} is not a directory" if isinstance(exc, FileExistsError) else exc.strerror or _first_line(exc)
         verdict = "all checks passed" if report.ok else f"the checks FAILED (exit {report.exit_code}: {report.failures[0].name})"
-        raise WriteFailedError(f"{path}: cannot write the JUnit report ({exc.strerror or _first_line(exc)}); {verdict}") from None
+        raise WriteFailedError(f"{path}: cannot write the JUnit report ({why}); {verdict}") from None

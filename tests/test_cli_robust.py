@@ -162,6 +162,10 @@ def record_nbytes_is_a_string(out: Path) -> None:
     edit_json(out / RECORD, lambda r: r["tensors"][first_tensor(r)].update(nbytes=str(r["tensors"][first_tensor(r)]["nbytes"])))
 
 
+def record_file_is_a_number(out: Path) -> None:
+    edit_json(out / RECORD, lambda r: r["tensors"][first_tensor(r)].update(file=1))
+
+
 def record_sha256_is_a_number(out: Path) -> None:
     edit_json(out / RECORD, lambda r: r["tensors"][first_tensor(r)].update(sha256=5))
 
@@ -201,12 +205,17 @@ def index_weight_map_values_are_numbers(out: Path) -> None:
     edit_json(out / INDEX, lambda i: i.update(weight_map={k: 5 for k in i["weight_map"]}))
 
 
+def config_quantization_is_a_list(out: Path) -> None:
+    edit_json(out / "config.json", lambda c: c.update(quantization_config=[1]))
+
+
 @pytest.mark.parametrize(
     ("breakage", "codes", "named"),
     [
         (record_entry_is_a_number, {73}, "is 5, not an object"),
         (record_tensors_is_a_list, {73}, "no 'tensors' object"),
-        (record_nbytes_is_a_string, {73}, "nbytes '"),
+        (record_nbytes_is_a_string, {73}, "].nbytes is '"),
+        (record_file_is_a_number, {73}, "].file is 1, not a file name"),
         (record_sha256_is_a_number, {74}, ".sha256 is 5, not 64 lowercase hex digits"),
         (record_sha256_is_uppercase, {74}, "not 64 lowercase hex digits"),
         (record_nested_100000_deep, {73}, "nested more than"),
@@ -218,6 +227,7 @@ def index_weight_map_values_are_numbers(out: Path) -> None:
         (index_total_size_is_a_string, {71, 73}, "total_size"),
         (index_total_size_is_true, {71, 73}, "total_size"),
         (index_weight_map_values_are_numbers, {71}, INDEX),
+        (config_quantization_is_a_list, {75}, "quantization_config"),  # (h3's config loader may refuse it first: the same code)
     ],
     ids=lambda v: v.__name__ if callable(v) else None,
 )
@@ -248,7 +258,7 @@ def test_junit_that_cannot_be_written_fails_after_the_report_in_one_line(broken:
     code, stdout, err = run_main(monkeypatch, capsys, "check", str(out), "--junit", str(blocker / "check.xml"))
     line = one_error_line(err)
     assert code == 42
-    assert line.startswith(f"error: {blocker / 'check.xml'}: cannot write the JUnit report")
+    assert line.startswith(f"error: {blocker / 'check.xml'}: cannot write the JUnit report ({blocker} is not a directory)")
     assert ("FAILED (exit 74: checksums)" if broken else "all checks passed") in line
     assert ("FAILED (exit 74)" if broken else "OK: 7 passed") in stdout  # the whole report came first
 
