@@ -41,6 +41,7 @@ import click
 import torch
 from safetensors import safe_open
 
+from dsv4.convert.cli import Device
 from dsv4.convert.dtypes import tensor_bytes
 from dsv4.convert.errors import (
     CheckError,
@@ -610,7 +611,7 @@ def run_checks(
 @click.option("--native", "native", type=click.Path(exists=True, file_okay=False, path_type=Path), help="the NATIVE checkpoint DIRECTORY was converted from: check numerical parity with the reference on it (implies --smoke)")
 @click.option("--smoke", is_flag=True, help="load strictly into the bundled model and run a few-token forward")
 @click.option("--fast", is_flag=True, help="skip hashing the tensor data against conversion.json (says so in the report)")
-@click.option("--device", default="cpu", show_default=True, help="device for --smoke and --native")
+@click.option("--device", type=Device(), default="cpu", show_default=True, help="device for --smoke and --native")
 @click.option("--json", "as_json", is_flag=True, help="print the report as JSON")
 @click.option("--junit", type=click.Path(dir_okay=False, path_type=Path), help="also write the report as JUnit XML to this file (its folder is created), one test case per check")
 def check_command(directory: Path, native: Path | None, smoke: bool, fast: bool, device: str, as_json: bool, junit: Path | None) -> None:

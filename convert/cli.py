@@ -76,6 +76,28 @@ class ShardSize(click.ParamType):
             self.fail(str(exc), param, ctx)
 
 
+class Device(click.ParamType):
+    """A torch device that exists on this machine: cpu, cuda, cuda:1, xpu, ..."""
+
+    name = "device"
+
+    def convert(self, value: object, param: click.Parameter | None, ctx: click.Context | None) -> str:
+        import torch  # only commands that run the model take a device, and they import torch anyway
+
+        try:
+            device = torch.device(str(value))
+        except (RuntimeError, ValueError):
+            self.fail(f"{value!r} is not a device (cpu, cuda, cuda:1, xpu, ...)", param, ctx)
+        if device.type == "cpu":
+            return str(value)
+        backend = getattr(torch, device.type, None)  # torch.cuda, torch.xpu, ...
+        if not (hasattr(backend, "is_available") and backend.is_available()):
+            self.fail(f"{value!r}: this machine has no {device.type} device", param, ctx)
+        if device.index is not None and device.index >= backend.device_count():
+            self.fail(f"{value!r}: this machine has {backend.device_count()} {device.type} device(s)", param, ctx)
+        return str(value)
+
+
 # A table is chosen by name from those installed, never by path (click lists the names).
 target_option = click.option("--target", type=click.Choice(installed_tables()), default="xpu", show_default=True, help="Mapping table: an installed table's name (mapping/<name>.toml).")
 

@@ -332,3 +332,13 @@ def test_manifest_templates_take_bare_placeholders_only(template: str, tmp_path:
     manifest.write_text(f'sources = ["org/a"]\n[output]\nname = "{template}"\n')
     with pytest.raises(ManifestError, match=r"output\.name: bad template .* is not a placeholder"):
         load_manifest(manifest)
+
+
+@pytest.mark.parametrize("command", ["smoke", "check"])
+@pytest.mark.parametrize("device", ["nonsense", "cuda:99"])
+def test_a_device_this_machine_lacks_is_a_usage_error(command: str, device: str, converted: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["smoke", str(converted)] if command == "smoke" else ["check", str(converted), "--smoke"]
+    code, out, err = run_main(monkeypatch, capsys, *args, "--device", device)
+    line = one_error_line(err)
+    assert code == 2 and "'--device'" in line and repr(device) in line
+    assert out == ""  # refused before anything ran
