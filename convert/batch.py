@@ -31,7 +31,7 @@ from huggingface_hub.errors import EntryNotFoundError, HFValidationError, Reposi
 from huggingface_hub.utils import validate_repo_id
 
 from dsv4 import __version__
-from dsv4.convert.errors import BatchFailedError, DSV4Error, ManifestError, PushError
+from dsv4.convert.errors import BatchFailedError, DSV4Error, ManifestError, PushError, WriteFailedError
 from dsv4.convert.hub import HUB_SCHEME, HubSpec, hub_errors, open_hub_source, parse_spec, resolve_commit
 from dsv4.convert.job import CONVERSION_RECORD, DEFAULT_MAX_SHARD, plan_source, read_record, run_plan
 from dsv4.convert.sizes import shard_size
@@ -309,10 +309,15 @@ class _Job:
 
 def _write_report(path: Path, report: dict[str, Any]) -> None:
     # rewritten after every repo (atomically), so a killed job still leaves an accurate report
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
-    tmp.replace(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
+        tmp.replace(path)
+    except OSError as exc:
+        # mkdir says "File exists" when the folder's name is taken by a file
+        why = f"{path.parent} is not a directory" if isinstance(exc, FileExistsError) else exc.strerror or str(exc)
+        raise WriteFailedError(f"{path}: cannot write the batch report ({why})") from None
 
 
 def default_report_path(manifest: Manifest, num_shards: int, shard_index: int) -> Path:
