@@ -218,6 +218,9 @@ def main() -> None:
     except click.exceptions.Exit as exc:
         sys.exit(exc.exit_code)
     except click.UsageError as exc:  # one line like every other error, not click's usage block
+        if isinstance(exc, getattr(click.exceptions, "NoArgsIsHelpError", ())):  # click >= 8.2: no arguments means help
+            exc.show()
+            sys.exit(exc.exit_code)
         hint = f" (see: {exc.ctx.command_path} --help)" if exc.ctx is not None else ""
         click.echo(f"error: {_escape_newlines(exc.format_message())}{hint}", err=True)
         sys.exit(exc.exit_code)

@@ -343,3 +343,9 @@ def test_a_device_this_machine_lacks_is_a_usage_error(command: str, device: str,
     line = one_error_line(err)
     assert code == 2 and "'--device'" in line and repr(device) in line
     assert out == ""  # refused before anything ran
+
+
+def test_no_arguments_prints_the_help(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run_main(monkeypatch, capsys)
+    assert code in (0, 2)  # click 8.1 exits 0 after the help, 8.2+ 2
+    assert "convert-dsv4 check OUT" in out + err and "\\n" not in out + err
