@@ -352,8 +352,8 @@ def _brief(value: Any) -> str:
 
 
 def _declared_total_size(ctx: _Context) -> Any:
-    """The index's metadata.total_size (None when absent); the index check already parsed
-    the file strictly, so only its metadata's shape is looked at here."""
+    """The index's metadata.total_size (None when absent). The index check has read its
+    weight_map through the inventory's reader; here only the metadata is looked at."""
     path = ctx.root / INDEX_NAME
     try:
         index = strictjson.loads(path.read_bytes())

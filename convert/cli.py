@@ -185,9 +185,11 @@ def _print_plan(plan: Plan, as_json: bool, *, full: bool, header_bytes: int | No
 TRACEBACK_ENV = "DSV4_TRACEBACK"
 
 
-def _one_line(exc: BaseException) -> str:
+def _one_line(exc: BaseException, at_most: int = 300) -> str:
+    """The first line of an exception we did not write, cut short: it may be any size."""
     lines = str(exc).strip().splitlines()
-    return lines[0] if lines else ""
+    line = lines[0] if lines else ""
+    return line if len(line) <= at_most else line[: at_most - 3] + "..."
 
 
 def _escape_newlines(text: str) -> str:
