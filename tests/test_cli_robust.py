@@ -349,3 +349,12 @@ def test_no_arguments_prints_the_help(monkeypatch: pytest.MonkeyPatch, capsys: p
     code, out, err = run_main(monkeypatch, capsys)
     assert code in (0, 2)  # click 8.1 exits 0 after the help, 8.2+ 2
     assert "convert-dsv4 check OUT" in out + err and "\\n" not in out + err
+
+
+@pytest.mark.parametrize("record", ["[]", "[" * 100_000, '{"fingerprint": 1, "fingerprint": 2}', "\xff"])
+def test_an_out_whose_record_is_malformed_records_nothing(record: str, tiny_native: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """read_record: not a strict JSON object means no record, so OUT is a foreign non-empty folder."""
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / RECORD).write_text(record, encoding="latin-1")
+    code, _, err = run_main(monkeypatch, capsys, str(tiny_native), str(tmp_path / "out"), "-q")
+    assert code == 41 and "exists and is not empty" in one_error_line(err)
