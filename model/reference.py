@@ -89,6 +89,8 @@ class NativeReference:
         for k in sorted(wanted | own):
             by_file.setdefault(weight_map[k], []).append(k)
         self.t: dict[str, torch.Tensor] = {}
+        # On the CPU .to() returns the tensor itself, a view of safetensors' private map of
+        # the file: nothing is copied and a page is read when the forward first touches it.
         for fname, keys in by_file.items():
             with safe_open(root / fname, framework="pt", device="cpu") as f:
                 for k in keys:
