@@ -5,8 +5,10 @@ no remap here, and anything other than an exact match of names, shapes and dtype
 error naming the tensor and its file. Silent drops are how vLLM users got 0% draft
 acceptance with no load-time error; this loader refuses them.
 
-Every header is checked before any data is read; the data are then read one tensor at a
-time with safetensors (memory-mapped), so memory stays at the model's own size.
+Every header is checked before any data is read. On the CPU the parameters are then views
+of the memory-mapped shards: loading reads no tensor data and copies nothing, and a forward
+reads only the pages it touches (the head, the experts some token routes to, a few rows of
+the embedding).
 """
 
 from __future__ import annotations
@@ -109,10 +111,14 @@ def load_converted(path: str | Path, device: str | torch.device | None = None) -
                 if dtype != SAFETENSORS_NAMES[want.dtype]:
                     raise DtypeMismatchError(f"{shard}: tensor {name} has dtype {dtype}, the model expects {SAFETENSORS_NAMES[want.dtype]}")
 
-    model = model.to_empty(device=dev)
-    params = model.state_dict()
+    # safetensors maps each shard privately (copy-on-write) and get_tensor returns a view of
+    # that map: on the CPU the parameters ARE those views (no copy; a page is read when the
+    # forward first touches it, and a write would copy the page, never reach the file).
+    # Any other device gets its one copy, a tensor at a time.
+    state: dict[str, torch.Tensor] = {}
     for file, names in sorted(by_file.items()):
         with safe_open(root / file, framework="pt", device="cpu") as f:
             for name in names:
-                params[name].copy_(f.get_tensor(name))
+                state[name] = f.get_tensor(name).to(dev)
+    model.load_state_dict(state, strict=True, assign=True)
     return model.eval()

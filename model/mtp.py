@@ -316,7 +316,7 @@ class MTPLayer(nn.Module):
         x = h.reshape(h.shape[0], cfg.hc_mult, cfg.hidden_size)
         y = hc_head(x, self.hc_head_fn, self.hc_head_scale, self.hc_head_base, cfg.rms_norm_eps, cfg.hc_eps)
         y = kernels.mtp_shared_head_rmsnorm(y, self.shared_head.norm.weight, cfg.rms_norm_eps)
-        return y.float() @ self.shared_head.head.weight.float().T
+        return self.shared_head.head.forward_fp32(y)
 
 
 class MTPModel(nn.Module):
