@@ -88,7 +88,10 @@ def _int(field: str, value: Any, low: int, high: int) -> None:
 
 
 def _positive_float(field: str, value: Any, *, zero_ok: bool = False, below: float | None = None) -> None:
-    ok = type(value) in (int, float) and math.isfinite(value) and (value >= 0 if zero_ok else value > 0) and (below is None or value < below)
+    # a JSON integer is a number too (rope_theta is 10000 in the release); one past 2^63 would
+    # overflow the float math that uses it
+    number = (type(value) is int and abs(value) < 2**63) or (type(value) is float and math.isfinite(value))
+    ok = number and (value >= 0 if zero_ok else value > 0) and (below is None or value < below)
     if not ok:
         want = f"a finite number {'>= 0' if zero_ok else '> 0'}" + (f" and < {below:g}" if below is not None else "")
         raise ConfigFieldError(field, f"{field} is {_describe(value)}; expected {want}")
