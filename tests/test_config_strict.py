@@ -22,9 +22,10 @@ from dsv4.convert import errors
 from dsv4.convert.check import run_checks
 from dsv4.convert.inventory import read_inventory
 from dsv4.convert.job import convert
-from dsv4.convert.plan import model_config
+from dsv4.convert.plan import model_config, plan_reverse
 from dsv4.convert.presets import PRESETS, preset_config
 from dsv4.convert.synth import write_checkpoint
+from dsv4.mapping.table import load_table
 from dsv4.model.config import ConfigError, ConfigFieldError, ModelConfig, UnsupportedConfig, parse_config
 from dsv4.model.loader import load_converted
 
@@ -155,6 +156,12 @@ def test_loader_names_num_nextn_when_the_shards_hold_fewer_layers(converted: Pat
         load_converted(out, "cpu")
 
 
+def test_reverse_plan_names_num_nextn_when_the_shards_hold_fewer_layers(converted: Path, tmp_path: Path) -> None:
+    out = with_config(converted, tmp_path / "out", json.dumps({**json.loads((converted / "config.json").read_text()), "num_nextn_predict_layers": 2}))
+    with pytest.raises(errors.UnsupportedLayoutError, match=r"config.json: num_nextn_predict_layers = 2 but the shards hold 1 draft block\(s\) \(model\.layers\.2\)"):
+        plan_reverse(read_inventory(out), load_table("xpu"))
+
+
 # --- the loader itself ------------------------------------------------------------------
 @pytest.mark.parametrize("name", sorted(PRESETS))
 @pytest.mark.parametrize("variant", ["instruct", "base"])
@@ -180,6 +187,7 @@ REFUSALS = [
     (set_field("n_routed_experts", 1.0), ConfigFieldError, "n_routed_experts", "n_routed_experts is 1.0; expected an integer"),
     (set_field("hc_eps", 0), ConfigFieldError, "hc_eps", "hc_eps is 0; expected a finite number > 0 and < 1"),
     (set_field("rope_theta", "1e4"), ConfigFieldError, "rope_theta", 'rope_theta is "1e4" (a string)'),
+    (set_field("rope_theta", 2**64), ConfigFieldError, "rope_theta", "rope_theta is 18446744073709551616; expected a finite number > 0"),
     (set_field("rms_norm_eps", float("nan")), ConfigFieldError, "rms_norm_eps", "rms_norm_eps is nan; expected a finite number"),
     (set_field("norm_topk_prob", 1), ConfigFieldError, "norm_topk_prob", "norm_topk_prob is 1; expected true or false"),
     (set_field("expert_dtype", 4), ConfigFieldError, "expert_dtype", "expert_dtype is 4; expected a string"),
