@@ -108,6 +108,11 @@ def _int_list(field: str, value: Any, low: int, high: int, lengths: range) -> No
         _int(f"{field}[{k}]", item, low, high)
 
 
+def _require_object(value: Any) -> None:
+    if not isinstance(value, dict):
+        raise ConfigError(f"the top level is {_describe(value)}; expected a JSON object")
+
+
 def _check_model_type(model_type: Any) -> None:
     if type(model_type) is not str:
         raise ConfigFieldError("model_type", f"model_type is {_describe(model_type)}; expected a string")
@@ -232,8 +237,7 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, raw: Any) -> ModelConfig:
         """Validate a parsed config.json; ConfigError (naming the field) if it is not usable."""
-        if not isinstance(raw, dict):
-            raise ConfigError(f"the top level is {_describe(raw)}; expected a JSON object")
+        _require_object(raw)
         names = {f.name for f in fields(cls)} - {"weight_block_size"}
         values = {k: v for k, v in raw.items() if k in names}
         if type(values.get("compress_ratios")) is list:
@@ -288,6 +292,5 @@ def parse_config(raw: bytes | str) -> dict[str, Any]:
         value = loads(raw)
     except StrictJSONError as exc:
         raise ConfigError(str(exc)) from None
-    if not isinstance(value, dict):
-        raise ConfigError(f"the top level is {_describe(value)}; expected a JSON object")
+    _require_object(value)
     return value
