@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hubserver import FakeHub, hub_env
+from hubserver import run_cli as hub_cli
 
 from dsv4.convert import errors
 from dsv4.convert.check import run_checks
@@ -108,6 +110,14 @@ def test_num_nextn_beyond_the_blocks_present_names_the_config_field(native: Path
     r = run_cli("plan", str(ckpt))
     assert_one_line_error(r, 35, f"{ckpt}/config.json: num_nextn_predict_layers = 2 but the shards hold 1 draft block(s) (mtp.0)")
     assert "not in the checkpoint" not in r.stderr  # not a missing tensor
+
+
+def test_a_hub_source_gets_the_same_verdict(native: Path, tmp_path: Path) -> None:
+    files = {p.name: p.read_bytes() for p in native.iterdir()}
+    with FakeHub() as hub:
+        commit = hub.commit("org/listcfg", {**files, "config.json": b"[1, 2]"})
+        r = hub_cli("plan", "org/listcfg", env=hub_env(hub, tmp_path / "hf"))
+    assert_one_line_error(r, 18, f"org/listcfg/config.json@{commit[:12]}: the top level is [1, 2] (a list); expected a JSON object")
 
 
 def test_check_on_an_output_config_that_is_a_list_fails_the_config_check(converted: Path, tmp_path: Path) -> None:
