@@ -62,12 +62,11 @@ from dsv4.convert.errors import (
 )
 from dsv4.convert.inventory import INDEX_NAME, Inventory, TensorSource, load_index, merge_shards, read_local_shards
 from dsv4.convert.job import CONVERSION_RECORD
-from dsv4.convert.native import variant_of
 from dsv4.convert.plan import LAYOUT_RECORD
 from dsv4.convert.quant import build_draft, check_draft_quantization
 from dsv4.mapping.table import load_table
-from dsv4.model.config import ModelConfig
 from dsv4.model import strictjson
+from dsv4.model.config import ConfigError, ModelConfig, parse_config
 from dsv4.model.layout import target_layout
 
 READ_BLOCK = 64 << 20  # bytes per read of one tensor: bounded memory at any tensor size
@@ -543,21 +542,18 @@ CHECKS: tuple[tuple[str, Callable[[_Context, dict[str, Any]], str]], ...] = (
 
 
 def _load_config(ctx: _Context) -> None:
+    """config.json through the model's validating loader, as plan, convert and smoke read it;
+    a refusal is the config check's finding (75) and the checks needing a config skip."""
     path = ctx.root / "config.json"
     try:
-        ctx.config = json.loads(path.read_text())
+        ctx.config = parse_config(path.read_bytes())
+        ctx.cfg = ModelConfig.from_dict(ctx.config)
     except FileNotFoundError:
         ctx.config_error = "no config.json in the checkpoint directory"
-        return
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        ctx.config_error = f"not valid JSON ({_first_line(exc)})"
-        return
-    try:
-        ctx.cfg = ModelConfig.from_dict(ctx.config)
-        variant_of(ctx.cfg)
-    except (ValueError, TypeError) as exc:
-        ctx.cfg = None
-        ctx.config_error = _first_line(exc)
+    except OSError as exc:
+        ctx.config_error = f"cannot be read ({exc.strerror})"
+    except ConfigError as exc:
+        ctx.config_error = str(exc)
 
 
 def run_checks(

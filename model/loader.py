@@ -23,11 +23,14 @@ from dsv4.convert.dtypes import SAFETENSORS_NAMES
 from dsv4.convert.errors import (
     DtypeMismatchError,
     LoadError,
+    MissingConfigError,
     MissingKeyError,
     ShapeMismatchError,
     UnexpectedKeyError,
+    config_errors,
 )
 from dsv4.convert.inventory import INDEX_NAME, SINGLE_FILE
+from dsv4.convert.plan import draft_layers_present
 from dsv4.model.config import ModelConfig
 from dsv4.model.mtp import DeepSeekV4MTP
 
@@ -64,22 +67,24 @@ def load_converted(path: str | Path, device: str | torch.device | None = None) -
     """Build the draft model for `path`/config.json and load the converted weights strictly.
 
     Raises MissingKeyError, UnexpectedKeyError, ShapeMismatchError, DtypeMismatchError
-    (all LoadError) naming the first offending tensor and its file.
+    (all LoadError) naming the first offending tensor and its file; a config.json the
+    converter would refuse raises the converter's error (MissingConfigError,
+    MalformedConfigError, UnsupportedLayoutError).
     """
     root = Path(path)
     config_path = root / "config.json"
     if not config_path.is_file():
-        raise LoadError(f"{config_path}: no config.json in the converted checkpoint")
-    try:
+        raise MissingConfigError(f"{config_path}: no config.json in the converted checkpoint")
+    with config_errors(str(config_path)):  # the same verdicts as plan, convert and check
         cfg = ModelConfig.from_file(config_path)
-    except (ValueError, TypeError) as exc:
-        raise LoadError(f"{config_path}: {exc}") from None
     dev = torch.device(device) if device is not None else default_device()
 
+    weight_map = _weight_map(root)
+    with config_errors(str(config_path)):
+        cfg.require_draft_blocks(draft_layers_present(cfg, weight_map))
     with torch.device("meta"):
         model = DeepSeekV4MTP(cfg)
     expected = model.state_dict()
-    weight_map = _weight_map(root)
     index_file = INDEX_NAME if (root / INDEX_NAME).is_file() else SINGLE_FILE
     for name in expected:
         if name not in weight_map:

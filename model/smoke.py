@@ -13,7 +13,7 @@ import click
 import torch
 
 from dsv4.convert.cli import Device
-from dsv4.convert.errors import SmokeCheckError
+from dsv4.convert.errors import SmokeCheckError, config_errors
 from dsv4.model import kernels
 from dsv4.model.loader import default_device, load_converted
 from dsv4.model.reference import NativeReference
@@ -67,7 +67,8 @@ def run_smoke(
         raise SmokeCheckError(f"{where}: non-finite values in the draft's hidden states or logits")
 
     if reference_dir is not None:
-        ref, report["reference_load_ms"] = _timed(dev, lambda: NativeReference(reference_dir, dev))
+        with config_errors(f"{reference_dir}/config.json"):  # the reference reads the native config
+            ref, report["reference_load_ms"] = _timed(dev, lambda: NativeReference(reference_dir, dev))
         h_ref, report["reference_forward_ms"] = _timed(dev, lambda: ref.forward(ids, positions, prev))
         logits_ref, report["reference_logits_ms"] = _timed(dev, lambda: ref.compute_logits(h_ref))
         report["reference"] = str(reference_dir)
