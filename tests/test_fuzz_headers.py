@@ -64,13 +64,26 @@ def valid_shards(draw: st.DrawFn) -> tuple[dict[str, Any], bytes]:
     return header, data
 
 
+def _offset_pair(entry: dict[str, Any]) -> bool:
+    offsets = entry.get("data_offsets")
+    return isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)
+
+
 def mutate_header(draw: st.DrawFn, header: dict[str, Any]) -> dict[str, Any] | bytes:
     """One change of meaning: offsets, shapes, dtypes, types, keys (JSON-level)."""
     header = json.loads(json.dumps(header))
     tensors = [k for k in header if k != "__metadata__"]
     name = draw(st.sampled_from(tensors))
-    kind = draw(st.sampled_from(["offset", "offset_value", "shape", "shape_value", "dtype", "entry", "drop", "duplicate", "metadata", "unknown_field", "copy_offsets"]))
     entry = header[name]
+    # a second mutation may find what the first left: only changes that apply to it are drawn
+    kinds = ["entry", "drop", "metadata"]
+    if isinstance(entry, dict):
+        kinds += ["offset_value", "shape", "shape_value", "dtype", "duplicate", "unknown_field"]
+        if _offset_pair(entry):
+            kinds += ["offset"]
+        if any(isinstance(header[t], dict) and _offset_pair(header[t]) for t in tensors):
+            kinds += ["copy_offsets"]
+    kind = draw(st.sampled_from(kinds))
     if kind == "offset":
         i = draw(st.integers(0, 1))
         entry["data_offsets"][i] = entry["data_offsets"][i] + draw(st.integers(-3, 3))
@@ -87,7 +100,7 @@ def mutate_header(draw: st.DrawFn, header: dict[str, Any]) -> dict[str, Any] | b
     elif kind == "drop":
         del header[name]
     elif kind == "copy_offsets":
-        other = header[draw(st.sampled_from(tensors))]
+        other = header[draw(st.sampled_from([t for t in tensors if isinstance(header[t], dict) and _offset_pair(header[t])]))]
         entry["data_offsets"] = list(other["data_offsets"])
     elif kind == "metadata":
         header["__metadata__"] = draw(json_values)
@@ -115,7 +128,8 @@ def mutate_bytes(draw: st.DrawFn, raw: bytes) -> bytes:
     if kind == "append":
         return raw + draw(st.binary(min_size=1, max_size=8))
     (n,) = struct.unpack("<Q", raw[:8].ljust(8, b"\0"))
-    return struct.pack("<Q", draw(st.sampled_from([0, 1, max(0, n - 1), n + 1, n + 8, 2**63, 2**64 - 1, 100_000_001]))) + raw[8:]
+    length = draw(st.sampled_from([0, 1, max(0, n - 1), n + 1, n + 8, 2**63, 2**64 - 1, 100_000_001]))
+    return struct.pack("<Q", min(length, 2**64 - 1)) + raw[8:]  # an earlier change may have left n at the top
 
 
 @st.composite
