@@ -14,10 +14,12 @@ import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from dsv4.convert.dtypes import ITEMSIZE, nbytes, tensor_bytes
+
+if TYPE_CHECKING:
+    import torch
 
 HEADER_ALIGN = 8  # safetensors pads its header so tensor data start 8-byte aligned
 
@@ -60,7 +62,9 @@ def encode_header(specs: Sequence[TensorSpec], metadata: dict[str, str] | None =
 
 
 def _as_bytes(data: bytes | bytearray | memoryview | torch.Tensor) -> memoryview:
-    return tensor_bytes(data) if isinstance(data, torch.Tensor) else memoryview(data).cast("B")
+    # a byte buffer as it is, anything else is a tensor (not isinstance(torch.Tensor): the
+    # converter writes buffers only and should not import torch for this test)
+    return memoryview(data).cast("B") if isinstance(data, (bytes, bytearray, memoryview)) else tensor_bytes(data)
 
 
 class ShardWriter:
