@@ -11,6 +11,7 @@ import collections
 import ctypes
 import hashlib
 import json
+import mmap
 import os
 import queue
 import re
@@ -159,7 +160,7 @@ _memcmp.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
 
 
 def _all_zero(chunk: memoryview) -> bool:
-    """Whether every byte of `chunk` (a view of a bytearray) is zero.
+    """Whether every byte of `chunk` (a writable buffer) is zero.
 
     A run of zeros (a sparse source, or data that really is zero) is left as a hole in the
     output, as `cp --sparse=auto` does. Real data almost never has a zero at both ends, so
@@ -255,7 +256,9 @@ class _Executor:
         self.depth = readers + 2 * lanes + 1
         self.free: queue.SimpleQueue[memoryview] = queue.SimpleQueue()
         for _ in range(self.depth):
-            self.free.put(memoryview(bytearray(CHUNK)))
+            # anonymous mappings, not bytearrays: no zero-fill up front, and a page costs
+            # memory only once a read has filled it (a small conversion stays small)
+            self.free.put(memoryview(mmap.mmap(-1, CHUNK)))
         self.reads = ThreadPoolExecutor(max_workers=readers, thread_name_prefix="read")
         self.hashers = _Hashers(lanes)
         self.written = 0
