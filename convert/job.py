@@ -297,6 +297,7 @@ class _Executor:
             hashed = self.hashers.submit(c.tensor.name, view)
             if c.n and not _all_zero(view):
                 writer.write(c.tensor.name, view, c.at)
+                writer.start_writeback(c.tensor.name, c.at, c.n)
             hashed.add_done_callback(lambda _, buf=buf: self.free.put(buf))  # written and hashed
             self.written += c.n
             self.position += c.n
