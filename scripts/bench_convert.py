@@ -1,7 +1,8 @@
 """Benchmark: convert a real-size Flash MTP slice and compare with `cp` of the same bytes;
 measure the converter's own memory on it and on the tiny checkpoint.
 
-    .venv/bin/python scripts/bench_convert.py [--work DIR] [--repeat N] [--keep]
+    .venv/bin/python scripts/bench_convert.py [--work DIR] [--repeat N] [--clean]
+    .venv/bin/python scripts/bench_convert.py --profile   # where the converter's time goes
 
 Writes (once, kept for reruns unless --clean) the real-size DeepSeek V4 Flash MTP slice
 with real data (not sparse): embed.weight, head.weight and the MTP block, ~5.7 GB, and the
@@ -13,6 +14,10 @@ as a whole command (`python -m dsv4 SRC DST --json`: interpreter start-up, impor
 table, planning, copy, sha256 of every tensor, fsync, publish). Its start-up is the wall
 time minus the seconds the converter itself reports for the copy.
 
+--profile instead runs one cold conversion of the slice in this process under cProfile
+and prints where its main thread (the writer) spends the time: waiting for a read,
+writing, starting writeback, the zero test, the per-shard fsync.
+
 Memory: the converter's peak RSS minus that of a process that only imports what the
 converter imported (the same module list, taken from the converting process itself), for
 tiny and for the Flash slice.
@@ -21,7 +26,9 @@ tiny and for the Flash slice.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import hashlib
+import pstats
 import json
 import os
 import resource
@@ -108,11 +115,26 @@ def sha256_gbps() -> float:
     return round(len(block) / (time.perf_counter() - t) / 1e9, 2)
 
 
+def profile(src: Path, dst: Path) -> None:
+    from dsv4.convert.job import convert
+
+    shutil.rmtree(dst, ignore_errors=True)
+    drop_caches()
+    prof = cProfile.Profile()
+    t = time.perf_counter()
+    prof.runcall(convert, src, dst)
+    print(f"in-process conversion, cold cache: {time.perf_counter() - t:.2f} s", file=sys.stderr)
+    shutil.rmtree(dst, ignore_errors=True)
+    stats = pstats.Stats(prof, stream=sys.stdout).sort_stats("cumulative")
+    stats.print_stats(r"job.py.*\((run_plan|run|_all_zero|_still_valid)\)|writer.py.*\((write|start_writeback|sync)\)|_base.py.*\(result\)|\{method 'get' of '_queue|posix.posix_fadvise|method 'write' of '_io|posix.fsync")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--work", default="out/bench", type=Path)
     ap.add_argument("--repeat", default=3, type=int)
     ap.add_argument("--clean", action="store_true", help="Delete the source checkpoints afterwards too.")
+    ap.add_argument("--profile", action="store_true", help="Profile one cold in-process conversion instead.")
     args = ap.parse_args()
     src, tiny = args.work / "flash-mtp-slice", args.work / "tiny-real"
     if not (src / "config.json").exists():
@@ -121,10 +143,13 @@ def main() -> None:
         print(f"wrote the Flash MTP slice in {time.perf_counter() - t:.0f} s", file=sys.stderr)
     if not (tiny / "config.json").exists():
         write_checkpoint(tiny, preset="tiny", main_layers="all", seed=0)
+    dst = args.work / "dst"
+    if args.profile:
+        profile(src, dst)
+        return
     plan = plan_conversion(read_inventory(src), load_table())
     files = [src / f for f in plan.files_needed]
     nbytes = plan.bytes_to_read
-    dst = args.work / "dst"
     memory = {"tiny": converter_memory(tiny, dst), "flash": converter_memory(src, dst)}  # also warms the layout cache
     print(json.dumps({"memory": memory}), file=sys.stderr)
     cold = drop_caches()
@@ -168,10 +193,11 @@ def main() -> None:
         "throughput_ratio_vs_cp_best": round(best["cp"] / best["convert"], 3),
         "memory": memory,
     }, indent=2))
-    print("\n| round | cp s | cp+sync s | convert s | start-up s | convert user/sys s | convert / cp+sync |\n|---|---:|---:|---:|---:|---:|---:|")
+    # the per-round table (markdown) on stderr: stdout stays one JSON document
+    print("\n| round | cp s | cp+sync s | convert s | start-up s | convert user/sys s | convert / cp+sync |\n|---|---:|---:|---:|---:|---:|---:|", file=sys.stderr)
     for r, k in by_round.items():
         c = k["convert"]
-        print(f"| {r} | {k['cp']['seconds']:.2f} | {k['cp+sync']['seconds']:.2f} | {c['seconds']:.2f} | {c['startup_s']:.2f} | {c['user_s']:.1f}/{c['sys_s']:.1f} | {k['cp+sync']['seconds'] / c['seconds']:.2f}x |")
+        print(f"| {r} | {k['cp']['seconds']:.2f} | {k['cp+sync']['seconds']:.2f} | {c['seconds']:.2f} | {c['startup_s']:.2f} | {c['user_s']:.1f}/{c['sys_s']:.1f} | {k['cp+sync']['seconds'] / c['seconds']:.2f}x |", file=sys.stderr)
 
 
 if __name__ == "__main__":
