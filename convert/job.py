@@ -17,6 +17,7 @@ import queue
 import re
 import shutil
 import signal
+import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -205,20 +206,24 @@ class _Hashers:
     def __init__(self, lanes: int):
         self.lanes = [ThreadPoolExecutor(max_workers=1, thread_name_prefix="sha256") for _ in range(lanes)]
         self.queued = [0] * lanes  # bytes submitted and not yet hashed, per lane
+        self.lock = threading.Lock()  # guards `queued`, updated by the caller and the lanes
         self.lane_of: dict[str, int] = {}
         self.digests: dict[str, Any] = {}
 
     def submit(self, name: str, view: memoryview) -> Future[None]:
         lane = self.lane_of.get(name)
         if lane is None:  # a new tensor goes to the least busy lane
-            lane = self.lane_of[name] = min(range(len(self.lanes)), key=self.queued.__getitem__)
+            with self.lock:
+                lane = self.lane_of[name] = min(range(len(self.lanes)), key=self.queued.__getitem__)
             self.digests[name] = hashlib.sha256()
-        self.queued[lane] += len(view)
+        with self.lock:
+            self.queued[lane] += len(view)
         return self.lanes[lane].submit(self._update, lane, self.digests[name], view)
 
     def _update(self, lane: int, digest: Any, view: memoryview) -> None:
         digest.update(view)
-        self.queued[lane] -= len(view)  # a heuristic for lane choice: races are harmless
+        with self.lock:
+            self.queued[lane] -= len(view)
 
     def hexdigest(self, name: str) -> str:
         """Once the tensor's last update has finished."""
@@ -270,7 +275,7 @@ class _Executor:
         """Write `tensors` into `writer`; yields each finished tensor with its sha256 (in
         the order their hashes finish)."""
         chunks = _chunks(tensors)
-        reads: collections.deque[tuple[memoryview, Future[None]]] = collections.deque()
+        reads: collections.deque[tuple[memoryview, memoryview, Future[None]]] = collections.deque()  # buffer, view, read
         hashing: collections.deque[tuple[PlannedTensor, Future[None]]] = collections.deque()  # last chunk of each tensor
         started = 0
 
@@ -286,14 +291,13 @@ class _Executor:
                         return
                 c = chunks[started]
                 view = buf[: c.n]
-                reads.append((buf, self.reads.submit(self.reader.read_into, c.file, c.offset, view)))
+                reads.append((buf, view, self.reads.submit(self.reader.read_into, c.file, c.offset, view)))
                 started += 1
 
         for k, c in enumerate(chunks):
             start_reads(k)
-            buf, read = reads.popleft()
+            buf, view, read = reads.popleft()
             read.result()
-            view = buf[: c.n]
             hashed = self.hashers.submit(c.tensor.name, view)
             if c.n and not _all_zero(view):
                 writer.write(c.tensor.name, view, c.at)
