@@ -75,12 +75,13 @@ def _parse_size(value: str) -> int:
 @click.argument("out", type=click.Path(file_okay=False))
 @click.option("--target", default="xpu", show_default=True, help="Mapping table (mapping/<target>.toml).")
 @click.option("--reverse", is_flag=True, help="SOURCE is a converted checkpoint: write the draft's tensors back under native names.")
-@click.option("--overwrite", is_flag=True, help="Replace a non-empty OUT.")
+@click.option("--overwrite", is_flag=True, help="Replace OUT if it is a previous output of this tool (anything else is refused).")
+@click.option("--wait", is_flag=True, help="If another run holds OUT, wait for it to finish instead of exiting with code 47.")
 @click.option("--max-shard-size", default="5GB", show_default=True, help="Largest output shard.")
 @click.option("--dry-run", is_flag=True, help="Print the plan and stop (same as `plan`).")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary (bytes read/written, seconds, output path).")
-def convert_command(source: str, out: str, target: str, reverse: bool, overwrite: bool, max_shard_size: str, dry_run: bool, quiet: bool, as_json: bool) -> None:
+def convert_command(source: str, out: str, target: str, reverse: bool, overwrite: bool, wait: bool, max_shard_size: str, dry_run: bool, quiet: bool, as_json: bool) -> None:
     """Convert SOURCE (a native checkpoint directory or hub repo org/name[@revision]) into OUT.
 
     Reads only the byte ranges the plan needs, writes shards header-first with bounded
@@ -92,7 +93,7 @@ def convert_command(source: str, out: str, target: str, reverse: bool, overwrite
     if dry_run:
         _print_plan(_plan(source, target, reverse)[0], as_json, full=False)
         return
-    result = convert(source, out, target=target, reverse=reverse, overwrite=overwrite, max_shard_size=_parse_size(max_shard_size), quiet=quiet or as_json)
+    result = convert(source, out, target=target, reverse=reverse, overwrite=overwrite, wait=wait, max_shard_size=_parse_size(max_shard_size), quiet=quiet or as_json)
     if as_json:
         click.echo(json.dumps(result.to_json(), indent=2))
     elif result.status == "up-to-date":

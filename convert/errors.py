@@ -111,7 +111,44 @@ class OutputExistsError(OutputError):
 
 
 class WriteFailedError(OutputError):
+    """An OSError while writing or publishing OUT; the message names the path, the OS
+    reason and what became of OUT."""
+
     exit_code = 42
+
+
+class OutputIsSourceError(OutputError):
+    """OUT is the source directory (after resolving symlinks)."""
+
+    exit_code = 43
+
+
+class OutputInSourceError(OutputError):
+    exit_code = 44
+
+
+class SourceInOutputError(OutputError):
+    """The source lies inside OUT (or inside one of OUT's hidden working directories)."""
+
+    exit_code = 45
+
+
+class OutputParentError(OutputError):
+    """OUT's parent is not a directory, or cannot be created."""
+
+    exit_code = 46
+
+
+class OutputLockedError(OutputError):
+    """Another run holds OUT's lock; the message names it (pid, host)."""
+
+    exit_code = 47
+
+
+class OverwriteRefusedError(OutputError):
+    """--overwrite given, but OUT is not a previous output of this tool."""
+
+    exit_code = 48
 
 
 

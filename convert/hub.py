@@ -3,7 +3,8 @@
 The revision is resolved to its commit first and every later request is pinned to that
 commit, so a branch that moves during a conversion cannot mix two versions of a checkpoint.
 config.json and the index come through huggingface_hub's download cache; of each shard only
-the header is read (two ranged requests), and then only the byte ranges the plan names.
+the header is read (two ranged requests; `HubReader.header_reads` shards at a time), and then
+only the byte ranges the plan names.
 
 Every hub call goes through huggingface_hub, so HF_ENDPOINT, HF_TOKEN, HF_HOME and
 HF_HUB_OFFLINE mean what they mean there, and no token ever passes through this module.
@@ -15,6 +16,7 @@ import json
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
@@ -101,10 +103,12 @@ class HubReader:
     for: the default read-ahead cache would fetch whole blocks past every tensor. Requests
     are latency-bound (Flash's draft is ~1,600 ranges), so the executor keeps
     `parallel_reads` of them in flight; each thread has its own file objects (an fsspec
-    file's seek-then-read is not thread-safe).
+    file's seek-then-read is not thread-safe). Shard headers are read `header_reads` at a
+    time: a header is small, where each tensor read in flight holds a buffer of its own.
     """
 
     parallel_reads = 8
+    header_reads = 16
 
     def __init__(self, hub: HubSpec, commit: str, sizes: dict[str, int]):
         self.location = hub.location
@@ -115,6 +119,11 @@ class HubReader:
         self._fs = HfFileSystem()
         self._local = threading.local()
         self._lock = threading.Lock()
+        # A file's first open asks the hub whether the repo and commit exist, and its URL
+        # (asked for on every read) lists the repo's tree; HfFileSystem keeps both answers.
+        # Opening under a lock, URL included, makes threads that start together ask once
+        # instead of once each.
+        self._open_lock = threading.Lock()
         self._opened: list[AbstractBufferedFile] = []
 
     def _where(self, file: str) -> str:
@@ -125,7 +134,9 @@ class HubReader:
         f = files.get(file)
         if f is None:
             try:
-                f = self._fs.open(f"{self.repo}/{file}", "rb", revision=self.commit, cache_type="none", size=self.sizes[file])
+                with self._open_lock:
+                    f = self._fs.open(f"{self.repo}/{file}", "rb", revision=self.commit, cache_type="none", size=self.sizes[file])
+                    f.url()
             except FileNotFoundError:
                 raise MissingShardError(f"{self._where(file)}: not in the repository at this commit") from None
             files[file] = f
@@ -192,6 +203,14 @@ def _download(hub: HubSpec, commit: str, file: str) -> bytes:
         return f.read()
 
 
+def _read_shard_header(reader: HubReader, file: str) -> tuple[dict[str, TensorSource], int]:
+    """The tensors of one hub shard and its header's size: two ranged requests (the 8-byte
+    length, then the JSON), checked as the local reader checks them."""
+    size = reader.sizes[file]
+    header, data_start = parse_header(reader.fetch(file, 0, min(8, size)), partial(reader.fetch, file, 8), file, size)
+    return tensors_from_header(header, file, data_start, size), data_start
+
+
 def open_hub_source(spec: str) -> tuple[Inventory, HubReader]:
     """Inventory of hub repo `org/name[@revision]` from its headers, and a reader pinned to
     the resolved commit. Applies the same checks as the local reader."""
@@ -220,14 +239,14 @@ def open_hub_source(spec: str) -> tuple[Inventory, HubReader]:
 
     reader = HubReader(hub, commit, {f: sizes[f] for f in files})
     try:
-        header_bytes = 0
-        shards: list[tuple[str, dict[str, TensorSource]]] = []
-        for file in files:
-            size = sizes[file]
-            header, data_start = parse_header(reader.fetch(file, 0, min(8, size)), partial(reader.fetch, file, 8), file, size)
-            shards.append((file, tensors_from_header(header, file, data_start, size)))
-            header_bytes += data_start
-        tensors = merge_shards(hub.location, weight_map, shards)
+        # Latency-bound (Flash: 46 shards, 92 requests), so several shards at a time. map
+        # yields in shard order: the first shard in that order that fails is the error
+        # reported, as when they were read one by one, and the shards not yet started are
+        # cancelled.
+        with ThreadPoolExecutor(max_workers=reader.header_reads, thread_name_prefix="hub-header") as pool:
+            headers = list(pool.map(partial(_read_shard_header, reader), files))
+        header_bytes = sum(data_start for _, data_start in headers)
+        tensors = merge_shards(hub.location, weight_map, [(file, found) for file, (found, _) in zip(files, headers, strict=True)])
     except BaseException:
         reader.close()
         raise

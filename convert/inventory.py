@@ -3,6 +3,19 @@
 safetensors' Python API opens a file to read tensors but does not expose where each
 tensor's bytes lie; the converter needs exactly that (to read only the byte ranges the
 plan names), so the header is parsed here: an 8-byte little-endian length, then JSON.
+
+Parsing it here must not make the tool laxer than safetensors: a header that library
+refuses would otherwise convert into wrong tensors (a duplicate name, or two tensors
+sharing bytes). So every rule of safetensors' reader (its Rust `read_metadata` and
+`Metadata::validate`) is applied, before any tensor byte is read, and a few more:
+  - the header is at most MAX_HEADER bytes, strict JSON (model/strictjson: no duplicate
+    key, bounded nesting and integers), an object;
+  - `__metadata__` maps strings to strings (null is refused too);
+  - each tensor entry has exactly dtype, shape, data_offsets (no unknown field); shape
+    and offsets are integers in 0..2**64-1 and their products do not overflow 64 bits;
+  - sorted by offset, the tensors tile the data section exactly: the first starts at 0,
+    each starts where the previous ends (no overlap, no gap), the last ends at the end of
+    the file (bytes after it are refused, as safetensors refuses them).
 """
 
 from __future__ import annotations
@@ -15,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dsv4.convert.dtypes import ITEMSIZE, nbytes
+from dsv4.convert.dtypes import ITEMSIZE
 from dsv4.convert.errors import (
     DuplicateTensorError,
     IndexMismatchError,
@@ -26,10 +39,14 @@ from dsv4.convert.errors import (
     UnknownDtypeError,
     UnsafeShardPathError,
 )
+from dsv4.model import strictjson
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
-MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit on a header's size
+MAX_HEADER = 100_000_000  # safetensors' MAX_HEADER_SIZE, in bytes (not MiB): it refuses a longer header
+U64_MAX = 2**64 - 1  # safetensors reads shapes and offsets as 64-bit sizes
+ENTRY_FIELDS = ("dtype", "shape", "data_offsets")
+ENTRY_KEYS = frozenset(ENTRY_FIELDS)
 
 
 @dataclass(frozen=True)
@@ -61,39 +78,121 @@ class Inventory:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+def json_kind(value: Any) -> str:
+    """What a JSON value is, for a message: 'an object', 'a list', 'null', ..."""
+    if value is None:
+        return "null"
+    kinds = ((bool, "a boolean"), (int, "an integer"), (float, "a number"), (str, "a string"), (list, "a list"), (dict, "an object"))
+    return next(kind for t, kind in kinds if isinstance(value, t))
+
+
 def parse_header(raw_len: bytes, read_header: Callable[[int], bytes], file: str, file_size: int) -> tuple[dict[str, Any], int]:
-    """Decode a safetensors header; returns (header dict, bytes before the data section)."""
+    """Decode a safetensors header; returns (header dict, bytes before the data section).
+    `read_header(n)` is called only once the length is known to be within the limit."""
     if len(raw_len) != 8:
         raise TruncatedShardError(f"{file}: shorter than a safetensors header ({file_size} bytes)")
     (n,) = struct.unpack("<Q", raw_len)
-    if n > MAX_HEADER or 8 + n > file_size:
+    if n > MAX_HEADER:
+        raise MalformedHeaderError(f"{file}: header of {n:,} bytes exceeds the {MAX_HEADER:,}-byte limit on a safetensors header (safetensors refuses it too)")
+    if 8 + n > file_size:
         raise TruncatedShardError(f"{file}: header claims {n} bytes but the file has {file_size}")
     raw = read_header(n)
+    if len(raw) != n:
+        raise TruncatedShardError(f"{file}: header claims {n} bytes but only {len(raw)} could be read")
     try:
-        header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        header = strictjson.loads(raw)
+    except strictjson.StrictJSONError as exc:
         raise MalformedHeaderError(f"{file}: header is not valid JSON ({exc})") from None
     if not isinstance(header, dict):
-        raise MalformedHeaderError(f"{file}: header is not a JSON object")
+        raise MalformedHeaderError(f"{file}: header is {json_kind(header)}, not a JSON object")
     return header, 8 + n
 
 
+def _utf8(text: str) -> bool:
+    """Python's json decodes a lone surrogate escape ("\\ud800") into a str that is not
+    Unicode; safetensors' JSON reader refuses it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _check_metadata(metadata: Any, file: str) -> None:
+    if not isinstance(metadata, dict):
+        raise MalformedHeaderError(f"{file}: __metadata__ is {json_kind(metadata)}, not an object of strings")
+    for key, value in metadata.items():
+        if not isinstance(value, str):
+            raise MalformedHeaderError(f"{file}: __metadata__[{key!r}] is {json_kind(value)}, not a string")
+        if not (_utf8(key) and _utf8(value)):
+            raise MalformedHeaderError(f"{file}: __metadata__[{key!r}] is not valid Unicode")
+
+
+def _tensor_entry(name: str, entry: Any, file: str, data_start: int) -> TensorSource:
+    """One header entry, every field checked as safetensors checks it (or more strictly).
+    Written as plain loops: a Flash checkpoint has 69,187 entries."""
+    where = f"{file}: tensor {name}"
+    if not (name.isascii() or _utf8(name)):
+        raise MalformedHeaderError(f"{file}: tensor {name!r}: the name is not valid Unicode")
+    if not isinstance(entry, dict):
+        raise MalformedHeaderError(f"{where}: entry is {json_kind(entry)}, not an object")
+    if entry.keys() != ENTRY_KEYS:
+        missing = [f for f in ENTRY_FIELDS if f not in entry]
+        if missing:
+            raise MalformedHeaderError(f"{where}: entry lacks {'/'.join(missing)}")
+        unknown = sorted(set(entry) - ENTRY_KEYS)
+        raise MalformedHeaderError(f"{where}: unknown field {unknown[0]!r} in its entry (a safetensors entry has {', '.join(ENTRY_FIELDS)})")
+    dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+    if not isinstance(dtype, str):
+        raise MalformedHeaderError(f"{where}: dtype {dtype!r} is not a string")
+    if dtype not in ITEMSIZE:
+        raise UnknownDtypeError(f"{where}: unknown dtype {dtype}")
+    if type(shape) is not list:
+        raise MalformedHeaderError(f"{where}: shape {shape!r} is not a list of non-negative integers")
+    elements = 1
+    for d in shape:  # safetensors multiplies left to right and refuses any overflow on the way
+        if type(d) is not int or not 0 <= d <= U64_MAX:  # bool is an int to Python, not to JSON
+            raise MalformedHeaderError(f"{where}: shape {shape!r} is not a list of non-negative integers")
+        elements *= d
+        if elements > U64_MAX:
+            raise MalformedHeaderError(f"{where}: shape {shape} overflows 64 bits")
+    size = elements * ITEMSIZE[dtype]
+    if size * 8 > U64_MAX:  # safetensors counts bits
+        raise MalformedHeaderError(f"{where}: shape {shape} of {dtype} overflows 64 bits")
+    if not (type(offsets) is list and len(offsets) == 2 and all(type(o) is int and 0 <= o <= U64_MAX for o in offsets)):
+        raise MalformedHeaderError(f"{where}: data_offsets {offsets!r} is not a pair of non-negative integers")
+    lo, hi = offsets
+    if hi - lo != size:
+        raise MalformedHeaderError(f"{where}: data_offsets [{lo}, {hi}] do not fit {dtype}{shape}")
+    return TensorSource(name, file, dtype, tuple(shape), data_start + lo, data_start + hi)
+
+
+def _check_tiling(tensors: Iterable[TensorSource], file: str, data_start: int, file_size: int) -> None:
+    """safetensors' rule for the data section: sorted by offset, the tensors cover it
+    exactly, from its start to the end of the file; no byte is shared or owned by none."""
+    at, previous = data_start, None
+    for src in sorted(tensors, key=lambda s: (s.start, s.end)):
+        lo, hi = src.start - data_start, src.end - data_start
+        if previous is not None and src.start < previous.end:
+            raise MalformedHeaderError(f"{file}: tensor {src.name}: data_offsets [{lo}, {hi}] overlap tensor {previous.name}'s [{previous.start - data_start}, {previous.end - data_start}]")
+        if src.start > at:
+            raise MalformedHeaderError(f"{file}: data bytes {at - data_start}..{lo} before tensor {src.name} belong to no tensor")
+        if src.end > file_size:
+            raise TruncatedShardError(f"{file}: tensor {src.name}: bytes {src.start}..{src.end} lie past the end of the file ({file_size} bytes)")
+        at, previous = src.end, src
+    if at != file_size:
+        raise MalformedHeaderError(f"{file}: data bytes {at - data_start}..{file_size - data_start} after the last tensor belong to no tensor (safetensors refuses such a file)")
+
+
 def tensors_from_header(header: Mapping[str, Any], file: str, data_start: int, file_size: int) -> dict[str, TensorSource]:
+    """The tensors a parsed header describes, once the whole header has been validated."""
     out: dict[str, TensorSource] = {}
     for name, entry in header.items():
         if name == "__metadata__":
-            continue
-        try:
-            dtype, shape, (lo, hi) = entry["dtype"], tuple(int(d) for d in entry["shape"]), entry["data_offsets"]
-        except (KeyError, TypeError, ValueError):
-            raise MalformedHeaderError(f"{file}: tensor {name}: entry lacks dtype/shape/data_offsets") from None
-        if dtype not in ITEMSIZE:
-            raise UnknownDtypeError(f"{file}: tensor {name}: unknown dtype {dtype}")
-        if not (isinstance(lo, int) and isinstance(hi, int) and 0 <= lo <= hi) or hi - lo != nbytes(dtype, shape):
-            raise MalformedHeaderError(f"{file}: tensor {name}: data_offsets {lo}..{hi} do not fit {dtype}{list(shape)}")
-        if data_start + hi > file_size:
-            raise TruncatedShardError(f"{file}: tensor {name}: bytes {data_start + lo}..{data_start + hi} lie past the end of the file ({file_size} bytes)")
-        out[name] = TensorSource(name, file, dtype, shape, data_start + lo, data_start + hi)
+            _check_metadata(entry, file)
+        else:
+            out[name] = _tensor_entry(name, entry, file, data_start)
+    _check_tiling(out.values(), file, data_start, file_size)
     return out
 
 
@@ -131,14 +230,31 @@ def merge_shards(location: str, weight_map: Mapping[str, str] | None, shards: It
 
 
 def load_index(raw: bytes, index_file: str) -> dict[str, str]:
+    """The weight map of a model.safetensors.index.json, every field the tool reads
+    checked: weight_map maps tensor names to plain shard file names; metadata, when
+    present, is an object and its total_size a non-negative integer."""
     try:
-        index = json.loads(raw)
-        weight_map = index["weight_map"]
-    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError):
-        raise MalformedHeaderError(f"{index_file}: not a safetensors index (JSON with a weight_map)") from None
+        index = strictjson.loads(raw)
+    except strictjson.StrictJSONError as exc:
+        raise MalformedHeaderError(f"{index_file}: not valid JSON ({exc})") from None
+    if not isinstance(index, dict):
+        raise MalformedHeaderError(f"{index_file}: not a safetensors index: the top level is {json_kind(index)}, not an object")
+    if "weight_map" not in index:
+        raise MalformedHeaderError(f"{index_file}: not a safetensors index: no weight_map")
+    weight_map = index["weight_map"]
     if not isinstance(weight_map, dict):
-        raise MalformedHeaderError(f"{index_file}: weight_map is not an object")
-    for shard in set(weight_map.values()):
+        raise MalformedHeaderError(f"{index_file}: weight_map is {json_kind(weight_map)}, not an object")
+    if not weight_map:
+        raise MalformedHeaderError(f"{index_file}: weight_map lists no tensor")
+    for name, shard in weight_map.items():
+        if not isinstance(shard, str):
+            raise MalformedHeaderError(f"{index_file}: weight_map[{name!r}] is {json_kind(shard)}, not a shard file name")
+    metadata = index.get("metadata", {})
+    if not isinstance(metadata, dict):
+        raise MalformedHeaderError(f"{index_file}: metadata is {json_kind(metadata)}, not an object")
+    if "total_size" in metadata and not (type(metadata["total_size"]) is int and metadata["total_size"] >= 0):
+        raise MalformedHeaderError(f"{index_file}: metadata.total_size is {metadata['total_size']!r}, not a non-negative integer")
+    for shard in sorted(set(weight_map.values())):
         check_shard_name(shard, index_file)
     return weight_map
 

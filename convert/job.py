@@ -1,4 +1,5 @@
-"""Running a Plan: the executor and the output directory's life cycle.
+"""Running a Plan: the executor, and the run that owns OUT (convert/output.py) while it
+plans, writes and publishes.
 
 Work happens in a hidden partial directory beside OUT with a journal of finished tensors;
 OUT appears (one rename) only once every tensor is written and the result is verified.
@@ -15,8 +16,8 @@ import mmap
 import os
 import queue
 import re
-import shutil
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -28,16 +29,14 @@ from typing import Any
 from tqdm import tqdm
 
 from dsv4 import __version__
-from dsv4.convert.errors import OutputExistsError, SourceNotFoundError, WriteFailedError
+from dsv4.convert.errors import SourceNotFoundError, WriteFailedError
 from dsv4.convert.inventory import INDEX_NAME, Inventory, read_inventory, read_local_header
+from dsv4.convert.output import CONFIG, CONVERSION_RECORD, TOOL, OutputClaim, claim_output, write_json
 from dsv4.convert.plan import LAYOUT_RECORD, Plan, PlannedTensor, plan_conversion, plan_reverse
 from dsv4.convert.source import ByteReader, LocalReader
 from dsv4.convert.writer import ShardWriter, TensorSpec, shard_name
 from dsv4.mapping.table import Table, load_table
 
-CONVERSION_RECORD = "conversion.json"
-JOURNAL = "journal.jsonl"
-STATE = "state.json"
 CHUNK = 8 * 1024 * 1024  # bytes per read/write: large enough for full disk speed
 DEFAULT_MAX_SHARD = 5 * 10**9
 # Test hook: SIGKILL this process once the output stream (tensors in write order, those
@@ -69,13 +68,21 @@ class ConversionResult:
         }
 
 
-def open_source(source: str | Path) -> tuple[Inventory, ByteReader]:
-    """A local checkpoint directory, or a hub repo `org/name[@revision]`."""
+def local_source(source: str | Path) -> Path | None:
+    """The directory of a local source; None for a hub repo id; neither is exit 19."""
     path = Path(source)
     if path.exists():
-        return read_inventory(path), LocalReader(path)
+        return path
     if not HUB_REPO.fullmatch(str(source)):
         raise SourceNotFoundError(f"{source}: no such checkpoint directory (nor a hub repo id org/name[@revision])")
+    return None
+
+
+def open_source(source: str | Path) -> tuple[Inventory, ByteReader]:
+    """A local checkpoint directory, or a hub repo `org/name[@revision]`."""
+    path = local_source(source)
+    if path is not None:
+        return read_inventory(path), LocalReader(path)
     from dsv4.convert.hub import open_hub_source  # only hub sources need the network code
 
     return open_hub_source(str(source))
@@ -142,14 +149,6 @@ def _journal(path: Path) -> dict[str, dict[str, Any]]:
             except (ValueError, KeyError, TypeError):
                 continue
     return done
-
-
-def _write_json(path: Path, obj: Any) -> None:
-    with open(path, "w") as f:
-        json.dump(obj, f, indent=2, sort_keys=True)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
 
 
 # libc's memcmp, for the zero test: the standard library has no fast "all zero" test
@@ -358,34 +357,50 @@ def _verify(partial: Path, shards: list[list[PlannedTensor]], names: list[str], 
                 raise WriteFailedError(f"{partial / name}: tensor {t.name} was never finished")
 
 
-def run_plan(plan: Plan, reader: ByteReader, out: str | Path, *, overwrite: bool = False, max_shard_size: int = DEFAULT_MAX_SHARD, quiet: bool = True) -> ConversionResult:
+def run_plan(plan: Plan, reader: ByteReader, out: str | Path, *, overwrite: bool = False, wait: bool = False, max_shard_size: int = DEFAULT_MAX_SHARD, quiet: bool = True) -> ConversionResult:
+    """Write an already made plan into OUT, owning OUT (its lock) from here to publish;
+    the reader is closed at the end. `convert` takes OUT before it plans."""
+    try:
+        with claim_output(out, source=_local_root(reader), wait=wait, on_wait=_waiting_notice(quiet)) as claim:
+            return _write_output(plan, reader, claim, overwrite=overwrite, max_shard_size=max_shard_size, quiet=quiet)
+    finally:
+        reader.close()
+
+
+def _local_root(reader: ByteReader) -> Path | None:
+    return reader.root if isinstance(reader, LocalReader) else None
+
+
+def _waiting_notice(quiet: bool) -> Callable[[str], object] | None:
+    return None if quiet else lambda line: print(line, file=sys.stderr, flush=True)
+
+
+def _write_output(plan: Plan, reader: ByteReader, claim: OutputClaim, *, overwrite: bool, max_shard_size: int, quiet: bool) -> ConversionResult:
+    """Convert `plan` into the claimed OUT: nothing if it is up to date, else in the
+    partial directory (resuming its work), then publish."""
     start = time.monotonic()
-    out = Path(out)
     config = output_config(plan)  # before any byte is written: a config that cannot be carried fails here
     shards = shard_layout(plan, max_shard_size)
     names = [shard_name(k, len(shards)) for k in range(len(shards))]
     fingerprint = _fingerprint(plan, reader, shards)
 
-    record = read_record(out / CONVERSION_RECORD) if out.is_dir() else None
-    if record is not None and record.get("fingerprint") == fingerprint and not overwrite:
-        return ConversionResult(out, "up-to-date", 0, 0, time.monotonic() - start, len(plan.tensors), plan)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
-        raise OutputExistsError(f"{out}: exists and is not empty (and is not this conversion's up-to-date output); pass --overwrite to replace it")
+    record = read_record(claim.path / CONVERSION_RECORD) if claim.path.is_dir() else None
+    if isinstance(record, dict) and record.get("fingerprint") == fingerprint and not overwrite:
+        return ConversionResult(claim.out, "up-to-date", 0, 0, time.monotonic() - start, len(plan.tensors), plan)
+    claim.refuse_unless_replaceable(overwrite)
 
-    partial = out.parent / f".{out.name}.partial"
-    resumed = read_record(partial / STATE) == fingerprint
-    if partial.exists() and not resumed:
-        shutil.rmtree(partial)
-    partial.mkdir(parents=True, exist_ok=True)
-    if not resumed:
-        _write_json(partial / STATE, fingerprint)
-    journal = _journal(partial / JOURNAL) if resumed else {}
+    try:
+        resumed = claim.start(fingerprint)
+        journal = _journal(claim.journal) if resumed else {}
+    except OSError as exc:
+        raise claim.write_failed(exc) from None
+    partial = claim.partial
 
     todo = sum(t.nbytes for s in shards for t in s if t.name not in journal)
     bar = tqdm(total=todo, unit="B", unit_scale=True, unit_divisor=1024, desc="convert", disable=quiet)
     executor = _Executor(reader, bar.update, position=plan.bytes_to_write - todo)
     try:
-        with open(partial / JOURNAL, "a") as jf:
+        with open(claim.journal, "a") as jf:
             for tensors, name in zip(shards, names):
                 specs = [TensorSpec(t.name, t.dtype, t.shape) for t in tensors]
                 with ShardWriter(partial / name, specs, {"format": "pt"}, resume=resumed) as writer:
@@ -400,25 +415,26 @@ def run_plan(plan: Plan, reader: ByteReader, out: str | Path, *, overwrite: bool
                         jf.flush()
                         journal[t.name] = entry
                     writer.sync()
+        # the journal is closed: nothing writes into the partial directory once it is OUT
         _verify(partial, shards, names, journal)
-        _finish(plan, config, partial, out, shards, names, journal, fingerprint)
+        _write_records(plan, config, partial, shards, names, journal, fingerprint)
+        claim.publish()
     except OSError as exc:
-        raise WriteFailedError(f"{partial}: conversion failed ({exc.strerror or exc}); no output directory was created; rerun to resume") from None
+        raise claim.write_failed(exc) from None
     finally:
         bar.close()
         executor.close()
-        reader.close()
-    return ConversionResult(out, "resumed" if resumed else "converted", reader.bytes_read, executor.written, time.monotonic() - start, len(plan.tensors), plan)
+    return ConversionResult(claim.out, "resumed" if resumed else "converted", reader.bytes_read, executor.written, time.monotonic() - start, len(plan.tensors), plan)
 
 
-def _finish(plan: Plan, config: dict[str, Any], partial: Path, out: Path, shards: list[list[PlannedTensor]], names: list[str], journal: dict[str, dict[str, Any]], fingerprint: dict[str, Any]) -> None:
+def _write_records(plan: Plan, config: dict[str, Any], partial: Path, shards: list[list[PlannedTensor]], names: list[str], journal: dict[str, dict[str, Any]], fingerprint: dict[str, Any]) -> None:
     weight_map = {t.name: name for tensors, name in zip(shards, names) for t in tensors}
-    _write_json(partial / INDEX_NAME, {"metadata": {"total_size": plan.bytes_to_write}, "weight_map": weight_map})
-    _write_json(partial / "config.json", config)
-    _write_json(
+    write_json(partial / INDEX_NAME, {"metadata": {"total_size": plan.bytes_to_write}, "weight_map": weight_map})
+    write_json(partial / CONFIG, config)
+    write_json(
         partial / CONVERSION_RECORD,
         {
-            "tool": "dsv4-convert",
+            "tool": TOOL,
             "tool_version": __version__,
             "direction": plan.direction,
             "table": plan.table,
@@ -430,24 +446,6 @@ def _finish(plan: Plan, config: dict[str, Any], partial: Path, out: Path, shards
             "tensors": {t.name: {"file": journal[t.name]["file"], "nbytes": t.nbytes, "sha256": journal[t.name]["sha256"]} for s in shards for t in s},
         },
     )
-    (partial / JOURNAL).unlink()
-    (partial / STATE).unlink()
-    if out.exists():
-        old = out.parent / f".{out.name}.old-{os.getpid()}"
-        out.rename(old)
-        partial.rename(out)
-        shutil.rmtree(old)
-    else:
-        partial.rename(out)
-    _fsync_dir(out.parent)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def plan_source(inv: Inventory, reader: ByteReader, table: Table, *, reverse: bool = False) -> Plan:
@@ -459,9 +457,16 @@ def plan_source(inv: Inventory, reader: ByteReader, table: Table, *, reverse: bo
         raise
 
 
-def convert(source: str | Path, out: str | Path, *, target: str = "xpu", reverse: bool = False, overwrite: bool = False, max_shard_size: int = DEFAULT_MAX_SHARD, quiet: bool = True) -> ConversionResult:
-    """Convert `source` (native checkpoint, or with reverse=True a converted one) into `out`."""
+def convert(source: str | Path, out: str | Path, *, target: str = "xpu", reverse: bool = False, overwrite: bool = False, wait: bool = False, max_shard_size: int = DEFAULT_MAX_SHARD, quiet: bool = True) -> ConversionResult:
+    """Convert `source` (native checkpoint, or with reverse=True a converted one) into `out`.
+
+    OUT is owned (checked safe, locked) before the source is planned and until the output
+    is published; with `wait` a run finding OUT locked waits for the other run."""
     table = load_table(target)
-    inv, reader = open_source(source)
-    plan = plan_source(inv, reader, table, reverse=reverse)
-    return run_plan(plan, reader, out, overwrite=overwrite, max_shard_size=max_shard_size, quiet=quiet)
+    with claim_output(out, source=local_source(source), wait=wait, on_wait=_waiting_notice(quiet)) as claim:
+        inv, reader = open_source(source)
+        plan = plan_source(inv, reader, table, reverse=reverse)
+        try:
+            return _write_output(plan, reader, claim, overwrite=overwrite, max_shard_size=max_shard_size, quiet=quiet)
+        finally:
+            reader.close()

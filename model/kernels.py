@@ -4,8 +4,10 @@ torch reference that defines its meaning.
 * `fused_mtp_input_rmsnorm`: the embedding rows of tokens at position 0 are zeroed before
   their norm (vLLM's mask, so their output is exactly 0), then enorm over the embedding and
   hnorm over each of the n_hc residual streams (RMS over H, one weight for all streams).
-  One program per (token, task): task 0 = enorm, task 1+j = hnorm of stream j.
-* `mtp_shared_head_rmsnorm`: the shared head's norm, one program per token.
+  One program per (rows of tokens, task): task 0 = enorm, task 1+j = hnorm of stream j.
+* `mtp_shared_head_rmsnorm`: the shared head's norm, one program per rows of tokens.
+
+How many rows per program and warps each: `launch_config`, a table measured on an H200.
 
 Both: out of place, fp32 math, one rounding at the store, T = 0 launches nothing.
 
@@ -16,10 +18,9 @@ the torch reference runs instead and a warning says so once.
 
 from __future__ import annotations
 
-import functools
 import os
 import warnings
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -101,22 +102,22 @@ def _hooks_registered() -> bool:
 
 
 def _launch(kernel: Any, grid: tuple[int, int], tensors: tuple[torch.Tensor, ...], eps: float, consts: dict[str, int], num_warps: int) -> None:
-    """Launch `kernel` on `grid` with args (*tensors, eps, **consts).
+    """Launch `kernel` on `grid` with args (*tensors, eps, **consts) and `num_warps` warps.
 
     At T <= 256 these kernels take a few microseconds on the device and the host's launch
     path is most of the cost: Triton's `kernel[grid](...)` re-binds and re-specialises every
     argument on every call (~15-25 us on the H200 host measured, against ~6-9 us for the
     launcher itself). So after the first launch the compiled kernel's launcher is called
     directly, with the arguments Triton's own launch passes it. That is safe only when the
-    current device, the dtypes and the constants match and every pointer is 16-byte aligned
-    again (what the compiled code may assume), so the key says exactly that. With launch
-    hooks registered (profilers) every launch takes Triton's ordinary path.
+    current device, the dtypes, the constants and the warps match and every pointer is
+    16-byte aligned again (what the compiled code may assume), so the key says exactly that.
+    With launch hooks registered (profilers) every launch takes Triton's ordinary path.
     """
     if _INTERPRET:
         kernel[grid](*tensors, eps, **consts, num_warps=num_warps)
         return
     device = driver.active.get_current_device()
-    key = (kernel, device, *[t.dtype for t in tensors], *consts.values())
+    key = (kernel, device, *[t.dtype for t in tensors], *consts.values(), num_warps)
     ptr_bits = 0
     for t in tensors:
         ptr_bits |= t.data_ptr()
@@ -132,61 +133,121 @@ def _launch(kernel: Any, grid: tuple[int, int], tensors: tuple[torch.Tensor, ...
         _compiled[key] = (compiled.run, compiled.function, compiled.packed_metadata)
 
 
-@functools.cache
-def _launch_params(H: int) -> tuple[int, int]:
-    block = triton.next_power_of_2(H)
-    # 8 warps at most: measured on an H200, 16 warps lose 5-10% of bandwidth at H = 7168
-    return block, max(1, min(8, block // 512))
+class LaunchConfig(NamedTuple):
+    """How one call is launched: `rows` rows of H per program (T divisible by it), `num_warps` each."""
+
+    num_warps: int
+    rows: int
+
+
+# Per kernel and BLOCK = next_power_of_2(H): (largest T, config) in increasing T; the first
+# entry whose T bound is >= T applies. Chosen on an H200 under CUDA-graph replay from two
+# sweeps against vLLM 0.33.0's kernels (4 warps, 1 row) at T in {1, 4, 16, 64, 256, 4096,
+# 16384}: one config per range of T, at most 4% slower than the sweep's fastest at each
+# measured T (BENCHMARKS.md, "Against vLLM 0.33.0"). A table, not autotuning: a served
+# draft step launches these inside a captured graph, where a first-call search would be
+# timed into the capture.
+_TUNED: dict[tuple[str, int], tuple[tuple[int, LaunchConfig], ...]] = {
+    ("fused_input", 4096): ((256, LaunchConfig(8, 1)), (1 << 62, LaunchConfig(16, 2))),
+    ("fused_input", 8192): ((256, LaunchConfig(4, 1)), (1 << 62, LaunchConfig(16, 2))),
+    ("shared_head", 4096): ((256, LaunchConfig(8, 1)), (4096, LaunchConfig(4, 1)), (1 << 62, LaunchConfig(8, 1))),
+    ("shared_head", 8192): ((256, LaunchConfig(16, 1)), (1 << 62, LaunchConfig(8, 1))),
+}
+
+
+def launch_config(kernel: str, H: int, T: int) -> LaunchConfig:
+    """The launch of `kernel` ('fused_input' or 'shared_head') for T rows of H."""
+    for t_max, config in _TUNED.get((kernel, triton.next_power_of_2(H)), ()):
+        if T <= t_max:
+            break
+    else:
+        # untuned sizes: the launch from before the table, one row per program, BLOCK / 512 warps, at most 8
+        config = LaunchConfig(max(1, min(8, triton.next_power_of_2(H) // 512)), 1)
+    return config if T % config.rows == 0 else config._replace(rows=1)
 
 
 if triton is not None:
 
-    @triton.jit
-    def _to_bf16_rtne(y):
-        # fp32 -> bf16, round to nearest even, by integer arithmetic: the same bits on
-        # every backend. (The Triton interpreter's cast truncates; GPUs round to nearest.)
-        bits = y.to(tl.uint32, bitcast=True)
-        bits = bits + 0x7FFF + ((bits >> 16) & 1)
-        return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    # The interpreter's fp32 -> bf16 cast truncates; compiled code is asked for round to
+    # nearest even, which the interpreter gets by integer arithmetic instead: the same bits
+    # on every backend. (On an H200 the integer rounding cost 2.7-8.6% of device time at
+    # T <= 256 against the cast.)
+    _INTERPRETED = tl.constexpr(_INTERPRET)
 
     @triton.jit
-    def _rms_row(x, w_ptr, out_ptr, offs, mask, eps, H: tl.constexpr):
-        w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        rstd = tl.rsqrt(tl.sum(x * x, axis=0) / H + eps)
-        y = x * rstd * w
+    def _to_bf16_rtne(y):
+        if _INTERPRETED:
+            bits = y.to(tl.uint32, bitcast=True)
+            bits = bits + 0x7FFF + ((bits >> 16) & 1)
+            out = (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        else:
+            out = y.to(tl.bfloat16, fp_downcast_rounding="rtne")
+        return out
+
+    @triton.jit
+    def _rms_rows(x, w_ptr, out_ptr, rows, offs, mask, eps, H: tl.constexpr):
+        # x [ROWS, BLOCK] fp32 of the rows `rows` (of H each); one weight for all rows, loaded
+        # before the reduction (after it, as vLLM does, was up to 8.7% slower at T <= 256)
+        w = tl.load(w_ptr + offs, mask=offs < H, other=0.0).to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(x * x, axis=1) / H + eps)
+        y = x * rstd[:, None] * w[None, :]
         if out_ptr.dtype.element_ty == tl.bfloat16:
             out = _to_bf16_rtne(y)
         else:
             out = y.to(out_ptr.dtype.element_ty)
-        tl.store(out_ptr + offs, out, mask=mask)
+        tl.store(out_ptr + rows[:, None] * H + offs[None, :], out, mask=mask)
 
     @triton.jit
     def _fused_mtp_input_rmsnorm_kernel(
         e_ptr, pos_ptr, prev_ptr, ew_ptr, hw_ptr, eo_ptr, ho_ptr, eps,
-        H: tl.constexpr, N_HC: tl.constexpr, BLOCK: tl.constexpr,
+        H: tl.constexpr, N_HC: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
     ):  # fmt: skip
-        t = tl.program_id(0).to(tl.int64)
+        # program (i, task): tokens i*ROWS ... i*ROWS+ROWS-1; task 0 = enorm, 1+j = hnorm of stream j
+        t = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
         task = tl.program_id(1)
         offs = tl.arange(0, BLOCK)
-        mask = offs < H
+        mask = (offs < H)[None, :]
         if task == 0:
             keep = tl.load(pos_ptr + t) != 0
-            x = tl.load(e_ptr + t * H + offs, mask=mask, other=0.0).to(tl.float32)
+            x = tl.load(e_ptr + t[:, None] * H + offs[None, :], mask=mask, other=0.0).to(tl.float32)
             # zero before the norm: 0 * rsqrt(0 + eps) is exactly 0, whatever the weight
-            x = tl.where(keep, x, 0.0)
-            _rms_row(x, ew_ptr, eo_ptr + t * H, offs, mask, eps, H)
+            x = tl.where(keep[:, None], x, 0.0)
+            _rms_rows(x, ew_ptr, eo_ptr, t, offs, mask, eps, H)
         else:
-            row = (t * N_HC + task - 1) * H
-            x = tl.load(prev_ptr + row + offs, mask=mask, other=0.0).to(tl.float32)
-            _rms_row(x, hw_ptr, ho_ptr + row, offs, mask, eps, H)
+            rows = t * N_HC + task - 1
+            x = tl.load(prev_ptr + rows[:, None] * H + offs[None, :], mask=mask, other=0.0).to(tl.float32)
+            _rms_rows(x, hw_ptr, ho_ptr, rows, offs, mask, eps, H)
 
     @triton.jit
-    def _rmsnorm_kernel(x_ptr, w_ptr, out_ptr, eps, H: tl.constexpr, BLOCK: tl.constexpr):
-        t = tl.program_id(0).to(tl.int64)
+    def _rmsnorm_kernel(x_ptr, w_ptr, out_ptr, eps, H: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
         offs = tl.arange(0, BLOCK)
-        mask = offs < H
-        x = tl.load(x_ptr + t * H + offs, mask=mask, other=0.0).to(tl.float32)
-        _rms_row(x, w_ptr, out_ptr + t * H, offs, mask, eps, H)
+        mask = (offs < H)[None, :]
+        x = tl.load(x_ptr + t[:, None] * H + offs[None, :], mask=mask, other=0.0).to(tl.float32)
+        _rms_rows(x, w_ptr, out_ptr, t, offs, mask, eps, H)
+
+
+def _fused_mtp_input_rmsnorm_into(
+    e: torch.Tensor, positions: torch.Tensor, prev: torch.Tensor, enorm_w: torch.Tensor, hnorm_w: torch.Tensor,
+    e_out: torch.Tensor, h_out: torch.Tensor, eps: float, n_hc: int, config: LaunchConfig,
+) -> None:  # fmt: skip
+    """The fused kernel on contiguous tensors, T > 0, into e_out and h_out."""
+    T, H = e.shape
+    _launch(
+        _fused_mtp_input_rmsnorm_kernel,
+        (T // config.rows, 1 + n_hc),
+        (e, positions, prev, enorm_w, hnorm_w, e_out, h_out),
+        eps,
+        {"H": H, "N_HC": n_hc, "BLOCK": triton.next_power_of_2(H), "ROWS": config.rows},
+        config.num_warps,
+    )
+
+
+def _mtp_shared_head_rmsnorm_into(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, eps: float, config: LaunchConfig) -> None:
+    """The shared-head kernel on contiguous tensors, T > 0, into out."""
+    T, H = x.shape
+    consts = {"H": H, "BLOCK": triton.next_power_of_2(H), "ROWS": config.rows}
+    _launch(_rmsnorm_kernel, (T // config.rows, 1), (x, w, out), eps, consts, config.num_warps)
 
 
 def fused_mtp_input_rmsnorm(
@@ -211,15 +272,7 @@ def fused_mtp_input_rmsnorm(
     h_out = torch.empty_like(prev)
     if T == 0:
         return e_out, h_out
-    block, warps = _launch_params(H)
-    _launch(
-        _fused_mtp_input_rmsnorm_kernel,
-        (T, 1 + n_hc),
-        (e, positions, prev, enorm_w, hnorm_w, e_out, h_out),
-        eps,
-        {"H": H, "N_HC": n_hc, "BLOCK": block},
-        warps,
-    )
+    _fused_mtp_input_rmsnorm_into(e, positions, prev, enorm_w, hnorm_w, e_out, h_out, eps, n_hc, launch_config("fused_input", H, T))
     return e_out, h_out
 
 
@@ -232,6 +285,5 @@ def mtp_shared_head_rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float) -> tor
     out = torch.empty_like(x)
     if T == 0:
         return out
-    block, warps = _launch_params(H)
-    _launch(_rmsnorm_kernel, (T, 1), (x, w, out), eps, {"H": H, "BLOCK": block}, warps)
+    _mtp_shared_head_rmsnorm_into(x, w, out, eps, launch_config("shared_head", H, T))
     return out

@@ -31,6 +31,8 @@ def _object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 
 def _int(text: str) -> int:
+    if text == "-0":  # a float (-0.0) to serde_json (safetensors) and JavaScript, 0 to Python
+        raise StrictJSONError("-0 is not an integer")
     if len(text.lstrip("-")) > MAX_INT_DIGITS:
         raise StrictJSONError(f"integer of {len(text.lstrip('-'))} digits (at most {MAX_INT_DIGITS})")
     return int(text)

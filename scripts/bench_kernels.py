@@ -1,7 +1,17 @@
 """Benchmark the fused MTP norm kernels against torch eager and torch.compile of the same
-math, beside a device-to-device copy measured in the same run.
+math, beside a device-to-device copy measured in the same run; or, with --vllm, against
+vLLM 0.33.0's kernels of the same two norms under CUDA-graph replay.
 
     python scripts/bench_kernels.py [--device cuda] [--json OUT.json]
+    python scripts/bench_kernels.py --vllm fused_mtp_input_rmsnorm.py [--sweep] [--json OUT.json]
+
+--vllm FILE: vLLM's vllm/models/deepseek_v4/common/ops/fused_mtp_input_rmsnorm.py (from
+`pip download --no-deps vllm==0.33.0`), loaded at run time with the vllm names it imports
+stubbed (`load_vllm`); it is not part of this project. Per shape (H x T, `GRAPH_TOKENS`) and
+kernel, on the same inputs: both outputs checked against each other and the torch reference
+(bf16 ulps), then device time per call under CUDA-graph replay (`graph_us`): ours as the
+model calls it against vLLM's as vLLM's model calls it. --sweep times every launch config
+(`sweep_configs`) of ours instead, into preallocated outputs: how `kernels._TUNED` was chosen.
 
 Two timings per case:
 * gpu_us: device time per call from triton.testing.do_bench (CUDA/XPU events around each
@@ -18,8 +28,13 @@ The copy moves the same number of bytes (read + write) with `dst.copy_(src)`.
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import inspect
 import json
+import statistics
+import sys
 import time
+import types
 from collections.abc import Callable
 
 import torch
@@ -31,6 +46,7 @@ N_HC = 4
 EPS = 1e-6
 TOKENS = (1, 16, 256, 4096, 16384)
 HIDDEN = (4096, 7168)
+GRAPH_TOKENS = (1, 4, 16, 64, 256, 4096, 16384)
 
 
 def sync(dev: torch.device) -> None:
@@ -52,12 +68,189 @@ def call_us(fn: Callable[[], object], dev: torch.device, n: int = 2000) -> float
     return (time.perf_counter() - t0) / n * 1e6
 
 
+def load_vllm(path: str) -> types.ModuleType:
+    """vLLM's kernel file as a module, its vllm imports stubbed with the least that launches
+    its kernels as vLLM does: `kernel_launcher` binds the wrapper's arguments to the kernel's
+    parameters by vLLM's naming rule (name, name_ptr, NAME, NAME_PTR; the wrapper's own launch
+    kwargs win) and launches `kernel[grid](**kwargs)`: Triton's defaults, 4 warps."""
+    import triton.language as tl
+
+    def kernel_launcher(call: Callable[..., tuple]) -> Callable[..., object]:
+        signature = inspect.signature(call)
+
+        def wrapper(self: object, *args: object, **kwargs: object) -> object:
+            grid, launch_kwargs, outputs = call(self, *args, **kwargs)
+            bound = signature.bind(self, *args, **kwargs)
+            bound.apply_defaults()
+            params = self.kernel.arg_names
+            for name, value in bound.arguments.items():
+                target = next((c for c in (name, f"{name}_ptr", name.upper(), f"{name}_PTR".upper()) if c in params), None)
+                if name != "self" and target is not None and target not in launch_kwargs:
+                    launch_kwargs[target] = value
+            if grid is not None:
+                self.kernel[grid](**launch_kwargs)
+            return outputs
+
+        return wrapper
+
+    class VllmTritonJitKernel:
+        def __class_getitem__(cls, key: object) -> type:
+            return cls
+
+    stubs = {
+        "vllm.model_executor.warmup.jit_warmup": {"kernel_launcher": kernel_launcher},
+        "vllm.model_executor.warmup.jit_warmup_triton_helper": {"LaunchSpec": tuple, "TritonWarmupTensor": object, "VllmTritonJitKernel": VllmTritonJitKernel},
+        "vllm.triton_utils": {"tl": tl, "triton": triton},
+        "vllm.utils.math_utils": {"next_power_of_2": triton.next_power_of_2},
+    }
+    for name, attrs in stubs.items():
+        parts = name.split(".")
+        for i in range(1, len(parts) + 1):
+            sys.modules.setdefault(".".join(parts[:i]), types.ModuleType(".".join(parts[:i])))
+        vars(sys.modules[name]).update(attrs)
+    spec = importlib.util.spec_from_file_location("vllm_fused_mtp_input_rmsnorm", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def graph_us(fns: dict[str, Callable[[], object]], calls: int, rounds: int = 15) -> dict[str, float]:
+    """Device µs per call of each fn: `calls` calls captured into one CUDA graph per fn (after
+    one call outside it: compilation), the graphs replayed in turn `rounds` times with CUDA
+    events around each replay (so slow drifts of the clock hit every fn alike); the median."""
+    graphs = {}
+    for name, fn in fns.items():
+        fn()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(calls):
+                fn()
+        graph.replay()
+        graphs[name] = graph
+    torch.cuda.synchronize()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, graph in graphs.items():
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times[name].append(start.elapsed_time(end) * 1e3 / calls)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def graph_calls(T: int) -> int:
+    # enough calls per replay that one replay lasts ~0.2 ms or more
+    return 100 if T <= 256 else 20 if T <= 4096 else 8
+
+
+def bf16_ulps(a: torch.Tensor, b: torch.Tensor) -> int:
+    """Largest distance between a and b in bf16 units in the last place (+0 and -0 equal)."""
+
+    def ordered(x: torch.Tensor) -> torch.Tensor:
+        bits = x.view(torch.int16).int()
+        return torch.where(bits < 0, -(bits + 32768), bits)
+
+    return int((ordered(a) - ordered(b)).abs().max())
+
+
+def sweep_configs(H: int, T: int) -> list[kernels.LaunchConfig]:
+    """Every config worth timing: 1-32 warps, 1, 2 or 4 rows per program (T divisible by
+    it), 4-128 elements of a row per thread."""
+    block = triton.next_power_of_2(H)
+    configs = []
+    for rows in (1, 2, 4):
+        for warps in (1, 2, 4, 8, 16, 32):
+            per_thread = rows * block // (32 * warps)
+            if T % rows == 0 and 4 <= per_thread <= 128:
+                configs.append(kernels.LaunchConfig(warps, rows))
+    return configs
+
+
+def against_vllm(args: argparse.Namespace) -> None:
+    dev = torch.device(args.device)
+    assert dev.type == "cuda" and kernels.backend(dev) == "triton", kernels.backend(dev)
+    vllm = load_vllm(args.vllm)
+    vllm_fused, vllm_head = vllm._FUSED_MTP_INPUT_RMSNORM_KERNEL, vllm._MTP_SHARED_HEAD_RMSNORM_KERNEL
+    print(f"device: {torch.cuda.get_device_name(dev)}; torch {torch.__version__}, triton {triton.__version__}; vLLM kernels from {args.vllm}")
+    g = torch.Generator(device=dev).manual_seed(0)
+    rows = []
+    for H in HIDDEN:
+        for T in args.tokens:
+            e = (torch.randn(T, H, device=dev, generator=g) * 3).bfloat16()
+            prev = (torch.randn(T, N_HC, H, device=dev, generator=g) * 5).bfloat16()
+            pos = torch.arange(T, device=dev) % 7  # every 7th token starts a sequence
+            w1 = (1 + 0.1 * torch.randn(H, device=dev, generator=g)).bfloat16()
+            w2 = (1 + 0.1 * torch.randn(H, device=dev, generator=g)).bfloat16()
+            e_ref, h_ref = kernels.fused_mtp_input_rmsnorm_ref(e, pos, prev, w1, w2, EPS, N_HC)
+            head_ref = kernels.mtp_shared_head_rmsnorm_ref(e, w1, EPS)
+            ours_fused = kernels.fused_mtp_input_rmsnorm(e, pos, prev, w1, w2, EPS, N_HC)
+            theirs_fused = vllm_fused(e, pos, prev, w1, w2, EPS, N_HC)
+            ours_head, theirs_head = kernels.mtp_shared_head_rmsnorm(e, w1, EPS), vllm_head(e, w1, EPS)
+            ulps = {
+                "fused_input": (
+                    max(bf16_ulps(o, t) for o, t in zip(ours_fused, theirs_fused)),
+                    max(bf16_ulps(o, r) for o, r in zip(ours_fused, (e_ref, h_ref))),
+                ),
+                "shared_head": (bf16_ulps(ours_head, theirs_head), bf16_ulps(ours_head, head_ref)),
+            }
+            if args.sweep:
+                eo, ho, out = torch.empty_like(e), torch.empty_like(prev), torch.empty_like(e)
+                eo2, ho2, out2 = torch.empty_like(e), torch.empty_like(prev), torch.empty_like(e)
+                cases = {
+                    "fused_input": (
+                        lambda cfg: lambda: kernels._fused_mtp_input_rmsnorm_into(e, pos, prev, w1, w2, eo, ho, EPS, N_HC, cfg),
+                        lambda: vllm_fused(e, pos, prev, w1, w2, EPS, N_HC, _outputs=(eo2, ho2)),
+                    ),
+                    "shared_head": (
+                        lambda cfg: lambda: kernels._mtp_shared_head_rmsnorm_into(e, w1, out, EPS, cfg),
+                        lambda: vllm_head(e, w1, EPS, _output=out2),
+                    ),
+                }
+                for name, (ours_with, theirs) in cases.items():
+                    configs = sweep_configs(H, T)
+                    fns = {f"w{c.num_warps}r{c.rows}": ours_with(c) for c in configs} | {"vllm": theirs}
+                    us = graph_us(fns, graph_calls(T))
+                    best = min((k for k in us if k != "vllm"), key=us.get)
+                    tuned = kernels.launch_config(name, H, T)
+                    rows.append({"kernel": name, "H": H, "T": T, "us": us, "best": best, "tuned": f"w{tuned.num_warps}r{tuned.rows}", "ulps_vs_vllm": ulps[name][0], "ulps_vs_ref": ulps[name][1]})
+                    ranked = " ".join(f"{k}={v:.2f}" for k, v in sorted(us.items(), key=lambda kv: kv[1]))
+                    print(f"{name:<12}{H:>6}{T:>7}  best {best} {us[best]:.2f} vs vllm {us['vllm']:.2f} ({us[best] / us['vllm']:.3f})  {ranked}", flush=True)
+                continue
+            cases = {
+                "fused_input": (lambda: kernels.fused_mtp_input_rmsnorm(e, pos, prev, w1, w2, EPS, N_HC), lambda: vllm_fused(e, pos, prev, w1, w2, EPS, N_HC)),
+                "shared_head": (lambda: kernels.mtp_shared_head_rmsnorm(e, w1, EPS), lambda: vllm_head(e, w1, EPS)),
+            }
+            for name, (ours, theirs) in cases.items():
+                us = graph_us({"ours": ours, "vllm": theirs}, graph_calls(T))
+                cfg = kernels.launch_config(name, H, T)
+                rows.append({"kernel": name, "H": H, "T": T, "num_warps": cfg.num_warps, "rows": cfg.rows, "ours_us": us["ours"], "vllm_us": us["vllm"], "ulps_vs_vllm": ulps[name][0], "ulps_vs_ref": ulps[name][1]})
+    if not args.sweep:
+        print("| kernel | H | T | warps x rows | ours µs | vLLM µs | ours / vLLM | ulps vs vLLM | ulps vs ref |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+        for r in rows:
+            ratio = r["ours_us"] / r["vllm_us"]
+            mark = "" if ratio <= 1 else " **slower**"
+            print(f"| {r['kernel']} | {r['H']} | {r['T']} | {r['num_warps']} x {r['rows']} | {r['ours_us']:.2f} | {r['vllm_us']:.2f} | {ratio:.3f}{mark} | {r['ulps_vs_vllm']} | {r['ulps_vs_ref']} |")
+        print(f"ours <= vLLM in {sum(r['ours_us'] <= r['vllm_us'] for r in rows)} of {len(rows)} shapes")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--json", help="write the results here too")
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile baselines")
+    ap.add_argument("--vllm", metavar="FILE", help="vLLM's fused_mtp_input_rmsnorm.py: compare with its kernels under CUDA-graph replay")
+    ap.add_argument("--sweep", action="store_true", help="with --vllm: time every launch config of ours")
+    ap.add_argument("--tokens", type=int, nargs="+", default=GRAPH_TOKENS, help="with --vllm: the T values (default: %(default)s)")
     args = ap.parse_args()
+    if args.vllm:
+        return against_vllm(args)
     dev = torch.device(args.device)
     assert kernels.backend(dev) == "triton", kernels.backend(dev)
 
@@ -75,16 +268,19 @@ def main() -> None:
             pos = torch.arange(T, device=dev)
             w1 = torch.randn(H, device=dev, dtype=torch.bfloat16)
             w2 = torch.randn(H, device=dev, dtype=torch.bfloat16)
-            block, warps = kernels._launch_params(H)
+            block = triton.next_power_of_2(H)
+            fused_cfg, head_cfg = kernels.launch_config("fused_input", H, T), kernels.launch_config("shared_head", H, T)
 
             def jit_fused() -> None:
                 # Triton's own launch path, for comparison with the cached launch in kernels.py
                 eo, ho = torch.empty_like(e), torch.empty_like(prev)
-                kernels._fused_mtp_input_rmsnorm_kernel[(T, 1 + N_HC)](e, pos, prev, w1, w2, eo, ho, EPS, H=H, N_HC=N_HC, BLOCK=block, num_warps=warps)
+                grid = (T // fused_cfg.rows, 1 + N_HC)
+                kernels._fused_mtp_input_rmsnorm_kernel[grid](e, pos, prev, w1, w2, eo, ho, EPS, H=H, N_HC=N_HC, BLOCK=block, ROWS=fused_cfg.rows, num_warps=fused_cfg.num_warps)
 
             def jit_head() -> None:
                 out = torch.empty_like(e)
-                kernels._rmsnorm_kernel[(T,)](e, w1, out, EPS, H=H, BLOCK=block, num_warps=warps)
+                grid = (T // head_cfg.rows,)
+                kernels._rmsnorm_kernel[grid](e, w1, out, EPS, H=H, BLOCK=block, ROWS=head_cfg.rows, num_warps=head_cfg.num_warps)
 
             cases = {
                 "fused_mtp_input_rmsnorm": (

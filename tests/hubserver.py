@@ -9,9 +9,14 @@ the write side of `HfApi.create_repo` / `upload_folder` (`/api/repos/create`, `p
 read an older commit by hash.
 
 What tests observe: `bytes_served[repo]` (file-content bytes sent from `resolve`, the only
-route that carries checkpoint data), `requests` (one `Request` per call, with its status),
-`pushed` (the commits created through the commit endpoint) and `faults` (scripted failures,
-each consumed when it fires).
+route that carries checkpoint data), `requests` (one `Request` per call, with its status and
+when it was answered), `pushed` (the commits created through the commit endpoint) and
+`faults` (scripted failures, each consumed when it fires). `latency_s` makes every request
+wait, as a distant hub does, and `max_ranges_in_flight` says how many ranged reads a client
+kept waiting at once.
+
+A full-size replica written by `synth --sparse` (160 GB logical, all but its headers file
+holes) is served by `commit_sparse_dir`, which keeps only each shard's header in memory.
 """
 
 from __future__ import annotations
@@ -21,12 +26,13 @@ import hashlib
 import json
 import os
 import re
+import struct
 import subprocess
 import sys
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -42,15 +48,40 @@ RANGE = re.compile(r"bytes=(\d+)-(\d*)$")
 FOREIGN_ENV = ("HF_", "HUGGINGFACE_", "TRANSFORMERS_OFFLINE", "SLURM_", "JOB_COMPLETION_INDEX", "DSV4_NUM_SHARDS")
 
 
-def git_blob_oid(data: bytes) -> str:
-    """git's object id of a file, which `preupload` reports and upload_folder compares."""
+@dataclass(frozen=True)
+class ZeroTailed:
+    """File content that is `head` followed by zeros up to `size` bytes: what a shard of a
+    `synth --sparse` checkpoint reads as (its header, then holes), held without the zeros."""
+
+    head: bytes
+    size: int
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, part: slice) -> bytes:
+        start, stop, _ = part.indices(self.size)
+        stop = max(start, stop)
+        from_head = self.head[start:stop]
+        return from_head + bytes(stop - start - len(from_head))
+
+
+Content = bytes | ZeroTailed
+
+
+def git_blob_oid(data: Content) -> str:
+    """git's object id of a file, which `preupload` reports and upload_folder compares. For a
+    ZeroTailed file, an id of its head and size instead: git's would hash every zero, and
+    this fake only needs ids that differ when contents do."""
+    if isinstance(data, ZeroTailed):
+        return hashlib.sha1(b"zero-tailed %d\0" % data.size + data.head).hexdigest()
     return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
 
 
 @dataclass
 class Commit:
     oid: str
-    files: dict[str, bytes]
+    files: dict[str, Content]
     message: str
     parent: str | None
 
@@ -73,24 +104,28 @@ class Request:
     status: int
     nbytes: int  # file-content bytes sent
     authorized: bool  # an Authorization header came with it (its value is never kept)
+    answered_at: float  # time.monotonic() when the answer was ready (after the latency)
 
 
 @dataclass
 class Fault:
     """Answer matching requests with `status`, or (status None) with only the first
-    `truncate_to` bytes of the asked range, `times` times."""
+    `truncate_to` bytes of the asked range (all of them when None), `times` times; each
+    such answer comes `delay_s` late."""
 
     match: Callable[[str, str | None, str, str | None, tuple[int, int] | None], bool]
     status: int | None = 503
     truncate_to: int | None = None
     times: int = 1
+    delay_s: float = 0.0
 
 
 class FakeHub:
     def __init__(self, token: str | None = None, latency_s: float = 0.0):
         """`token`: when set, write routes answer 401 unless it comes as a Bearer token.
-        `latency_s`: each ranged file read waits this long, as a distant hub would, so a
-        test can see how many of them a client keeps in flight (`max_ranges_in_flight`)."""
+        `latency_s`: each request waits this long before it is answered, as on a distant
+        hub, so a test can see how many ranged reads a client keeps in flight
+        (`max_ranges_in_flight`) and what the round trips cost it."""
         self.repos: dict[str, Repo] = {}
         self.bytes_served: dict[str, int] = defaultdict(int)
         self.requests: list[Request] = []
@@ -120,7 +155,7 @@ class FakeHub:
         self.close()
 
     # --- content -----------------------------------------------------------------------
-    def commit(self, repo: str, files: dict[str, bytes], message: str = "update", *, branch: str = "main", replace: bool = True, deleted: tuple[str, ...] = ()) -> str:
+    def commit(self, repo: str, files: Mapping[str, Content], message: str = "update", *, branch: str = "main", replace: bool = True, deleted: tuple[str, ...] = ()) -> str:
         """A new commit on `branch`; `replace` drops every file of the parent first."""
         with self._lock:
             r = self.repos.setdefault(repo, Repo())
@@ -141,7 +176,22 @@ class FakeHub:
         files = {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
         return self.commit(repo, files, message)
 
-    def files(self, repo: str, revision: str = "main") -> dict[str, bytes]:
+    def commit_sparse_dir(self, repo: str, directory: str | Path, message: str = "upload") -> str:
+        """A commit of a checkpoint written by `synth --sparse`: each .safetensors file is
+        kept as its header and served with the zeros its holes read as (a full-size replica
+        costs its headers, not 160 GB); every other file of `directory` as it is."""
+        root = Path(directory)
+        files: dict[str, Content] = {}
+        for p in sorted(root.iterdir()):
+            if p.suffix == ".safetensors":
+                with open(p, "rb") as f:
+                    (n,) = struct.unpack("<Q", f.read(8))
+                    files[p.name] = ZeroTailed(struct.pack("<Q", n) + f.read(n), p.stat().st_size)
+            elif p.is_file():
+                files[p.name] = p.read_bytes()
+        return self.commit(repo, files, message)
+
+    def files(self, repo: str, revision: str = "main") -> dict[str, Content]:
         with self._lock:
             r = self.repos[repo]
             return dict(r.commits[r.refs.get(revision, revision)].files)
@@ -227,7 +277,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _log(self, repo: str | None, route: str, status: int, path: str | None = None, rng: tuple[int, int] | None = None, nbytes: int = 0) -> None:
         with self.hub._lock:
-            self.hub.requests.append(Request(self.command, repo, route, self._rev, path, rng, status, nbytes, "Authorization" in self.headers))
+            self.hub.requests.append(Request(self.command, repo, route, self._rev, path, rng, status, nbytes, "Authorization" in self.headers, time.monotonic()))
             if nbytes:
                 self.hub.bytes_served[repo or ""] += nbytes
 
@@ -245,7 +295,24 @@ class _Handler(BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         self._route()
 
+    def _wait_latency(self) -> None:
+        """Hold every request `latency_s` (a round trip to a distant hub), counting the
+        ranged reads held at once."""
+        hub = self.hub
+        if not hub.latency_s:
+            return
+        ranged = self.command == "GET" and self.headers.get("Range") is not None
+        if ranged:
+            with hub._lock:
+                hub.ranges_in_flight += 1
+                hub.max_ranges_in_flight = max(hub.max_ranges_in_flight, hub.ranges_in_flight)
+        time.sleep(hub.latency_s)
+        if ranged:
+            with hub._lock:
+                hub.ranges_in_flight -= 1
+
     def _route(self) -> None:
+        self._wait_latency()
         url = urlsplit(self.path)
         parts = [unquote(p) for p in url.path.split("/")[1:]]
         query = parse_qs(url.query)
@@ -355,6 +422,8 @@ class _Handler(BaseHTTPRequestHandler):
                 return self._send(416, b"", {"Content-Range": f"bytes */{len(data)}"})
             rng, status, body = (start, end), 206, data[start:end]
         fault = self.hub._fault(self.command, repo, "resolve", path, rng)
+        if fault is not None and fault.delay_s:
+            time.sleep(fault.delay_s)
         if fault is not None and fault.status is not None:
             self._log(repo, "resolve", fault.status, path, rng)
             return self._error(fault.status, None, "injected fault")
@@ -363,13 +432,8 @@ class _Handler(BaseHTTPRequestHandler):
         if rng is not None:
             headers["Content-Range"] = f"bytes {rng[0]}-{rng[0] + len(body) - 1}/{len(data)}"
         send = self.command == "GET"
-        if rng is not None and send and self.hub.latency_s:
-            with self.hub._lock:
-                self.hub.ranges_in_flight += 1
-                self.hub.max_ranges_in_flight = max(self.hub.max_ranges_in_flight, self.hub.ranges_in_flight)
-            time.sleep(self.hub.latency_s)
-            with self.hub._lock:
-                self.hub.ranges_in_flight -= 1
+        if isinstance(body, ZeroTailed) and send:
+            body = body[:]  # a whole-file GET gets the zeros too, as from a real hub
         self._log(repo, "resolve", status, path, rng, len(body) if send else 0)
         self._send(status, body, headers, send_body=send)
 

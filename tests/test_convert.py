@@ -237,8 +237,9 @@ def test_non_empty_output_is_refused(tiny_native: Path, tmp_path: Path) -> None:
     r = cli(str(tiny_native), str(out))
     assert r.returncode == errors.OutputExistsError.exit_code and "--overwrite" in r.stderr
     assert sorted(p.name for p in out.iterdir()) == ["precious.txt"]
-    assert cli(str(tiny_native), str(out), "--overwrite", "-q").returncode == 0
-    assert len(load_all(out)) == 41 and not (out / "precious.txt").exists()
+    # --overwrite replaces only a previous output of this tool (tests/test_output_safety.py)
+    assert cli(str(tiny_native), str(out), "--overwrite", "-q").returncode == errors.OverwriteRefusedError.exit_code
+    assert sorted(p.name for p in out.iterdir()) == ["precious.txt"]
 
 
 def test_distinct_exit_codes_for_distinct_failures() -> None:

@@ -8,6 +8,7 @@ import, so that is also the honest test that those variables are honoured.
 from __future__ import annotations
 
 import json
+import struct
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -153,6 +154,41 @@ def test_hub_checks_like_the_local_reader(native: Path, hub: FakeHub, tmp_path: 
     r = run_cli("convert", "org/dspark", str(tmp_path / "out"), env=env)
     assert r.returncode == 35 and "refusing to convert" in r.stderr, r.stderr  # UnsupportedLayoutError
     assert not (tmp_path / "out").exists()
+
+
+def test_plan_reads_46_shard_headers_several_at_a_time(flash_sparse: Path, tmp_path: Path) -> None:
+    """Each shard header costs two round trips and Flash has 46 shards: one after another,
+    50 ms away, that is 4.6 s before planning starts (issue 13: the header phase <= 2 s).
+    Read several at a time, the plan is the one the local directory gives."""
+    with FakeHub(latency_s=0.05) as slow:
+        commit = slow.commit_sparse_dir("org/flash", flash_sparse)
+        r = run_cli("plan", "org/flash", "--json", env=hub_env(slow, tmp_path / "hf"))
+        assert r.returncode == 0, r.stderr
+        assert slow.max_ranges_in_flight >= 4
+        shard_reads = [q.answered_at for q in slow.requests if q.route == "resolve" and q.path and q.path.endswith(".safetensors")]
+    assert len(shard_reads) == 2 * 46
+    # from the first shard request's arrival (one latency before its answer) to the last answer;
+    # the bound is generous for a loaded machine and still under the 4.6 s of latency alone
+    assert max(shard_reads) - min(shard_reads) + 0.05 <= 3.0
+    inv = read_inventory(flash_sparse)
+    local = plan_conversion(inv, load_table("xpu")).to_json()
+    assert json.loads(r.stdout) == {**local, "source": "hub:org/flash", "revision": commit, "header_bytes_read": inv.header_bytes}
+
+
+def test_the_first_bad_shard_in_shard_order_is_the_one_reported(native: Path, hub: FakeHub, tmp_path: Path) -> None:
+    """Headers are read several at a time, yet the error is the one a reader going through
+    the shards in order would meet first, even when a later shard fails sooner."""
+    files = {p.name: p.read_bytes() for p in (native / "seed0").iterdir()}
+    early, late = "model-00002-of-00005.safetensors", "model-00004-of-00005.safetensors"
+    files[early] = files[early][:8] + b"x" + files[early][9:]  # header JSON broken: exit 17
+    files[late] = struct.pack("<Q", len(files[late])) + files[late][8:]  # header longer than the file: exit 12
+    hub.commit(REPO, files)
+    # the early shard's header answers half a second after the late shard's failure
+    hub.faults.append(Fault(lambda m, repo, route, path, rng: path == early and rng is not None and rng[0] == 8, status=None, delay_s=0.5))
+    r = run_cli("plan", REPO, env=hub_env(hub, tmp_path / "hf"))
+    assert r.returncode == 17, r.stderr  # MalformedHeaderError
+    assert r.stderr.count("\n") == 1 and early in r.stderr and "not valid JSON" in r.stderr
+    assert hub.faults[0].times == 0  # the delayed read happened
 
 
 @pytest.mark.parametrize("spec", ["org/name", "org/name@main", "org/name@refs/pr/1", "org/name@0123456789abcdef0123456789abcdef01234567"])

@@ -208,3 +208,57 @@ def test_without_triton_the_torch_reference_runs_and_says_so_once(monkeypatch):
     assert torch.equal(e_out, e_ref) and torch.equal(h_out, h_ref)
     assert torch.equal(out, kernels.mtp_shared_head_rmsnorm_ref(e, ew, EPS))
     assert kernels.backend(DEVICE) == "torch fallback (triton is not importable)"
+
+
+TUNED = sorted({(kernel, block, config) for (kernel, block), entries in kernels._TUNED.items() for _, config in entries})
+
+
+@pytest.mark.parametrize(("kernel", "block", "config"), TUNED)
+def test_every_tuned_launch_config_matches_the_reference(monkeypatch, kernel, block, config):
+    # each config of the table, forced for a small T (a multiple of its rows per program)
+    H = {4096: 4096, 8192: 7168}.get(block, block - 3)
+    T = 3 * config.rows
+    monkeypatch.setattr(kernels, "_TUNED", {(kernel, block): ((1 << 62, config),)})
+    assert kernels.launch_config(kernel, H, T) == config
+    e, positions, prev, ew, hw = _inputs(T, H, seed=block + config.num_warps + config.rows)
+    if kernel == "fused_input":
+        got = kernels.fused_mtp_input_rmsnorm(e, positions, prev, ew, hw, EPS, N_HC)
+        want = kernels.fused_mtp_input_rmsnorm_ref(e, positions, prev, ew, hw, EPS, N_HC)
+    else:
+        got, want = (kernels.mtp_shared_head_rmsnorm(e, ew, EPS),), (kernels.mtp_shared_head_rmsnorm_ref(e, ew, EPS),)
+    assert all(bf16_ulps(g, w) <= 1 for g, w in zip(got, want))
+
+
+def test_launch_config_takes_the_first_bound_at_or_above_T_and_one_row_where_rows_do_not_divide_T(monkeypatch):
+    Config = kernels.LaunchConfig
+    monkeypatch.setattr(kernels, "_TUNED", {("shared_head", 1024): ((16, Config(2, 1)), (1 << 62, Config(8, 4)))})
+    assert kernels.launch_config("shared_head", 1000, 16) == Config(2, 1)
+    assert kernels.launch_config("shared_head", 1000, 20) == Config(8, 4)
+    assert kernels.launch_config("shared_head", 1000, 18) == Config(8, 1)
+    assert kernels.launch_config("fused_input", 1000, 20) == Config(2, 1), "untuned: 1 row, BLOCK / 512 warps"
+
+
+@pytest.mark.parametrize("T", [8, 6])
+def test_several_rows_per_program_norm_each_row_by_its_own_rms(monkeypatch, T):
+    # 4 rows per program; at T = 6 (not a multiple of 4) one row per program, every row written
+    monkeypatch.setattr(kernels, "_TUNED", {(k, 1024): ((1 << 62, kernels.LaunchConfig(4, 4)),) for k in ("fused_input", "shared_head")})
+    e, positions, prev, ew, hw = _inputs(T, 1000, seed=T)
+    prev[:, 2] *= 64  # rows of one program at very different scales
+    e_out, h_out = kernels.fused_mtp_input_rmsnorm(e, positions, prev, ew, hw, EPS, N_HC)
+    e_ref, h_ref = kernels.fused_mtp_input_rmsnorm_ref(e, positions, prev, ew, hw, EPS, N_HC)
+    assert bf16_ulps(e_out, e_ref) <= 1 and bf16_ulps(h_out, h_ref) <= 1
+    assert bf16_ulps(kernels.mtp_shared_head_rmsnorm(e, ew, EPS), kernels.rms_norm_ref(e, ew, EPS)) <= 1
+
+
+def test_a_launch_with_other_warps_does_not_reuse_the_cached_launcher(monkeypatch):
+    if kernels.triton_usable(DEVICE) is not None or kernels._INTERPRET:
+        pytest.skip("the cached launch exists on GPUs only")
+    counting = _CountingKernel(kernels._rmsnorm_kernel)
+    monkeypatch.setattr(kernels, "_rmsnorm_kernel", counting)
+    monkeypatch.setattr(kernels, "_compiled", {})
+    Config = kernels.LaunchConfig
+    monkeypatch.setattr(kernels, "_TUNED", {("shared_head", 1024): ((4, Config(2, 1)), (1 << 62, Config(8, 1)))})
+    x, _, _, w, _ = _inputs(8, 640, seed=6)
+    for T in (4, 8, 4, 8):
+        assert bf16_ulps(kernels.mtp_shared_head_rmsnorm(x[:T], w, EPS), kernels.rms_norm_ref(x[:T], w, EPS)) <= 1
+    assert counting.jit_launches == 2, "one compiled kernel per warp count, each launched through Triton once"

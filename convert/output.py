@@ -1,0 +1,328 @@
+"""The output directory's life cycle: safety checks, one run per OUT, the partial
+directory, publishing.
+
+Outside OUT this module creates or deletes nothing but OUT's hidden siblings, named after
+it in its parent directory:
+
+    .OUT.lock          the lock held by the one run that owns OUT, from planning to publish
+    .OUT.lock.owner    pid, host and start of that run, so a refused run can name it
+    .OUT.partial/      the work in progress and its resume state; renamed to OUT when complete
+    .OUT.old-PID/      a previous output while it is being replaced
+
+A symlinked OUT is followed: the output lands in the directory the link points to, the
+siblings live beside that directory, and the link itself is never replaced. Leftover
+siblings of a killed run are removed by the next run that holds OUT's lock, and only by it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import socket
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from filelock import FileLock, Timeout
+
+from dsv4.convert.errors import (
+    OutputExistsError,
+    OutputInSourceError,
+    OutputIsSourceError,
+    OutputLockedError,
+    OutputParentError,
+    OverwriteRefusedError,
+    SourceInOutputError,
+    WriteFailedError,
+)
+from dsv4.convert.inventory import INDEX_NAME
+from dsv4.convert.plan import LAYOUT_RECORD
+from dsv4.model.strictjson import StrictJSONError, loads
+
+CONVERSION_RECORD = "conversion.json"
+CONFIG = "config.json"
+# the partial directory's bookkeeping, removed before it becomes OUT
+JOURNAL = "journal.jsonl"  # one line per finished tensor
+STATE = "state.json"  # the fingerprint of the conversion the partial directory holds
+# OUT's hidden siblings are `.OUT.<suffix>` in OUT's parent; the previous output aside is
+# `.OUT.old-<pid of the run replacing it>`
+PARTIAL, LOCK, OWNER, OLD = "partial", "lock", "lock.owner", "old-"
+TOOL = "dsv4-convert"  # conversion.json's "tool": what marks a directory as this tool's output
+# A run that just took the lock writes its owner record a moment later; a refused run
+# looks this long for that record before it says the owner is unknown.
+OWNER_GRACE_SECONDS = 2.0
+
+
+def json_bytes(obj: Any) -> bytes:
+    """The one serialisation of every record this tool writes (stable, so comparable)."""
+    return (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode()
+
+
+def write_json(path: Path, obj: Any) -> None:
+    """Write a record durably (fsynced before the call returns)."""
+    with open(path, "wb") as f:
+        f.write(json_bytes(obj))
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _read_strict(path: Path) -> Any:
+    """A record parsed by the strict parser, or None when it is absent or not strict JSON."""
+    try:
+        return loads(path.read_bytes())
+    except (OSError, StrictJSONError, UnicodeDecodeError):
+        return None
+
+
+def _remove(path: Path) -> None:
+    """Delete one of OUT's hidden siblings; a symlink is unlinked, never followed."""
+    if path.is_symlink() or not path.is_dir():
+        path.unlink(missing_ok=True)
+    else:
+        shutil.rmtree(path)
+
+
+def _is_within(inner: Path, outer: Path) -> bool:
+    return outer in inner.parents
+
+
+def resolve_output(out: Path, source: Path | None) -> Path:
+    """Where OUT really is (symlinks followed), after refusing every OUT that could destroy
+    the source or cannot hold a directory. `source` is a local source directory (a hub
+    source has none). Reads the file system only."""
+    real = Path(os.path.realpath(out))
+    if real.parent == real:
+        raise OutputParentError(f"{out}: OUT cannot be a file system root")
+    if source is not None:
+        src = Path(os.path.realpath(source))
+        if real == src:
+            raise OutputIsSourceError(f"{out}: OUT is the source directory {source} itself; write the output to another directory")
+        if _is_within(real, src):
+            raise OutputInSourceError(f"{out}: OUT is inside the source directory {source}; write the output outside it")
+        if _is_within(src, real):
+            raise SourceInOutputError(f"{source}: the source is inside OUT {out}; write the output to a directory that does not contain the source")
+        if _is_within(src, real.parent) and _sibling_pattern(real).fullmatch(src.relative_to(real.parent).parts[0]):
+            raise SourceInOutputError(f"{source}: the source is inside {real.parent / src.relative_to(real.parent).parts[0]}, a working directory of OUT {out} that a run removes")
+    ancestor = real.parent
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise OutputParentError(f"{ancestor}: is not a directory, so OUT {out} cannot be created under it")
+    return real
+
+
+def _sibling(real: Path, suffix: str) -> Path:
+    return real.parent / f".{real.name}.{suffix}"
+
+
+def _sibling_pattern(real: Path, *, only_old: bool = False) -> re.Pattern[str]:
+    """The names of OUT's hidden siblings (or of its previous outputs aside only)."""
+    old = re.escape(OLD) + r"\d+"
+    suffixes = old if only_old else "|".join([old, *map(re.escape, (PARTIAL, LOCK, OWNER))])
+    return re.compile(rf"\.{re.escape(real.name)}\.({suffixes})")
+
+
+def _describe(owner: Any) -> str | None:
+    """'pid N on host H, running since T' from an owner record, or None when the record is unusable
+    or names a process of this host that no longer runs (a killed run's stale record)."""
+    if not isinstance(owner, dict):
+        return None
+    pid, host, since = owner.get("pid"), owner.get("host"), owner.get("since")
+    if not isinstance(pid, int) or isinstance(pid, bool) or not isinstance(host, str) or not isinstance(since, str):
+        return None
+    if host == socket.gethostname():
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return None
+        except PermissionError:
+            pass  # it runs, under another user
+    return f"pid {pid} on host {host}, running since {since}"
+
+
+class OutputClaim:
+    """OUT, owned by this run: its lock is held and leftovers of killed runs are gone.
+
+    `out` is OUT as the user named it, `path` where it really is (a symlink followed)."""
+
+    def __init__(self, out: Path, path: Path):
+        self.out = out
+        self.path = path
+        self.partial = _sibling(path, PARTIAL)
+        self.lock_path = _sibling(path, LOCK)
+        self.owner_path = _sibling(path, OWNER)
+        self.journal = self.partial / JOURNAL
+        self._aside: Path | None = None  # the previous output, while it is being replaced
+        self.published = False
+
+    # --- taking and releasing OUT ---------------------------------------------------------
+    @contextmanager
+    def _locked(self, wait: bool, on_wait: Callable[[str], object] | None) -> Iterator[None]:
+        lock = FileLock(self.lock_path)
+        deadline = time.monotonic() + OWNER_GRACE_SECONDS
+        while True:
+            try:
+                lock.acquire(timeout=0)
+                break
+            except Timeout:
+                holder = _describe(_read_strict(self.owner_path))
+                if holder is None and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                    continue
+                holder = holder or f"whose owner record {self.owner_path.name} is missing"
+                if not wait:
+                    raise OutputLockedError(f"{self.out}: locked by another run ({holder}); nothing was changed; pass --wait to wait for it") from None
+                if on_wait is not None:
+                    on_wait(f"{self.out}: waiting for another run ({holder}) to release it")
+                lock.acquire()
+                break
+        try:
+            write_json(self.owner_path, {"pid": os.getpid(), "host": socket.gethostname(), "since": datetime.now(UTC).isoformat(timespec="seconds")})
+            yield
+        finally:
+            try:
+                self.owner_path.unlink(missing_ok=True)  # before the release: the next holder's record is never removed
+            finally:
+                lock.release()
+
+    def _clean_leftovers(self) -> None:
+        """Remove what killed runs left beside OUT: previous outputs caught between the two
+        renames of a publish, and a partial directory without resume state (one a publish
+        already emptied of it, or one killed before its state was written). A partial
+        directory that some conversion can resume is kept until a run needs the place."""
+        pattern = _sibling_pattern(self.path, only_old=True)
+        with os.scandir(self.path.parent) as entries:
+            leftovers = [Path(e.path) for e in entries if pattern.fullmatch(e.name)]
+        for old in leftovers:
+            _remove(old)
+        if os.path.lexists(self.partial) and not (self.partial / STATE).exists():
+            _remove(self.partial)
+
+    # --- deciding what may be replaced -------------------------------------------------------
+    def refuse_unless_replaceable(self, overwrite: bool) -> None:
+        """Nothing to replace (OUT absent or an empty directory), or, with `overwrite`, a
+        previous output of this tool; anything else is refused before anything is written."""
+        if not os.path.lexists(self.path) or (self.path.is_dir() and not any(self.path.iterdir())):
+            return
+        if not overwrite:
+            raise OutputExistsError(f"{self.out}: exists and is not empty (and is not this conversion's up-to-date output); pass --overwrite to replace it")
+        reason = self._not_an_output()
+        if reason is not None:
+            raise OverwriteRefusedError(f"{self.out}: --overwrite refused: {reason}; only a previous output of {TOOL} is replaced, so move or delete it yourself")
+
+    def _not_an_output(self) -> str | None:
+        """Why OUT is not a previous output of this tool, or None when it is one: a
+        directory holding this tool's conversion.json, its config.json (with the layout
+        record, for a forward conversion) and the files they list, and nothing else."""
+        if not self.path.is_dir():
+            return "it is not a directory"
+        record = _read_strict(self.path / CONVERSION_RECORD)
+        if not isinstance(record, dict) or record.get("tool") != TOOL or not isinstance(record.get("tensors"), dict):
+            return f"it holds no {TOOL} {CONVERSION_RECORD}"
+        config = _read_strict(self.path / CONFIG)
+        # a reverse conversion writes native names and the source's config, without the record
+        if not isinstance(config, dict) or (record.get("direction") != "reverse" and not isinstance(config.get(LAYOUT_RECORD), dict)):
+            return f"its {CONFIG} lacks the {LAYOUT_RECORD} layout record"
+        files = {CONVERSION_RECORD, CONFIG, INDEX_NAME} | {e.get("file") for e in record["tensors"].values() if isinstance(e, dict)}
+        for entry in sorted(self.path.iterdir()):
+            if entry.name not in files or entry.is_symlink() or not entry.is_file():
+                return f"{entry.name} is not a file {TOOL} wrote"
+        return None
+
+    # --- the partial directory and publishing --------------------------------------------
+    def start(self, fingerprint: dict[str, Any]) -> bool:
+        """Make the partial directory ready for the conversion with this fingerprint;
+        True when it already holds that conversion's work (resume), else it starts empty."""
+        state = self.partial / STATE
+        try:
+            resumed = not self.partial.is_symlink() and state.read_bytes() == json_bytes(fingerprint)
+        except OSError:
+            resumed = False
+        if not resumed:
+            if os.path.lexists(self.partial):
+                _remove(self.partial)
+            self.partial.mkdir()
+            write_json(state, fingerprint)
+        return resumed
+
+    def publish(self) -> None:
+        """Turn the complete partial directory into OUT: one rename, or with a previous
+        output two (OUT aside, partial into place) and the removal of the previous one."""
+        (self.partial / JOURNAL).unlink(missing_ok=True)
+        (self.partial / STATE).unlink(missing_ok=True)
+        fsync_dir(self.partial)
+        if os.path.lexists(self.path):
+            self._aside = _sibling(self.path, f"{OLD}{os.getpid()}")
+            self.path.rename(self._aside)
+            try:
+                self.partial.rename(self.path)
+            except OSError:
+                self._aside.rename(self.path)  # put the previous output back
+                self._aside = None
+                raise
+        else:
+            self.partial.rename(self.path)
+        self.published = True
+        fsync_dir(self.path.parent)
+        if self._aside is not None:
+            _remove(self._aside)
+            self._aside = None
+
+    def write_failed(self, exc: OSError) -> WriteFailedError:
+        """The exit-42 error for an OSError met while this run owned OUT, saying truly
+        what became of OUT."""
+        where = exc.filename or self.partial
+        reason = exc.strerror or str(exc)
+        if self.published:
+            after = f"{self.out} was published complete" + (f"; the previous output is left in {self._aside}, which the next run on OUT removes" if self._aside is not None else "")
+        elif self._aside is not None:
+            after = f"{self.out} was moved aside to {self._aside} and not restored; the next run on OUT removes it"
+        elif (self.partial / STATE).exists():
+            after = f"{self.out} was not changed; rerun to resume from {self.partial}"
+        else:
+            after = f"{self.out} was not changed"
+        return WriteFailedError(f"{where}: {reason}; {after}")
+
+
+@contextmanager
+def claim_output(out: str | Path, *, source: Path | None = None, wait: bool = False, on_wait: Callable[[str], object] | None = None) -> Iterator[OutputClaim]:
+    """Own OUT for the duration of the block: refuse an unsafe OUT (exit 43-46) before
+    anything is touched, take OUT's lock (exit 47 when another run holds it, unless
+    `wait`), then remove leftovers of killed runs. `source` is the local source directory,
+    None for a hub source. An OSError while taking, cleaning or releasing OUT exits 42;
+    one raised by the block passes through unchanged (the block knows what it was doing:
+    it turns its own writes' errors into `claim.write_failed`)."""
+    out = Path(out)
+    try:
+        claim = OutputClaim(out, resolve_output(out, source))
+    except OSError as exc:
+        raise WriteFailedError(f"{exc.filename or out}: {exc.strerror or exc}; nothing was changed") from None
+    try:
+        claim.path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise OutputParentError(f"{exc.filename or claim.path.parent}: OUT's parent directory cannot be created ({exc.strerror or exc})") from None
+    raised: OSError | None = None
+    try:
+        with claim._locked(wait, on_wait):
+            claim._clean_leftovers()
+            try:
+                yield claim
+            except OSError as exc:
+                raised = exc
+    except OSError as exc:
+        raise claim.write_failed(exc) from None
+    if raised is not None:
+        raise raised
