@@ -71,6 +71,15 @@ def mutate_header(draw: st.DrawFn, header: dict[str, Any]) -> dict[str, Any] | b
     name = draw(st.sampled_from(tensors))
     kind = draw(st.sampled_from(["offset", "offset_value", "shape", "shape_value", "dtype", "entry", "drop", "duplicate", "metadata", "unknown_field", "copy_offsets"]))
     entry = header[name]
+
+    def well_formed(e: Any) -> bool:
+        offsets = e.get("data_offsets") if isinstance(e, dict) else None
+        return isinstance(offsets, list) and len(offsets) == 2 and all(type(x) is int for x in offsets)
+
+    # a second mutation may meet an entry the first one replaced or broke: the kinds that
+    # change an entry in place need a dict (with two offsets for those that use them)
+    if (kind in ("offset", "copy_offsets") and not well_formed(entry)) or (kind in ("offset_value", "shape", "shape_value", "dtype", "unknown_field") and not isinstance(entry, dict)):
+        kind = "entry"
     if kind == "offset":
         i = draw(st.integers(0, 1))
         entry["data_offsets"][i] = entry["data_offsets"][i] + draw(st.integers(-3, 3))
@@ -87,7 +96,7 @@ def mutate_header(draw: st.DrawFn, header: dict[str, Any]) -> dict[str, Any] | b
     elif kind == "drop":
         del header[name]
     elif kind == "copy_offsets":
-        other = header[draw(st.sampled_from(tensors))]
+        other = header[draw(st.sampled_from([t for t in tensors if well_formed(header[t])]))]  # `name` at least
         entry["data_offsets"] = list(other["data_offsets"])
     elif kind == "metadata":
         header["__metadata__"] = draw(json_values)
