@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import string
 import time
 import tomllib
 from collections.abc import Callable, Mapping, Sequence
@@ -30,9 +31,10 @@ from huggingface_hub.errors import EntryNotFoundError, HFValidationError, Reposi
 from huggingface_hub.utils import validate_repo_id
 
 from dsv4 import __version__
-from dsv4.convert.errors import BatchFailedError, DSV4Error, ManifestError, PushError
+from dsv4.convert.errors import BatchFailedError, DSV4Error, ManifestError, PushError, WriteFailedError
 from dsv4.convert.hub import HUB_SCHEME, HubSpec, hub_errors, open_hub_source, parse_spec, resolve_commit
 from dsv4.convert.job import CONVERSION_RECORD, DEFAULT_MAX_SHARD, plan_source, read_record, run_plan
+from dsv4.convert.sizes import shard_size
 from dsv4.mapping.table import Table, load_table
 
 TOP_KEYS = {"target", "sources", "output", "options"}
@@ -81,9 +83,16 @@ def _table(raw: Any, where: str, keys: set[str]) -> dict[str, Any]:
 
 def _fill(template: str, hub: HubSpec, target: str, where: str) -> str:
     org, name = hub.repo.split("/")
+    values = {"org": org, "name": name, "target": target, "revision": hub.revision or "main"}
     try:
-        return template.format(org=org, name=name, target=target, revision=hub.revision or "main")
-    except (KeyError, IndexError, ValueError) as exc:
+        # bare placeholders only: str.format would also run "{name.upper}" (attribute access)
+        # and "{name:>999999999}" (a gigabyte of padding) straight from the manifest
+        fields = [(f, spec, conv) for _, f, spec, conv in string.Formatter().parse(template) if f is not None]
+        bad = next((f"{{{f}{'!' + conv if conv else ''}{':' + spec if spec else ''}}}" for f, spec, conv in fields if f not in values or spec or conv), None)
+        if bad is not None:
+            raise ValueError(f"{bad} is not a placeholder")
+        return template.format(**values)
+    except ValueError as exc:
         raise ManifestError(f"{where}: bad template {template!r} ({exc}); placeholders are {', '.join('{' + p + '}' for p in PLACEHOLDERS)}") from None
 
 
@@ -121,8 +130,12 @@ def load_manifest(path: str | Path, out_dir: str | Path | None = None) -> Manife
         raise ManifestError(f"{path}: target, output.name and output.repo are strings")
     if not (private is None or isinstance(private, bool)) or not isinstance(check, bool):
         raise ManifestError(f"{path}: output.private and options.check are true or false")
-    if not isinstance(max_shard, int) or isinstance(max_shard, bool) or max_shard <= 0:
+    if not isinstance(max_shard, int) or isinstance(max_shard, bool):
         raise ManifestError(f"{path}: options.max_shard_size is a positive number of bytes (e.g. 5_000_000_000)")
+    try:
+        max_shard = shard_size(max_shard)  # the rule --max-shard-size follows
+    except ValueError as exc:
+        raise ManifestError(f"{path}: options.max_shard_size: {exc}") from None
     if out_dir is None:
         dir_raw = output.get("dir", DEFAULT_DIR)
         if not isinstance(dir_raw, str):
@@ -296,10 +309,15 @@ class _Job:
 
 def _write_report(path: Path, report: dict[str, Any]) -> None:
     # rewritten after every repo (atomically), so a killed job still leaves an accurate report
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
-    tmp.replace(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
+        tmp.replace(path)
+    except OSError as exc:
+        # mkdir says "File exists" when the folder's name is taken by a file
+        why = f"{path.parent} is not a directory" if isinstance(exc, FileExistsError) else exc.strerror or str(exc)
+        raise WriteFailedError(f"{path}: cannot write the batch report ({why})") from None
 
 
 def default_report_path(manifest: Manifest, num_shards: int, shard_index: int) -> Path:

@@ -41,6 +41,7 @@ import click
 import torch
 from safetensors import safe_open
 
+from dsv4.convert.cli import Device
 from dsv4.convert.dtypes import tensor_bytes
 from dsv4.convert.errors import (
     CheckError,
@@ -57,14 +58,15 @@ from dsv4.convert.errors import (
     TensorShapeError,
     UnexpectedTensorsError,
     UnreadableTensorError,
+    WriteFailedError,
 )
 from dsv4.convert.inventory import INDEX_NAME, Inventory, TensorSource, load_index, merge_shards, read_local_shards
 from dsv4.convert.job import CONVERSION_RECORD
-from dsv4.convert.native import variant_of
 from dsv4.convert.plan import LAYOUT_RECORD
 from dsv4.convert.quant import build_draft, check_draft_quantization
 from dsv4.mapping.table import load_table
-from dsv4.model.config import ModelConfig
+from dsv4.model import strictjson
+from dsv4.model.config import ConfigError, ModelConfig, parse_config
 from dsv4.model.layout import target_layout
 
 READ_BLOCK = 64 << 20  # bytes per read of one tensor: bounded memory at any tensor size
@@ -72,6 +74,7 @@ SMOKE_TOKENS = 4
 NATIVE_MIN_TOP1 = 1.0  # as `convert-dsv4 smoke --reference`
 NATIVE_MAX_REL_DIFF = 2e-2  # max|diff| / max|value|: bf16 rounding, far below a wrong weight
 LIST_AT_MOST = 3  # names quoted in a one-line reason; the JSON details list all of them
+SHA256 = re.compile(r"[0-9a-f]{64}")  # hashlib's hexdigest, as the converter records it
 
 Status = Literal["pass", "fail", "skip"]
 
@@ -242,11 +245,10 @@ def _zeros(n: int) -> bytes:
     return bytes(n)
 
 
-def _read_tensor(f: Any, fd: int, src: TensorSource, digest: Any | None) -> None:
+def _read_tensor(shard: Path, fd: int, src: TensorSource, digest: Any | None) -> None:
     """Read every byte of `src` through safetensors in row blocks of at most READ_BLOCK
     bytes, feeding them (row-major, as on disk) to `digest`. A block lying in a file hole
     (sparse test replicas) reads as zeros by definition, so it is hashed as zeros unread."""
-    sl = f.get_slice(src.name) if src.shape else None  # a 0-d tensor is one block
     rows = src.shape[0] if src.shape else 1
     row_bytes = src.nbytes // rows if rows else 0
     step = max(1, READ_BLOCK // max(1, row_bytes))
@@ -256,7 +258,11 @@ def _read_tensor(f: Any, fd: int, src: TensorSource, digest: Any | None) -> None
             if digest is not None:
                 digest.update(_zeros(hi - lo))
             continue
-        block = sl[r : r + step] if sl is not None else f.get_tensor(src.name)
+        # A map per block (an open costs ~0.2 ms): pages read through a map count in this
+        # process's RSS until it is unmapped, and one map over a 4.5 GB shard would end up
+        # holding 4.5 GB of it; this one goes with the block.
+        with safe_open(shard, framework="pt", device="cpu") as f:
+            block = f.get_slice(src.name)[r : r + step] if src.shape else f.get_tensor(src.name)  # a 0-d tensor is one block
         data = block.contiguous().view(-1).view(torch.uint8)
         if digest is not None:
             digest.update(tensor_bytes(data))
@@ -273,11 +279,11 @@ def check_readable(ctx: _Context, details: dict[str, Any]) -> str:
     for file, tensors in sorted(by_file.items()):
         fd = os.open(ctx.root / file, os.O_RDONLY)
         try:
-            with safe_open(ctx.root / file, framework="pt", device="cpu") as f:
+            with safe_open(ctx.root / file, framework="pt", device="cpu"):  # refuses a malformed file once, for all its tensors
                 for src in sorted(tensors, key=lambda s: s.start):  # front to back through the file
                     digest = None if ctx.fast else hashlib.sha256()
                     try:
-                        _read_tensor(f, fd, src, digest)
+                        _read_tensor(ctx.root / file, fd, src, digest)
                     except Exception as exc:  # any failure to read is this check's finding
                         failed[src.name] = f"{file}: tensor {src.name}: {_first_line(exc)}"
                         continue
@@ -300,25 +306,57 @@ def check_readable(ctx: _Context, details: dict[str, Any]) -> str:
 
 # --- sizes and checksums -----------------------------------------------------------------
 def _conversion_record(ctx: _Context) -> dict[str, Any]:
+    """conversion.json, parsed strictly, with every tensor entry holding a file name and a
+    byte count (the sizes check's fields; the checksums check reads each sha256)."""
     path = ctx.root / CONVERSION_RECORD
     try:
-        record = json.loads(path.read_text())
+        record = strictjson.loads(path.read_bytes())
     except FileNotFoundError:
         raise SizeCheckError(f"{path}: missing (the converter writes every tensor's file, size and sha256 there)") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (OSError, strictjson.StrictJSONError) as exc:
         raise SizeCheckError(f"{path}: unreadable ({_first_line(exc)})") from None
     if not isinstance(record, dict) or not isinstance(record.get("tensors"), dict):
         raise SizeCheckError(f"{path}: has no 'tensors' object")
+    for name, entry in record["tensors"].items():
+        if not isinstance(entry, dict):
+            raise SizeCheckError(f"{path}: tensors[{name!r}] is {_brief(entry)}, not an object with file, nbytes and sha256")
+        if not isinstance(entry.get("file"), str):
+            raise SizeCheckError(f"{path}: tensors[{name!r}].file is {_brief(entry.get('file'))}, not a file name")
+        if not _is_int(entry.get("nbytes")):
+            raise SizeCheckError(f"{path}: tensors[{name!r}].nbytes is {_brief(entry.get('nbytes'))}, not a byte count")
     return record
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _brief(value: Any) -> str:
+    """A value quoted in a one-line reason, cut short."""
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _declared_total_size(ctx: _Context) -> Any:
+    """The index's metadata.total_size (None when absent). The index check has read its
+    weight_map through the inventory's reader; here only the metadata is looked at."""
+    path = ctx.root / INDEX_NAME
+    try:
+        index = strictjson.loads(path.read_bytes())
+    except (OSError, strictjson.StrictJSONError) as exc:
+        raise SizeCheckError(f"{path}: unreadable ({_first_line(exc)})") from None
+    metadata = index.get("metadata", {}) if isinstance(index, dict) else None
+    if not isinstance(metadata, dict):
+        raise SizeCheckError(f"{path}: metadata is {_brief(metadata)}, not an object")
+    return metadata.get("total_size")
 
 
 def check_sizes(ctx: _Context, details: dict[str, Any]) -> str:
     inv = ctx.need_inventory()
     total = sum(src.nbytes for src in inv.tensors.values())
-    index = json.loads((ctx.root / INDEX_NAME).read_text())
-    declared = (index.get("metadata") or {}).get("total_size")
-    if declared != total:
-        raise SizeCheckError(f"{ctx.where(INDEX_NAME)}: metadata.total_size is {declared!r} but the {len(inv.tensors)} tensors hold {total:,} bytes")
+    declared = _declared_total_size(ctx)
+    if not _is_int(declared) or declared != total:
+        raise SizeCheckError(f"{ctx.where(INDEX_NAME)}: metadata.total_size is {_brief(declared)} but the {len(inv.tensors)} tensors hold {total:,} bytes")
     record = _conversion_record(ctx)
     listed = record["tensors"]
     missing = sorted(set(inv.tensors) - set(listed))
@@ -326,11 +364,11 @@ def check_sizes(ctx: _Context, details: dict[str, Any]) -> str:
         raise SizeCheckError(f"{ctx.where(CONVERSION_RECORD)}: does not list {len(missing)} tensor(s) the shards hold: {_short(missing)}")
     extra = sorted(set(listed) - set(inv.tensors))
     if extra:
-        raise SizeCheckError(f"{ctx.where(CONVERSION_RECORD)}: lists {len(extra)} tensor(s) no shard holds: {_short(extra)}")
+        raise SizeCheckError(f"{ctx.where(CONVERSION_RECORD)}: lists {len(extra)} tensor(s) no shard holds: {_short([repr(n) for n in extra])}")
     for name, src in sorted(inv.tensors.items()):
         entry = listed[name]
-        if entry.get("file") != src.file or entry.get("nbytes") != src.nbytes:
-            raise SizeCheckError(f"{ctx.where(CONVERSION_RECORD)}: tensor {name}: recorded as {entry.get('nbytes')!r} bytes in {entry.get('file')!r}, but it is {src.nbytes:,} bytes in {src.file}")
+        if entry["file"] != src.file or entry["nbytes"] != src.nbytes:
+            raise SizeCheckError(f"{ctx.where(CONVERSION_RECORD)}: tensor {name}: recorded as {entry['nbytes']!r} bytes in {entry['file']!r}, but it is {src.nbytes:,} bytes in {src.file}")
     ctx.record = record
     details["total_size"] = total
     return f"total_size {total:,} bytes = the tensors' sum; {CONVERSION_RECORD} lists the same {len(listed)} tensors, files and sizes"
@@ -343,7 +381,11 @@ def check_checksums(ctx: _Context, details: dict[str, Any]) -> str:
     if ctx.record is None:
         raise _Skipped(f"needs {CONVERSION_RECORD} with every tensor (sizes check failed)")
     listed = ctx.record["tensors"]
-    wrong = sorted(n for n, h in ctx.hashes.items() if listed[n].get("sha256") != h)
+    malformed = sorted(n for n in ctx.hashes if not (isinstance(listed[n].get("sha256"), str) and SHA256.fullmatch(listed[n]["sha256"])))
+    if malformed:
+        name = malformed[0]
+        raise ChecksumMismatchError(f"{ctx.where(CONVERSION_RECORD)}: tensors[{name!r}].sha256 is {_brief(listed[name].get('sha256'))}, not 64 lowercase hex digits" + (f" ({len(malformed)} such tensors: {_short(malformed)})" if len(malformed) > 1 else ""))
+    wrong = sorted(n for n, h in ctx.hashes.items() if listed[n]["sha256"] != h)
     details.update(hashed=len(ctx.hashes), differ=wrong, unreadable=sorted(ctx.unreadable))
     if wrong:
         first = inv.tensors[wrong[0]]
@@ -398,6 +440,8 @@ def check_config(ctx: _Context, details: dict[str, Any]) -> str:
             raise ConfigCheckError(f"{where}: expert_dtype is {cfg.expert_dtype!r} but {src.file}: tensor {name} ({src.dtype}) holds {implied} experts")
 
     quant = config.get("quantization_config")
+    if quant is not None and not isinstance(quant, dict):
+        raise ConfigCheckError(f"{where}: quantization_config is {_brief(quant)}, not an object")
     block = None
     if isinstance(quant, dict) and quant.get("quant_method") == "fp8":
         block = quant.get("weight_block_size")
@@ -498,21 +542,18 @@ CHECKS: tuple[tuple[str, Callable[[_Context, dict[str, Any]], str]], ...] = (
 
 
 def _load_config(ctx: _Context) -> None:
+    """config.json through the model's validating loader, as plan, convert and smoke read it;
+    a refusal is the config check's finding (75) and the checks needing a config skip."""
     path = ctx.root / "config.json"
     try:
-        ctx.config = json.loads(path.read_text())
+        ctx.config = parse_config(path.read_bytes())
+        ctx.cfg = ModelConfig.from_dict(ctx.config)
     except FileNotFoundError:
         ctx.config_error = "no config.json in the checkpoint directory"
-        return
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        ctx.config_error = f"not valid JSON ({_first_line(exc)})"
-        return
-    try:
-        ctx.cfg = ModelConfig.from_dict(ctx.config)
-        variant_of(ctx.cfg)
-    except (ValueError, TypeError) as exc:
-        ctx.cfg = None
-        ctx.config_error = _first_line(exc)
+    except OSError as exc:
+        ctx.config_error = f"cannot be read ({exc.strerror})"
+    except ConfigError as exc:
+        ctx.config_error = str(exc)
 
 
 def run_checks(
@@ -553,9 +594,9 @@ def run_checks(
 @click.option("--native", "native", type=click.Path(exists=True, file_okay=False, path_type=Path), help="the NATIVE checkpoint DIRECTORY was converted from: check numerical parity with the reference on it (implies --smoke)")
 @click.option("--smoke", is_flag=True, help="load strictly into the bundled model and run a few-token forward")
 @click.option("--fast", is_flag=True, help="skip hashing the tensor data against conversion.json (says so in the report)")
-@click.option("--device", default="cpu", show_default=True, help="device for --smoke and --native")
+@click.option("--device", type=Device(), default="cpu", show_default=True, help="device for --smoke and --native")
 @click.option("--json", "as_json", is_flag=True, help="print the report as JSON")
-@click.option("--junit", type=click.Path(dir_okay=False, path_type=Path), help="also write the report as JUnit XML to this file, one test case per check")
+@click.option("--junit", type=click.Path(dir_okay=False, path_type=Path), help="also write the report as JUnit XML to this file (its folder is created), one test case per check")
 def check_command(directory: Path, native: Path | None, smoke: bool, fast: bool, device: str, as_json: bool, junit: Path | None) -> None:
     """Verify converted checkpoint DIRECTORY; exit with the first failed check's code.
 
@@ -564,10 +605,9 @@ def check_command(directory: Path, native: Path | None, smoke: bool, fast: bool,
                 75 config vs tensors  76 missing  77 unexpected  78 shape  79 dtype
                 80 quantisation scheme  81 empty quantisation name (vLLM #44817)
                 84 smoke  85 native parity
+                42 the --junit file could not be written (after the report is printed)
     """
     report = run_checks(directory, native=native, smoke=smoke, fast=fast, device=device)
-    if junit is not None:
-        junit.write_text(report.to_junit())
     if as_json:
         click.echo(json.dumps(report.to_json(), indent=2))
     else:
@@ -575,5 +615,21 @@ def check_command(directory: Path, native: Path | None, smoke: bool, fast: bool,
             code = f" [{r.exit_code}]" if r.status == "fail" else ""
             click.echo(f"  {r.status.upper():4} {r.name:9} {r.reason}{code}")
         click.echo(report.summary())
+    if junit is not None:  # after the report: a JUnit file that cannot be written loses nothing else
+        write_junit(report, junit)
     # the process exit code travels on the error: cli.main() exits with it
     report.raise_for_failure()
+
+
+def write_junit(report: CheckReport, path: Path) -> None:
+    """Write the report as JUnit XML to `path`, creating its directory (CI often names a
+    fresh reports/ folder). A file that cannot be written is a WriteFailedError (exit 42)
+    whose one line also carries the checks' verdict."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(report.to_junit())
+    except OSError as exc:
+        # mkdir says "File exists" when the folder's name is taken by a file
+        why = f"{path.parent} is not a directory" if isinstance(exc, FileExistsError) else exc.strerror or _first_line(exc)
+        verdict = "all checks passed" if report.ok else f"the checks FAILED (exit {report.exit_code}: {report.failures[0].name})"
+        raise WriteFailedError(f"{path}: cannot write the JUnit report ({why}); {verdict}") from None

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import sys
 import warnings
 from typing import TYPE_CHECKING
@@ -13,6 +14,8 @@ import click
 
 from dsv4 import __version__
 from dsv4.convert.errors import DSV4Error
+from dsv4.convert.sizes import shard_size
+from dsv4.mapping.table import installed_tables
 
 if TYPE_CHECKING:
     from dsv4.convert.plan import Plan
@@ -61,27 +64,56 @@ def cli() -> None:
     """
 
 
-def _parse_size(value: str) -> int:
-    units = {"K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
-    v = value.strip().upper().removesuffix("B")
-    try:
-        return int(float(v[:-1]) * units[v[-1]]) if v and v[-1] in units else int(v)
-    except ValueError:
-        raise click.BadParameter(f"{value!r} is not a size like 5GB, 500MB or 1000000") from None
+class ShardSize(click.ParamType):
+    """A shard size such as 5GB or 2GiB, checked by the rule batch manifests use too."""
+
+    name = "size"
+
+    def convert(self, value: object, param: click.Parameter | None, ctx: click.Context | None) -> int:
+        try:
+            return shard_size(value)  # type: ignore[arg-type]  # shard_size refuses other types itself
+        except ValueError as exc:
+            self.fail(str(exc), param, ctx)
+
+
+class Device(click.ParamType):
+    """A torch device that exists on this machine: cpu, cuda, cuda:1, xpu, ..."""
+
+    name = "device"
+
+    def convert(self, value: object, param: click.Parameter | None, ctx: click.Context | None) -> str:
+        import torch  # only commands that run the model take a device, and they import torch anyway
+
+        try:
+            device = torch.device(str(value))
+        except (RuntimeError, ValueError):
+            self.fail(f"{value!r} is not a device (cpu, cuda, cuda:1, xpu, ...)", param, ctx)
+        if device.type == "cpu":
+            return str(value)
+        backend = getattr(torch, device.type, None)  # torch.cuda, torch.xpu, ...
+        if not (hasattr(backend, "is_available") and backend.is_available()):
+            self.fail(f"{value!r}: this machine has no {device.type} device", param, ctx)
+        if device.index is not None and device.index >= backend.device_count():
+            self.fail(f"{value!r}: this machine has {backend.device_count()} {device.type} device(s)", param, ctx)
+        return str(value)
+
+
+# A table is chosen by name from those installed, never by path (click lists the names).
+target_option = click.option("--target", type=click.Choice(installed_tables()), default="xpu", show_default=True, help="Mapping table: an installed table's name (mapping/<name>.toml).")
 
 
 @cli.command("convert")
 @click.argument("source")
 @click.argument("out", type=click.Path(file_okay=False))
-@click.option("--target", default="xpu", show_default=True, help="Mapping table (mapping/<target>.toml).")
+@target_option
 @click.option("--reverse", is_flag=True, help="SOURCE is a converted checkpoint: write the draft's tensors back under native names.")
 @click.option("--overwrite", is_flag=True, help="Replace OUT if it is a previous output of this tool (anything else is refused).")
 @click.option("--wait", is_flag=True, help="If another run holds OUT, wait for it to finish instead of exiting with code 47.")
-@click.option("--max-shard-size", default="5GB", show_default=True, help="Largest output shard.")
+@click.option("--max-shard-size", type=ShardSize(), default="5GB", show_default=True, help="Largest output shard: bytes, or with a unit (K, M, G, T = 1000^n; KiB, MiB, GiB, TiB = 1024^n).")
 @click.option("--dry-run", is_flag=True, help="Print the plan and stop (same as `plan`).")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary (bytes read/written, seconds, output path).")
-def convert_command(source: str, out: str, target: str, reverse: bool, overwrite: bool, wait: bool, max_shard_size: str, dry_run: bool, quiet: bool, as_json: bool) -> None:
+def convert_command(source: str, out: str, target: str, reverse: bool, overwrite: bool, wait: bool, max_shard_size: int, dry_run: bool, quiet: bool, as_json: bool) -> None:
     """Convert SOURCE (a native checkpoint directory or hub repo org/name[@revision]) into OUT.
 
     Reads only the byte ranges the plan needs, writes shards header-first with bounded
@@ -93,7 +125,7 @@ def convert_command(source: str, out: str, target: str, reverse: bool, overwrite
     if dry_run:
         _print_plan(_plan(source, target, reverse)[0], as_json, full=False)
         return
-    result = convert(source, out, target=target, reverse=reverse, overwrite=overwrite, wait=wait, max_shard_size=_parse_size(max_shard_size), quiet=quiet or as_json)
+    result = convert(source, out, target=target, reverse=reverse, overwrite=overwrite, wait=wait, max_shard_size=max_shard_size, quiet=quiet or as_json)
     if as_json:
         click.echo(json.dumps(result.to_json(), indent=2))
     elif result.status == "up-to-date":
@@ -104,7 +136,7 @@ def convert_command(source: str, out: str, target: str, reverse: bool, overwrite
 
 @cli.command("plan")
 @click.argument("source")
-@click.option("--target", default="xpu", show_default=True, help="Mapping table (mapping/<target>.toml).")
+@target_option
 @click.option("--reverse", is_flag=True, help="Plan the reverse conversion of a converted checkpoint.")
 @click.option("--json", "as_json", is_flag=True, help="The whole plan (every tensor and byte range, every skip) as JSON.")
 def plan_command(source: str, target: str, reverse: bool, as_json: bool) -> None:
@@ -150,19 +182,65 @@ def _print_plan(plan: Plan, as_json: bool, *, full: bool, header_bytes: int | No
         click.echo(f"  skip x{n}: {reason}")
 
 
+# Developers set DSV4_TRACEBACK=1 to see the traceback the last-resort handler hides.
+TRACEBACK_ENV = "DSV4_TRACEBACK"
+
+
+def _one_line(exc: BaseException, at_most: int = 300) -> str:
+    """The first line of an exception we did not write, cut short: it may be any size."""
+    lines = str(exc).strip().splitlines()
+    line = lines[0] if lines else ""
+    return line if len(line) <= at_most else line[: at_most - 3] + "..."
+
+
+def _escape_newlines(text: str) -> str:
+    """One line whatever a message quotes (a tensor name in a hostile header may hold a newline)."""
+    return text.replace("\r", "\\r").replace("\n", "\\n")
+
+
+def _os_error(exc: OSError) -> str:
+    """An OSError no part of the tool classified: the path(s) and the OS's reason."""
+    paths = ": ".join(str(p) for p in (exc.filename, exc.filename2) if p is not None)
+    reason = exc.strerror or _one_line(exc) or type(exc).__name__
+    return f"error: {paths}: {reason}" if paths else f"error: {reason}"
+
+
 def main() -> None:
+    """The entry point: every outcome is an exit code and at most one line on stderr.
+
+    The tool's own errors carry their documented code; click's usage errors exit 2; Ctrl-C
+    exits 130. Anything else is a bug or an unclassified OS error: one line and exit 1, never a
+    traceback (unless DSV4_TRACEBACK=1)."""
     # numpy is no dependency of this tool; torch warns at import when it is absent
     warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
     try:
-        cli(standalone_mode=False)
+        cli(prog_name="convert-dsv4", standalone_mode=False)
     except DSV4Error as exc:
-        click.echo(f"error: {exc}", err=True)
+        click.echo(f"error: {_escape_newlines(str(exc))}", err=True)
         sys.exit(exc.exit_code)
     except click.exceptions.Exit as exc:
+        sys.exit(exc.exit_code)
+    except click.UsageError as exc:  # one line like every other error, not click's usage block
+        if isinstance(exc, getattr(click.exceptions, "NoArgsIsHelpError", ())):  # click >= 8.2: no arguments means help
+            exc.show()
+            sys.exit(exc.exit_code)
+        hint = f" (see: {exc.ctx.command_path} --help)" if exc.ctx is not None else ""
+        click.echo(f"error: {_escape_newlines(exc.format_message())}{hint}", err=True)
         sys.exit(exc.exit_code)
     except click.ClickException as exc:
         exc.show()
         sys.exit(exc.exit_code)
-    except click.exceptions.Abort:
-        click.echo("aborted", err=True)
+    except (click.exceptions.Abort, KeyboardInterrupt):  # click turns Ctrl-C into Abort
+        click.echo("interrupted", err=True)
         sys.exit(130)
+    except BrokenPipeError:  # stdout closed early (`... --json | head`): nothing left to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's flush cannot fail again
+        sys.exit(1)
+    except Exception as exc:
+        if os.environ.get(TRACEBACK_ENV) == "1":
+            raise
+        if isinstance(exc, OSError):
+            click.echo(_os_error(exc), err=True)
+        else:
+            click.echo(f"internal error: {type(exc).__name__}: {_one_line(exc)} (please report this bug with the command that caused it; {TRACEBACK_ENV}=1 shows the traceback)", err=True)
+        sys.exit(1)

@@ -5,6 +5,11 @@ Every message is one line that names the file and/or tensor at fault.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from dsv4.model.config import ConfigError, UnsupportedConfig
+
 
 class DSV4Error(Exception):
     exit_code = 1
@@ -44,6 +49,13 @@ class MalformedHeaderError(InventoryError):
 
 
 class MissingConfigError(InventoryError):
+    exit_code = 18
+
+
+class MalformedConfigError(InventoryError):
+    """config.json is not strict JSON, not an object, or a field the tool uses is missing,
+    of the wrong type or out of range (the message names the field)."""
+
     exit_code = 18
 
 
@@ -99,6 +111,19 @@ class DuplicateTargetError(PlanError):
 
 class UnsupportedLayoutError(PlanError):
     exit_code = 35
+
+
+@contextmanager
+def config_errors(where: str) -> Iterator[None]:
+    """The one place where the model layer's config verdicts (dsv4.model.config) become exit
+    codes: unsupported -> UnsupportedLayoutError (35), anything else -> MalformedConfigError
+    (18); `where` (the config.json's path) heads the one-line message."""
+    try:
+        yield
+    except UnsupportedConfig as exc:
+        raise UnsupportedLayoutError(f"{where}: {exc}") from None
+    except ConfigError as exc:
+        raise MalformedConfigError(f"{where}: {exc}") from None
 
 
 # --- writing the output -----------------------------------------------------------------

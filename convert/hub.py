@@ -12,7 +12,6 @@ HF_HUB_OFFLINE mean what they mean there, and no token ever passes through this 
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from collections.abc import Iterator
@@ -41,8 +40,10 @@ from dsv4.convert.errors import (
     RepoNotFound,
     RevisionNotFound,
     TruncatedShardError,
+    config_errors,
 )
 from dsv4.convert.inventory import INDEX_NAME, SINGLE_FILE, Inventory, TensorSource, load_index, merge_shards, parse_header, tensors_from_header
+from dsv4.model.config import parse_config
 
 HUB_SCHEME = "hub:"
 # huggingface_hub already retries HTTP errors and dropped connections (http_backoff: 5 tries,
@@ -221,10 +222,9 @@ def open_hub_source(spec: str) -> tuple[Inventory, HubReader]:
     config_where = f"{hub.location}/config.json@{commit[:12]}"
     if "config.json" not in sizes:
         raise MissingConfigError(f"{config_where}: no config.json in the repository")
-    try:
-        config = json.loads(_download(hub, commit, "config.json"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise MissingConfigError(f"{config_where}: not valid JSON ({exc})") from None
+    raw_config = _download(hub, commit, "config.json")
+    with config_errors(config_where):
+        config = parse_config(raw_config)
     weight_map: dict[str, str] | None
     if INDEX_NAME in sizes:
         weight_map = load_index(_download(hub, commit, INDEX_NAME), INDEX_NAME)

@@ -38,8 +38,10 @@ from dsv4.convert.errors import (
     TruncatedShardError,
     UnknownDtypeError,
     UnsafeShardPathError,
+    config_errors,
 )
 from dsv4.model import strictjson
+from dsv4.model.config import parse_config
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -100,7 +102,9 @@ def parse_header(raw_len: bytes, read_header: Callable[[int], bytes], file: str,
     if len(raw) != n:
         raise TruncatedShardError(f"{file}: header claims {n} bytes but only {len(raw)} could be read")
     try:
-        header = strictjson.loads(raw)
+        # tensors_from_header checks every entry's shape (depth 3 at most), so the generic
+        # nesting walk, which costs more than the parse itself here, is left out
+        header = strictjson.loads(raw, walk_depth=False)
     except strictjson.StrictJSONError as exc:
         raise MalformedHeaderError(f"{file}: header is not valid JSON ({exc})") from None
     if not isinstance(header, dict):
@@ -293,9 +297,11 @@ def read_inventory(path: str | Path) -> Inventory:
     if not config_path.is_file():
         raise MissingConfigError(f"{config_path}: no config.json in the checkpoint directory")
     try:
-        config = json.loads(config_path.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise MissingConfigError(f"{config_path}: not valid JSON ({exc})") from None
+        raw_config = config_path.read_bytes()
+    except OSError as exc:
+        raise MissingConfigError(f"{config_path}: cannot be read ({exc.strerror})") from None
+    with config_errors(str(config_path)):
+        config = parse_config(raw_config)
 
     index_path = root / INDEX_NAME
     if index_path.is_file():

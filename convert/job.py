@@ -36,6 +36,7 @@ from dsv4.convert.plan import LAYOUT_RECORD, Plan, PlannedTensor, plan_conversio
 from dsv4.convert.source import ByteReader, LocalReader
 from dsv4.convert.writer import ShardWriter, TensorSpec, shard_name
 from dsv4.mapping.table import Table, load_table
+from dsv4.model import strictjson
 
 CHUNK = 8 * 1024 * 1024  # bytes per read/write: large enough for full disk speed
 DEFAULT_MAX_SHARD = 5 * 10**9
@@ -130,12 +131,14 @@ def _fingerprint(plan: Plan, reader: ByteReader, shards: list[list[PlannedTensor
     }
 
 
-def read_record(path: Path) -> Any:
-    """A JSON record (conversion.json, the resume state), or None if absent or unreadable."""
+def read_record(path: Path) -> dict[str, Any] | None:
+    """A JSON object record (conversion.json, the resume state), parsed strictly; None if
+    absent, unreadable, not strict JSON or not an object: such a file records nothing."""
     try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
+        record = strictjson.loads(path.read_bytes())
+    except (OSError, strictjson.StrictJSONError):
         return None
+    return record if isinstance(record, dict) else None
 
 
 def _journal(path: Path) -> dict[str, dict[str, Any]]:

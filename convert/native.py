@@ -19,12 +19,9 @@ FP4_GROUP = 32  # one E8M0 scale per 32 packed e2m1 inputs
 
 
 def variant_of(cfg: ModelConfig) -> Variant:
-    """Instruct checkpoints carry FP4 routed experts, Base ("FP8 mixed") ones FP8."""
-    if cfg.expert_dtype == "fp4":
-        return "instruct"
-    if cfg.expert_dtype == "fp8":
-        return "base"
-    raise ValueError(f"config.json: unknown expert_dtype {cfg.expert_dtype!r} (expected fp4 or fp8)")
+    """Instruct checkpoints carry FP4 routed experts, Base ("FP8 mixed") ones FP8 (ModelConfig
+    refuses any other expert_dtype)."""
+    return "instruct" if cfg.expert_dtype == "fp4" else "base"
 
 
 def _blocks(n: int, block: int) -> int:

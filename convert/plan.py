@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
@@ -24,6 +24,7 @@ from dsv4.convert.errors import (
     TableError,
     UncoveredKeyError,
     UnsupportedLayoutError,
+    config_errors,
 )
 from dsv4.convert.inventory import Inventory, TensorSource
 from dsv4.mapping.table import Rule, Table, expand
@@ -32,6 +33,8 @@ from dsv4.model.layout import target_layout
 
 Direction = Literal["forward", "reverse"]
 LAYOUT_RECORD = "dsv4_convert"  # key added to a converted config.json
+NATIVE_BLOCK = re.compile(r"(mtp\.\d+)\.")  # a native draft block's prefix
+TARGET_LAYER = re.compile(r"model\.layers\.(\d+)\.")  # a target-layout layer's number L
 
 
 @dataclass(frozen=True)
@@ -118,17 +121,15 @@ class Plan:
 
 
 def model_config(inv: Inventory) -> ModelConfig:
-    try:
-        cfg = ModelConfig.from_dict(inv.config)
-        native.variant_of(cfg)
-    except (ValueError, TypeError) as exc:
-        raise UnsupportedLayoutError(f"{inv.location}/config.json: {exc}") from None
-    # vLLM creates ffn.gate.e_score_correction_bias only for noaux_tc routing (NOTES.md),
-    # and the draft's router is sqrtsoftplus (spec 03 section 3.4)
-    method = inv.config.get("topk_method", "noaux_tc")
-    if method != "noaux_tc" or cfg.scoring_func != "sqrtsoftplus":
-        raise UnsupportedLayoutError(f"{inv.location}/config.json: topk_method {method!r}, scoring_func {cfg.scoring_func!r}; the XPU MTP layout is defined for noaux_tc routing with sqrtsoftplus scores only")
-    return cfg
+    """The validated config of `inv` (MalformedConfigError 18, UnsupportedLayoutError 35)."""
+    with config_errors(f"{inv.location}/config.json"):
+        return ModelConfig.from_dict(inv.config)
+
+
+def draft_layers_present(cfg: ModelConfig, names: Iterable[str]) -> list[str]:
+    """The target-layout draft layers ("model.layers.{L}", L >= num_hidden_layers) `names` hold."""
+    layers = {int(m.group(1)) for name in names if (m := TARGET_LAYER.match(name))}
+    return [f"model.layers.{L}" for L in sorted(layers) if L >= cfg.num_hidden_layers]
 
 
 def _refuse(inv: Inventory, table: Table) -> None:
@@ -227,6 +228,8 @@ def plan_conversion(inv: Inventory, table: Table) -> Plan:
     cfg = model_config(inv)
     rules = [r for r in table.rules_for(cfg.expert_dtype) if r.op != "refuse"]
     skipped = _classify(inv, rules, cfg)
+    with config_errors(f"{inv.location}/config.json"):  # blocks beyond the config: _classify
+        cfg.require_draft_blocks(sorted({m.group(1) for key in inv.tensors if (m := NATIVE_BLOCK.match(key))}))
     variant = native.variant_of(cfg)
     expected_src = _native_draft_layout(cfg, with_emb_head=True)
     layout = target_layout(cfg)
@@ -278,6 +281,8 @@ def plan_reverse(inv: Inventory, table: Table) -> Plan:
     """Reverse: a checkpoint in the table's target layout -> native names (only the tensors
     the draft uses). Fused parameters are split back at the native sizes."""
     cfg = model_config(inv)
+    with config_errors(f"{inv.location}/config.json"):
+        cfg.require_draft_blocks(draft_layers_present(cfg, inv.tensors))
     layout = target_layout(cfg)
     expected_src = _native_draft_layout(cfg, with_emb_head=False)
     out: dict[str, PlannedTensor] = {}

@@ -30,11 +30,12 @@ import click
 import torch
 
 from dsv4.convert.dtypes import TORCH_DTYPES, nbytes
+from dsv4.convert.errors import config_errors
 from dsv4.convert.inventory import INDEX_NAME
 from dsv4.convert.native import Layout, main_layer_layout, mtp_layout, top_level_layout
 from dsv4.convert.presets import PRESETS, Variant, preset_config, with_variant
 from dsv4.convert.writer import ShardWriter, TensorSpec, shard_name
-from dsv4.model.config import ModelConfig
+from dsv4.model.config import ModelConfig, parse_config
 
 CHUNK_BYTES = 1 << 20  # output bytes generated per write; temporaries stay within ~32x this
 DSPARK_STAGES = 3
@@ -242,9 +243,11 @@ def synth_command(out: Path, preset: str | None, config_path: Path | None, varia
     """Write a synthetic native DeepSeek V4 checkpoint to OUT."""
     if preset and config_path:
         raise click.UsageError("--preset and --config are alternatives; give one")
-    config = json.loads(config_path.read_text()) if config_path else None
     try:
-        write_checkpoint(out, preset=preset or "tiny", config=config, variant=variant, main_layers=main_layers, seed=seed, sparse=sparse)
+        # a config the converter would refuse is refused here with the converter's verdict
+        with config_errors(str(config_path) if config_path else f"preset {preset or 'tiny'}"):
+            config = parse_config(config_path.read_bytes()) if config_path else None
+            write_checkpoint(out, preset=preset or "tiny", config=config, variant=variant, main_layers=main_layers, seed=seed, sparse=sparse)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc
     index = json.loads((out / INDEX_NAME).read_text())

@@ -185,11 +185,25 @@ def validate(table: Table, native_keys: Mapping[str, set[str]], target_keys: Map
                     raise UnknownTargetError(f"{where}: {rule.label}: {name} is not a parameter of the {table.target} layout ({dtype} experts)")
 
 
-def load_table(name_or_path: str | Path = "xpu") -> Table:
-    """Load `mapping/<name>.toml` (or a path) and validate it completely."""
-    path = Path(name_or_path)
-    if not path.suffix:
-        path = TABLE_DIR / f"{name_or_path}.toml"
+def installed_tables() -> list[str]:
+    """The names `load_table` accepts: the tables shipped in this package (mapping/*.toml)."""
+    return sorted(p.stem for p in TABLE_DIR.glob("*.toml"))
+
+
+def load_table(name: str = "xpu") -> Table:
+    """Load the installed table `name` (mapping/<name>.toml) and validate it completely.
+
+    A name, never a path: the table a conversion records must be one this tool ships, so
+    `check` and a later conversion find the same rules (and "../../x" reads nothing)."""
+    installed = installed_tables()
+    if name not in installed:
+        raise TableError(f"no mapping table {name!r} (installed: {', '.join(installed)}); a table is chosen by name, not path")
+    return load_table_file(TABLE_DIR / f"{name}.toml")
+
+
+def load_table_file(path: Path) -> Table:
+    """Load and validate the table file at `path`: for writing and testing a new table
+    before it is installed beside xpu.toml. Conversions use `load_table(name)`."""
     if not path.is_file():
         raise TableError(f"{path}: no such mapping table")
     try:

@@ -1,11 +1,124 @@
-"""DeepSeek V4 model configuration: the config.json fields the MTP draft depends on."""
+"""DeepSeek V4 model configuration: the config.json fields the MTP draft depends on, and the
+one validating loader every reader of a config.json goes through.
+
+A ModelConfig is valid by construction (`__post_init__` checks every field): each field has
+its JSON type (a bool is not an integer, "256" is not a number), its sign, a range with an
+upper bound far above the released models (spec 01 §1.2; convert/presets.py holds Flash and
+Pro verbatim) and its relations to other fields. A value out of range, of the wrong type or
+contradicting another field is malformed (ConfigFieldError); a well-formed value this tool
+has no layout for (another routing, expert storage or model type) is unsupported
+(UnsupportedConfig). Both name the field. This module must not need `dsv4.convert`: the
+converter turns these errors into its exit codes in one place
+(`dsv4.convert.errors.config_errors`).
+"""
 
 from __future__ import annotations
 
 import json
+import math
+import reprlib
 from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 from typing import Any
+
+from dsv4.model.strictjson import StrictJSONError, loads
+
+# Upper bounds, each far above the released values (Flash / Pro in brackets): they refuse
+# a config that would make the tool allocate or loop without bound, never a real model.
+MAX_HIDDEN = 1 << 16  # hidden_size [4096 / 7168]
+MAX_LAYERS = 1024  # num_hidden_layers [43 / 61]
+MAX_NEXTN_LAYERS = 16  # num_nextn_predict_layers [1 / 1]
+MAX_VOCAB = 1 << 24  # vocab_size [129280]
+MAX_HEADS = 1024  # num_attention_heads [64 / 128], index_n_heads [64]
+MAX_HEAD_DIM = 1 << 13  # head_dim [512], index_head_dim [128]
+MAX_RANK = 1 << 16  # q_lora_rank [1024 / 1536], o_lora_rank [1024], moe_intermediate_size [2048 / 3072]
+MAX_WINDOW = 1 << 20  # sliding_window [128] (the release's max_position_embeddings)
+MAX_HC_MULT = 64  # hc_mult [4]
+MAX_SINKHORN_ITERS = 1000  # hc_sinkhorn_iters [20]
+MAX_EXPERTS = 1 << 12  # n_routed_experts [256 / 384]
+MAX_COMPRESS_RATIO = 1 << 16  # compress_ratios entries [0, 4, 128]
+MAX_BLOCK = 1 << 16  # quantization_config.weight_block_size entries [128, 128]
+
+SUPPORTED_MODEL_TYPE = "deepseek_v4"
+EXPERT_DTYPES = ("fp4", "fp8")  # instruct (FP4 experts) and Base ("FP8 mixed")
+
+_SHORT = reprlib.Repr()  # values in messages stay short, however large the JSON value
+_SHORT.maxstring = _SHORT.maxother = _SHORT.maxlong = 40
+_SHORT.maxlist = _SHORT.maxtuple = 4
+_SHORT.maxdict, _SHORT.maxlevel = 3, 2
+
+
+class ConfigError(ValueError):
+    """config.json is not a DeepSeek V4 config this tool can use; one line, without the file's
+    name (the caller adds it)."""
+
+
+class ConfigFieldError(ConfigError):
+    """A field is missing, of the wrong type, out of range or contradicts another field."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+class UnsupportedConfig(ConfigFieldError):
+    """A well-formed value this tool has no layout for."""
+
+
+def _describe(value: Any) -> str:
+    """A value as an error message shows it: in JSON spelling, short however large it is,
+    with its JSON kind where that is the fault."""
+    kind = {bool: "a boolean", str: "a string", list: "a list", tuple: "a list", dict: "an object", type(None): "null"}.get(type(value))
+    if value is None:
+        return "null"
+    if type(value) in (bool, str):
+        shown = json.dumps(value[:41] if type(value) is str else value)
+        shown = shown[:40] + '..."' if len(shown) > 42 else shown
+    else:
+        shown = _SHORT.repr(value)
+    return f"{shown} ({kind})" if kind else shown
+
+
+def _int(field: str, value: Any, low: int, high: int) -> None:
+    # bool is a subclass of int in Python; in config.json `true` is not a count
+    if type(value) is not int:
+        raise ConfigFieldError(field, f"{field} is {_describe(value)}; expected an integer in {low}..{high}")
+    if not low <= value <= high:
+        raise ConfigFieldError(field, f"{field} is {value}; expected an integer in {low}..{high}")
+
+
+def _positive_float(field: str, value: Any, *, zero_ok: bool = False, below: float | None = None) -> None:
+    # a JSON integer is a number too (rope_theta is 10000 in the release); one past 2^63 would
+    # overflow the float math that uses it
+    number = (type(value) is int and abs(value) < 2**63) or (type(value) is float and math.isfinite(value))
+    ok = number and (value >= 0 if zero_ok else value > 0) and (below is None or value < below)
+    if not ok:
+        want = f"a finite number {'>= 0' if zero_ok else '> 0'}" + (f" and < {below:g}" if below is not None else "")
+        raise ConfigFieldError(field, f"{field} is {_describe(value)}; expected {want}")
+
+
+def _int_list(field: str, value: Any, low: int, high: int, lengths: range) -> None:
+    """A JSON list of integers (held as a tuple), its length in `lengths`."""
+    if type(value) is not tuple:
+        raise ConfigFieldError(field, f"{field} is {_describe(value)}; expected a list of integers in {low}..{high}")
+    if len(value) not in lengths:
+        want = f"{lengths.start}..{lengths.stop - 1}" if len(lengths) > 1 else f"exactly {lengths.start}"
+        raise ConfigFieldError(field, f"{field} has {len(value)} entr{'y' if len(value) == 1 else 'ies'}; expected {want}")
+    for k, item in enumerate(value):
+        _int(f"{field}[{k}]", item, low, high)
+
+
+def _require_object(value: Any) -> None:
+    if not isinstance(value, dict):
+        raise ConfigError(f"the top level is {_describe(value)}; expected a JSON object")
+
+
+def _check_model_type(model_type: Any) -> None:
+    if type(model_type) is not str:
+        raise ConfigFieldError("model_type", f"model_type is {_describe(model_type)}; expected a string")
+    if model_type != SUPPORTED_MODEL_TYPE:
+        hint = " (DeepSeek V4.1: vLLM 0.33.0 has no XPU draft model for it, spec 04)" if model_type == "deepseek_v41" else ""
+        raise UnsupportedConfig("model_type", f"model_type {model_type!r}{hint}; this tool converts {SUPPORTED_MODEL_TYPE!r} checkpoints only")
 
 
 @dataclass(frozen=True)
@@ -34,32 +147,123 @@ class ModelConfig:
     rope_theta: float
     norm_topk_prob: bool = True
     scoring_func: str = "sqrtsoftplus"
-    expert_dtype: str = "fp4"  # absent in Flash's first revision: absent means fp4
+    topk_method: str = "noaux_tc"
+    expert_dtype: str = "fp4"  # absent (or null) in Flash's first revision: absent means fp4
     num_hash_layers: int = 0
     index_n_heads: int = 0
     index_head_dim: int = 0
     compress_ratios: tuple[int, ...] = ()
     weight_block_size: tuple[int, int] = (128, 128)
+    model_type: str = SUPPORTED_MODEL_TYPE
+
+    def __post_init__(self) -> None:
+        _check_model_type(self.model_type)  # first: another model's fields are not ours to judge
+        self._check_ranges()
+        self._check_relations()
+        self._check_supported()
+
+    def _check_ranges(self) -> None:
+        for field, high in (
+            ("hidden_size", MAX_HIDDEN),
+            ("num_hidden_layers", MAX_LAYERS),
+            ("vocab_size", MAX_VOCAB),
+            ("num_attention_heads", MAX_HEADS),
+            ("head_dim", MAX_HEAD_DIM),
+            ("qk_rope_head_dim", MAX_HEAD_DIM),
+            ("q_lora_rank", MAX_RANK),
+            ("o_groups", MAX_HEADS),
+            ("o_lora_rank", MAX_RANK),
+            ("sliding_window", MAX_WINDOW),
+            ("hc_mult", MAX_HC_MULT),
+            ("hc_sinkhorn_iters", MAX_SINKHORN_ITERS),
+            ("n_routed_experts", MAX_EXPERTS),
+            ("num_experts_per_tok", MAX_EXPERTS),
+            ("moe_intermediate_size", MAX_RANK),
+        ):
+            _int(field, getattr(self, field), 1, high)
+        # 0 is well-formed (no MTP layer, no shared expert); _check_supported refuses it
+        _int("num_nextn_predict_layers", self.num_nextn_predict_layers, 0, MAX_NEXTN_LAYERS)
+        _int("n_shared_experts", self.n_shared_experts, 0, MAX_EXPERTS)
+        _int("num_hash_layers", self.num_hash_layers, 0, MAX_LAYERS)
+        _int("index_n_heads", self.index_n_heads, 0, MAX_HEADS)
+        _int("index_head_dim", self.index_head_dim, 0, MAX_HEAD_DIM)
+        _positive_float("hc_eps", self.hc_eps, below=1)
+        _positive_float("rms_norm_eps", self.rms_norm_eps, below=1)
+        _positive_float("routed_scaling_factor", self.routed_scaling_factor)
+        _positive_float("swiglu_limit", self.swiglu_limit, zero_ok=True)  # 0: no clamp
+        _positive_float("rope_theta", self.rope_theta)
+        if type(self.norm_topk_prob) is not bool:
+            raise ConfigFieldError("norm_topk_prob", f"norm_topk_prob is {_describe(self.norm_topk_prob)}; expected true or false")
+        for field in ("scoring_func", "topk_method", "expert_dtype"):
+            if type(getattr(self, field)) is not str:
+                raise ConfigFieldError(field, f"{field} is {_describe(getattr(self, field))}; expected a string")
+        # the length rule of compress_ratios depends on num_hidden_layers: _check_relations
+        _int_list("compress_ratios", self.compress_ratios, 0, MAX_COMPRESS_RATIO, range(MAX_LAYERS + MAX_NEXTN_LAYERS + 1))
+        _int_list("quantization_config.weight_block_size", self.weight_block_size, 1, MAX_BLOCK, range(2, 3))
+
+    def _check_relations(self) -> None:
+        rd, D = self.qk_rope_head_dim, self.head_dim
+        if rd > D or rd % 2:
+            raise ConfigFieldError("qk_rope_head_dim", f"qk_rope_head_dim is {rd}; RoPE turns pairs of the last dims of a head: expected an even number <= head_dim ({D})")
+        if self.num_attention_heads % self.o_groups:
+            raise ConfigFieldError("o_groups", f"o_groups is {self.o_groups}; the output projection splits the heads into groups: expected a divisor of num_attention_heads ({self.num_attention_heads})")
+        if self.num_experts_per_tok > self.n_routed_experts:
+            raise ConfigFieldError("num_experts_per_tok", f"num_experts_per_tok is {self.num_experts_per_tok}, more than n_routed_experts ({self.n_routed_experts})")
+        if self.num_hash_layers > self.num_hidden_layers:
+            raise ConfigFieldError("num_hash_layers", f"num_hash_layers is {self.num_hash_layers}, more than num_hidden_layers ({self.num_hidden_layers})")
+        if self.compress_ratios:
+            # spec 01 §1.2: one entry per main layer, then the MTP layer(s); DSpark-0731
+            # (spec 04 §4.1) appends one per drafter stage while keeping num_nextn 1
+            n, low, high = len(self.compress_ratios), self.num_hidden_layers + 1, self.num_hidden_layers + MAX_NEXTN_LAYERS
+            if not low <= n <= high:
+                raise ConfigFieldError("compress_ratios", f"compress_ratios has {n} entries; expected one per main layer (num_hidden_layers = {self.num_hidden_layers}) and one per draft layer: {low}..{high}")
+
+    def _check_supported(self) -> None:
+        if self.num_nextn_predict_layers == 0:
+            raise UnsupportedConfig("num_nextn_predict_layers", "num_nextn_predict_layers is 0: the checkpoint has no MTP draft layer to convert")
+        if self.expert_dtype not in EXPERT_DTYPES:
+            raise UnsupportedConfig("expert_dtype", f"unknown expert_dtype {self.expert_dtype!r} (expected fp4 or fp8)")
+        # vLLM creates ffn.gate.e_score_correction_bias only for noaux_tc routing (NOTES.md),
+        # and the draft's router is sqrtsoftplus (spec 03 section 3.4)
+        for field, want in (("topk_method", "noaux_tc"), ("scoring_func", "sqrtsoftplus")):
+            if getattr(self, field) != want:
+                raise UnsupportedConfig(field, f"topk_method {self.topk_method!r}, scoring_func {self.scoring_func!r}; the XPU MTP layout is defined for noaux_tc routing with sqrtsoftplus scores only")
+        if self.n_shared_experts != 1:
+            raise UnsupportedConfig("n_shared_experts", f"n_shared_experts is {self.n_shared_experts}; the layouts of this tool have exactly one shared expert of width moe_intermediate_size (spec 01 §1.4)")
+        drafts = self.compress_ratios[self.num_hidden_layers :]
+        if any(drafts):
+            raise UnsupportedConfig("compress_ratios", f"compress_ratios gives the draft layer(s) the ratio(s) {list(drafts)}; the MTP layer has no compressor (spec 01 §1.2: its entry is 0)")
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
-        names = {f.name for f in fields(cls)}
+    def from_dict(cls, raw: Any) -> ModelConfig:
+        """Validate a parsed config.json; ConfigError (naming the field) if it is not usable."""
+        _require_object(raw)
+        names = {f.name for f in fields(cls)} - {"weight_block_size"}
         values = {k: v for k, v in raw.items() if k in names}
-        if "compress_ratios" in values:
+        if type(values.get("compress_ratios")) is list:
             values["compress_ratios"] = tuple(values["compress_ratios"])
-        quant = raw.get("quantization_config") or {}
-        if "weight_block_size" in quant:
-            values["weight_block_size"] = tuple(quant["weight_block_size"])
-        if values.get("expert_dtype") is None:
-            values.pop("expert_dtype", None)
+        quant = raw.get("quantization_config")
+        if quant is not None and not isinstance(quant, dict):
+            raise ConfigFieldError("quantization_config", f"quantization_config is {_describe(quant)}; expected an object")
+        if quant and "weight_block_size" in quant:
+            block = quant["weight_block_size"]
+            values["weight_block_size"] = tuple(block) if type(block) is list else block
+        if values.get("expert_dtype", "") is None:
+            del values["expert_dtype"]
+        _check_model_type(values.get("model_type", SUPPORTED_MODEL_TYPE))
         missing = [f.name for f in fields(cls) if f.default is MISSING and f.name not in values]
         if missing:
-            raise ValueError(f"config.json lacks required field(s): {', '.join(missing)}")
+            raise ConfigFieldError(missing[0], f"lacks required field(s): {', '.join(missing)}")
         return cls(**values)
 
     @classmethod
+    def from_json(cls, raw: bytes | str) -> ModelConfig:
+        return cls.from_dict(parse_config(raw))
+
+    @classmethod
     def from_file(cls, path: str | Path) -> ModelConfig:
-        return cls.from_dict(json.loads(Path(path).read_text()))
+        """Read and validate `path`; OSError if it cannot be read, ConfigError if unusable."""
+        return cls.from_json(Path(path).read_bytes())
 
     @property
     def hc_dim(self) -> int:
@@ -70,6 +274,23 @@ class ModelConfig:
         """Rows of an hc_{attn,ffn}_fn: n_hc pre, n_hc post, n_hc*n_hc comb."""
         return (2 + self.hc_mult) * self.hc_mult
 
+    def require_draft_blocks(self, blocks: list[str]) -> None:
+        """Refuse, naming the field, a config that promises more draft blocks than a
+        checkpoint holds (`blocks`: the prefixes present, e.g. ["mtp.0"])."""
+        if len(blocks) < self.num_nextn_predict_layers:
+            raise UnsupportedConfig("num_nextn_predict_layers", f"num_nextn_predict_layers = {self.num_nextn_predict_layers} but the shards hold {len(blocks)} draft block(s) ({', '.join(blocks) or 'none'}) (keys and config disagree)")
+
     def mtp_layer_index(self, i: int) -> int:
         """vLLM numbers MTP block i as decoder layer L = num_hidden_layers + i."""
         return self.num_hidden_layers + i
+
+
+def parse_config(raw: bytes | str) -> dict[str, Any]:
+    """config.json as strict JSON whose top level is an object (its fields unchecked: that is
+    ModelConfig.from_dict's job, for the readers that need the model's fields)."""
+    try:
+        value = loads(raw)
+    except StrictJSONError as exc:
+        raise ConfigError(str(exc)) from None
+    _require_object(value)
+    return value

@@ -7,7 +7,8 @@ torch reference that defines its meaning.
   One program per (rows of tokens, task): task 0 = enorm, task 1+j = hnorm of stream j.
 * `mtp_shared_head_rmsnorm`: the shared head's norm, one program per rows of tokens.
 
-How many rows per program and warps each: `launch_config`, a table measured on an H200.
+How many rows per program, warps each and which cache hints: `launch_config`, a table
+measured on an H200.
 
 Both: out of place, fp32 math, one rounding at the store, T = 0 launches nothing.
 
@@ -134,24 +135,55 @@ def _launch(kernel: Any, grid: tuple[int, int], tensors: tuple[torch.Tensor, ...
 
 
 class LaunchConfig(NamedTuple):
-    """How one call is launched: `rows` rows of H per program (T divisible by it), `num_warps` each."""
+    """How one call is launched: `rows` rows of H per program (T divisible by it), `num_warps`
+    each; the cache hints of the row loads and stores (Triton's `eviction_policy` of tl.load,
+    `cache_modifier` and `eviction_policy` of tl.store; "" = none); `contiguous`: the fused
+    kernel's hnorm programs take `rows` adjacent rows of prev (else one stream of `rows` tokens)."""
 
     num_warps: int
     rows: int
+    load_eviction: str = ""
+    store_cache: str = ""
+    store_eviction: str = ""
+    contiguous: bool = False
 
 
 # Per kernel and BLOCK = next_power_of_2(H): (largest T, config) in increasing T; the first
-# entry whose T bound is >= T applies. Chosen on an H200 under CUDA-graph replay from two
-# sweeps against vLLM 0.33.0's kernels (4 warps, 1 row) at T in {1, 4, 16, 64, 256, 4096,
-# 16384}: one config per range of T, at most 4% slower than the sweep's fastest at each
-# measured T (BENCHMARKS.md, "Against vLLM 0.33.0"). A table, not autotuning: a served
-# draft step launches these inside a captured graph, where a first-call search would be
-# timed into the capture.
+# entry whose T bound is >= T applies. Chosen on an H200 under CUDA-graph replay against
+# vLLM 0.33.0's kernels (4 warps, 1 row, no hints), outputs allocated per call as the model
+# does: T <= 64 from h8's warps x rows sweeps (at T in {1, 4, 16, 64}); above, from one sweep
+# of 4-16 warps x 1-2 rows x load / store cache hints x contiguous at T in {256, 512, 1024,
+# 2048, 4096, 16384}: per range of T the config whose worst ratio to vLLM over the range was
+# lowest, with as few entries as that allowed (BENCHMARKS.md, "Against vLLM 0.33.0").
+# Loading the rows evict_last was in nearly every range's best; storing .cs with two
+# adjacent rows of prev per program is what beats vLLM at H = 7168, T = 256 (sweep: 0.87 of
+# vLLM's time, against 1.03 for the previous 4 warps x 1 row). A table, not autotuning: a
+# served draft step launches these inside a captured graph, where a first-call search would
+# be timed into the capture.
 _TUNED: dict[tuple[str, int], tuple[tuple[int, LaunchConfig], ...]] = {
-    ("fused_input", 4096): ((256, LaunchConfig(8, 1)), (1 << 62, LaunchConfig(16, 2))),
-    ("fused_input", 8192): ((256, LaunchConfig(4, 1)), (1 << 62, LaunchConfig(16, 2))),
-    ("shared_head", 4096): ((256, LaunchConfig(8, 1)), (4096, LaunchConfig(4, 1)), (1 << 62, LaunchConfig(8, 1))),
-    ("shared_head", 8192): ((256, LaunchConfig(16, 1)), (1 << 62, LaunchConfig(8, 1))),
+    ("fused_input", 4096): (
+        (64, LaunchConfig(8, 1)),
+        (256, LaunchConfig(8, 1, load_eviction="evict_last")),
+        (1 << 62, LaunchConfig(8, 2, load_eviction="evict_last", store_cache=".cs")),
+    ),
+    ("fused_input", 8192): (
+        (64, LaunchConfig(4, 1)),
+        (256, LaunchConfig(4, 2, load_eviction="evict_last", store_cache=".cs", contiguous=True)),
+        # only at T = 512 (35 MiB read, 35 MiB written): evict_first loads and evict_last
+        # stores, 0.89-0.93 of vLLM's time in six timings, 1.04-1.07 at T = 256 and 1024
+        (512, LaunchConfig(8, 1, load_eviction="evict_first", store_eviction="evict_last")),
+        (1 << 62, LaunchConfig(8, 1, load_eviction="evict_last", store_cache=".cs")),
+    ),
+    ("shared_head", 4096): (
+        (64, LaunchConfig(8, 1)),
+        (256, LaunchConfig(8, 1, load_eviction="evict_last")),
+        (1 << 62, LaunchConfig(16, 2, load_eviction="evict_last", store_eviction="evict_last")),
+    ),
+    ("shared_head", 8192): (
+        (64, LaunchConfig(16, 1)),
+        (256, LaunchConfig(16, 1, load_eviction="evict_last")),
+        (1 << 62, LaunchConfig(8, 1, load_eviction="evict_last", store_eviction="evict_last")),
+    ),
 }
 
 
@@ -185,7 +217,7 @@ if triton is not None:
         return out
 
     @triton.jit
-    def _rms_rows(x, w_ptr, out_ptr, rows, offs, mask, eps, H: tl.constexpr):
+    def _rms_rows(x, w_ptr, out_ptr, rows, offs, mask, eps, H: tl.constexpr, STORE_CACHE: tl.constexpr, STORE_EVICTION: tl.constexpr):
         # x [ROWS, BLOCK] fp32 of the rows `rows` (of H each); one weight for all rows, loaded
         # before the reduction (after it, as vLLM does, was up to 8.7% slower at T <= 256)
         w = tl.load(w_ptr + offs, mask=offs < H, other=0.0).to(tl.float32)
@@ -195,12 +227,13 @@ if triton is not None:
             out = _to_bf16_rtne(y)
         else:
             out = y.to(out_ptr.dtype.element_ty)
-        tl.store(out_ptr + rows[:, None] * H + offs[None, :], out, mask=mask)
+        tl.store(out_ptr + rows[:, None] * H + offs[None, :], out, mask=mask, cache_modifier=STORE_CACHE, eviction_policy=STORE_EVICTION)
 
     @triton.jit
     def _fused_mtp_input_rmsnorm_kernel(
         e_ptr, pos_ptr, prev_ptr, ew_ptr, hw_ptr, eo_ptr, ho_ptr, eps,
-        H: tl.constexpr, N_HC: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
+        H: tl.constexpr, N_HC: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, CONTIGUOUS: tl.constexpr,
+        LOAD_EVICTION: tl.constexpr, STORE_CACHE: tl.constexpr, STORE_EVICTION: tl.constexpr,
     ):  # fmt: skip
         # program (i, task): tokens i*ROWS ... i*ROWS+ROWS-1; task 0 = enorm, 1+j = hnorm of stream j
         t = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
@@ -209,22 +242,33 @@ if triton is not None:
         mask = (offs < H)[None, :]
         if task == 0:
             keep = tl.load(pos_ptr + t) != 0
-            x = tl.load(e_ptr + t[:, None] * H + offs[None, :], mask=mask, other=0.0).to(tl.float32)
+            x = tl.load(e_ptr + t[:, None] * H + offs[None, :], mask=mask, other=0.0, eviction_policy=LOAD_EVICTION).to(tl.float32)
             # zero before the norm: 0 * rsqrt(0 + eps) is exactly 0, whatever the weight
             x = tl.where(keep[:, None], x, 0.0)
-            _rms_rows(x, ew_ptr, eo_ptr, t, offs, mask, eps, H)
+            _rms_rows(x, ew_ptr, eo_ptr, t, offs, mask, eps, H, STORE_CACHE, STORE_EVICTION)
         else:
-            rows = t * N_HC + task - 1
-            x = tl.load(prev_ptr + rows[:, None] * H + offs[None, :], mask=mask, other=0.0).to(tl.float32)
-            _rms_rows(x, hw_ptr, ho_ptr, rows, offs, mask, eps, H)
+            if CONTIGUOUS:
+                # rows (i*N_HC + task-1)*ROWS ... +ROWS-1 of prev seen as [T*N_HC, H]
+                rows = (tl.program_id(0).to(tl.int64) * N_HC + task - 1) * ROWS + tl.arange(0, ROWS)
+            else:
+                rows = t * N_HC + task - 1
+            x = tl.load(prev_ptr + rows[:, None] * H + offs[None, :], mask=mask, other=0.0, eviction_policy=LOAD_EVICTION).to(tl.float32)
+            _rms_rows(x, hw_ptr, ho_ptr, rows, offs, mask, eps, H, STORE_CACHE, STORE_EVICTION)
 
     @triton.jit
-    def _rmsnorm_kernel(x_ptr, w_ptr, out_ptr, eps, H: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr):
+    def _rmsnorm_kernel(
+        x_ptr, w_ptr, out_ptr, eps, H: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
+        LOAD_EVICTION: tl.constexpr, STORE_CACHE: tl.constexpr, STORE_EVICTION: tl.constexpr,
+    ):  # fmt: skip
         t = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
         offs = tl.arange(0, BLOCK)
         mask = (offs < H)[None, :]
-        x = tl.load(x_ptr + t[:, None] * H + offs[None, :], mask=mask, other=0.0).to(tl.float32)
-        _rms_rows(x, w_ptr, out_ptr, t, offs, mask, eps, H)
+        x = tl.load(x_ptr + t[:, None] * H + offs[None, :], mask=mask, other=0.0, eviction_policy=LOAD_EVICTION).to(tl.float32)
+        _rms_rows(x, w_ptr, out_ptr, t, offs, mask, eps, H, STORE_CACHE, STORE_EVICTION)
+
+
+def _hints(config: LaunchConfig) -> dict[str, str]:
+    return {"LOAD_EVICTION": config.load_eviction, "STORE_CACHE": config.store_cache, "STORE_EVICTION": config.store_eviction}
 
 
 def _fused_mtp_input_rmsnorm_into(
@@ -238,7 +282,7 @@ def _fused_mtp_input_rmsnorm_into(
         (T // config.rows, 1 + n_hc),
         (e, positions, prev, enorm_w, hnorm_w, e_out, h_out),
         eps,
-        {"H": H, "N_HC": n_hc, "BLOCK": triton.next_power_of_2(H), "ROWS": config.rows},
+        {"H": H, "N_HC": n_hc, "BLOCK": triton.next_power_of_2(H), "ROWS": config.rows, "CONTIGUOUS": config.contiguous, **_hints(config)},
         config.num_warps,
     )
 
@@ -246,7 +290,7 @@ def _fused_mtp_input_rmsnorm_into(
 def _mtp_shared_head_rmsnorm_into(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, eps: float, config: LaunchConfig) -> None:
     """The shared-head kernel on contiguous tensors, T > 0, into out."""
     T, H = x.shape
-    consts = {"H": H, "BLOCK": triton.next_power_of_2(H), "ROWS": config.rows}
+    consts = {"H": H, "BLOCK": triton.next_power_of_2(H), "ROWS": config.rows, **_hints(config)}
     _launch(_rmsnorm_kernel, (T // config.rows, 1), (x, w, out), eps, consts, config.num_warps)
 
 

@@ -5,8 +5,10 @@ no remap here, and anything other than an exact match of names, shapes and dtype
 error naming the tensor and its file. Silent drops are how vLLM users got 0% draft
 acceptance with no load-time error; this loader refuses them.
 
-Every header is checked before any data is read; the data are then read one tensor at a
-time with safetensors (memory-mapped), so memory stays at the model's own size.
+Every header is checked before any data is read. On the CPU the parameters are then views
+of the memory-mapped shards: loading reads no tensor data and copies nothing, and a forward
+reads only the pages it touches (the head, the experts some token routes to, a few rows of
+the embedding).
 """
 
 from __future__ import annotations
@@ -21,11 +23,14 @@ from dsv4.convert.dtypes import SAFETENSORS_NAMES
 from dsv4.convert.errors import (
     DtypeMismatchError,
     LoadError,
+    MissingConfigError,
     MissingKeyError,
     ShapeMismatchError,
     UnexpectedKeyError,
+    config_errors,
 )
 from dsv4.convert.inventory import INDEX_NAME, SINGLE_FILE
+from dsv4.convert.plan import draft_layers_present
 from dsv4.model.config import ModelConfig
 from dsv4.model.mtp import DeepSeekV4MTP
 
@@ -62,22 +67,24 @@ def load_converted(path: str | Path, device: str | torch.device | None = None) -
     """Build the draft model for `path`/config.json and load the converted weights strictly.
 
     Raises MissingKeyError, UnexpectedKeyError, ShapeMismatchError, DtypeMismatchError
-    (all LoadError) naming the first offending tensor and its file.
+    (all LoadError) naming the first offending tensor and its file; a config.json the
+    converter would refuse raises the converter's error (MissingConfigError,
+    MalformedConfigError, UnsupportedLayoutError).
     """
     root = Path(path)
     config_path = root / "config.json"
     if not config_path.is_file():
-        raise LoadError(f"{config_path}: no config.json in the converted checkpoint")
-    try:
+        raise MissingConfigError(f"{config_path}: no config.json in the converted checkpoint")
+    with config_errors(str(config_path)):  # the same verdicts as plan, convert and check
         cfg = ModelConfig.from_file(config_path)
-    except (ValueError, TypeError) as exc:
-        raise LoadError(f"{config_path}: {exc}") from None
     dev = torch.device(device) if device is not None else default_device()
 
+    weight_map = _weight_map(root)
+    with config_errors(str(config_path)):
+        cfg.require_draft_blocks(draft_layers_present(cfg, weight_map))
     with torch.device("meta"):
         model = DeepSeekV4MTP(cfg)
     expected = model.state_dict()
-    weight_map = _weight_map(root)
     index_file = INDEX_NAME if (root / INDEX_NAME).is_file() else SINGLE_FILE
     for name in expected:
         if name not in weight_map:
@@ -109,10 +116,14 @@ def load_converted(path: str | Path, device: str | torch.device | None = None) -
                 if dtype != SAFETENSORS_NAMES[want.dtype]:
                     raise DtypeMismatchError(f"{shard}: tensor {name} has dtype {dtype}, the model expects {SAFETENSORS_NAMES[want.dtype]}")
 
-    model = model.to_empty(device=dev)
-    params = model.state_dict()
+    # safetensors maps each shard privately (copy-on-write) and get_tensor returns a view of
+    # that map: on the CPU the parameters ARE those views (no copy; a page is read when the
+    # forward first touches it, and a write would copy the page, never reach the file).
+    # Any other device gets its one copy, a tensor at a time.
+    state: dict[str, torch.Tensor] = {}
     for file, names in sorted(by_file.items()):
         with safe_open(root / file, framework="pt", device="cpu") as f:
             for name in names:
-                params[name].copy_(f.get_tensor(name))
+                state[name] = f.get_tensor(name).to(dev)
+    model.load_state_dict(state, strict=True, assign=True)
     return model.eval()

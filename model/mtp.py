@@ -205,10 +205,11 @@ class Experts(QuantLayer):
 
 
 class MoE(nn.Module):
+    """Routes with sqrtsoftplus scores and noaux_tc selection: ModelConfig refuses any other
+    scoring_func or topk_method (spec 03 section 3.4)."""
+
     def __init__(self, cfg: ModelConfig, layer_prefix: str) -> None:
         super().__init__()
-        if cfg.scoring_func != "sqrtsoftplus":
-            raise ValueError(f"config.json: scoring_func {cfg.scoring_func!r}; the DeepSeek V4 MTP routes with sqrtsoftplus (spec 03 section 3.4)")
         self.cfg = cfg
         p = f"{layer_prefix}.ffn"
         self.gate = Gate(cfg, f"{p}.gate")
@@ -316,7 +317,7 @@ class MTPLayer(nn.Module):
         x = h.reshape(h.shape[0], cfg.hc_mult, cfg.hidden_size)
         y = hc_head(x, self.hc_head_fn, self.hc_head_scale, self.hc_head_base, cfg.rms_norm_eps, cfg.hc_eps)
         y = kernels.mtp_shared_head_rmsnorm(y, self.shared_head.norm.weight, cfg.rms_norm_eps)
-        return y.float() @ self.shared_head.head.weight.float().T
+        return self.shared_head.head.forward_fp32(y)
 
 
 class MTPModel(nn.Module):

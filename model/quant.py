@@ -5,9 +5,10 @@ vLLM gives it (spec 02 §2.3). The seed bug was a linear built without one: its 
 and compressed-tensors could not match it. So the name is a required constructor argument
 and an empty one is refused at construction.
 
-Weights stay quantised in memory; each forward dequantises what it needs into a temporary
-bf16 matrix. That keeps a real-size draft at its on-disk size (~3.6 GB for Flash) and,
-for the routed experts, only the experts some token routes to are ever dequantised.
+Weights stay quantised in memory (on the CPU, as views of the mapped shards: loader.py);
+each forward dequantises what it needs into a temporary bf16 matrix. So a real-size draft
+costs no more than its on-disk size, only the pages a forward touches become resident, and
+of the routed experts only those some token routes to are ever dequantised.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from dsv4.convert.native import FP4_GROUP
 
 FP8 = torch.float8_e4m3fn
 E8M0 = torch.float8_e8m0fnu
+
+FP32_STEP_BYTES = 64 << 20  # Bf16Linear.forward_fp32's fp32 buffer: 4096 rows of Flash's head
 
 # e2m1 code -> value; bit 3 is the sign (spec 01 §1.3)
 _FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
@@ -58,11 +61,14 @@ def dequant_fp8_block(
 def dequant_fp4(packed: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """Packed e2m1 [.., rows, cols/2] (LOW nibble = even index) with one E8M0 scale per 32
     inputs [.., rows, cols/32] -> [.., rows, cols]."""
-    codes = packed.view(torch.uint8)
     lut = torch.tensor(_FP4_VALUES, dtype=torch.float32, device=packed.device)
-    vals = torch.stack((lut[(codes & 0xF).long()], lut[(codes >> 4).long()]), dim=-1).flatten(-2)
-    s = scale_to_float(scale).repeat_interleave(FP4_GROUP, dim=-1)
-    return (vals * s).to(out_dtype)
+    byte = torch.arange(256, device=packed.device)
+    pairs = torch.stack((lut[byte & 0xF], lut[byte >> 4]), dim=-1)  # byte -> (even, odd) value
+    # one lookup per byte, int32 indices, the scale broadcast over its group: a quarter of
+    # the temporaries of a lookup per nibble with a repeated scale (experts are ~8 MB each)
+    vals = nn.functional.embedding(packed.view(torch.uint8).int(), pairs).flatten(-2)
+    groups = vals.unflatten(-1, (-1, FP4_GROUP)) * scale_to_float(scale).unsqueeze(-1)
+    return groups.flatten(-2).to(out_dtype)
 
 
 class QuantLayer(nn.Module):
@@ -123,6 +129,24 @@ class Bf16Linear(QuantLayer):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x @ self.weight.T
+
+    def forward_fp32(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, in] @ W.T with fp32 products and sums, fp32 out (the logits), and no fp32
+        copy of W (2 GB for Flash's head). torch 2.13 has no bf16 x bf16 -> fp32 GEMM on the
+        CPU (aten::mm.dtype is CUDA-only) and a bf16 GEMM rounds its output to bf16, which
+        turns near-ties of the top logits into ties. So W is upcast FP32_STEP_BYTES at a
+        time into one reused buffer (bf16 -> fp32 is exact: the result is that of the whole
+        fp32 product); few large steps, because each GEMM call has a fixed cost."""
+        rows, cols = self.weight.shape
+        step = max(1, FP32_STEP_BYTES // (4 * cols))
+        xf = x.float()
+        out = torch.empty(x.shape[0], rows, dtype=torch.float32, device=x.device)
+        buf = torch.empty(min(step, rows), cols, dtype=torch.float32, device=x.device)
+        for r in range(0, rows, step):
+            w = buf[: min(step, rows - r)]
+            w.copy_(self.weight[r : r + step])
+            torch.mm(xf, w.T, out=out[:, r : r + step])
+        return out
 
 
 class Embedding(QuantLayer):

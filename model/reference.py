@@ -24,6 +24,7 @@ from safetensors import safe_open
 from dsv4.model.config import ModelConfig
 
 INDEX_NAME = "model.safetensors.index.json"
+VOCAB_SLICE = 8192  # rows of the head upcast to fp32 at once in compute_logits: 128 MiB at Flash size
 
 
 def _e8m0_value(scale: torch.Tensor) -> torch.Tensor:
@@ -88,6 +89,8 @@ class NativeReference:
         for k in sorted(wanted | own):
             by_file.setdefault(weight_map[k], []).append(k)
         self.t: dict[str, torch.Tensor] = {}
+        # On the CPU .to() returns the tensor itself, a view of safetensors' private map of
+        # the file: nothing is copied and a page is read when the forward first touches it.
         for fname, keys in by_file.items():
             with safe_open(root / fname, framework="pt", device="cpu") as f:
                 for k in keys:
@@ -196,4 +199,10 @@ class NativeReference:
         pre = torch.sigmoid(mix * self.w("hc_head_scale")[0] + self.w("hc_head_base")) + cfg.hc_eps
         y = (X.float() * pre[..., None]).sum(1).to(X.dtype)
         y = _norm(y, self.w("norm.weight"), cfg.rms_norm_eps)
-        return y.float() @ self.t["head.weight"].float().T
+        # A slice of the vocabulary at a time: an fp32 copy of the whole head would be 2 GB
+        # at Flash size. bf16 -> fp32 is exact, so this is the full fp32 product.
+        head, yf = self.t["head.weight"], y.float()
+        logits = torch.empty(yf.shape[0], head.shape[0], dtype=torch.float32, device=yf.device)
+        for a in range(0, head.shape[0], VOCAB_SLICE):
+            logits[:, a : a + VOCAB_SLICE] = yf @ head[a : a + VOCAB_SLICE].float().T
+        return logits

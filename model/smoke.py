@@ -12,7 +12,8 @@ from typing import Any, TypeVar
 import click
 import torch
 
-from dsv4.convert.errors import SmokeCheckError
+from dsv4.convert.cli import Device
+from dsv4.convert.errors import SmokeCheckError, config_errors
 from dsv4.model import kernels
 from dsv4.model.loader import default_device, load_converted
 from dsv4.model.reference import NativeReference
@@ -66,7 +67,8 @@ def run_smoke(
         raise SmokeCheckError(f"{where}: non-finite values in the draft's hidden states or logits")
 
     if reference_dir is not None:
-        ref, report["reference_load_ms"] = _timed(dev, lambda: NativeReference(reference_dir, dev))
+        with config_errors(f"{reference_dir}/config.json"):  # the reference reads the native config
+            ref, report["reference_load_ms"] = _timed(dev, lambda: NativeReference(reference_dir, dev))
         h_ref, report["reference_forward_ms"] = _timed(dev, lambda: ref.forward(ids, positions, prev))
         logits_ref, report["reference_logits_ms"] = _timed(dev, lambda: ref.compute_logits(h_ref))
         report["reference"] = str(reference_dir)
@@ -93,7 +95,7 @@ def top1_agreement_up_to_ties(logits: torch.Tensor, logits_ref: torch.Tensor, re
 
 @click.command("smoke")
 @click.argument("out", type=click.Path(exists=True, file_okay=False, path_type=Path))
-@click.option("--device", help="xpu, cuda, cpu, cuda:1, ... (default: xpu, else cuda, else cpu)")
+@click.option("--device", type=Device(), help="xpu, cuda, cpu, cuda:1, ... (default: xpu, else cuda, else cpu)")
 @click.option("--tokens", type=click.IntRange(min=1), default=8, show_default=True, help="tokens in the draft step")
 @click.option("--reference", "reference_dir", type=click.Path(exists=True, file_okay=False, path_type=Path), help="the NATIVE checkpoint OUT was converted from: compare with an independent reference")
 @click.option("--min-top1", type=click.FloatRange(0, 1), default=1.0, show_default=True, help="fail when top-1 agreement with the reference is lower (a disagreement on a near-tie, within 1% of max|logit| in the reference, counts as agreeing)")

@@ -156,6 +156,13 @@ def bf16_ulps(a: torch.Tensor, b: torch.Tensor) -> int:
     return int((ordered(a) - ordered(b)).abs().max())
 
 
+def describe(config: kernels.LaunchConfig) -> str:
+    """'warps x rows' and the config's cache hints, if any."""
+    extras = ["contiguous"] if config.contiguous else []
+    extras += [f"{what} {hint}" for what, hint in (("load", config.load_eviction), ("store", config.store_cache), ("store", config.store_eviction)) if hint]
+    return ", ".join([f"{config.num_warps} x {config.rows}", *extras])
+
+
 def sweep_configs(H: int, T: int) -> list[kernels.LaunchConfig]:
     """Every config worth timing: 1-32 warps, 1, 2 or 4 rows per program (T divisible by
     it), 4-128 elements of a row per thread."""
@@ -226,14 +233,14 @@ def against_vllm(args: argparse.Namespace) -> None:
             for name, (ours, theirs) in cases.items():
                 us = graph_us({"ours": ours, "vllm": theirs}, graph_calls(T))
                 cfg = kernels.launch_config(name, H, T)
-                rows.append({"kernel": name, "H": H, "T": T, "num_warps": cfg.num_warps, "rows": cfg.rows, "ours_us": us["ours"], "vllm_us": us["vllm"], "ulps_vs_vllm": ulps[name][0], "ulps_vs_ref": ulps[name][1]})
+                rows.append({"kernel": name, "H": H, "T": T, "config": describe(cfg), "ours_us": us["ours"], "vllm_us": us["vllm"], "ulps_vs_vllm": ulps[name][0], "ulps_vs_ref": ulps[name][1]})
     if not args.sweep:
-        print("| kernel | H | T | warps x rows | ours µs | vLLM µs | ours / vLLM | ulps vs vLLM | ulps vs ref |")
+        print("| kernel | H | T | warps x rows, hints | ours µs | vLLM µs | ours / vLLM | ulps vs vLLM | ulps vs ref |")
         print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
         for r in rows:
             ratio = r["ours_us"] / r["vllm_us"]
             mark = "" if ratio <= 1 else " **slower**"
-            print(f"| {r['kernel']} | {r['H']} | {r['T']} | {r['num_warps']} x {r['rows']} | {r['ours_us']:.2f} | {r['vllm_us']:.2f} | {ratio:.3f}{mark} | {r['ulps_vs_vllm']} | {r['ulps_vs_ref']} |")
+            print(f"| {r['kernel']} | {r['H']} | {r['T']} | {r['config']} | {r['ours_us']:.2f} | {r['vllm_us']:.2f} | {ratio:.3f}{mark} | {r['ulps_vs_vllm']} | {r['ulps_vs_ref']} |")
         print(f"ours <= vLLM in {sum(r['ours_us'] <= r['vllm_us'] for r in rows)} of {len(rows)} shapes")
     if args.json:
         with open(args.json, "w") as f:
@@ -275,12 +282,15 @@ def main() -> None:
                 # Triton's own launch path, for comparison with the cached launch in kernels.py
                 eo, ho = torch.empty_like(e), torch.empty_like(prev)
                 grid = (T // fused_cfg.rows, 1 + N_HC)
-                kernels._fused_mtp_input_rmsnorm_kernel[grid](e, pos, prev, w1, w2, eo, ho, EPS, H=H, N_HC=N_HC, BLOCK=block, ROWS=fused_cfg.rows, num_warps=fused_cfg.num_warps)
+                kernels._fused_mtp_input_rmsnorm_kernel[grid](
+                    e, pos, prev, w1, w2, eo, ho, EPS, H=H, N_HC=N_HC, BLOCK=block, ROWS=fused_cfg.rows,
+                    CONTIGUOUS=fused_cfg.contiguous, **kernels._hints(fused_cfg), num_warps=fused_cfg.num_warps,
+                )  # fmt: skip
 
             def jit_head() -> None:
                 out = torch.empty_like(e)
                 grid = (T // head_cfg.rows,)
-                kernels._rmsnorm_kernel[grid](e, w1, out, EPS, H=H, BLOCK=block, ROWS=head_cfg.rows, num_warps=head_cfg.num_warps)
+                kernels._rmsnorm_kernel[grid](e, w1, out, EPS, H=H, BLOCK=block, ROWS=head_cfg.rows, **kernels._hints(head_cfg), num_warps=head_cfg.num_warps)
 
             cases = {
                 "fused_mtp_input_rmsnorm": (

@@ -229,6 +229,27 @@ def test_every_tuned_launch_config_matches_the_reference(monkeypatch, kernel, bl
     assert all(bf16_ulps(g, w) <= 1 for g, w in zip(got, want))
 
 
+HINTED = [
+    kernels.LaunchConfig(4, 2, contiguous=True),
+    kernels.LaunchConfig(4, 4, load_eviction="evict_first", store_cache=".cs", contiguous=True),
+    kernels.LaunchConfig(2, 1, load_eviction="evict_last", store_eviction="evict_first"),
+    kernels.LaunchConfig(8, 2, load_eviction="evict_last", store_eviction="evict_last"),
+]
+
+
+@pytest.mark.parametrize("config", HINTED)
+def test_cache_hints_and_programs_on_adjacent_rows_of_prev_do_not_change_the_result(monkeypatch, config):
+    # hnorm programs on `rows` adjacent rows of prev (contiguous) must still cover every
+    # (token, stream) row exactly once; cache hints change where data lives, not the math
+    T, H = 12, 1000
+    monkeypatch.setattr(kernels, "_TUNED", {(k, 1024): ((1 << 62, config),) for k in ("fused_input", "shared_head")})
+    e, positions, prev, ew, hw = _inputs(T, H, seed=config.rows + config.num_warps)
+    got = kernels.fused_mtp_input_rmsnorm(e, positions, prev, ew, hw, EPS, N_HC)
+    want = kernels.fused_mtp_input_rmsnorm_ref(e, positions, prev, ew, hw, EPS, N_HC)
+    assert all(bf16_ulps(g, w) <= 1 for g, w in zip(got, want))
+    assert bf16_ulps(kernels.mtp_shared_head_rmsnorm(e, ew, EPS), kernels.mtp_shared_head_rmsnorm_ref(e, ew, EPS)) <= 1
+
+
 def test_launch_config_takes_the_first_bound_at_or_above_T_and_one_row_where_rows_do_not_divide_T(monkeypatch):
     Config = kernels.LaunchConfig
     monkeypatch.setattr(kernels, "_TUNED", {("shared_head", 1024): ((16, Config(2, 1)), (1 << 62, Config(8, 4)))})
