@@ -29,16 +29,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cache
 from types import ModuleType
-from typing import Any, Literal
-
-import torch
-from torch import nn
+from typing import TYPE_CHECKING, Any, Literal
 
 from dsv4.convert.errors import CheckError, EmptyQuantNameError, QuantCarryError, QuantSchemeError
 from dsv4.convert.plan import LAYOUT_RECORD, Plan
 from dsv4.model.config import ModelConfig
-from dsv4.model.mtp import DeepSeekV4MTP, Experts
-from dsv4.model.quant import Embedding, QuantLayer
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from dsv4.model.mtp import DeepSeekV4MTP
 
 CT_METHOD = "compressed-tensors"
 INSTALL_HINT = "pip install 'dsv4-convert[quant]'"
@@ -54,20 +54,21 @@ LayerKind = Literal["linear", "moe", "embedding"]
 Status = Literal["scheme", "ignored", "unmatched", "ambiguous"]
 
 
-class FusedMoE(nn.Linear):
-    """What compressed-tensors' class matching sees for the routed experts. vLLM's FusedMoE
-    takes the scheme of a "Linear" target (`_add_fused_moe_to_target_scheme_map`); deriving
-    from Linear gives that, and the class name matches a "FusedMoE" target."""
-
-
-_STAND_IN_CLASS: dict[LayerKind, type[nn.Module]] = {"linear": nn.Linear, "moe": FusedMoE, "embedding": nn.Embedding}
-
-
 @cache
 def _stand_in(kind: LayerKind) -> nn.Module:
     # Class targets are matched on the module's class (its MRO names), nothing else: a
     # 1x1 layer on the meta device stands for every layer of its kind.
-    return _STAND_IN_CLASS[kind](1, 1, device="meta")
+    # torch is imported here, not at module level: a conversion imports this module for
+    # carried_quantization and should not pay torch's start-up time for it
+    from torch import nn
+
+    class FusedMoE(nn.Linear):
+        """What compressed-tensors' class matching sees for the routed experts. vLLM's FusedMoE
+        takes the scheme of a "Linear" target (`_add_fused_moe_to_target_scheme_map`); deriving
+        from Linear gives that, and the class name matches a "FusedMoE" target."""
+
+    stand_in_class: dict[LayerKind, type[nn.Module]] = {"linear": nn.Linear, "moe": FusedMoE, "embedding": nn.Embedding}
+    return stand_in_class[kind](1, 1, device="meta")
 
 
 @dataclass(frozen=True)
@@ -80,6 +81,11 @@ class DraftLayer:
 def draft_layers(model: nn.Module) -> list[DraftLayer]:
     """Every linear-like module of `model` with its quantisation layer name. A plain torch
     Linear or Embedding carries no name at all: it is listed with "" (the seed bug's shape)."""
+    from torch import nn  # start-up time: see _stand_in
+
+    from dsv4.model.mtp import Experts
+    from dsv4.model.quant import Embedding, QuantLayer
+
     out = []
     for path, mod in model.named_modules():
         if not isinstance(mod, (QuantLayer, nn.Linear, nn.Embedding)):
@@ -92,6 +98,10 @@ def draft_layers(model: nn.Module) -> list[DraftLayer]:
 
 def build_draft(cfg: ModelConfig) -> DeepSeekV4MTP:
     """The bundled draft model on the meta device: names and classes, no memory."""
+    import torch  # start-up time: see _stand_in
+
+    from dsv4.model.mtp import DeepSeekV4MTP
+
     with torch.device("meta"):
         return DeepSeekV4MTP(cfg)
 

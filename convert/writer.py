@@ -14,10 +14,12 @@ import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from dsv4.convert.dtypes import ITEMSIZE, nbytes, tensor_bytes
+
+if TYPE_CHECKING:
+    import torch
 
 HEADER_ALIGN = 8  # safetensors pads its header so tensor data start 8-byte aligned
 
@@ -60,7 +62,9 @@ def encode_header(specs: Sequence[TensorSpec], metadata: dict[str, str] | None =
 
 
 def _as_bytes(data: bytes | bytearray | memoryview | torch.Tensor) -> memoryview:
-    return tensor_bytes(data) if isinstance(data, torch.Tensor) else memoryview(data).cast("B")
+    # a byte buffer as it is, anything else is a tensor (not isinstance(torch.Tensor): the
+    # converter writes buffers only and should not import torch for this test)
+    return memoryview(data).cast("B") if isinstance(data, (bytes, bytearray, memoryview)) else tensor_bytes(data)
 
 
 class ShardWriter:
@@ -95,6 +99,14 @@ class ShardWriter:
         self._file.seek(self.offsets[name] + at)
         self._file.write(view)
         return len(view)
+
+    def start_writeback(self, name: str, at: int, n: int) -> None:
+        """Have the kernel start writing these bytes of tensor `name` to disk now, without
+        waiting (POSIX_FADV_DONTNEED starts writeback of dirty pages, then drops the clean
+        ones from the cache): disk writes overlap the reads still to come, so `sync` finds
+        little left, and the output does not fill the page cache. Bytes are unchanged."""
+        self._file.flush()
+        os.posix_fadvise(self._file.fileno(), self.offsets[name] + at, n, os.POSIX_FADV_DONTNEED)
 
     def sync(self) -> None:
         self._file.flush()

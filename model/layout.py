@@ -3,20 +3,108 @@
 This is the single source of truth for target names, shapes and dtypes: the model is
 instantiated on the meta device (no memory, any size) and its state_dict is read off.
 The converter's plan and `check` compare against this; nothing hand-copies it.
+
+Building the model needs torch (about a second of imports), while planning and table
+validation need only the names, dtypes and shapes. So each layout is cached on disk, in
+$XDG_CACHE_HOME/dsv4-convert (~/.cache/dsv4-convert), keyed by everything it is a
+function of: the tool version, the bytes of the model's code and the whole config. A
+cache entry that is missing, unreadable, malformed or for another key is ignored and
+rebuilt; a cache directory that cannot be written only costs the rebuild.
 """
 
 from __future__ import annotations
 
-import torch
+import dataclasses
+import hashlib
+import json
+import os
+import tempfile
+from functools import cache
+from pathlib import Path
+from typing import Any
 
-from dsv4.convert.dtypes import SAFETENSORS_NAMES
+from dsv4 import __version__
 from dsv4.convert.native import Layout
 from dsv4.model.config import ModelConfig
-from dsv4.model.mtp import DeepSeekV4MTP
+from dsv4.model.strictjson import StrictJSONError, loads
+
+PACKAGE = Path(__file__).resolve().parent.parent
+# the code the model's parameters are a function of: the model package, the native
+# format (variant, FP4 group) and the dtype names
+MODEL_CODE = ("model", "convert/native.py", "convert/dtypes.py")
+CACHE_FORMAT = 1
 
 
 def target_layout(cfg: ModelConfig) -> Layout:
     """name -> (safetensors dtype, shape) of every parameter of the draft model for `cfg`."""
+    key = _cache_key(cfg)
+    path = cache_dir() / f"layout-{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]}.json"
+    layout = _read_cached(path, key)
+    if layout is None:
+        layout = build_target_layout(cfg)
+        _write_cached(path, key, layout)
+    return layout
+
+
+def build_target_layout(cfg: ModelConfig) -> Layout:
+    """The layout read off the model on the meta device (what the cache holds)."""
+    import torch  # start-up time: only a cache miss pays for torch and the model
+
+    from dsv4.convert.dtypes import SAFETENSORS_NAMES
+    from dsv4.model.mtp import DeepSeekV4MTP
+
     with torch.device("meta"):
         model = DeepSeekV4MTP(cfg)
     return {name: (SAFETENSORS_NAMES[t.dtype], tuple(t.shape)) for name, t in model.state_dict().items()}
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dsv4-convert"
+
+
+@cache
+def model_code_sha256() -> str:
+    """One digest over the model code's files (paths and bytes), read once per process."""
+    digest = hashlib.sha256()
+    for part in MODEL_CODE:
+        root = PACKAGE / part
+        for f in sorted(root.glob("*.py")) if root.is_dir() else [root]:
+            digest.update(f"{f.relative_to(PACKAGE)}\0{f.stat().st_size}\0".encode())
+            digest.update(f.read_bytes())
+    return digest.hexdigest()
+
+
+def _cache_key(cfg: ModelConfig) -> dict[str, Any]:
+    config = {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(cfg).items()}
+    return {"format": CACHE_FORMAT, "tool_version": __version__, "model_code": model_code_sha256(), "config": config}
+
+
+def _read_cached(path: Path, key: dict[str, Any]) -> Layout | None:
+    try:
+        entry = loads(path.read_text())
+        if entry["key"] != key:
+            return None
+        layout = {}
+        for name, (dtype, shape) in entry["layout"].items():
+            if not (isinstance(dtype, str) and isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
+                return None
+            layout[name] = (dtype, tuple(shape))
+        return layout or None
+    except (OSError, UnicodeDecodeError, StrictJSONError, KeyError, TypeError, ValueError, AttributeError):
+        return None  # absent or corrupt: rebuilt (and rewritten) by the caller
+
+
+def _write_cached(path: Path, key: dict[str, Any], layout: Layout) -> None:
+    """Atomically (a temporary file renamed over the entry): a reader never sees half."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".layout-", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump({"key": key, "layout": {k: [d, list(s)] for k, (d, s) in layout.items()}}, f)
+            os.replace(tmp, path)
+        except BaseException:
+            os.unlink(tmp)
+            raise
+    except OSError:
+        pass  # a read-only or full cache directory: the next run rebuilds the layout

@@ -14,6 +14,15 @@ import pytest  # noqa: E402
 from dsv4.convert.synth import write_checkpoint  # noqa: E402
 
 
+@pytest.fixture(scope="session", autouse=True)
+def layout_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The target layouts model/layout.py caches go to this session's own directory (child
+    processes inherit it), never to the user's cache."""
+    path = tmp_path_factory.mktemp("xdg-cache")
+    os.environ["XDG_CACHE_HOME"] = str(path)
+    return path / "dsv4-convert"
+
+
 @pytest.fixture(scope="session")
 def tiny_native(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny instruct (FP4 experts) native checkpoint with all its main layers."""

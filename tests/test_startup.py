@@ -1,0 +1,142 @@
+"""Start-up and the data path: a conversion and a plan import no torch (the target layout
+comes from a cache keyed by the model's code and config; a bad entry is rebuilt), every
+tensor keeps one sha256 over its bytes in order whatever the chunking and the number of
+hasher lanes, and the zero test sees every byte."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import mmap
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from dsv4.convert import job
+from dsv4.convert.dtypes import ITEMSIZE, TORCH_DTYPES
+from dsv4.convert.inventory import INDEX_NAME
+from dsv4.convert.presets import preset_config
+from dsv4.model import layout
+from dsv4.model.config import ModelConfig
+
+# Imports a whole conversion (or plan) in a child process and reports which heavy modules
+# it loaded; the child inherits the session's layout cache.
+IMPORTED = """
+import sys
+from dsv4.convert.cli import main
+sys.argv = ["convert-dsv4", *sys.argv[1:]]
+try:
+    main()
+except SystemExit as exc:
+    assert not exc.code, exc.code
+print("\\nIMPORTED", [m for m in ("torch", "triton", "safetensors", "huggingface_hub") if m in sys.modules])
+"""
+
+
+def imported_by(*args: str) -> list[str]:
+    done = subprocess.run([sys.executable, "-c", IMPORTED, *args], capture_output=True, text=True, check=True)
+    return json.loads(done.stdout.rsplit("IMPORTED", 1)[1].strip().replace("'", '"'))
+
+
+def test_conversion_and_plan_import_no_torch_once_the_layouts_are_cached(tiny_native: Path, tmp_path: Path) -> None:
+    imported_by("plan", str(tiny_native))  # fills the cache if this session has not yet
+    assert imported_by("plan", str(tiny_native)) == []
+    assert imported_by(str(tiny_native), str(tmp_path / "out"), "-q") == []
+    assert (tmp_path / "out" / INDEX_NAME).is_file()
+
+
+def test_itemsizes_are_torchs() -> None:
+    assert ITEMSIZE == {name: dtype.itemsize for name, dtype in TORCH_DTYPES.items()}
+
+
+def cfg(**change: object) -> ModelConfig:
+    return ModelConfig.from_dict({**preset_config("tiny", "instruct"), **change})
+
+
+def test_cached_layout_is_the_models(layout_cache: Path) -> None:
+    c = cfg()
+    built = layout.build_target_layout(c)
+    assert layout.target_layout(c) == built  # a miss or a hit: the same
+    assert layout.target_layout(c) == built  # a hit
+    assert any(layout_cache.glob("layout-*.json"))
+
+
+def test_layout_cache_key_follows_the_config_and_the_model_code(monkeypatch: pytest.MonkeyPatch) -> None:
+    small, big = cfg(), cfg(n_routed_experts=preset_config("tiny", "instruct")["n_routed_experts"] * 2)
+    assert layout.target_layout(small) != layout.target_layout(big)
+    assert layout.target_layout(big) == layout.build_target_layout(big)
+    monkeypatch.setattr(layout, "model_code_sha256", lambda: "other model code")
+    monkeypatch.setattr(layout, "build_target_layout", lambda c: {"changed": ("BF16", (1,))})
+    assert layout.target_layout(small) == {"changed": ("BF16", (1,))}  # not the old entry
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda text: text[: len(text) // 2],  # torn
+        lambda text: "\xff\xfe" + text,  # not UTF-8 JSON
+        lambda text: text.replace('"BF16"', "17", 1),  # wrong type
+        lambda text: text.replace('"layout": {', '"layout": {"a": ["BF16", [-1]], ', 1),  # bad shape
+        lambda text: "[]",  # not an object
+        lambda text: text.replace('"layout": {', '"layout": {"a": 1, "a": 2, ', 1),  # duplicate key
+    ],
+)
+def test_a_bad_layout_cache_entry_is_ignored_and_rebuilt(layout_cache: Path, damage) -> None:
+    c = cfg(vocab_size=preset_config("tiny", "instruct")["vocab_size"] + 8)
+    good = layout.target_layout(c)
+    (entry,) = [p for p in layout_cache.glob("layout-*.json") if json.loads(p.read_text())["key"]["config"]["vocab_size"] == c.vocab_size]
+    entry.write_bytes(damage(entry.read_text()).encode("utf-8", "surrogateescape"))
+    assert layout.target_layout(c) == good
+    assert json.loads(entry.read_text())["layout"]  # rewritten whole
+
+
+def test_an_unwritable_cache_costs_only_the_rebuild(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "file"))  # a file: no directory under it
+    assert layout.target_layout(cfg()) == layout.build_target_layout(cfg())
+
+
+@pytest.mark.parametrize("n", [1, 2, 4096, 4097])
+def test_zero_test_sees_every_byte(n: int) -> None:
+    buf = mmap.mmap(-1, n)
+    assert job._all_zero(memoryview(buf))
+    for at in {0, n // 2, n - 1}:
+        buf[at] = 1
+        assert not job._all_zero(memoryview(buf)), at
+        buf[at] = 0
+    assert not job._all_zero(memoryview(buf)[:0])  # an empty chunk writes nothing anyway
+
+
+def shard_tensor_bytes(root: Path) -> dict[str, bytes]:
+    """Each tensor's raw bytes, read straight off the safetensors layout."""
+    out = {}
+    for shard in sorted(root.glob("*.safetensors")):
+        raw = shard.read_bytes()
+        n = struct.unpack("<Q", raw[:8])[0]
+        for name, t in json.loads(raw[8 : 8 + n]).items():
+            if name != "__metadata__":
+                start, end = t["data_offsets"]
+                out[name] = raw[8 + n + start : 8 + n + end]
+    return out
+
+
+@pytest.mark.parametrize("lanes", [1, 3])
+def test_each_tensor_keeps_one_sha256_over_its_bytes_in_order(tiny_native: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, lanes: int) -> None:
+    reference = tmp_path / "reference"
+    job.convert(tiny_native, reference)
+    # chunks far smaller than the tensors: every big tensor is hashed in many updates while
+    # other tensors hash in other lanes; the buffers are reused many times over
+    monkeypatch.setattr(job, "CHUNK", 1000)
+    monkeypatch.setattr(job, "hasher_lanes", lambda: lanes)
+    out = tmp_path / "out"
+    job.convert(tiny_native, out)
+    record = json.loads((out / "conversion.json").read_text())
+    data = shard_tensor_bytes(out)
+    assert max(len(b) for b in data.values()) > 50 * 1000
+    assert {name: hashlib.sha256(b).hexdigest() for name, b in data.items()} == {name: t["sha256"] for name, t in record["tensors"].items()}
+    assert data == shard_tensor_bytes(reference)
+    assert record["tensors"] == json.loads((reference / "conversion.json").read_text())["tensors"]
