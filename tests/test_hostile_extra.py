@@ -88,3 +88,15 @@ def test_synth_library_still_writes_into_an_existing_directory(tmp_path: Path) -
     """The library function keeps its contract (tests and benchmarks write into tmp dirs)."""
     (tmp_path / "note.txt").write_text("x")
     assert (write_checkpoint(tmp_path) / "config.json").is_file()
+
+
+# --- a manifest's target is checked with the rest of the manifest -------------------------
+@pytest.mark.parametrize("target", ["../x", "nosuch"])
+def test_a_manifest_target_that_is_no_installed_table_is_a_bad_manifest(target: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """It failed with exit 20 and a line naming neither the manifest nor its field, or, with
+    the default name template, as an output.name of 'b-../x'."""
+    manifest = tmp_path / "m.toml"
+    manifest.write_text(f'target = "{target}"\nsources = ["org/b"]\n')
+    code, line = run_main(monkeypatch, capsys, "batch", str(manifest))
+    assert code == 64
+    assert line == f"error: {manifest}: target '{target}' is not an installed mapping table (installed: xpu); a table is chosen by name, not path"
