@@ -135,7 +135,7 @@ def read_record(path: Path) -> dict[str, Any] | None:
     """A JSON object record (conversion.json, the resume state), parsed strictly; None if
     absent, unreadable, not strict JSON or not an object: such a file records nothing."""
     try:
-        record = strictjson.loads(path.read_bytes())
+        record = strictjson.loads(strictjson.read_record(path))
     except (OSError, strictjson.StrictJSONError):
         return None
     return record if isinstance(record, dict) else None

@@ -42,7 +42,7 @@ from dsv4.convert.errors import (
 )
 from dsv4.convert.inventory import INDEX_NAME
 from dsv4.convert.plan import LAYOUT_RECORD
-from dsv4.model.strictjson import StrictJSONError, loads
+from dsv4.model.strictjson import StrictJSONError, loads, read_record
 
 CONVERSION_RECORD = "conversion.json"
 CONFIG = "config.json"
@@ -82,7 +82,7 @@ def fsync_dir(path: Path) -> None:
 def _read_strict(path: Path) -> Any:
     """A record parsed by the strict parser, or None when it is absent or not strict JSON."""
     try:
-        return loads(path.read_bytes())
+        return loads(read_record(path))
     except (OSError, StrictJSONError, UnicodeDecodeError):
         return None
 

@@ -13,7 +13,15 @@ from pathlib import Path
 import pytest
 
 from dsv4.convert import cli as cli_module
+from dsv4.convert.job import convert
 from dsv4.convert.synth import write_checkpoint
+
+
+@pytest.fixture(scope="module")
+def converted(tiny_native: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("hostile") / "xpu"
+    convert(tiny_native, out)
+    return out
 
 
 def run_main(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
@@ -100,3 +108,47 @@ def test_a_manifest_target_that_is_no_installed_table_is_a_bad_manifest(target: 
     code, line = run_main(monkeypatch, capsys, "batch", str(manifest))
     assert code == 64
     assert line == f"error: {manifest}: target '{target}' is not an installed mapping table (installed: xpu); a table is chosen by name, not path"
+
+
+# --- a record that is a FIFO or a device is refused, not read forever ----------------------
+def _cli_in_subprocess(*args: str) -> tuple[int, str]:
+    """The CLI in its own process, so that a read blocked on a FIFO fails this test instead of hanging the suite."""
+    import subprocess
+
+    done = subprocess.run([sys.executable, "-m", "dsv4", *args], capture_output=True, text=True, timeout=60)
+    assert "Traceback" not in done.stderr, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    return done.returncode, lines[0]
+
+
+def _replace(path: Path, kind: str) -> None:
+    path.unlink()
+    if kind == "fifo":
+        os.mkfifo(path)
+    else:
+        path.symlink_to("/dev/zero")  # endless: read whole, it fills memory
+
+
+@pytest.mark.skipif(not (hasattr(os, "mkfifo") and os.path.exists("/dev/zero")), reason="needs FIFOs and /dev/zero")
+@pytest.mark.parametrize(("name", "code"), [("config.json", 75), ("conversion.json", 73)])
+@pytest.mark.parametrize("kind", ["fifo", "device"])
+def test_check_refuses_a_record_that_is_not_a_regular_file(name: str, code: int, kind: str, converted: Path, tmp_path: Path) -> None:
+    """check blocked forever on a FIFO config.json or conversion.json, and read /dev/zero until memory ran out."""
+    out = tmp_path / "out"
+    shutil.copytree(converted, out)
+    _replace(out / name, kind)
+    rc, line = _cli_in_subprocess("check", str(out), "--fast")
+    assert rc == code
+    assert str(out / name) in line and "not a regular file" in line, line
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
+def test_convert_over_an_out_whose_record_is_a_fifo_is_refused(tiny_native: Path, converted: Path, tmp_path: Path) -> None:
+    """The up-to-date test and --overwrite's recognition read OUT's conversion.json: a FIFO there blocked them."""
+    out = tmp_path / "out"
+    shutil.copytree(converted, out)
+    _replace(out / "conversion.json", "fifo")
+    rc, line = _cli_in_subprocess(str(tiny_native), str(out), "--overwrite", "-q")
+    assert rc == 48
+    assert "conversion.json" in line, line
