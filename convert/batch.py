@@ -33,7 +33,8 @@ from huggingface_hub.utils import validate_repo_id
 from dsv4 import __version__
 from dsv4.convert.errors import BatchFailedError, DSV4Error, ManifestError, PushError, WriteFailedError
 from dsv4.convert.hub import HUB_SCHEME, HubSpec, hub_errors, open_hub_source, parse_spec, resolve_commit
-from dsv4.convert.job import CONVERSION_RECORD, DEFAULT_MAX_SHARD, plan_source, read_record, run_plan
+from dsv4.convert.job import DEFAULT_MAX_SHARD, plan_source, run_plan
+from dsv4.convert.output import CONVERSION_RECORD, read_record
 from dsv4.convert.sizes import shard_size
 from dsv4.mapping.table import Table, installed_tables, load_table
 

@@ -31,7 +31,7 @@ from tqdm import tqdm
 from dsv4 import __version__
 from dsv4.convert.errors import SourceNotFoundError, WriteFailedError
 from dsv4.convert.inventory import INDEX_NAME, Inventory, read_inventory, read_local_header
-from dsv4.convert.output import CONFIG, CONVERSION_RECORD, TOOL, OutputClaim, claim_output, write_json
+from dsv4.convert.output import CONFIG, CONVERSION_RECORD, TOOL, OutputClaim, claim_output, read_record, write_json
 from dsv4.convert.plan import LAYOUT_RECORD, Plan, PlannedTensor, plan_conversion, plan_reverse
 from dsv4.convert.source import ByteReader, LocalReader
 from dsv4.convert.writer import ShardWriter, TensorSpec, shard_name
@@ -131,26 +131,17 @@ def _fingerprint(plan: Plan, reader: ByteReader, shards: list[list[PlannedTensor
     }
 
 
-def read_record(path: Path) -> dict[str, Any] | None:
-    """A JSON object record (conversion.json, the resume state), parsed strictly; None if
-    absent, unreadable, not strict JSON or not an object: such a file records nothing."""
-    try:
-        record = strictjson.loads(strictjson.read_record(path))
-    except (OSError, strictjson.StrictJSONError):
-        return None
-    return record if isinstance(record, dict) else None
-
-
 def _journal(path: Path) -> dict[str, dict[str, Any]]:
     """Finished tensors; a line torn by a kill is ignored (that tensor is redone)."""
     done: dict[str, dict[str, Any]] = {}
     if path.exists():
-        for line in path.read_text().splitlines():
+        for line in path.read_bytes().splitlines():
             try:
-                entry = json.loads(line)
-                done[entry["name"]] = entry
-            except (ValueError, KeyError, TypeError):
+                entry = strictjson.loads(line)
+            except strictjson.StrictJSONError:
                 continue
+            if isinstance(entry, dict) and isinstance(entry.get("name"), str) and isinstance(entry.get("nbytes"), int) and isinstance(entry.get("sha256"), str):
+                done[entry["name"]] = entry
     return done
 
 

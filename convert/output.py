@@ -42,7 +42,7 @@ from dsv4.convert.errors import (
 )
 from dsv4.convert.inventory import INDEX_NAME
 from dsv4.convert.plan import LAYOUT_RECORD
-from dsv4.model.strictjson import StrictJSONError, loads, read_record
+from dsv4.model.strictjson import StrictJSONError, loads, read_record_bytes
 
 CONVERSION_RECORD = "conversion.json"
 CONFIG = "config.json"
@@ -79,12 +79,15 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _read_strict(path: Path) -> Any:
-    """A record parsed by the strict parser, or None when it is absent or not strict JSON."""
+def read_record(path: Path) -> dict[str, Any] | None:
+    """A JSON object record (conversion.json, config.json, the resume state, the lock's
+    owner), parsed strictly; None if absent, unreadable, not strict JSON or not an object:
+    such a file records nothing."""
     try:
-        return loads(read_record(path))
-    except (OSError, StrictJSONError, UnicodeDecodeError):
+        record = loads(read_record_bytes(path))
+    except (OSError, StrictJSONError):
         return None
+    return record if isinstance(record, dict) else None
 
 
 def _remove(path: Path) -> None:
@@ -178,7 +181,7 @@ class OutputClaim:
                 lock.acquire(timeout=0)
                 break
             except Timeout:
-                holder = _describe(_read_strict(self.owner_path))
+                holder = _describe(read_record(self.owner_path))
                 if holder is None and time.monotonic() < deadline:
                     time.sleep(0.05)
                     continue
@@ -229,10 +232,10 @@ class OutputClaim:
         record, for a forward conversion) and the files they list, and nothing else."""
         if not self.path.is_dir():
             return "it is not a directory"
-        record = _read_strict(self.path / CONVERSION_RECORD)
+        record = read_record(self.path / CONVERSION_RECORD)
         if not isinstance(record, dict) or record.get("tool") != TOOL or not isinstance(record.get("tensors"), dict):
             return f"it holds no {TOOL} {CONVERSION_RECORD}"
-        config = _read_strict(self.path / CONFIG)
+        config = read_record(self.path / CONFIG)
         # a reverse conversion writes native names and the source's config, without the record
         if not isinstance(config, dict) or (record.get("direction") != "reverse" and not isinstance(config.get(LAYOUT_RECORD), dict)):
             return f"its {CONFIG} lacks the {LAYOUT_RECORD} layout record"

@@ -136,9 +136,11 @@ def _refuse(inv: Inventory, table: Table) -> None:
     for rule in table.rules:
         if rule.op != "refuse":
             continue
-        for key in sorted(inv.tensors):
-            if rule.source_regexes[0].match(key):
-                raise UnsupportedLayoutError(f"{inv.tensors[key].file}: tensor {key}: {rule.reason}; refusing to convert")
+        rx = rule.source_regexes[0]
+        refused = [key for key in inv.tensors if rx.match(key)]
+        if refused:
+            key = min(refused)  # the same key in every run, without sorting all 69,187
+            raise UnsupportedLayoutError(f"{inv.tensors[key].file}: tensor {key}: {rule.reason}; refusing to convert")
 
 
 def _bounds(cfg: ModelConfig) -> dict[str, int]:
@@ -163,16 +165,17 @@ def _classify(inv: Inventory, rules: list[Rule], cfg: ModelConfig) -> dict[str, 
     bounds = _bounds(cfg)
     index = _by_first_component(rules)
     anywhere = index.get("*", [])
+    by_head = {head: candidates + anywhere for head, candidates in index.items() if head != "*"}
     for key, src in inv.tensors.items():
-        candidates = index.get(key.split(".", 1)[0], []) + anywhere
-        hits = [(r, m) for r, rx in candidates if (m := rx.match(key))]
+        hits = [(r, m) for r, rx in by_head.get(key.split(".", 1)[0], anywhere) if (m := rx.match(key))]
         if not hits:
             raise UncoveredKeyError(f"{src.file}: tensor {key}: no rule of the mapping table covers it (unknown key; refusing to drop it silently)")
-        if len({r.label for r, _ in hits}) > 1:
+        if len(hits) > 1 and len({r.label for r, _ in hits}) > 1:
             raise TableError(f"tensor {key} is matched by several rules: {sorted({r.label for r, _ in hits})}")
         rule, m = hits[0]
+        groups = m.groupdict()
         for ph, limit in bounds.items():
-            value = m.groupdict().get(ph)
+            value = groups.get(ph)
             if value is not None and int(value) >= limit:
                 what = {"i": "num_nextn_predict_layers", "e": "n_routed_experts", "j": "num_hidden_layers"}[ph]
                 raise UnsupportedLayoutError(f"{src.file}: tensor {key}: index {value} but config.json has {what} = {limit} (keys and config disagree)")

@@ -96,7 +96,7 @@ def loads(raw: bytes | str, *, walk_depth: bool = True) -> Any:
     return value
 
 
-def read_record(path: str | Path) -> bytes:
+def read_record_bytes(path: str | Path) -> bytes:
     """The bytes of record file `path`, or OSError (path and reason) when it is no regular
     file (a FIFO would block the read forever, a device like /dev/zero fill memory) or is
     larger than MAX_RECORD_BYTES; read whole, before any parsing."""
