@@ -36,7 +36,7 @@ from dsv4.convert.hub import HUB_SCHEME, HubSpec, hub_errors, open_hub_source, p
 from dsv4.convert.job import DEFAULT_MAX_SHARD, plan_source, run_plan
 from dsv4.convert.output import CONVERSION_RECORD, read_record
 from dsv4.convert.sizes import shard_size
-from dsv4.mapping.table import Table, load_table
+from dsv4.mapping.table import Table, installed_tables, load_table
 
 TOP_KEYS = {"target", "sources", "output", "options"}
 OUTPUT_KEYS = {"dir", "name", "repo", "private"}
@@ -129,6 +129,8 @@ def load_manifest(path: str | Path, out_dir: str | Path | None = None) -> Manife
     max_shard, check = options.get("max_shard_size", DEFAULT_MAX_SHARD), options.get("check", True)
     if not isinstance(target, str) or not isinstance(name_t, str) or not (repo_t is None or isinstance(repo_t, str)):
         raise ManifestError(f"{path}: target, output.name and output.repo are strings")
+    if target not in installed_tables():  # before it fills a template or names a path
+        raise ManifestError(f"{path}: target {target!r} is not an installed mapping table (installed: {', '.join(installed_tables())}); a table is chosen by name, not path")
     if not (private is None or isinstance(private, bool)) or not isinstance(check, bool):
         raise ManifestError(f"{path}: output.private and options.check are true or false")
     if not isinstance(max_shard, int) or isinstance(max_shard, bool):

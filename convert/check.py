@@ -209,7 +209,7 @@ def check_index(ctx: _Context, details: dict[str, Any]) -> str:
     if not index_path.is_file():
         raise IndexCheckError(f"{index_path}: missing (the converter always writes one)")
     try:
-        weight_map = load_index(index_path.read_bytes(), INDEX_NAME)
+        weight_map = load_index(strictjson.read_record_bytes(index_path), INDEX_NAME)
         files = sorted(set(weight_map.values()))
         shards = read_local_shards(ctx.root, weight_map, files)  # each header tiles its file (the inventory's rule)
         tensors = merge_shards(str(ctx.root), weight_map, [(s.file, s.tensors) for s in shards])
@@ -310,7 +310,7 @@ def _conversion_record(ctx: _Context) -> dict[str, Any]:
     byte count (the sizes check's fields; the checksums check reads each sha256)."""
     path = ctx.root / CONVERSION_RECORD
     try:
-        record = strictjson.loads(path.read_bytes())
+        record = strictjson.loads(strictjson.read_record_bytes(path))
     except FileNotFoundError:
         raise SizeCheckError(f"{path}: missing (the converter writes every tensor's file, size and sha256 there)") from None
     except (OSError, strictjson.StrictJSONError) as exc:
@@ -342,7 +342,7 @@ def _declared_total_size(ctx: _Context) -> Any:
     weight_map through the inventory's reader; here only the metadata is looked at."""
     path = ctx.root / INDEX_NAME
     try:
-        index = strictjson.loads(path.read_bytes())
+        index = strictjson.loads(strictjson.read_record_bytes(path))
     except (OSError, strictjson.StrictJSONError) as exc:
         raise SizeCheckError(f"{path}: unreadable ({_first_line(exc)})") from None
     metadata = index.get("metadata", {}) if isinstance(index, dict) else None
@@ -546,7 +546,7 @@ def _load_config(ctx: _Context) -> None:
     a refusal is the config check's finding (75) and the checks needing a config skip."""
     path = ctx.root / "config.json"
     try:
-        ctx.config = parse_config(path.read_bytes())
+        ctx.config = parse_config(strictjson.read_record_bytes(path))
         ctx.cfg = ModelConfig.from_dict(ctx.config)
     except FileNotFoundError:
         ctx.config_error = "no config.json in the checkpoint directory"

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import struct
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -271,6 +272,20 @@ class LocalShard:
     size: int
 
 
+def not_a_regular_file(path: Path) -> str | None:
+    """The refusal for a `path` that exists but is no regular file (a directory, a FIFO...),
+    so that it is not reported as missing; None for a regular file or nothing there."""
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        return None
+    if stat.S_ISREG(mode):
+        return None
+    kinds = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a fifo"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+    kind = next((name for test, name in kinds if test(mode)), "not a file")
+    return f"{path}: is {kind}, not a regular file"
+
+
 def read_local_shards(root: Path, weight_map: Mapping[str, str] | None, files: list[str]) -> list[LocalShard]:
     """The headers of `files` in checkpoint directory `root`: each must exist and resolve
     to a file inside `root` (a symlink may not lead elsewhere)."""
@@ -278,6 +293,8 @@ def read_local_shards(root: Path, weight_map: Mapping[str, str] | None, files: l
     out = []
     for file in files:
         shard = root / file
+        if (odd := not_a_regular_file(shard)) is not None:
+            raise MissingShardError(odd)
         if not shard.is_file():
             named = sorted(n for n, f in (weight_map or {}).items() if f == file)
             what = f" for {named[0]}" + (f" and {len(named) - 1} more tensors" if len(named) > 1 else "") if named else ""
@@ -294,6 +311,8 @@ def read_inventory(path: str | Path) -> Inventory:
     reading only config.json, the index and each shard's header."""
     root = Path(path)
     config_path = root / "config.json"
+    if (odd := not_a_regular_file(config_path)) is not None:
+        raise MissingConfigError(odd)
     if not config_path.is_file():
         raise MissingConfigError(f"{config_path}: no config.json in the checkpoint directory")
     try:
@@ -304,6 +323,8 @@ def read_inventory(path: str | Path) -> Inventory:
         config = parse_config(raw_config)
 
     index_path = root / INDEX_NAME
+    if (odd := not_a_regular_file(index_path if os.path.lexists(index_path) else root / SINGLE_FILE)) is not None:
+        raise MissingShardError(odd)
     if index_path.is_file():
         weight_map: dict[str, str] | None = load_index(index_path.read_bytes(), INDEX_NAME)
         files = sorted(set(weight_map.values()))

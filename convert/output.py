@@ -42,7 +42,7 @@ from dsv4.convert.errors import (
 )
 from dsv4.convert.inventory import INDEX_NAME
 from dsv4.convert.plan import LAYOUT_RECORD
-from dsv4.model.strictjson import StrictJSONError, loads
+from dsv4.model.strictjson import StrictJSONError, loads, read_record_bytes
 
 CONVERSION_RECORD = "conversion.json"
 CONFIG = "config.json"
@@ -84,7 +84,7 @@ def read_record(path: Path) -> dict[str, Any] | None:
     owner), parsed strictly; None if absent, unreadable, not strict JSON or not an object:
     such a file records nothing."""
     try:
-        record = loads(path.read_bytes())
+        record = loads(read_record_bytes(path))
     except (OSError, StrictJSONError):
         return None
     return record if isinstance(record, dict) else None

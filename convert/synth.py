@@ -30,7 +30,7 @@ import click
 import torch
 
 from dsv4.convert.dtypes import TORCH_DTYPES, nbytes
-from dsv4.convert.errors import config_errors
+from dsv4.convert.errors import OutputExistsError, WriteFailedError, config_errors
 from dsv4.convert.inventory import INDEX_NAME
 from dsv4.convert.native import Layout, main_layer_layout, mtp_layout, top_level_layout
 from dsv4.convert.presets import PRESETS, Variant, preset_config, with_variant
@@ -243,11 +243,18 @@ def synth_command(out: Path, preset: str | None, config_path: Path | None, varia
     """Write a synthetic native DeepSeek V4 checkpoint to OUT."""
     if preset and config_path:
         raise click.UsageError("--preset and --config are alternatives; give one")
+    # writing into a directory that holds something would replace part of it (a typo for a
+    # real download) and leave a mix of two checkpoints
+    if out.is_dir() and any(out.iterdir()):
+        raise OutputExistsError(f"{out}: exists and is not empty; synth writes only into a new or empty directory, so nothing was changed")
     try:
         # a config the converter would refuse is refused here with the converter's verdict
         with config_errors(str(config_path) if config_path else f"preset {preset or 'tiny'}"):
             config = parse_config(config_path.read_bytes()) if config_path else None
-            write_checkpoint(out, preset=preset or "tiny", config=config, variant=variant, main_layers=main_layers, seed=seed, sparse=sparse)
+            try:
+                write_checkpoint(out, preset=preset or "tiny", config=config, variant=variant, main_layers=main_layers, seed=seed, sparse=sparse)
+            except OSError as exc:  # a write's ENOSPC or EIO names no file: name OUT
+                raise WriteFailedError(f"{exc.filename or out}: {exc.strerror or exc}; the synthetic checkpoint in {out} is incomplete") from None
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc
     index = json.loads((out / INDEX_NAME).read_text())

@@ -10,11 +10,16 @@ one-line reason, so a caller can turn it into its own error naming the file.
 
 from __future__ import annotations
 
+import errno
 import json
+import os
+import stat
+from pathlib import Path
 from typing import Any
 
 MAX_DEPTH = 64  # no record of this tool nests deeper than 4; 64 leaves room for any config
 MAX_INT_DIGITS = 20  # an unsigned 64-bit integer has 20 digits; sizes and offsets fit in it
+MAX_RECORD_BYTES = 100_000_000  # a record file's size limit, as for a safetensors header; Flash's index is ~6 MB
 
 
 class StrictJSONError(ValueError):
@@ -89,3 +94,17 @@ def loads(raw: bytes | str, *, walk_depth: bool = True) -> Any:
     if walk_depth and _depth(value) > MAX_DEPTH:
         raise StrictJSONError(f"nested more than {MAX_DEPTH} levels deep")
     return value
+
+
+def read_record_bytes(path: str | Path) -> bytes:
+    """The bytes of record file `path`, or OSError (path and reason) when it is no regular
+    file (a FIFO would block the read forever, a device like /dev/zero fill memory) or is
+    larger than MAX_RECORD_BYTES; read whole, before any parsing."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # opening a FIFO does not wait for a writer
+    with os.fdopen(fd, "rb") as f:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", str(path))
+        if info.st_size > MAX_RECORD_BYTES:
+            raise OSError(errno.EFBIG, f"{info.st_size:,} bytes, over the {MAX_RECORD_BYTES:,}-byte limit on a record", str(path))
+        return f.read(MAX_RECORD_BYTES + 1)

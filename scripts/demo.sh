@@ -7,7 +7,8 @@ cd "$(dirname "$0")/.."
 scripts/bootstrap.sh
 work="${1:-out/demo}"
 run=(.venv/bin/convert-dsv4)
-"${run[@]}" synth "$work/native" --preset tiny --main-layers all --seed 0
+# synth refuses a directory that is not empty: a rerun keeps the checkpoint the first run wrote
+[ -e "$work/native/config.json" ] || "${run[@]}" synth "$work/native" --preset tiny --main-layers all --seed 0
 "${run[@]}" plan "$work/native" --target xpu
 "${run[@]}" "$work/native" "$work/xpu" --target xpu --overwrite
 "${run[@]}" check "$work/xpu" --native "$work/native"
