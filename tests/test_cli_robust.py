@@ -19,21 +19,10 @@ from dsv4.convert.errors import ManifestError, RepoNotFound, TableError
 from dsv4.convert.job import convert
 from dsv4.convert.sizes import shard_size
 from dsv4.mapping.table import TABLE_DIR, installed_tables, load_table
+from inprocess import run_main
 
 INDEX = "model.safetensors.index.json"
 RECORD = "conversion.json"
-
-
-def run_main(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
-    """`convert-dsv4 ARGS` in this process, through main(): (exit code, stdout, stderr)."""
-    monkeypatch.setattr(sys, "argv", ["convert-dsv4", *args])
-    try:
-        cli_module.main()
-        code = 0
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else 1
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def one_error_line(err: str) -> str:

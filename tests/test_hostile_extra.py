@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from dsv4.convert import cli as cli_module
 from dsv4.convert.job import convert
 from dsv4.convert.synth import write_checkpoint
+from inprocess import run_main as run_in_process
 
 
 @pytest.fixture(scope="module")
@@ -26,13 +26,7 @@ def converted(tiny_native: Path, tmp_path_factory: pytest.TempPathFactory) -> Pa
 
 def run_main(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
     """`convert-dsv4 ARGS` in this process: (exit code, the one line on stderr)."""
-    monkeypatch.setattr(sys, "argv", ["convert-dsv4", *args])
-    try:
-        cli_module.main()
-        code = 0
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else 1
-    err = capsys.readouterr().err
+    code, _, err = run_in_process(monkeypatch, capsys, *args)
     assert "Traceback" not in err, err
     lines = err.strip().splitlines()
     assert len(lines) <= 1, err

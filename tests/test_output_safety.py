@@ -14,6 +14,7 @@ import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -21,10 +22,10 @@ from filelock import FileLock
 
 from dsv4.convert import errors
 from dsv4.convert.check import run_checks
-from dsv4.convert.cli import main
 from dsv4.convert.job import convert
 from dsv4.convert.output import claim_output
 from dsv4.convert.synth import write_checkpoint
+from inprocess import run_main
 
 
 def tree(root: Path) -> dict[str, str]:
@@ -52,18 +53,7 @@ def siblings(out: Path) -> list[str]:
 @pytest.fixture
 def run(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch):
     """`convert-dsv4 ARGS` in this process: (exit code, stdout, stderr)."""
-
-    def run_cli(*args: str | Path) -> tuple[int, str, str]:
-        monkeypatch.setattr(sys, "argv", ["convert-dsv4", *map(str, args)])
-        try:
-            main()
-            code = 0
-        except SystemExit as exc:
-            code = exc.code
-        out, err = capsys.readouterr()
-        return code, out, err
-
-    return run_cli
+    return partial(run_main, monkeypatch, capsys)
 
 
 @pytest.fixture

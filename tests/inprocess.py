@@ -1,0 +1,22 @@
+"""`convert-dsv4` run in the test's own process, through the real entry point main()."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from dsv4.convert.cli import main
+
+
+def run_main(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], *args: str | Path) -> tuple[int, str, str]:
+    """`convert-dsv4 ARGS`: (exit code, stdout, stderr)."""
+    monkeypatch.setattr(sys, "argv", ["convert-dsv4", *map(str, args)])
+    try:
+        main()
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    out, err = capsys.readouterr()
+    return code, out, err
