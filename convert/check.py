@@ -439,14 +439,14 @@ def check_config(ctx: _Context, details: dict[str, Any]) -> str:
         if implied is not None and implied != cfg.expert_dtype:
             raise ConfigCheckError(f"{where}: expert_dtype is {cfg.expert_dtype!r} but {src.file}: tensor {name} ({src.dtype}) holds {implied} experts")
 
+    # an object or absent, its weight_block_size two integers in range: the config loader
+    # (ctx.cfg) has checked both; only an FP8 config that names no block size is left
     quant = config.get("quantization_config")
-    if quant is not None and not isinstance(quant, dict):
-        raise ConfigCheckError(f"{where}: quantization_config is {_brief(quant)}, not an object")
     block = None
     if isinstance(quant, dict) and quant.get("quant_method") == "fp8":
-        block = quant.get("weight_block_size")
-        if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
-            raise ConfigCheckError(f"{where}: quantization_config.weight_block_size is {block!r}, not two positive integers")
+        if "weight_block_size" not in quant:
+            raise ConfigCheckError(f"{where}: quantization_config.weight_block_size is None, not two positive integers")
+        block = list(cfg.weight_block_size)
         layout = target_layout(cfg)
         for name, src in sorted(inv.tensors.items()):
             weight = inv.tensors.get(name.removesuffix("_scale_inv"))
