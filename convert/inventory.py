@@ -316,7 +316,7 @@ def read_inventory(path: str | Path) -> Inventory:
     if not config_path.is_file():
         raise MissingConfigError(f"{config_path}: no config.json in the checkpoint directory")
     try:
-        raw_config = config_path.read_bytes()
+        raw_config = strictjson.read_record_bytes(config_path)
     except OSError as exc:
         raise MissingConfigError(f"{config_path}: cannot be read ({exc.strerror})") from None
     with config_errors(str(config_path)):
@@ -326,7 +326,7 @@ def read_inventory(path: str | Path) -> Inventory:
     if (odd := not_a_regular_file(index_path if os.path.lexists(index_path) else root / SINGLE_FILE)) is not None:
         raise MissingShardError(odd)
     if index_path.is_file():
-        weight_map: dict[str, str] | None = load_index(index_path.read_bytes(), INDEX_NAME)
+        weight_map: dict[str, str] | None = load_index(strictjson.read_record_bytes(index_path), INDEX_NAME)
         files = sorted(set(weight_map.values()))
     elif (root / SINGLE_FILE).is_file():
         weight_map, files = None, [SINGLE_FILE]
