@@ -15,7 +15,7 @@ import click
 from dsv4 import __version__
 from dsv4.convert.errors import DSV4Error
 from dsv4.convert.sizes import shard_size
-from dsv4.mapping.table import installed_tables
+from dsv4.mapping.table import installed_targets
 
 if TYPE_CHECKING:
     from dsv4.convert.plan import Plan
@@ -99,7 +99,8 @@ class Device(click.ParamType):
 
 
 # A table is chosen by name from those installed, never by path (click lists the names).
-target_option = click.option("--target", type=click.Choice(installed_tables()), default="xpu", show_default=True, help="Mapping table: an installed table's name (mapping/<name>.toml).")
+# The target's table for the checkpoint's drafter (MTP or DSpark) is the plan's choice.
+target_option = click.option("--target", type=click.Choice(installed_targets()), default="xpu", show_default=True, help="Runtime layout: its table for the checkpoint's drafter (MTP: mapping/xpu.toml, DSpark: mapping/xpu_dspark.toml) is chosen from config.json and the tensors.")
 
 
 @cli.command("convert")
@@ -148,11 +149,9 @@ def plan_command(source: str, target: str, reverse: bool, as_json: bool) -> None
 def _plan(source: str, target: str, reverse: bool) -> tuple[Plan, int]:
     """The plan for SOURCE, from headers only, and the header bytes read."""
     from dsv4.convert.job import open_source, plan_source
-    from dsv4.mapping.table import load_table
 
-    table = load_table(target)
     inv, reader = open_source(source)
-    plan = plan_source(inv, reader, table, reverse=reverse)
+    plan = plan_source(inv, reader, target, reverse=reverse)
     reader.close()
     return plan, inv.header_bytes
 
