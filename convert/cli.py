@@ -160,6 +160,13 @@ def _gb(n: int) -> str:
     return f"{n / 1e9:.3f} GB" if n >= 1e7 else f"{n:,} B"
 
 
+# how `plan` names the layout it chose (convert/plan.py choose_table)
+DRAFTER_NAMES = {
+    "mtp": "MTP (no dspark_* fields in config.json): vLLM DeepSeekV4MTP",
+    "dspark": "DSpark (dspark_* fields and mtp.0.main_proj.weight): vLLM DSparkDeepseekV4ForCausalLM",
+}
+
+
 def _print_plan(plan: Plan, as_json: bool, *, full: bool, header_bytes: int | None = None) -> None:
     if as_json:
         data = plan.to_json() if full else plan.summary()
@@ -169,6 +176,7 @@ def _print_plan(plan: Plan, as_json: bool, *, full: bool, header_bytes: int | No
         return
     s = plan.summary()
     click.echo(f"{s['direction']} plan: {s['source']} -> {s['target']} (table {s['table']})")
+    click.echo(f"  draft layout:         {DRAFTER_NAMES[s['drafter']]}")
     click.echo(f"  tensors out:          {s['tensors_out']}")
     click.echo(f"  source keys consumed: {s['source_keys_consumed']}")
     click.echo(f"  source keys skipped:  {s['source_keys_skipped']}")

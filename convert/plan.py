@@ -77,6 +77,7 @@ class Plan:
     tensors: tuple[PlannedTensor, ...]
     skipped: dict[str, str] = field(default_factory=dict)  # source key -> reason
     revision: str | None = None
+    drafter: str = "mtp"  # the draft model kind the table maps ("mtp" or "dspark")
 
     @property
     def bytes_to_write(self) -> int:
@@ -101,6 +102,7 @@ class Plan:
             "revision": self.revision,
             "table": f"{self.table} v{self.table_version}",
             "target": self.target,
+            "drafter": self.drafter,
             "tensors_out": len(self.tensors),
             "source_keys_consumed": sum(len({p.source for p in t.pieces}) for t in self.tensors),
             "source_keys_skipped": len(self.skipped),
@@ -314,7 +316,7 @@ def plan_conversion(inv: Inventory, table: Table) -> Plan:
     twice = sorted(n for n, c in consumed.items() if c > 1 and n not in once)
     if twice:
         raise PlanError(f"tensor {twice[0]} is consumed by more than one rule")
-    return Plan("forward", inv.location, inv.config, table.name, table.version, table.target, _write_order(list(out.values())), skipped, inv.revision)
+    return Plan("forward", inv.location, inv.config, table.name, table.version, table.target, _write_order(list(out.values())), skipped, inv.revision, table.drafter)
 
 
 def plan_reverse(inv: Inventory, table: Table) -> Plan:
@@ -350,4 +352,4 @@ def plan_reverse(inv: Inventory, table: Table) -> Plan:
                 at += n
             if at != fused.end:
                 raise LayoutMismatchError(f"{fused.file}: tensor {target}: {fused.nbytes} bytes but its native parts add up to {at - fused.start}")
-    return Plan("reverse", inv.location, inv.config, table.name, table.version, "native", _write_order(list(out.values())), {}, inv.revision)
+    return Plan("reverse", inv.location, inv.config, table.name, table.version, "native", _write_order(list(out.values())), {}, inv.revision, table.drafter)

@@ -44,7 +44,9 @@ def draft_bindings(cfg: ModelConfig) -> list[dict[str, int]]:
 
 
 @cache
-def probe_keys(drafter: str = "mtp") -> tuple[dict[str, set[str]], dict[str, set[str]], Callable[[str], list[str]]]:
+def probe_keys(drafter: str = "mtp") -> tuple[dict[str, set[str]], dict[str, set[str]], Callable[[str], list[str]], dict[str, int]]:
+    """(native names, target parameters) per expert dtype, the target pattern binder, and
+    the {first}/{last} stages of the probe configuration (none for MTP)."""
     cfgs = {d: probe_config(d, drafter) for d in VARIANT_OF_EXPERT_DTYPE}
     natives = {d: native_keys(c) for d, c in cfgs.items()}
     targets = {d: set(target_layout(c)) for d, c in cfgs.items()}
@@ -55,4 +57,4 @@ def probe_keys(drafter: str = "mtp") -> tuple[dict[str, set[str]], dict[str, set
 
         return sorted({expand(pattern, b) for b in draft_bindings(cfg)})
 
-    return natives, targets, bind_target
+    return natives, targets, bind_target, stage_binding(cfg) if cfg.is_dspark else {}

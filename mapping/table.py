@@ -208,17 +208,24 @@ def _check_placeholders(rule: Rule, where: str) -> None:
             raise UnboundPlaceholderError(f"{where}: {rule.label}: source placeholder(s) {sorted(unused)} do not appear in the target, so two sources would write one parameter")
 
 
-def validate(table: Table, native_keys: Mapping[str, set[str]], target_keys: Mapping[str, set[str]], bind_target) -> None:
+def pin(pattern: str, pins: Mapping[str, int]) -> str:
+    """`pattern` with its pinned placeholders ({first}, {last}) replaced by their stage numbers."""
+    return _FIELD.sub(lambda m: str(pins[m.group(1)]) if m.group(1) in pins else m.group(0), pattern)
+
+
+def validate(table: Table, native_keys: Mapping[str, set[str]], target_keys: Mapping[str, set[str]], bind_target, pins: Mapping[str, int]) -> None:
     """Check the table against what the native format allows (`native_keys[expert_dtype]`)
     and the parameters the model has (`target_keys[expert_dtype]`); `bind_target(pattern)`
-    expands a target pattern for the probe configuration."""
+    expands a target pattern for the probe configuration, and `pins` are its {first} and
+    {last} stages (so a rule naming a tensor of the wrong stage is dead)."""
     where = table.path
     seen: dict[tuple[str, str], Rule] = {}
     for rule in table.rules:
         _check_placeholders(rule, where)
         if rule.op != "refuse":  # refuse rules describe other formats by design
             allowed = set().union(*(native_keys[d] for d in EXPERT_DTYPES if rule.applies(d)))
-            for rx, src in zip(rule.source_regexes, rule.sources):
+            for src in rule.sources:
+                rx = compile_pattern(pin(src, pins))
                 if not any(rx.match(k) for k in allowed):
                     raise DeadRuleError(f"{where}: {rule.label}: source pattern {src} matches no tensor the native DeepSeek V4 format has: a dead rule")
         if rule.target is None:
@@ -302,6 +309,6 @@ def load_table_file(path: Path) -> Table:
     table = Table(meta["name"], meta["version"], meta["target"], meta.get("layout", ""), tuple(rules), path.name, meta.get("drafter", "mtp"))
     from dsv4.mapping.probe import probe_keys  # the model and the native format, for a small config
 
-    native_keys, target_keys, bind_target = probe_keys(table.drafter)
-    validate(table, native_keys, target_keys, bind_target)
+    native_keys, target_keys, bind_target, pins = probe_keys(table.drafter)
+    validate(table, native_keys, target_keys, bind_target, pins)
     return table

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,7 @@ from dsv4.convert.job import convert
 from dsv4.convert.plan import choose_table, plan_conversion
 from dsv4.convert.presets import DSPARK_FIELDS, preset_config
 from dsv4.convert.synth import write_checkpoint
-from dsv4.mapping.table import load_table
+from dsv4.mapping.table import TABLE_DIR, load_table, load_table_file
 from dsv4.model.config import ModelConfig
 from dsv4.model.layout import target_layout
 
@@ -116,10 +117,12 @@ def test_the_plan_picks_the_table_of_the_drafter_the_checkpoint_holds(native: Pa
 def test_plan_says_which_layout(which: str, native: Path, tiny_native: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = run_main(monkeypatch, capsys, "plan", native if which == "dspark" else tiny_native)
     assert code == 0, err
-    assert ("(table xpu_dspark v1)" if which == "dspark" else "(table xpu v1)") in out.splitlines()[0]
+    first, layout = out.splitlines()[:2]
+    assert ("(table xpu_dspark v1)" if which == "dspark" else "(table xpu v1)") in first
+    assert layout.split()[2] == ("DSpark" if which == "dspark" else "MTP"), layout
     code, out, _ = run_main(monkeypatch, capsys, "plan", native, "--json")
     summary = json.loads(out)
-    assert (summary["table"], summary["target"], summary["tensors_out"]) == ("xpu_dspark v1", "xpu", 98)
+    assert (summary["table"], summary["target"], summary["drafter"], summary["tensors_out"]) == ("xpu_dspark v1", "xpu", "dspark", 98)
 
 
 def test_both_tables_share_the_v4_block_rules() -> None:
@@ -131,6 +134,46 @@ def test_both_tables_share_the_v4_block_rules() -> None:
     shared = block(mtp, "mtp.{i}.", "model.layers.{L}.mtp_block.")
     assert len(shared) == 29 + 4  # 25 block parameters + 4 routed-expert stacks per expert dtype
     assert block(dspark, "mtp.{s}.", "model.layers.{s}.") == shared
+
+
+def dspark_table_with(tmp_path: Path, old: str, new: str) -> Path:
+    text = (TABLE_DIR / "xpu_dspark.toml").read_text()
+    assert old in text
+    path = tmp_path / "variant.toml"
+    path.write_text(text.replace(old, new))
+    return path
+
+
+def test_a_rule_naming_a_stage_needs_no_stage_in_its_target_but_a_per_stage_rule_does(tmp_path: Path) -> None:
+    # {last} binds one stage; {s} in the source but not the target: S sources, one parameter
+    bad = dspark_table_with(tmp_path, '"mtp.{last}.norm.weight" = "model.norm.weight"', '"mtp.{s}.norm.weight" = "model.norm.weight"')
+    with pytest.raises(errors.UnboundPlaceholderError, match=r"source placeholder\(s\) \['s'\] do not appear in the target"):
+        load_table_file(bad)
+
+
+@pytest.mark.parametrize("old, new", [('"mtp.{last}.norm.weight"', '"mtp.{first}.norm.weight"'), ('"mtp.{first}.main_proj.scale"', '"mtp.{last}.main_proj.scale"')])
+def test_a_rule_for_a_tensor_of_another_stage_is_a_dead_rule(tmp_path: Path, old: str, new: str) -> None:
+    """norm.weight is the last stage's and main_proj stage 0's (spec 04 §4.1): a rule
+    pinned to the other stage can never fire, and the loader says so."""
+    with pytest.raises(errors.DeadRuleError, match=rf"source pattern {re.escape(new.strip(chr(34)))} matches no tensor"):
+        load_table_file(dspark_table_with(tmp_path, old, new))
+
+
+@pytest.mark.parametrize("include, words", [('file = "v4_block"', "v4_block"), ('file = "../xpu"', "is not an installed include"), ('file = "nope"', "is not an installed include")])
+def test_an_include_is_named_never_a_path(tmp_path: Path, include: str, words: str) -> None:
+    if include == 'file = "v4_block"':  # the shipped include with an unknown key
+        bad = dspark_table_with(tmp_path, 'file = "v4_block"', 'file = "v4_block"\nprefix = "x"')
+        with pytest.raises(errors.TableError, match=r"\[\[include\]\] needs exactly the strings"):
+            load_table_file(bad)
+        return
+    with pytest.raises(errors.TableError, match=words):
+        load_table_file(dspark_table_with(tmp_path, 'file = "v4_block"', include))
+
+
+def test_an_include_with_the_wrong_prefix_writes_parameters_the_model_lacks(tmp_path: Path) -> None:
+    bad = dspark_table_with(tmp_path, 'target = "model.layers.{s}."', 'target = "model.layers.{s}.mtp_block."')
+    with pytest.raises(errors.UnknownTargetError, match=r"model.layers.0.mtp_block.hc_attn_fn is not a parameter"):
+        load_table_file(bad)
 
 
 # --- values -------------------------------------------------------------------------------
@@ -327,3 +370,29 @@ def test_v41_is_refused_with_its_own_message(native: Path) -> None:
     exc = refusal(dataclasses.replace(inv, config={**inv.config, "model_type": "deepseek_v41"}))
     assert exc.exit_code == 35 and "V4.1" in str(exc)
 
+
+
+# --- batch: one manifest, both layouts ----------------------------------------------------
+def test_batch_converts_mtp_and_dspark_repos_with_their_tables_and_skips_them_on_rerun(native: Path, tiny_native: Path, tmp_path: Path) -> None:
+    from hubserver import FakeHub, hub_env, run_cli
+
+    with FakeHub() as hub:
+        hub.commit_dir("org/mtp", tiny_native)
+        hub.commit_dir("org/dspark", native)
+        manifest = tmp_path / "batch.toml"
+        manifest.write_text('target = "xpu"\nsources = ["org/mtp", "org/dspark"]\n\n[output]\ndir = "out"\nname = "{name}-{target}"\n\n[options]\ncheck = true\n')
+        env = hub_env(hub, tmp_path / "hf")
+        r = run_cli("batch", str(manifest), env=env)
+        assert r.returncode == 0, r.stderr
+        report = json.loads((tmp_path / "out" / "batch-report.json").read_text())
+        assert {e["repo"]: e["table"] for e in report["converted"]} == {"org/mtp": "xpu", "org/dspark": "xpu_dspark"}
+        assert report["tables"] == {"xpu": "1", "xpu_dspark": "1"}
+        assert all(": OK: " in e["check"] for e in report["converted"]), report["converted"]
+        out = tmp_path / "out" / "dspark-xpu"
+        assert json.loads((out / "conversion.json").read_text())["table"] == "xpu_dspark"
+        r = run_cli("batch", str(manifest), env=env)
+        assert r.returncode == 0, r.stderr
+        report = json.loads((tmp_path / "out" / "batch-report.json").read_text())
+        skipped = {e["repo"]: e["reason"] for e in report["skipped"]}
+        assert skipped.keys() == {"org/mtp", "org/dspark"} and report["converted"] == []
+        assert "with table xpu_dspark v1" in skipped["org/dspark"] and "with table xpu v1" in skipped["org/mtp"]
