@@ -251,17 +251,12 @@ def _write_order(tensors: list[PlannedTensor]) -> tuple[PlannedTensor, ...]:
     return tuple(sorted(tensors, key=lambda t: (t.pieces[0].file, t.pieces[0].start)))
 
 
-def _require_draft_blocks(inv: Inventory, cfg: ModelConfig, present: Iterable[str]) -> None:
-    """Refuse (35) a checkpoint whose draft blocks are fewer than its config promises; a
-    DSpark checkpoint must hold exactly the stages 0..S-1 (one beyond S fails _classify)."""
-    with config_errors(f"{inv.location}/config.json"):
-        if not cfg.is_dspark:
-            cfg.require_draft_blocks(sorted(present))
-            return
-    stages = sorted({int(p.rsplit(".", 1)[1]) for p in present})
-    missing = sorted(set(range(cfg.dspark_stages)) - set(stages))
+def _require_stages(inv: Inventory, cfg: ModelConfig, stages: set[int]) -> None:
+    """Refuse (35) a DSpark checkpoint that lacks one of the stages 0..S-1 (a stage beyond
+    S fails _classify or, in reverse, is a key the layout does not have)."""
+    missing = sorted(set(range(cfg.dspark_stages)) - stages)
     if missing:
-        raise UnsupportedLayoutError(f"{inv.location}/config.json: {cfg.dspark_stages} DSpark stages (len(dspark_target_layer_ids)) but the tensors hold stage(s) {stages}: stage {missing[0]} is missing (keys and config disagree)")
+        raise UnsupportedLayoutError(f"{inv.location}/config.json: {cfg.dspark_stages} DSpark stages (len(dspark_target_layer_ids)) but the tensors hold stage(s) {sorted(stages)}: stage {missing[0]} is missing (keys and config disagree)")
 
 
 def plan_conversion(inv: Inventory, table: Table) -> Plan:
@@ -270,8 +265,12 @@ def plan_conversion(inv: Inventory, table: Table) -> Plan:
     cfg = model_config(inv)
     rules = [r for r in table.rules_for(cfg.expert_dtype) if r.op != "refuse"]
     skipped = _classify(inv, rules, cfg)
-    # blocks beyond the config: _classify
-    _require_draft_blocks(inv, cfg, {m.group(1) for key in inv.tensors if (m := NATIVE_BLOCK.match(key))})
+    blocks = {m.group(1) for key in inv.tensors if (m := NATIVE_BLOCK.match(key))}  # blocks beyond the config: _classify
+    if cfg.is_dspark:
+        _require_stages(inv, cfg, {int(b.removeprefix("mtp.")) for b in blocks})
+    else:
+        with config_errors(f"{inv.location}/config.json"):
+            cfg.require_draft_blocks(sorted(blocks))
     variant = native.variant_of(cfg)
     expected_src = native.draft_layout(cfg, with_emb_head=True)
     layout = target_layout(cfg)
@@ -323,10 +322,11 @@ def plan_reverse(inv: Inventory, table: Table) -> Plan:
     """Reverse: a checkpoint in the table's target layout -> native names (only the tensors
     the draft uses). Fused parameters are split back at the native sizes."""
     cfg = model_config(inv)
-    if cfg.is_dspark:  # stages are model.layers.{s}, s < S; a layer beyond is unexpected below
-        _require_draft_blocks(inv, cfg, {m.group(0)[:-1] for key in inv.tensors if (m := TARGET_LAYER.match(key))})
+    if cfg.is_dspark:  # stages are model.layers.{s}, s < S
+        _require_stages(inv, cfg, {int(m.group(1)) for key in inv.tensors if (m := TARGET_LAYER.match(key))})
     else:
-        _require_draft_blocks(inv, cfg, draft_layers_present(cfg, inv.tensors))
+        with config_errors(f"{inv.location}/config.json"):
+            cfg.require_draft_blocks(draft_layers_present(cfg, inv.tensors))
     layout = target_layout(cfg)
     expected_src = native.draft_layout(cfg, with_emb_head=False)
     out: dict[str, PlannedTensor] = {}
