@@ -191,6 +191,17 @@ def test_plan_is_spec_04_and_the_models_layout(native: Path, cfg: ModelConfig) -
     assert set(consumed) | set(plan.skipped) == set(read_inventory(native).tensors)
 
 
+def test_planning_the_full_size_0731_replica_gives_spec_04s_98_parameters(tmp_path: Path) -> None:
+    """Spec 04 §4.2 at 0731 size: 98 parameters, 12,980,953,116 bytes, read from the embed
+    shard, the head shard and the three stage shards only."""
+    ckpt = write_checkpoint(tmp_path / "0731", preset="flash", variant="dspark", main_layers="all", sparse=True)
+    inv = read_inventory(ckpt)
+    plan = plan_conversion(inv, choose_table("xpu", inv))
+    assert (plan.table, len(plan.tensors), plan.bytes_to_write) == ("xpu_dspark", 98, 12_980_953_116)
+    assert plan.files_needed == [f"model-000{k:02d}-of-00048.safetensors" for k in (1, 45, 46, 47, 48)]
+    assert {t.name: (t.dtype, t.shape) for t in plan.tensors} == target_layout(ModelConfig.from_dict(inv.config))
+
+
 def test_every_output_tensor_is_its_sources_bytes_from_the_stage_spec_04_names(native: Path, xpu: Path, cfg: ModelConfig) -> None:
     n, x = load_all(native), load_all(xpu)
     spec = spec04_sources(cfg)
