@@ -429,10 +429,18 @@ def check_config(ctx: _Context, details: dict[str, Any]) -> str:
     if ctx.record is not None and (ctx.record.get("table"), ctx.record.get("target")) != (record["table"], record["layout"]):
         raise ConfigCheckError(f"{where}: {LAYOUT_RECORD} says table {record['table']!r} / layout {record['layout']!r}, {CONVERSION_RECORD} says {ctx.record.get('table')!r} / {ctx.record.get('target')!r}")
 
-    expected_layers = {cfg.mtp_layer_index(i) for i in range(cfg.num_nextn_predict_layers)}
+    drafter = "dspark" if cfg.is_dspark else "mtp"
+    if table.drafter != drafter:
+        raise ConfigCheckError(f"{where}: {LAYOUT_RECORD}.table {record['table']!r} maps {table.drafter} drafters, but config.json describes a{'' if cfg.is_dspark else 'n'} {drafter} drafter{' (dspark_* fields)' if cfg.is_dspark else ' (no dspark_* fields)'}")
     present = {int(m.group(1)) for name in inv.tensors if (m := LAYER.match(name))}
+    if cfg.is_dspark:  # the stages are an nn.ModuleList: model.layers.{s}, s < S
+        expected_layers = set(range(cfg.dspark_stages))
+        meaning = f"dspark_target_layer_ids ({len(cfg.dspark_target_layer_ids or ())} entries) means DSpark stage layer(s) {sorted(expected_layers)}"
+    else:
+        expected_layers = {cfg.mtp_layer_index(i) for i in range(cfg.num_nextn_predict_layers)}
+        meaning = f"num_nextn_predict_layers = {cfg.num_nextn_predict_layers} and num_hidden_layers = {cfg.num_hidden_layers} mean MTP layer(s) {sorted(expected_layers)}"
     if present != expected_layers:
-        raise ConfigCheckError(f"{where}: num_nextn_predict_layers = {cfg.num_nextn_predict_layers} and num_hidden_layers = {cfg.num_hidden_layers} mean MTP layer(s) {sorted(expected_layers)}, but the tensors hold layer(s) {sorted(present)}")
+        raise ConfigCheckError(f"{where}: {meaning}, but the tensors hold layer(s) {sorted(present)}")
 
     for name, src in sorted(inv.tensors.items()):
         implied = _expert_dtype_of(name, src.dtype)
@@ -455,8 +463,9 @@ def check_config(ctx: _Context, details: dict[str, Any]) -> str:
             if weight.shape == layout[weight.name][1] and src.shape != layout[name][1]:
                 raise ConfigCheckError(f"{where}: quantization_config.weight_block_size {block} gives {name} the shape {list(layout[name][1])}, but {src.file} holds {list(src.shape)} for {weight.name} {list(weight.shape)}")
     what = f"FP8 blocks {block}" if block else f"{quant.get('quant_method')} quantisation (names: see quant)" if isinstance(quant, dict) else "no quantization_config"
-    details.update(layout=record["layout"], table=record["table"], table_version=record["table_version"], mtp_layers=sorted(present))
-    return f"converted to {record['layout']!r} with table {record['table']} v{record['table_version']}; MTP layer(s) {sorted(present)}; expert_dtype {cfg.expert_dtype}; {what} agree with the tensors"
+    details.update(layout=record["layout"], table=record["table"], table_version=record["table_version"], drafter=drafter, mtp_layers=sorted(present))
+    layers = f"DSpark stage layer(s) {sorted(present)}" if cfg.is_dspark else f"MTP layer(s) {sorted(present)}"
+    return f"converted to {record['layout']!r} with table {record['table']} v{record['table_version']}; {layers}; expert_dtype {cfg.expert_dtype}; {what} agree with the tensors"
 
 
 # --- layout ------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ import click
 from dsv4 import __version__
 from dsv4.convert.errors import DSV4Error
 from dsv4.convert.sizes import shard_size
-from dsv4.mapping.table import installed_tables
+from dsv4.mapping.table import installed_targets
 
 if TYPE_CHECKING:
     from dsv4.convert.plan import Plan
@@ -99,7 +99,8 @@ class Device(click.ParamType):
 
 
 # A table is chosen by name from those installed, never by path (click lists the names).
-target_option = click.option("--target", type=click.Choice(installed_tables()), default="xpu", show_default=True, help="Mapping table: an installed table's name (mapping/<name>.toml).")
+# The target's table for the checkpoint's drafter (MTP or DSpark) is the plan's choice.
+target_option = click.option("--target", type=click.Choice(installed_targets()), default="xpu", show_default=True, help="Runtime layout: its table for the checkpoint's drafter (MTP: mapping/xpu.toml, DSpark: mapping/xpu_dspark.toml) is chosen from config.json and the tensors.")
 
 
 @cli.command("convert")
@@ -148,17 +149,22 @@ def plan_command(source: str, target: str, reverse: bool, as_json: bool) -> None
 def _plan(source: str, target: str, reverse: bool) -> tuple[Plan, int]:
     """The plan for SOURCE, from headers only, and the header bytes read."""
     from dsv4.convert.job import open_source, plan_source
-    from dsv4.mapping.table import load_table
 
-    table = load_table(target)
     inv, reader = open_source(source)
-    plan = plan_source(inv, reader, table, reverse=reverse)
+    plan = plan_source(inv, reader, target, reverse=reverse)
     reader.close()
     return plan, inv.header_bytes
 
 
 def _gb(n: int) -> str:
     return f"{n / 1e9:.3f} GB" if n >= 1e7 else f"{n:,} B"
+
+
+# how `plan` names the layout it chose (convert/plan.py choose_table)
+DRAFTER_NAMES = {
+    "mtp": "MTP (no dspark_* fields in config.json): vLLM DeepSeekV4MTP",
+    "dspark": "DSpark (dspark_* fields and mtp.0.main_proj.weight): vLLM DSparkDeepseekV4ForCausalLM",
+}
 
 
 def _print_plan(plan: Plan, as_json: bool, *, full: bool, header_bytes: int | None = None) -> None:
@@ -170,6 +176,7 @@ def _print_plan(plan: Plan, as_json: bool, *, full: bool, header_bytes: int | No
         return
     s = plan.summary()
     click.echo(f"{s['direction']} plan: {s['source']} -> {s['target']} (table {s['table']})")
+    click.echo(f"  draft layout:         {DRAFTER_NAMES[s['drafter']]}")
     click.echo(f"  tensors out:          {s['tensors_out']}")
     click.echo(f"  source keys consumed: {s['source_keys_consumed']}")
     click.echo(f"  source keys skipped:  {s['source_keys_skipped']}")

@@ -32,10 +32,10 @@ from dsv4 import __version__
 from dsv4.convert.errors import SourceNotFoundError, WriteFailedError
 from dsv4.convert.inventory import INDEX_NAME, Inventory, read_inventory, read_local_header
 from dsv4.convert.output import CONFIG, CONVERSION_RECORD, TOOL, OutputClaim, claim_output, read_record, write_json
-from dsv4.convert.plan import LAYOUT_RECORD, Plan, PlannedTensor, plan_conversion, plan_reverse
+from dsv4.convert.plan import LAYOUT_RECORD, Direction, Plan, PlannedTensor, choose_table, plan_conversion, plan_reverse
 from dsv4.convert.source import ByteReader, LocalReader
 from dsv4.convert.writer import ShardWriter, TensorSpec, shard_name
-from dsv4.mapping.table import Table, load_table
+from dsv4.mapping.table import require_target
 from dsv4.model import strictjson
 
 CHUNK = 8 * 1024 * 1024  # bytes per read/write: large enough for full disk speed
@@ -442,9 +442,12 @@ def _write_records(plan: Plan, config: dict[str, Any], partial: Path, shards: li
     )
 
 
-def plan_source(inv: Inventory, reader: ByteReader, table: Table, *, reverse: bool = False) -> Plan:
-    """Plan the conversion of an opened source; the reader is closed when planning fails."""
+def plan_source(inv: Inventory, reader: ByteReader, target: str, *, reverse: bool = False) -> Plan:
+    """Plan the conversion of an opened source to `target` with the table for the draft
+    layout it holds (MTP or DSpark); the reader is closed when planning fails."""
     try:
+        direction: Direction = "reverse" if reverse else "forward"
+        table = choose_table(target, inv, direction)
         return plan_reverse(inv, table) if reverse else plan_conversion(inv, table)
     except BaseException:
         reader.close()
@@ -456,10 +459,10 @@ def convert(source: str | Path, out: str | Path, *, target: str = "xpu", reverse
 
     OUT is owned (checked safe, locked) before the source is planned and until the output
     is published; with `wait` a run finding OUT locked waits for the other run."""
-    table = load_table(target)
+    require_target(target)  # a bad name is refused before OUT is touched
     with claim_output(out, source=local_source(source), wait=wait, on_wait=_waiting_notice(quiet)) as claim:
         inv, reader = open_source(source)
-        plan = plan_source(inv, reader, table, reverse=reverse)
+        plan = plan_source(inv, reader, target, reverse=reverse)
         try:
             return _write_output(plan, reader, claim, overwrite=overwrite, max_shard_size=max_shard_size, quiet=quiet)
         finally:
