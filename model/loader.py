@@ -32,6 +32,8 @@ from dsv4.convert.errors import (
 from dsv4.convert.inventory import INDEX_NAME, SINGLE_FILE
 from dsv4.convert.plan import draft_layers_present
 from dsv4.model.config import ModelConfig
+from dsv4.model.dspark import DSparkDraft
+from dsv4.model.layout import build_draft_model
 from dsv4.model.mtp import DeepSeekV4MTP
 
 
@@ -63,8 +65,9 @@ def _weight_map(root: Path) -> dict[str, str]:
     raise LoadError(f"{root}: neither {INDEX_NAME} nor {SINGLE_FILE} found")
 
 
-def load_converted(path: str | Path, device: str | torch.device | None = None) -> DeepSeekV4MTP:
-    """Build the draft model for `path`/config.json and load the converted weights strictly.
+def load_converted(path: str | Path, device: str | torch.device | None = None) -> DeepSeekV4MTP | DSparkDraft:
+    """Build the draft model for `path`/config.json (DSparkDraft for a DSpark config, spec 04;
+    else DeepSeekV4MTP) and load the converted weights strictly.
 
     Raises MissingKeyError, UnexpectedKeyError, ShapeMismatchError, DtypeMismatchError
     (all LoadError) naming the first offending tensor and its file; a config.json the
@@ -80,10 +83,11 @@ def load_converted(path: str | Path, device: str | torch.device | None = None) -
     dev = torch.device(device) if device is not None else default_device()
 
     weight_map = _weight_map(root)
-    with config_errors(str(config_path)):
-        cfg.require_draft_blocks(draft_layers_present(cfg, weight_map))
+    if not cfg.is_dspark:  # a DSpark stage missing or extra is a missing or unexpected key below
+        with config_errors(str(config_path)):
+            cfg.require_draft_blocks(draft_layers_present(cfg, weight_map))
     with torch.device("meta"):
-        model = DeepSeekV4MTP(cfg)
+        model = build_draft_model(cfg)
     expected = model.state_dict()
     index_file = INDEX_NAME if (root / INDEX_NAME).is_file() else SINGLE_FILE
     for name in expected:
