@@ -245,6 +245,14 @@ def test_check_passes_a_converted_dspark_checkpoint(xpu: Path) -> None:
     assert "DSpark stage layer(s) [0, 1, 2]" in config.reason and config.details["table"] == "xpu_dspark"
 
 
+def test_check_smoke_and_native_parity_on_a_dspark_checkpoint(native: Path, xpu: Path) -> None:
+    report = run_checks(xpu, native=native, fast=True)
+    results = {r.name: r for r in report.results}
+    assert report.ok and results["smoke"].status == results["native"].status == "pass", report.summary()
+    assert "one DSpark block" in results["smoke"].reason and len(results["smoke"].details["draft_tokens"]) == 5
+    assert results["native"].details["draft_tokens"] == results["native"].details["reference_draft_tokens"]
+
+
 def copy_tree(src: Path, dst: Path) -> Path:
     dst.mkdir()
     for p in src.iterdir():
