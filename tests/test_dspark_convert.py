@@ -151,6 +151,12 @@ def test_a_rule_naming_a_stage_needs_no_stage_in_its_target_but_a_per_stage_rule
         load_table_file(bad)
 
 
+def test_a_table_binds_only_its_own_drafters_block_placeholders(tmp_path: Path) -> None:
+    bad = dspark_table_with(tmp_path, '"mtp.{last}.norm.weight" = "model.norm.weight"', '"mtp.{i}.norm.weight" = "model.layers.{L}.norm.weight"')
+    with pytest.raises(errors.UnboundPlaceholderError, match=r"placeholder \{L\} belongs to the other drafter kind; a dspark table binds \['first', 'last', 's'\]"):
+        load_table_file(bad)
+
+
 @pytest.mark.parametrize("old, new", [('"mtp.{last}.norm.weight"', '"mtp.{first}.norm.weight"'), ('"mtp.{first}.main_proj.scale"', '"mtp.{last}.main_proj.scale"')])
 def test_a_rule_for_a_tensor_of_another_stage_is_a_dead_rule(tmp_path: Path, old: str, new: str) -> None:
     """norm.weight is the last stage's and main_proj stage 0's (spec 04 §4.1): a rule
