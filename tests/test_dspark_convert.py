@@ -21,7 +21,7 @@ from dsv4.convert import errors, quant
 from dsv4.convert.check import run_checks
 from dsv4.convert.inventory import INDEX_NAME, Inventory, read_inventory
 from dsv4.convert.job import convert
-from dsv4.convert.plan import choose_table, plan_conversion
+from dsv4.convert.plan import choose_table, plan_conversion, plan_reverse
 from dsv4.convert.presets import DSPARK_FIELDS, preset_config
 from dsv4.convert.synth import write_checkpoint
 from dsv4.mapping.table import TABLE_DIR, load_table, load_table_file
@@ -359,6 +359,12 @@ def test_tensors_a_dspark_stage_must_not_hold_are_refused(native: Path, add: dic
 def test_a_missing_stage_is_refused(native: Path) -> None:
     exc = refusal(with_tensors(read_inventory(native), drop="mtp.1."))
     assert exc.exit_code == 35 and "stage(s) [0, 2]: stage 1 is missing" in str(exc)
+
+
+def test_reverse_refuses_a_dspark_output_missing_a_stage(xpu: Path) -> None:
+    inv = with_tensors(read_inventory(xpu), drop="model.layers.1.")
+    with pytest.raises(errors.UnsupportedLayoutError, match=r"stage\(s\) \[0, 2\]: stage 1 is missing"):
+        plan_reverse(inv, choose_table("xpu", inv, "reverse"))
 
 
 def test_main_proj_without_dspark_fields_is_refused_on_the_command_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
