@@ -35,6 +35,9 @@ from dsv4.convert.presets import PRESETS, Variant, preset_config, with_variant
 from dsv4.convert.writer import ShardWriter, TensorSpec, shard_name
 from dsv4.model.config import ModelConfig, parse_config
 
+# what `synth` writes without --preset: tiny, except for the dspark variant, which is the
+# V4-Flash-0731 release (there is no other DSpark release)
+DEFAULT_PRESET: dict[str, str] = {"instruct": "tiny", "base": "tiny", "dspark": "flash"}
 CHUNK_BYTES = 1 << 20  # output bytes generated per write; temporaries stay within ~32x this
 SHARD_METADATA = {"format": "pt"}  # what the released shards carry
 
@@ -216,7 +219,7 @@ def _main_layers_arg(ctx: click.Context, param: click.Parameter, value: str) -> 
 
 @click.command("synth")
 @click.argument("out", type=click.Path(file_okay=False, path_type=Path))
-@click.option("--preset", type=click.Choice(sorted(PRESETS)), help="released config to replicate (default tiny)")
+@click.option("--preset", type=click.Choice(sorted(PRESETS)), help="released config to replicate (default tiny; with --variant dspark: flash, i.e. V4-Flash-0731)")
 @click.option("--config", "config_path", type=click.Path(dir_okay=False, exists=True, path_type=Path), help="a config.json to use instead of a preset")
 @click.option("--variant", type=click.Choice(["instruct", "base", "dspark"]), default="instruct", show_default=True)
 @click.option("--main-layers", default="0", callback=_main_layers_arg, show_default=True, help="main decoder layers to write: K or 'all'")
@@ -226,16 +229,18 @@ def synth_command(out: Path, preset: str | None, config_path: Path | None, varia
     """Write a synthetic native DeepSeek V4 checkpoint to OUT."""
     if preset and config_path:
         raise click.UsageError("--preset and --config are alternatives; give one")
+    # the dspark variant names a release (V4-Flash-0731); tiny is for tests and asked for by name
+    preset = preset or (None if config_path else DEFAULT_PRESET[variant])
     # writing into a directory that holds something would replace part of it (a typo for a
     # real download) and leave a mix of two checkpoints
     if out.is_dir() and any(out.iterdir()):
         raise OutputExistsError(f"{out}: exists and is not empty; synth writes only into a new or empty directory, so nothing was changed")
     try:
         # a config the converter would refuse is refused here with the converter's verdict
-        with config_errors(str(config_path) if config_path else f"preset {preset or 'tiny'}"):
+        with config_errors(str(config_path) if config_path else f"preset {preset}"):
             config = parse_config(config_path.read_bytes()) if config_path else None
             try:
-                write_checkpoint(out, preset=preset or "tiny", config=config, variant=variant, main_layers=main_layers, seed=seed, sparse=sparse)
+                write_checkpoint(out, preset=preset, config=config, variant=variant, main_layers=main_layers, seed=seed, sparse=sparse)
             except OSError as exc:  # a write's ENOSPC or EIO names no file: name OUT
                 raise WriteFailedError(f"{exc.filename or out}: {exc.strerror or exc}; the synthetic checkpoint in {out} is incomplete") from None
     except ValueError as exc:
