@@ -125,6 +125,14 @@ def test_plan_says_which_layout(which: str, native: Path, tiny_native: Path, mon
     assert (summary["table"], summary["target"], summary["drafter"], summary["tensors_out"]) == ("xpu_dspark v1", "xpu", "dspark", 98)
 
 
+def test_planning_and_converting_a_dspark_checkpoint_import_no_torch_once_the_layouts_are_cached(native: Path, tmp_path: Path) -> None:
+    from test_startup import imported_by
+
+    imported_by("plan", str(native))  # fills this session's layout cache if it is not yet
+    assert imported_by("plan", str(native)) == []
+    assert imported_by(str(native), str(tmp_path / "out"), "-q") == []
+
+
 def test_both_tables_share_the_v4_block_rules() -> None:
     mtp, dspark = load_table("xpu"), load_table("xpu_dspark")
 
