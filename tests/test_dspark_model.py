@@ -153,9 +153,12 @@ def test_the_meta_state_dict_is_the_layout():
 def test_every_dspark_linear_carries_its_vllm_quantisation_name():
     with torch.device("meta"):
         model = DSparkDraft(ModelConfig.from_dict(config_0731()))
-    names = set(quant_layer_names(model).values())
+    by_path = quant_layer_names(model)
+    names = set(by_path.values())
     for s in range(3):
-        L = f"model.layers.{s}"
+        # module path model.layers.{s}, vLLM's layer prefix model.layers.{N+s} (N = 43)
+        assert by_path[f"model.layers.{s}.attn.fused_wqa_wkv"] == f"model.layers.{43 + s}.attn.fused_wqa_wkv"
+        L = f"model.layers.{43 + s}"
         assert {f"{L}.attn.fused_wqa_wkv", f"{L}.attn.wq_b", f"{L}.attn.wo_a", f"{L}.attn.wo_b", f"{L}.ffn.gate",
                 f"{L}.ffn.shared_experts.gate_up_proj", f"{L}.ffn.shared_experts.down_proj", f"{L}.ffn.experts"} <= names  # fmt: skip
     assert {"model.embed_tokens", "model.main_proj", "lm_head", "model.markov_head.markov_w1", "model.markov_head.markov_w2"} <= names
