@@ -43,6 +43,8 @@ PINNED = {"first", "last"}
 DERIVED = {"L": "i"}  # {L} = num_hidden_layers + {i}; needs {i} bound
 EXPERT_DTYPES = ("fp4", "fp8")
 DRAFTERS = ("mtp", "dspark")
+# the block placeholders a table of each drafter kind binds (the other kind's are unbound)
+DRAFTER_PLACEHOLDERS = {"mtp": {"i", "L"}, "dspark": {"s", "first", "last"}}
 SECTIONS = {"table", "include", "copy", "rename", "concat", "stack", "skip", "refuse"}
 INCLUDE_SECTIONS = {"rename", "concat", "stack", "skip", "refuse"}  # an include has no [table] of its own
 INCLUDE_KEYS = {"file", "source", "target"}
@@ -220,8 +222,12 @@ def validate(table: Table, native_keys: Mapping[str, set[str]], target_keys: Map
     {last} stages (so a rule naming a tensor of the wrong stage is dead)."""
     where = table.path
     seen: dict[tuple[str, str], Rule] = {}
+    foreign = set().union(*DRAFTER_PLACEHOLDERS.values()) - DRAFTER_PLACEHOLDERS[table.drafter]
     for rule in table.rules:
         _check_placeholders(rule, where)
+        wrong = sorted({ph for p in (*rule.sources, rule.target or "") for ph in placeholders(p)} & foreign)
+        if wrong:
+            raise UnboundPlaceholderError(f"{where}: {rule.label}: placeholder {{{wrong[0]}}} belongs to the other drafter kind; a {table.drafter} table binds {sorted(DRAFTER_PLACEHOLDERS[table.drafter])}")
         if rule.op != "refuse":  # refuse rules describe other formats by design
             allowed = set().union(*(native_keys[d] for d in EXPERT_DTYPES if rule.applies(d)))
             for src in rule.sources:

@@ -21,7 +21,7 @@ from dsv4.convert import errors, quant
 from dsv4.convert.check import run_checks
 from dsv4.convert.inventory import INDEX_NAME, Inventory, read_inventory
 from dsv4.convert.job import convert
-from dsv4.convert.plan import choose_table, plan_conversion
+from dsv4.convert.plan import choose_table, plan_conversion, plan_reverse
 from dsv4.convert.presets import DSPARK_FIELDS, preset_config
 from dsv4.convert.synth import write_checkpoint
 from dsv4.mapping.table import TABLE_DIR, load_table, load_table_file
@@ -151,6 +151,12 @@ def test_a_rule_naming_a_stage_needs_no_stage_in_its_target_but_a_per_stage_rule
         load_table_file(bad)
 
 
+def test_a_table_binds_only_its_own_drafters_block_placeholders(tmp_path: Path) -> None:
+    bad = dspark_table_with(tmp_path, '"mtp.{last}.norm.weight" = "model.norm.weight"', '"mtp.{i}.norm.weight" = "model.layers.{L}.norm.weight"')
+    with pytest.raises(errors.UnboundPlaceholderError, match=r"placeholder \{L\} belongs to the other drafter kind; a dspark table binds \['first', 'last', 's'\]"):
+        load_table_file(bad)
+
+
 @pytest.mark.parametrize("old, new", [('"mtp.{last}.norm.weight"', '"mtp.{first}.norm.weight"'), ('"mtp.{first}.main_proj.scale"', '"mtp.{last}.main_proj.scale"')])
 def test_a_rule_for_a_tensor_of_another_stage_is_a_dead_rule(tmp_path: Path, old: str, new: str) -> None:
     """norm.weight is the last stage's and main_proj stage 0's (spec 04 §4.1): a rule
@@ -189,6 +195,17 @@ def test_plan_is_spec_04_and_the_models_layout(native: Path, cfg: ModelConfig) -
     consumed = [p.source for t in plan.tensors for p in t.pieces]
     assert len(consumed) == len(set(consumed))  # every source read once
     assert set(consumed) | set(plan.skipped) == set(read_inventory(native).tensors)
+
+
+def test_planning_the_full_size_0731_replica_gives_spec_04s_98_parameters(tmp_path: Path) -> None:
+    """Spec 04 §4.2 at 0731 size: 98 parameters, 12,980,953,116 bytes, read from the embed
+    shard, the head shard and the three stage shards only."""
+    ckpt = write_checkpoint(tmp_path / "0731", preset="flash", variant="dspark", main_layers="all", sparse=True)
+    inv = read_inventory(ckpt)
+    plan = plan_conversion(inv, choose_table("xpu", inv))
+    assert (plan.table, len(plan.tensors), plan.bytes_to_write) == ("xpu_dspark", 98, 12_980_953_116)
+    assert plan.files_needed == [f"model-000{k:02d}-of-00048.safetensors" for k in (1, 45, 46, 47, 48)]
+    assert {t.name: (t.dtype, t.shape) for t in plan.tensors} == target_layout(ModelConfig.from_dict(inv.config))
 
 
 def test_every_output_tensor_is_its_sources_bytes_from_the_stage_spec_04_names(native: Path, xpu: Path, cfg: ModelConfig) -> None:
@@ -232,6 +249,14 @@ def test_check_passes_a_converted_dspark_checkpoint(xpu: Path) -> None:
     assert all(status[c] == "pass" for c in ("index", "readable", "sizes", "checksums", "config", "layout", "quant")), status
     config = next(r for r in report.results if r.name == "config")
     assert "DSpark stage layer(s) [0, 1, 2]" in config.reason and config.details["table"] == "xpu_dspark"
+
+
+def test_check_smoke_and_native_parity_on_a_dspark_checkpoint(native: Path, xpu: Path) -> None:
+    report = run_checks(xpu, native=native, fast=True)
+    results = {r.name: r for r in report.results}
+    assert report.ok and results["smoke"].status == results["native"].status == "pass", report.summary()
+    assert "one DSpark block" in results["smoke"].reason and len(results["smoke"].details["draft_tokens"]) == 5
+    assert results["native"].details["draft_tokens"] == results["native"].details["reference_draft_tokens"]
 
 
 def copy_tree(src: Path, dst: Path) -> Path:
@@ -335,6 +360,12 @@ def test_tensors_a_dspark_stage_must_not_hold_are_refused(native: Path, add: dic
 def test_a_missing_stage_is_refused(native: Path) -> None:
     exc = refusal(with_tensors(read_inventory(native), drop="mtp.1."))
     assert exc.exit_code == 35 and "stage(s) [0, 2]: stage 1 is missing" in str(exc)
+
+
+def test_reverse_refuses_a_dspark_output_missing_a_stage(xpu: Path) -> None:
+    inv = with_tensors(read_inventory(xpu), drop="model.layers.1.")
+    with pytest.raises(errors.UnsupportedLayoutError, match=r"stage\(s\) \[0, 2\]: stage 1 is missing"):
+        plan_reverse(inv, choose_table("xpu", inv, "reverse"))
 
 
 def test_main_proj_without_dspark_fields_is_refused_on_the_command_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
