@@ -60,12 +60,16 @@ class MarkovHead(nn.Module):
 class DSparkModel(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        H, n, T = cfg.hidden_size, cfg.hc_mult, cfg.dspark_stages
+        assert cfg.dspark_target_layer_ids is not None
+        H, n, T = cfg.hidden_size, cfg.hc_mult, len(cfg.dspark_target_layer_ids)
         self.embed_tokens = Embedding(cfg.vocab_size, H, "model.embed_tokens")
-        # the target features: len(dspark_target_layer_ids) hidden states, concatenated
+        # the target features: T hidden states of the target, concatenated
         self.main_proj = Fp8Linear(T * H, (H,), fp8_linear_scale_dtype(cfg), "model.main_proj", cfg.weight_block_size)
         self.main_norm = RMSNorm(H, cfg.rms_norm_eps)
-        self.layers = nn.ModuleList(Block(cfg, f"model.layers.{s}") for s in range(cfg.dspark_stages))
+        # An nn.ModuleList: parameters are named model.layers.{s}. vLLM builds stage s with the
+        # layer prefix model.layers.{N+s} (xpu/dspark.py, DSparkDeepseekV4Model.__init__), so
+        # that is its quantisation names' prefix, as for the MTP block (NOTES.md).
+        self.layers = nn.ModuleList(Block(cfg, f"model.layers.{cfg.num_hidden_layers + s}") for s in range(cfg.dspark_stages))
         self.norm = RMSNorm(H, cfg.rms_norm_eps)
         self.hc_head_fn = weight_param((n, cfg.hc_dim), torch.float32)
         self.hc_head_base = weight_param((n,), torch.float32)

@@ -297,8 +297,8 @@ def test_quantisation_layer_names_of_the_dspark_draft(cfg: ModelConfig) -> None:
     names = {layer.name for layer in quant.draft_layers(quant.build_draft(cfg))}
     assert "" not in names
     assert {"model.main_proj", "model.embed_tokens", "lm_head"} <= names
-    for s in range(S):
-        assert {f"model.layers.{s}.attn.fused_wqa_wkv", f"model.layers.{s}.attn.wq_b", f"model.layers.{s}.ffn.shared_experts.gate_up_proj", f"model.layers.{s}.ffn.experts"} <= names
+    for L in range(cfg.num_hidden_layers, cfg.num_hidden_layers + S):  # vLLM's layer prefix of stage s: N + s
+        assert {f"model.layers.{L}.attn.fused_wqa_wkv", f"model.layers.{L}.attn.wq_b", f"model.layers.{L}.ffn.shared_experts.gate_up_proj", f"model.layers.{L}.ffn.experts"} <= names
 
 
 CT_FP8 = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "block", "block_structure": [128, 128], "dynamic": False, "observer": "static_minmax"}
@@ -321,8 +321,9 @@ def test_a_compressed_tensors_config_is_carried_to_the_dspark_layer_names(tmp_pa
     out = convert(native, tmp_path / "out").out
     carried = json.loads((out / "config.json").read_text())["quantization_config"]
     assert "model.main_proj" in carried["config_groups"]["fp8"]["targets"]
-    assert {f"model.layers.{s}.attn.fused_wqa_wkv" for s in range(S)} <= set(carried["config_groups"]["fp8"]["targets"])
-    assert {f"model.layers.{s}.ffn.experts" for s in range(S)} == set(carried["config_groups"]["experts"]["targets"])
+    N = json.loads((out / "config.json").read_text())["num_hidden_layers"]  # stage s: vLLM's layer prefix N + s
+    assert {f"model.layers.{N + s}.attn.fused_wqa_wkv" for s in range(S)} <= set(carried["config_groups"]["fp8"]["targets"])
+    assert {f"model.layers.{N + s}.ffn.experts" for s in range(S)} == set(carried["config_groups"]["experts"]["targets"])
     assert "lm_head" in carried["ignore"]
     quant_check = next(r for r in run_checks(out, fast=True).results if r.name == "quant")
     assert quant_check.status == "pass", quant_check.reason
