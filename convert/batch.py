@@ -14,7 +14,6 @@ each other. N and K default from Slurm array or Kubernetes indexed-Job variables
 
 from __future__ import annotations
 
-import json
 import os
 import string
 import time
@@ -25,18 +24,20 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-import click
+from dsv4 import __version__
+from dsv4.convert.errors import ManifestError, PushError, WriteFailedError
+from dsv4.convert.exit_codes import exit_code
+from dsv4.convert.hub import hub_errors, open_hub_source, resolve_commit
+from dsv4.convert.location import HUB_SCHEME, HubSpec, parse_hub_spec
+from dsv4.convert.output import CONVERSION_RECORD, read_record
+from dsv4.convert.pipeline import DEFAULT_MAX_SHARD, plan_source, run_plan
+from dsv4.convert.sizes import shard_size
+from dsv4.mapping.table import Table, installed_tables, load_table
+from dsv4.model.errors import DSV4Error
+from dsv4.model.strictjson import write_record
 from huggingface_hub import HfApi, hf_hub_download
 from huggingface_hub.errors import EntryNotFoundError, HFValidationError, RepositoryNotFoundError, RevisionNotFoundError
 from huggingface_hub.utils import validate_repo_id
-
-from dsv4 import __version__
-from dsv4.convert.errors import BatchFailedError, DSV4Error, ManifestError, PushError, WriteFailedError
-from dsv4.convert.hub import HUB_SCHEME, HubSpec, hub_errors, open_hub_source, parse_spec, resolve_commit
-from dsv4.convert.job import DEFAULT_MAX_SHARD, plan_source, run_plan
-from dsv4.convert.output import CONVERSION_RECORD, read_record
-from dsv4.convert.sizes import shard_size
-from dsv4.mapping.table import Table, installed_tables, load_table
 
 TOP_KEYS = {"target", "sources", "output", "options"}
 OUTPUT_KEYS = {"dir", "name", "repo", "private"}
@@ -107,7 +108,7 @@ def _parse_source(entry: Any, where: str) -> HubSpec:
     if not isinstance(entry, str):
         raise ManifestError(f"{where}: a source is \"org/name[@revision]\" or {{repo = ..., revision = ...}}")
     try:
-        return parse_spec(entry)
+        return parse_hub_spec(entry)
     except DSV4Error as exc:
         raise ManifestError(f"{where}: {exc}") from None
 
@@ -276,7 +277,7 @@ class _Job:
 
     def __init__(self, src: Source, manifest: Manifest, table: Table, push_to_hub: bool):
         self.src, self.manifest, self.table, self.push_to_hub = src, manifest, table, push_to_hub
-        self.hub = HubSpec(src.repo, src.revision)
+        self.hub = HubSpec(src.repo, src.revision, explicit=True)  # a manifest names hub repositories only
         self.commit: str | None = None
         self.fetched = 0
 
@@ -311,12 +312,10 @@ class _Job:
 
 
 def _write_report(path: Path, report: dict[str, Any]) -> None:
-    # rewritten after every repo (atomically), so a killed job still leaves an accurate report
+    # rewritten after every repo (durably), so a killed job still leaves an accurate report
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
-        tmp.replace(path)
+        write_record(path, report)
     except OSError as exc:
         # mkdir says "File exists" when the folder's name is taken by a file
         why = f"{path.parent} is not a directory" if isinstance(exc, FileExistsError) else exc.strerror or str(exc)
@@ -335,7 +334,7 @@ def run_batch(
     num_shards: int = 1,
     shard_index: int = 0,
     report_path: Path | None = None,
-    echo: Callable[[str], object] = lambda line: None,
+    echo: Callable[[str], object] | None = None,
 ) -> dict[str, Any]:
     """Process this shard's sources; returns the report (also written to `report_path`)."""
     start, started = time.monotonic(), datetime.now(UTC).isoformat(timespec="seconds")
@@ -368,7 +367,7 @@ def run_batch(
             outcome, entry = job.run()
         except Exception as exc:  # one repo's failure, whatever it is, must not stop the others
             outcome = "failed"
-            code = exc.exit_code if isinstance(exc, DSV4Error) else 1
+            code = exit_code(exc)
             reason = str(exc) if isinstance(exc, DSV4Error) else f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
             entry = {"reason": reason, "error": type(exc).__name__, "exit_code": code}
         entry = {"repo": src.repo, "revision": src.revision, "commit": job.commit, "output": str(src.output), **entry, "bytes_fetched": job.fetched, "seconds": round(time.monotonic() - t0, 3)}
@@ -377,35 +376,8 @@ def run_batch(
         report["seconds"] = round(time.monotonic() - start, 3)
         _write_report(report_path, report)
         detail = entry.get("reason") or f"{entry['conversion']} -> {src.output} ({job.fetched:,} bytes fetched, {entry['seconds']:.1f} s)"
-        echo(f"[{n}/{len(mine)}] {src.key}: {outcome}: {detail}")
+        if echo is not None:
+            echo(f"[{n}/{len(mine)}] {src.key}: {outcome}: {detail}")
     report["seconds"] = round(time.monotonic() - start, 3)
     _write_report(report_path, report)
     return report
-
-
-@click.command("batch")
-@click.argument("manifest", type=click.Path(exists=True, dir_okay=False, path_type=Path))
-@click.option("--out-dir", type=click.Path(file_okay=False, path_type=Path), help="Root of the local outputs (default: the manifest's output.dir).")
-@click.option("--push", "push_to_hub", is_flag=True, help="Upload each output to the manifest's output.repo (HF_TOKEN or `hf auth login` with write access).")
-@click.option("--num-shards", type=click.IntRange(min=1), envvar=NUM_SHARDS_ENV, help=f"Split the manifest into N shards [env {NUM_SHARDS_ENV}; default: SLURM_ARRAY_TASK_COUNT, else 1].")
-@click.option("--shard-index", type=click.IntRange(min=0), help="This run's shard, 0..N-1 [default: the Slurm array task's place in its array, or JOB_COMPLETION_INDEX].")
-@click.option("--report", "report_path", type=click.Path(dir_okay=False, path_type=Path), help="JSON report [default: OUT_DIR/batch-report[-K-of-N].json].")
-def batch_command(manifest: Path, out_dir: Path | None, push_to_hub: bool, num_shards: int | None, shard_index: int | None, report_path: Path | None) -> None:
-    """Convert every source repo of MANIFEST (TOML) that is not already converted.
-
-    A source is skipped, without reading any of its files, when its output (with --push: its
-    target repo) already records the source's current commit and the table's version. A
-    failing repo is reported and the others go on; the exit code is non-zero if any failed.
-    """
-    try:
-        n, k = shard_from_env(num_shards, shard_index)
-    except ValueError as exc:
-        raise click.UsageError(str(exc)) from None
-    m = load_manifest(manifest, out_dir)
-    path = report_path or default_report_path(m, n, k)
-    report = run_batch(m, push_to_hub=push_to_hub, num_shards=n, shard_index=k, report_path=path, echo=click.echo)
-    counts = {key: len(report[key]) for key in ("planned", "converted", "skipped", "failed")}
-    done = f"{counts['converted']} converted, {counts['skipped']} skipped, {counts['failed']} failed of {counts['planned']}"
-    click.echo(f"shard {k}/{n}: {done}; {report['bytes_fetched']:,} bytes fetched in {report['seconds']:.1f} s; report {path}")
-    if counts["failed"]:
-        raise BatchFailedError(f"{manifest}: {counts['failed']} of {counts['planned']} repositories failed; reasons in {path}")

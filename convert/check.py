@@ -25,49 +25,46 @@ from __future__ import annotations
 
 import errno
 import hashlib
-import json
 import math
 import os
 import re
 import time
-import xml.etree.ElementTree as ET
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-import click
 import torch
-from safetensors import safe_open
-
-from dsv4.convert.cli import Device
-from dsv4.convert.dtypes import tensor_bytes
 from dsv4.convert.errors import (
     CheckError,
     ChecksumMismatchError,
     ConfigCheckError,
-    DSV4Error,
     IndexCheckError,
     MissingTensorsError,
     NativeParityError,
     SizeCheckError,
     SmokeFailedError,
-    TableError,
     TensorDtypeError,
     TensorShapeError,
     UnexpectedTensorsError,
     UnreadableTensorError,
-    WriteFailedError,
 )
-from dsv4.convert.inventory import INDEX_NAME, Inventory, TensorSource, load_index, merge_shards, read_local_shards
-from dsv4.convert.job import CONVERSION_RECORD
+from dsv4.convert.exit_codes import exit_code
+from dsv4.convert.inventory import Inventory, TensorSource, merge_shards, read_local_shards
+from dsv4.convert.pipeline import CONVERSION_RECORD
 from dsv4.convert.plan import LAYOUT_RECORD
-from dsv4.convert.quant import build_draft, check_draft_quantization
+from dsv4.convert.quant_config import build_draft, check_draft_quantization
+from dsv4.convert.report import CheckReport, CheckResult
+from dsv4.mapping.errors import TableError
 from dsv4.mapping.table import load_table
 from dsv4.model import strictjson
+from dsv4.model.checkpoint import INDEX_NAME, load_index
 from dsv4.model.config import ConfigError, ModelConfig, parse_config
+from dsv4.model.dtypes import tensor_bytes
+from dsv4.model.errors import DSV4Error
 from dsv4.model.layout import target_layout
+from safetensors import safe_open
 
 READ_BLOCK = 64 << 20  # bytes per read of one tensor: bounded memory at any tensor size
 SMOKE_TOKENS = 4
@@ -76,85 +73,8 @@ NATIVE_MAX_REL_DIFF = 2e-2  # max|diff| / max|value|: bf16 rounding, far below a
 LIST_AT_MOST = 3  # names quoted in a one-line reason; the JSON details list all of them
 SHA256 = re.compile(r"[0-9a-f]{64}")  # hashlib's hexdigest, as the converter records it
 
-Status = Literal["pass", "fail", "skip"]
-
-
 class _Skipped(Exception):
     """A check that did not run, and why."""
-
-
-@dataclass
-class CheckResult:
-    name: str
-    status: Status
-    reason: str
-    exit_code: int = 0
-    error: CheckError | None = field(default=None, repr=False)
-    seconds: float = 0.0
-    details: dict[str, Any] = field(default_factory=dict)
-
-    def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"name": self.name, "status": self.status, "reason": self.reason, "seconds": round(self.seconds, 3)}
-        if self.error is not None:
-            out["exit_code"] = self.exit_code
-            out["error"] = type(self.error).__name__
-        if self.details:
-            out["details"] = self.details
-        return out
-
-
-@dataclass
-class CheckReport:
-    checkpoint: str
-    results: list[CheckResult]
-
-    @property
-    def failures(self) -> list[CheckResult]:
-        return [r for r in self.results if r.status == "fail"]
-
-    @property
-    def ok(self) -> bool:
-        return not self.failures
-
-    @property
-    def exit_code(self) -> int:
-        """The first failed check's code (checks run in a fixed order), 0 when all passed."""
-        return self.failures[0].exit_code if self.failures else 0
-
-    def result(self, name: str) -> CheckResult:
-        return next(r for r in self.results if r.name == name)
-
-    def summary(self) -> str:
-        counts = {s: sum(r.status == s for r in self.results) for s in ("pass", "fail", "skip")}
-        verdict = "OK" if self.ok else f"FAILED (exit {self.exit_code})"
-        return f"{self.checkpoint}: {verdict}: {counts['pass']} passed, {counts['fail']} failed, {counts['skip']} skipped"
-
-    def raise_for_failure(self) -> None:
-        """Raise the first failed check's error (its one-line reason and exit code)."""
-        for r in self.failures:
-            assert r.error is not None
-            raise r.error
-
-    def to_json(self) -> dict[str, Any]:
-        return {"checkpoint": self.checkpoint, "ok": self.ok, "exit_code": self.exit_code, "summary": self.summary(), "checks": [r.to_json() for r in self.results]}
-
-    def to_junit(self) -> str:
-        """JUnit XML: one test case per check; a failure carries the reason, a skip its why."""
-        total = sum(r.seconds for r in self.results)
-        counts = {"tests": str(len(self.results)), "failures": str(len(self.failures)), "errors": "0", "skipped": str(sum(r.status == "skip" for r in self.results)), "time": f"{total:.3f}"}
-        suites = ET.Element("testsuites", {"name": "convert-dsv4 check", **counts})
-        suite = ET.SubElement(suites, "testsuite", {"name": f"convert-dsv4 check {self.checkpoint}", **counts})
-        for r in self.results:
-            case = ET.SubElement(suite, "testcase", {"classname": "convert-dsv4.check", "name": r.name, "time": f"{r.seconds:.3f}"})
-            if r.status == "fail":
-                failure = ET.SubElement(case, "failure", {"message": r.reason, "type": type(r.error).__name__})
-                failure.text = f"{r.reason} (exit code {r.exit_code})"
-            elif r.status == "skip":
-                ET.SubElement(case, "skipped", {"message": r.reason})
-            else:
-                ET.SubElement(case, "system-out").text = r.reason
-        ET.indent(suites)
-        return ET.tostring(suites, encoding="unicode", xml_declaration=True) + "\n"
 
 
 @dataclass
@@ -582,54 +502,8 @@ def run_checks(
         except _Skipped as skip:
             result = CheckResult(name, "skip", str(skip))
         except CheckError as exc:
-            result = CheckResult(name, "fail", str(exc), exc.exit_code, exc)
+            result = CheckResult(name, "fail", str(exc), exit_code(exc), exc)
         result.details = details
         result.seconds = time.monotonic() - start
         results.append(result)
     return CheckReport(str(ctx.root), results)
-
-
-@click.command("check")
-@click.argument("directory", type=click.Path(exists=True, file_okay=False, path_type=Path))
-@click.option("--native", "native", type=click.Path(exists=True, file_okay=False, path_type=Path), help="the NATIVE checkpoint DIRECTORY was converted from: check numerical parity with the reference on it (implies --smoke)")
-@click.option("--smoke", is_flag=True, help="load strictly into the bundled model and run a few-token forward")
-@click.option("--fast", is_flag=True, help="skip hashing the tensor data against conversion.json (says so in the report)")
-@click.option("--device", type=Device(), default="cpu", show_default=True, help="device for --smoke and --native")
-@click.option("--json", "as_json", is_flag=True, help="print the report as JSON")
-@click.option("--junit", type=click.Path(dir_okay=False, path_type=Path), help="also write the report as JUnit XML to this file (its folder is created), one test case per check")
-def check_command(directory: Path, native: Path | None, smoke: bool, fast: bool, device: str, as_json: bool, junit: Path | None) -> None:
-    """Verify converted checkpoint DIRECTORY; exit with the first failed check's code.
-
-    \b
-    exit codes: 71 index/headers  72 unreadable tensor  73 sizes  74 checksum
-                75 config vs tensors  76 missing  77 unexpected  78 shape  79 dtype
-                80 quantisation scheme  81 empty quantisation name (vLLM #44817)
-                84 smoke  85 native parity
-                42 the --junit file could not be written (after the report is printed)
-    """
-    report = run_checks(directory, native=native, smoke=smoke, fast=fast, device=device)
-    if as_json:
-        click.echo(json.dumps(report.to_json(), indent=2))
-    else:
-        for r in report.results:
-            code = f" [{r.exit_code}]" if r.status == "fail" else ""
-            click.echo(f"  {r.status.upper():4} {r.name:9} {r.reason}{code}")
-        click.echo(report.summary())
-    if junit is not None:  # after the report: a JUnit file that cannot be written loses nothing else
-        write_junit(report, junit)
-    # the process exit code travels on the error: cli.main() exits with it
-    report.raise_for_failure()
-
-
-def write_junit(report: CheckReport, path: Path) -> None:
-    """Write the report as JUnit XML to `path`, creating its directory (CI often names a
-    fresh reports/ folder). A file that cannot be written is a WriteFailedError (exit 42)
-    whose one line also carries the checks' verdict."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(report.to_junit())
-    except OSError as exc:
-        # mkdir says "File exists" when the folder's name is taken by a file
-        why = f"{path.parent} is not a directory" if isinstance(exc, FileExistsError) else exc.strerror or _first_line(exc)
-        verdict = "all checks passed" if report.ok else f"the checks FAILED (exit {report.exit_code}: {report.failures[0].name})"
-        raise WriteFailedError(f"{path}: cannot write the JUnit report ({why}); {verdict}") from None

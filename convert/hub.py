@@ -17,63 +17,28 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass
 from functools import partial
 
+from dsv4.convert.errors import DownloadError, HubError, RepoNotFound, RevisionNotFound
+from dsv4.convert.inventory import Inventory, TensorSource, merge_shards, parse_header, tensors_from_header
+from dsv4.convert.location import HubSpec, parse_hub_spec
+from dsv4.model.checkpoint import INDEX_NAME, SINGLE_FILE, load_index
+from dsv4.model.config import config_errors, parse_config
+from dsv4.model.errors import DSV4Error, MissingConfigError, MissingShardError, TruncatedShardError
 from fsspec.spec import AbstractBufferedFile
 from huggingface_hub import HfApi, HfFileSystem, ModelInfo, hf_hub_download
 from huggingface_hub.errors import (
     GatedRepoError,
-    HFValidationError,
     OfflineModeIsEnabled,
     RepositoryNotFoundError,
     RevisionNotFoundError,
 )
-from huggingface_hub.utils import validate_repo_id
 
-from dsv4.convert.errors import (
-    DownloadError,
-    DSV4Error,
-    HubError,
-    MissingConfigError,
-    MissingShardError,
-    RepoNotFound,
-    RevisionNotFound,
-    TruncatedShardError,
-    config_errors,
-)
-from dsv4.convert.inventory import INDEX_NAME, SINGLE_FILE, Inventory, TensorSource, load_index, merge_shards, parse_header, tensors_from_header
-from dsv4.model.config import parse_config
-
-HUB_SCHEME = "hub:"
 # huggingface_hub already retries HTTP errors and dropped connections (http_backoff: 5 tries,
 # 1 s doubling to 8 s). What it cannot see is a complete-looking response that is shorter
 # than the range asked for (a proxy cutting a body short); those are retried here.
 SHORT_READ_RETRIES = 3
 SHORT_READ_BACKOFF_S = 0.5  # doubled after each short read
-
-
-@dataclass(frozen=True)
-class HubSpec:
-    repo: str
-    revision: str | None  # None: the repo's default branch
-
-    @property
-    def location(self) -> str:
-        return f"{HUB_SCHEME}{self.repo}"
-
-
-def parse_spec(spec: str) -> HubSpec:
-    """`org/name` or `org/name@revision` (a branch, tag or commit; may contain '/')."""
-    repo, at, revision = spec.partition("@")
-    try:
-        validate_repo_id(repo)
-        ok = repo.count("/") == 1 and (revision != "" or not at)
-    except HFValidationError:
-        ok = False
-    if not ok:
-        raise RepoNotFound(f"{spec}: neither an existing local directory nor a hub repo id org/name[@revision]")
-    return HubSpec(repo, revision or None)
 
 
 @contextmanager
@@ -212,11 +177,17 @@ def _read_shard_header(reader: HubReader, file: str) -> tuple[dict[str, TensorSo
     return tensors_from_header(header, file, data_start, size), data_start
 
 
-def open_hub_source(spec: str) -> tuple[Inventory, HubReader]:
+def open_hub_source(spec: str | HubSpec) -> tuple[Inventory, HubReader]:
     """Inventory of hub repo `org/name[@revision]` from its headers, and a reader pinned to
     the resolved commit. Applies the same checks as the local reader."""
-    hub = parse_spec(spec)
-    commit, info = _model_info(hub, files_metadata=True)
+    hub = parse_hub_spec(spec) if isinstance(spec, str) else spec
+    try:
+        commit, info = _model_info(hub, files_metadata=True)
+    except HubError as exc:
+        if hub.explicit:
+            raise
+        # a bare org/name may also have been meant as a local path: say both readings
+        raise type(exc)(f"{hub.repo}: no such local directory, and as a hub repository: {exc}") from None
     sizes = {s.rfilename: s.size for s in info.siblings or [] if s.size is not None}
 
     config_where = f"{hub.location}/config.json@{commit[:12]}"

@@ -20,7 +20,6 @@ sharing bytes). So every rule of safetensors' reader (its Rust `read_metadata` a
 
 from __future__ import annotations
 
-import json
 import os
 import stat
 import struct
@@ -29,23 +28,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dsv4.convert.dtypes import ITEMSIZE
-from dsv4.convert.errors import (
-    DuplicateTensorError,
-    IndexMismatchError,
-    MalformedHeaderError,
-    MissingConfigError,
-    MissingShardError,
-    TruncatedShardError,
-    UnknownDtypeError,
-    UnsafeShardPathError,
-    config_errors,
-)
 from dsv4.model import strictjson
-from dsv4.model.config import parse_config
+from dsv4.model.checkpoint import INDEX_NAME, SINGLE_FILE, json_kind, load_index
+from dsv4.model.config import config_errors, parse_config
+from dsv4.model.dtypes import ITEMSIZE
+from dsv4.model.errors import DuplicateTensorError, IndexMismatchError, MalformedHeaderError, MissingConfigError, MissingShardError, TruncatedShardError, UnknownDtypeError, UnsafeShardPathError
 
-INDEX_NAME = "model.safetensors.index.json"
-SINGLE_FILE = "model.safetensors"
 MAX_HEADER = 100_000_000  # safetensors' MAX_HEADER_SIZE, in bytes (not MiB): it refuses a longer header
 U64_MAX = 2**64 - 1  # safetensors reads shapes and offsets as 64-bit sizes
 ENTRY_FIELDS = ("dtype", "shape", "data_offsets")
@@ -79,14 +67,6 @@ class Inventory:
     header_bytes: int = 0  # bytes read to build this inventory
     revision: str | None = None  # resolved commit, for hub sources
     extra: dict[str, Any] = field(default_factory=dict)
-
-
-def json_kind(value: Any) -> str:
-    """What a JSON value is, for a message: 'an object', 'a list', 'null', ..."""
-    if value is None:
-        return "null"
-    kinds = ((bool, "a boolean"), (int, "an integer"), (float, "a number"), (str, "a string"), (list, "a list"), (dict, "an object"))
-    return next(kind for t, kind in kinds if isinstance(value, t))
 
 
 def parse_header(raw_len: bytes, read_header: Callable[[int], bytes], file: str, file_size: int) -> tuple[dict[str, Any], int]:
@@ -209,12 +189,6 @@ def read_local_header(path: Path) -> tuple[dict[str, TensorSource], int]:
     return tensors_from_header(header, path.name, data_start, size), data_start
 
 
-def check_shard_name(name: str, index_file: str) -> None:
-    """Index entries name plain files inside the checkpoint, nothing else."""
-    if not isinstance(name, str) or not name or name in (".", "..") or "/" in name or "\\" in name or os.path.isabs(name):
-        raise UnsafeShardPathError(f"{index_file}: shard name {name!r} is not a plain file name inside the checkpoint")
-
-
 def merge_shards(location: str, weight_map: Mapping[str, str] | None, shards: Iterable[tuple[str, dict[str, TensorSource]]]) -> dict[str, TensorSource]:
     """Union of per-shard tensors, checked against the index's weight map."""
     tensors: dict[str, TensorSource] = {}
@@ -232,36 +206,6 @@ def merge_shards(location: str, weight_map: Mapping[str, str] | None, shards: It
             if name not in tensors:
                 raise IndexMismatchError(f"{file}: tensor {name} is listed in {INDEX_NAME} but not in the shard's header")
     return tensors
-
-
-def load_index(raw: bytes, index_file: str) -> dict[str, str]:
-    """The weight map of a model.safetensors.index.json, every field the tool reads
-    checked: weight_map maps tensor names to plain shard file names; metadata, when
-    present, is an object and its total_size a non-negative integer."""
-    try:
-        index = strictjson.loads(raw)
-    except strictjson.StrictJSONError as exc:
-        raise MalformedHeaderError(f"{index_file}: not valid JSON ({exc})") from None
-    if not isinstance(index, dict):
-        raise MalformedHeaderError(f"{index_file}: not a safetensors index: the top level is {json_kind(index)}, not an object")
-    if "weight_map" not in index:
-        raise MalformedHeaderError(f"{index_file}: not a safetensors index: no weight_map")
-    weight_map = index["weight_map"]
-    if not isinstance(weight_map, dict):
-        raise MalformedHeaderError(f"{index_file}: weight_map is {json_kind(weight_map)}, not an object")
-    if not weight_map:
-        raise MalformedHeaderError(f"{index_file}: weight_map lists no tensor")
-    for name, shard in weight_map.items():
-        if not isinstance(shard, str):
-            raise MalformedHeaderError(f"{index_file}: weight_map[{name!r}] is {json_kind(shard)}, not a shard file name")
-    metadata = index.get("metadata", {})
-    if not isinstance(metadata, dict):
-        raise MalformedHeaderError(f"{index_file}: metadata is {json_kind(metadata)}, not an object")
-    if "total_size" in metadata and not (type(metadata["total_size"]) is int and metadata["total_size"] >= 0):
-        raise MalformedHeaderError(f"{index_file}: metadata.total_size is {metadata['total_size']!r}, not a non-negative integer")
-    for shard in sorted(set(weight_map.values())):
-        check_shard_name(shard, index_file)
-    return weight_map
 
 
 @dataclass(frozen=True)

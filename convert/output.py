@@ -16,7 +16,6 @@ siblings of a killed run are removed by the next run that holds OUT's lock, and 
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -28,21 +27,11 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from filelock import FileLock, Timeout
-
-from dsv4.convert.errors import (
-    OutputExistsError,
-    OutputInSourceError,
-    OutputIsSourceError,
-    OutputLockedError,
-    OutputParentError,
-    OverwriteRefusedError,
-    SourceInOutputError,
-    WriteFailedError,
-)
-from dsv4.convert.inventory import INDEX_NAME
+from dsv4.convert.errors import OutputExistsError, OutputInSourceError, OutputIsSourceError, OutputLockedError, OutputParentError, OverwriteRefusedError, SourceInOutputError, WriteFailedError
 from dsv4.convert.plan import LAYOUT_RECORD
-from dsv4.model.strictjson import StrictJSONError, loads, read_record_bytes
+from dsv4.model.checkpoint import INDEX_NAME
+from dsv4.model.strictjson import StrictJSONError, fsync_dir, json_bytes, loads, read_record_bytes, write_record
+from filelock import FileLock, Timeout
 
 CONVERSION_RECORD = "conversion.json"
 CONFIG = "config.json"
@@ -56,27 +45,6 @@ TOOL = "dsv4-convert"  # conversion.json's "tool": what marks a directory as thi
 # A run that just took the lock writes its owner record a moment later; a refused run
 # looks this long for that record before it says the owner is unknown.
 OWNER_GRACE_SECONDS = 2.0
-
-
-def json_bytes(obj: Any) -> bytes:
-    """The one serialisation of every record this tool writes (stable, so comparable)."""
-    return (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode()
-
-
-def write_json(path: Path, obj: Any) -> None:
-    """Write a record durably (fsynced before the call returns)."""
-    with open(path, "wb") as f:
-        f.write(json_bytes(obj))
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def read_record(path: Path) -> dict[str, Any] | None:
@@ -193,7 +161,7 @@ class OutputClaim:
                 lock.acquire()
                 break
         try:
-            write_json(self.owner_path, {"pid": os.getpid(), "host": socket.gethostname(), "since": datetime.now(UTC).isoformat(timespec="seconds")})
+            write_record(self.owner_path, {"pid": os.getpid(), "host": socket.gethostname(), "since": datetime.now(UTC).isoformat(timespec="seconds")})
             yield
         finally:
             try:
@@ -258,7 +226,7 @@ class OutputClaim:
             if os.path.lexists(self.partial):
                 _remove(self.partial)
             self.partial.mkdir()
-            write_json(state, fingerprint)
+            write_record(state, fingerprint)
         return resumed
 
     def publish(self) -> None:

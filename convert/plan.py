@@ -10,31 +10,23 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
-from dsv4.convert import native
-from dsv4.convert.dtypes import ITEMSIZE, nbytes
-from dsv4.convert.errors import (
-    DuplicateTargetError,
-    LayoutMismatchError,
-    MissingSourceError,
-    PlanError,
-    TableError,
-    UncoveredKeyError,
-    UnsupportedLayoutError,
-    config_errors,
-)
+from dsv4.convert.errors import DuplicateTargetError, LayoutMismatchError, MissingSourceError, PlanError, UncoveredKeyError
 from dsv4.convert.inventory import Inventory, TensorSource
+from dsv4.mapping.errors import TableError
 from dsv4.mapping.table import Rule, Table, expand
-from dsv4.model.config import ModelConfig
-from dsv4.model.layout import target_layout
+from dsv4.model import native
+from dsv4.model.config import ModelConfig, config_errors
+from dsv4.model.dtypes import ITEMSIZE, nbytes
+from dsv4.model.errors import UnsupportedLayoutError
+from dsv4.model.layout import draft_layers_present, target_layout
 
 Direction = Literal["forward", "reverse"]
 LAYOUT_RECORD = "dsv4_convert"  # key added to a converted config.json
 NATIVE_BLOCK = re.compile(r"(mtp\.\d+)\.")  # a native draft block's prefix
-TARGET_LAYER = re.compile(r"model\.layers\.(\d+)\.")  # a target-layout layer's number L
 
 
 @dataclass(frozen=True)
@@ -69,7 +61,8 @@ class PlannedTensor:
 class Plan:
     direction: Direction
     source: str
-    config: dict[str, Any]
+    config: dict[str, Any]  # the source's config.json, as read
+    model_config: ModelConfig  # the same, validated (model/config.py): what the layout was planned for
     table: str
     table_version: str
     target: str
@@ -124,12 +117,6 @@ def model_config(inv: Inventory) -> ModelConfig:
     """The validated config of `inv` (MalformedConfigError 18, UnsupportedLayoutError 35)."""
     with config_errors(f"{inv.location}/config.json"):
         return ModelConfig.from_dict(inv.config)
-
-
-def draft_layers_present(cfg: ModelConfig, names: Iterable[str]) -> list[str]:
-    """The target-layout draft layers ("model.layers.{L}", L >= num_hidden_layers) `names` hold."""
-    layers = {int(m.group(1)) for name in names if (m := TARGET_LAYER.match(name))}
-    return [f"model.layers.{L}" for L in sorted(layers) if L >= cfg.num_hidden_layers]
 
 
 def _refuse(inv: Inventory, table: Table) -> None:
@@ -277,7 +264,7 @@ def plan_conversion(inv: Inventory, table: Table) -> Plan:
     twice = sorted(n for n, c in consumed.items() if c > 1 and n not in once)
     if twice:
         raise PlanError(f"tensor {twice[0]} is consumed by more than one rule")
-    return Plan("forward", inv.location, inv.config, table.name, table.version, table.target, _write_order(list(out.values())), skipped, inv.revision)
+    return Plan("forward", inv.location, inv.config, cfg, table.name, table.version, table.target, _write_order(list(out.values())), skipped, inv.revision)
 
 
 def plan_reverse(inv: Inventory, table: Table) -> Plan:
@@ -311,4 +298,4 @@ def plan_reverse(inv: Inventory, table: Table) -> Plan:
                 at += n
             if at != fused.end:
                 raise LayoutMismatchError(f"{fused.file}: tensor {target}: {fused.nbytes} bytes but its native parts add up to {at - fused.start}")
-    return Plan("reverse", inv.location, inv.config, table.name, table.version, "native", _write_order(list(out.values())), {}, inv.revision)
+    return Plan("reverse", inv.location, inv.config, cfg, table.name, table.version, "native", _write_order(list(out.values())), {}, inv.revision)

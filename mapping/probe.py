@@ -1,16 +1,15 @@
 """The small configuration a table is validated against, for both expert dtypes: which
-native names the source format allows (convert/native.py) and which parameters the
+native names the source format allows (model/native.py) and which parameters the
 bundled model has (model/layout.py)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from functools import cache
 
-from dsv4.convert import native
-from dsv4.convert.presets import preset_config
+from dsv4.model import native
 from dsv4.model.config import ModelConfig
 from dsv4.model.layout import target_layout
+from dsv4.model.presets import preset_config
 
 VARIANT_OF_EXPERT_DTYPE = {"fp4": "instruct", "fp8": "base"}
 
@@ -31,15 +30,12 @@ def native_keys(cfg: ModelConfig) -> set[str]:
 
 
 @cache
-def probe_keys() -> tuple[dict[str, set[str]], dict[str, set[str]], Callable[[str], list[str]]]:
+def probe_keys() -> tuple[dict[str, set[str]], dict[str, set[str]], list[dict[str, int]]]:
+    """For each expert dtype: the native names and the model's parameters; and the values
+    the placeholders of a target pattern take ({i} and {L} of each draft block)."""
     cfgs = {d: probe_config(d) for d in VARIANT_OF_EXPERT_DTYPE}
     natives = {d: native_keys(c) for d, c in cfgs.items()}
     targets = {d: set(target_layout(c)) for d, c in cfgs.items()}
     cfg = cfgs["fp4"]
-
-    def bind_target(pattern: str) -> list[str]:
-        from dsv4.mapping.table import expand
-
-        return sorted({expand(pattern, {"i": i, "L": cfg.mtp_layer_index(i)}) for i in range(cfg.num_nextn_predict_layers)})
-
-    return natives, targets, bind_target
+    bindings = [{"i": i, "L": cfg.mtp_layer_index(i)} for i in range(cfg.num_nextn_predict_layers)]
+    return natives, targets, bindings

@@ -2,7 +2,7 @@
 
 A table is data: `copy`, `rename`, `concat`, `stack`, `skip` and `refuse` sections whose
 keys and values are full tensor names with typed placeholders. Loading checks the table
-against the native format (convert/native.py) and the target layout (the bundled model)
+against the native format (model/native.py) and the target layout (the bundled model)
 before any checkpoint is read, so a rule that can never fire, or that writes something the
 model does not have, is an error at once, not a silent gap at serving time.
 """
@@ -17,14 +17,8 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from dsv4.convert.errors import (
-    DeadRuleError,
-    DuplicateTargetRuleError,
-    TableError,
-    UnboundPlaceholderError,
-    UnknownOpError,
-    UnknownTargetError,
-)
+from dsv4.mapping.errors import DeadRuleError, DuplicateTargetRuleError, TableError, UnboundPlaceholderError, UnknownOpError, UnknownTargetError
+from dsv4.mapping.probe import probe_keys
 
 TABLE_DIR = Path(__file__).parent
 
@@ -212,8 +206,6 @@ def load_table_file(path: Path) -> Table:
         raise TableError(f"{path}: not valid TOML ({exc})") from None
     meta, rules = _parse(raw, path.name)
     table = Table(meta["name"], meta["version"], meta["target"], meta.get("layout", ""), tuple(rules), path.name)
-    from dsv4.mapping.probe import probe_keys  # the model and the native format, for a small config
-
-    native_keys, target_keys, bind_target = probe_keys()
-    validate(table, native_keys, target_keys, bind_target)
+    native_keys, target_keys, bindings = probe_keys()
+    validate(table, native_keys, target_keys, lambda pattern: sorted({expand(pattern, b) for b in bindings}))
     return table

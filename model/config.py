@@ -3,13 +3,11 @@ one validating loader every reader of a config.json goes through.
 
 A ModelConfig is valid by construction (`__post_init__` checks every field): each field has
 its JSON type (a bool is not an integer, "256" is not a number), its sign, a range with an
-upper bound far above the released models (spec 01 §1.2; convert/presets.py holds Flash and
+upper bound far above the released models (spec 01 §1.2; model/presets.py holds Flash and
 Pro verbatim) and its relations to other fields. A value out of range, of the wrong type or
 contradicting another field is malformed (ConfigFieldError); a well-formed value this tool
 has no layout for (another routing, expert storage or model type) is unsupported
-(UnsupportedConfig). Both name the field. This module must not need `dsv4.convert`: the
-converter turns these errors into its exit codes in one place
-(`dsv4.convert.errors.config_errors`).
+(UnsupportedConfig). Both name the field; `config_errors` adds the file's name.
 """
 
 from __future__ import annotations
@@ -17,10 +15,13 @@ from __future__ import annotations
 import json
 import math
 import reprlib
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from dsv4.model.errors import DSV4Error, MalformedConfigError, UnsupportedLayoutError
 from dsv4.model.strictjson import StrictJSONError, loads
 
 # Upper bounds, each far above the released values (Flash / Pro in brackets): they refuse
@@ -48,7 +49,7 @@ _SHORT.maxlist = _SHORT.maxtuple = 4
 _SHORT.maxdict, _SHORT.maxlevel = 3, 2
 
 
-class ConfigError(ValueError):
+class ConfigError(DSV4Error, ValueError):
     """config.json is not a DeepSeek V4 config this tool can use; one line, without the file's
     name (the caller adds it)."""
 
@@ -294,3 +295,16 @@ def parse_config(raw: bytes | str) -> dict[str, Any]:
         raise ConfigError(str(exc)) from None
     _require_object(value)
     return value
+
+
+@contextmanager
+def config_errors(where: str) -> Iterator[None]:
+    """The config verdicts as every command reports them (plan, convert, check, the loader):
+    unsupported -> UnsupportedLayoutError, anything else -> MalformedConfigError; `where`
+    (the config.json's path) heads the one-line message."""
+    try:
+        yield
+    except UnsupportedConfig as exc:
+        raise UnsupportedLayoutError(f"{where}: {exc}", path=where) from None
+    except ConfigError as exc:
+        raise MalformedConfigError(f"{where}: {exc}", path=where) from None

@@ -13,54 +13,21 @@ the embedding).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
-
-from dsv4.convert.dtypes import SAFETENSORS_NAMES
-from dsv4.convert.errors import (
-    DtypeMismatchError,
-    LoadError,
-    MissingConfigError,
-    MissingKeyError,
-    ShapeMismatchError,
-    UnexpectedKeyError,
-    config_errors,
-)
-from dsv4.convert.inventory import INDEX_NAME, SINGLE_FILE
-from dsv4.convert.plan import draft_layers_present
-from dsv4.model.config import ModelConfig
+from dsv4.model.checkpoint import local_weight_map
+from dsv4.model.config import ModelConfig, config_errors
+from dsv4.model.dtypes import SAFETENSORS_NAMES
+from dsv4.model.errors import DtypeMismatchError, LoadError, MissingConfigError, MissingKeyError, ShapeMismatchError, UnexpectedKeyError
+from dsv4.model.layout import draft_layers_present
 from dsv4.model.mtp import DeepSeekV4MTP
-
+from safetensors import safe_open
 
 
 def default_device() -> torch.device:
-    """xpu, else cuda, else cpu."""
-    if hasattr(torch, "xpu") and torch.xpu.is_available():
-        return torch.device("xpu")
-    if torch.cuda.is_available():
-        return torch.device("cuda")
-    return torch.device("cpu")
-
-
-def _weight_map(root: Path) -> dict[str, str]:
-    index = root / INDEX_NAME
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError):
-            raise LoadError(f"{index}: not a safetensors index (JSON with a weight_map)") from None
-        for shard in set(weight_map.values()):
-            if not isinstance(shard, str) or Path(shard).name != shard or shard in ("", ".", ".."):
-                raise LoadError(f"{index}: shard name {shard!r} is not a plain file name")
-        return weight_map
-    single = root / SINGLE_FILE
-    if single.is_file():
-        with safe_open(single, framework="pt") as f:
-            return dict.fromkeys(f.keys(), SINGLE_FILE)
-    raise LoadError(f"{root}: neither {INDEX_NAME} nor {SINGLE_FILE} found")
+    """The machine's accelerator (xpu or cuda: the one this torch build has), else the cpu."""
+    return torch.accelerator.current_accelerator() if torch.accelerator.is_available() else torch.device("cpu")
 
 
 def load_converted(path: str | Path, device: str | torch.device | None = None) -> DeepSeekV4MTP:
@@ -79,13 +46,12 @@ def load_converted(path: str | Path, device: str | torch.device | None = None) -
         cfg = ModelConfig.from_file(config_path)
     dev = torch.device(device) if device is not None else default_device()
 
-    weight_map = _weight_map(root)
+    weight_map, index_file = local_weight_map(root)
     with config_errors(str(config_path)):
         cfg.require_draft_blocks(draft_layers_present(cfg, weight_map))
     with torch.device("meta"):
         model = DeepSeekV4MTP(cfg)
     expected = model.state_dict()
-    index_file = INDEX_NAME if (root / INDEX_NAME).is_file() else SINGLE_FILE
     for name in expected:
         if name not in weight_map:
             raise MissingKeyError(f"{root / index_file}: missing tensor {name} (a parameter of the draft model)")

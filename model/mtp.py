@@ -21,12 +21,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-
-from dsv4.convert.native import variant_of
 from dsv4.model import kernels
 from dsv4.model.config import ModelConfig
-from dsv4.model.quant import (
+from dsv4.model.native import variant_of
+from dsv4.model.quantized import (
     E8M0,
     Bf16Linear,
     Embedding,
@@ -36,7 +34,7 @@ from dsv4.model.quant import (
     QuantLayer,
     weight_param,
 )
-
+from torch import nn
 
 
 def fp8_linear_scale_dtype(cfg: ModelConfig) -> torch.dtype:

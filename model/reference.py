@@ -13,15 +13,14 @@ and attention is computed over the full [T, T] score matrix per call.
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
-
+from dsv4.model.checkpoint import local_weight_map
 from dsv4.model.config import ModelConfig
+from safetensors import safe_open
 
 INDEX_NAME = "model.safetensors.index.json"
 VOCAB_SLICE = 8192  # rows of the head upcast to fp32 at once in compute_logits: 128 MiB at Flash size
@@ -81,7 +80,7 @@ class NativeReference:
         self.cfg = ModelConfig.from_file(root / "config.json")
         self.device = torch.device(device)
         self.p = f"mtp.{block_index}."
-        weight_map: dict[str, str] = json.loads((root / INDEX_NAME).read_text())["weight_map"]
+        weight_map, _ = local_weight_map(root)
         wanted = {"embed.weight", "head.weight"}
         # Base checkpoints also carry mtp.{i}.emb.tok_emb / head: the draft uses the top-level ones
         own = {k for k in weight_map if k.startswith(self.p) and not k.startswith((f"{self.p}emb.", f"{self.p}head."))}

@@ -3,18 +3,15 @@ run one draft step on a few tokens and check it (spec 03 §3.5)."""
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-import click
 import torch
-
-from dsv4.convert.cli import Device
-from dsv4.convert.errors import SmokeCheckError, config_errors
 from dsv4.model import kernels
+from dsv4.model.config import config_errors
+from dsv4.model.errors import SmokeCheckError
 from dsv4.model.loader import default_device, load_converted
 from dsv4.model.reference import NativeReference
 
@@ -24,7 +21,7 @@ TIE_REL = 0.01  # top-1 near-tie: the reference's two candidates within 1% of ma
 
 def _sync(device: torch.device) -> None:
     if device.type != "cpu":
-        getattr(torch, device.type).synchronize(device)
+        torch.accelerator.synchronize(device)
 
 
 def _timed(device: torch.device, fn: Callable[[], R]) -> tuple[R, float]:
@@ -91,29 +88,3 @@ def top1_agreement_up_to_ties(logits: torch.Tensor, logits_ref: torch.Tensor, re
     mine = logits.argmax(-1, keepdim=True)
     gap = logits_ref.max(-1, keepdim=True).values - logits_ref.gather(-1, mine)
     return (gap <= tol).float().mean().item()
-
-
-@click.command("smoke")
-@click.argument("out", type=click.Path(exists=True, file_okay=False, path_type=Path))
-@click.option("--device", type=Device(), help="xpu, cuda, cpu, cuda:1, ... (default: xpu, else cuda, else cpu)")
-@click.option("--tokens", type=click.IntRange(min=1), default=8, show_default=True, help="tokens in the draft step")
-@click.option("--reference", "reference_dir", type=click.Path(exists=True, file_okay=False, path_type=Path), help="the NATIVE checkpoint OUT was converted from: compare with an independent reference")
-@click.option("--min-top1", type=click.FloatRange(0, 1), default=1.0, show_default=True, help="fail when top-1 agreement with the reference is lower (a disagreement on a near-tie, within 1% of max|logit| in the reference, counts as agreeing)")
-@click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--json", "as_json", is_flag=True, help="print the report as JSON")
-def smoke_command(out: Path, device: str | None, tokens: int, reference_dir: Path | None, min_top1: float, seed: int, as_json: bool) -> None:
-    """Load converted checkpoint OUT into the bundled draft model and run one MTP step."""
-    report = run_smoke(out, device, tokens, reference_dir, seed)
-    if as_json:
-        click.echo(json.dumps(report, indent=2))
-    else:
-        click.echo(f"smoke: {out} on {report['device']}, fused norms: {report['kernels']}")
-        click.echo(f"  load {report['load_ms']:.0f} ms; forward {report['forward_first_ms']:.1f} ms first, {report['forward_warm_ms']:.1f} ms warm; "
-                   f"logits {report['logits_first_ms']:.1f} / {report['logits_warm_ms']:.1f} ms")
-        click.echo(f"  hidden {report['hidden_shape']}, logits {report['logits_shape']}, all finite")
-        if reference_dir is not None:
-            click.echo(f"  vs reference {reference_dir}: hidden max|diff| {report['hidden_max_abs_diff']:.4g} (max|h| {report['hidden_max_abs']:.4g}), "
-                       f"logits max|diff| {report['logits_max_abs_diff']:.4g} (max {report['logits_max_abs']:.4g}), "
-                   f"top-1 agreement {report['top1_agreement']:.3f} ({report['top1_agreement_up_to_ties']:.3f} counting near-ties)")
-    if reference_dir is not None and report["top1_agreement_up_to_ties"] < min_top1:
-        raise SmokeCheckError(f"{out}: top-1 agreement with the reference {report['top1_agreement_up_to_ties']:.3f} (near-ties counted as agreeing) is below {min_top1}")

@@ -28,9 +28,9 @@ from __future__ import annotations
 import argparse
 import cProfile
 import hashlib
-import pstats
 import json
 import os
+import pstats
 import resource
 import shutil
 import subprocess
@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 
 from dsv4.convert.inventory import read_inventory
-from dsv4.convert.job import hasher_lanes
+from dsv4.convert.pipeline import hasher_lanes
 from dsv4.convert.plan import plan_conversion
 from dsv4.convert.synth import write_checkpoint
 from dsv4.mapping.table import load_table
@@ -116,7 +116,7 @@ def sha256_gbps() -> float:
 
 
 def profile(src: Path, dst: Path) -> None:
-    from dsv4.convert.job import convert
+    from dsv4.convert.pipeline import convert
 
     shutil.rmtree(dst, ignore_errors=True)
     drop_caches()

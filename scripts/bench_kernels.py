@@ -39,7 +39,6 @@ from collections.abc import Callable
 
 import torch
 import triton.testing
-
 from dsv4.model import kernels
 
 N_HC = 4

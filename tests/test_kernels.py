@@ -10,7 +10,6 @@ import warnings
 
 import pytest
 import torch
-
 from dsv4.model import kernels
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "xpu" if hasattr(torch, "xpu") and torch.xpu.is_available() else "cpu")

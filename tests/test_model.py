@@ -8,22 +8,22 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
-from torch import nn
-
-from dsv4.convert.errors import DtypeMismatchError, MissingKeyError, ShapeMismatchError, UnexpectedKeyError
-from dsv4.convert.job import convert
-from dsv4.convert.presets import preset_config
+from dsv4.convert.exit_codes import exit_code
+from dsv4.convert.pipeline import convert
 from dsv4.convert.synth import write_checkpoint
 from dsv4.model import kernels
 from dsv4.model.config import ModelConfig
+from dsv4.model.errors import DtypeMismatchError, MissingKeyError, ShapeMismatchError, UnexpectedKeyError
 from dsv4.model.layout import target_layout
 from dsv4.model.loader import default_device, load_converted
 from dsv4.model.mtp import DeepSeekV4MTP, hc_post, quant_layer_names
-from dsv4.model.quant import Fp8Linear
+from dsv4.model.presets import preset_config
+from dsv4.model.quantized import Fp8Linear
 from dsv4.model.reference import NativeReference
+from safetensors import safe_open
+from safetensors.torch import save_file
 from spec02 import spec_layout
+from torch import nn
 
 INDEX = "model.safetensors.index.json"
 
@@ -249,7 +249,7 @@ def test_strict_load_rejects(tiny_pairs, tmp_path, edit, error, code, key):
     msg = str(info.value)
     assert key in msg and "\n" not in msg
     assert str(bad) in msg, "the message names the file"
-    assert info.value.exit_code == code
+    assert exit_code(info.value) == code
 
 
 def test_strict_load_rejects_a_shard_tensor_missing_from_the_index(tiny_pairs, tmp_path):

@@ -12,13 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
-from safetensors import safe_open
-
 from dsv4.convert import synth
 from dsv4.convert.cli import cli
-from dsv4.convert.presets import PRESETS, preset_config
 from dsv4.convert.synth import INDEX_NAME, pack_e2m1, write_checkpoint
 from dsv4.model.config import ModelConfig
+from dsv4.model.presets import PRESETS, preset_config
+from safetensors import safe_open
 
 # spec 01 §1.3, written out here rather than imported so the test checks the code
 E2M1_LUT = [0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6]

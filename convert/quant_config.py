@@ -36,9 +36,8 @@ from dsv4.convert.plan import LAYOUT_RECORD, Plan
 from dsv4.model.config import ModelConfig
 
 if TYPE_CHECKING:
-    from torch import nn
-
     from dsv4.model.mtp import DeepSeekV4MTP
+    from torch import nn
 
 CT_METHOD = "compressed-tensors"
 INSTALL_HINT = "pip install 'dsv4-convert[quant]'"
@@ -81,10 +80,9 @@ class DraftLayer:
 def draft_layers(model: nn.Module) -> list[DraftLayer]:
     """Every linear-like module of `model` with its quantisation layer name. A plain torch
     Linear or Embedding carries no name at all: it is listed with "" (the seed bug's shape)."""
-    from torch import nn  # start-up time: see _stand_in
-
     from dsv4.model.mtp import Experts
-    from dsv4.model.quant import Embedding, QuantLayer
+    from dsv4.model.quantized import Embedding, QuantLayer
+    from torch import nn  # start-up time: see _stand_in
 
     out = []
     for path, mod in model.named_modules():
@@ -99,7 +97,6 @@ def draft_layers(model: nn.Module) -> list[DraftLayer]:
 def build_draft(cfg: ModelConfig) -> DeepSeekV4MTP:
     """The bundled draft model on the meta device: names and classes, no memory."""
     import torch  # start-up time: see _stand_in
-
     from dsv4.model.mtp import DeepSeekV4MTP
 
     with torch.device("meta"):
@@ -122,7 +119,7 @@ def layer_map(plan: Plan) -> LayerMap:
     """From a forward plan: each planned tensor belongs to the draft layer whose module path
     prefixes its name, and is made of source tensors whose module is their name minus the
     last component (`mtp.0.attn.wq_a.scale` -> `mtp.0.attn.wq_a`)."""
-    layers = {layer.path: layer for layer in draft_layers(build_draft(ModelConfig.from_dict(plan.config)))}
+    layers = {layer.path: layer for layer in draft_layers(build_draft(plan.model_config))}
     kinds: dict[str, LayerKind] = {}
     parts: dict[str, dict[str, None]] = {}  # insertion-ordered sets
     for t in plan.tensors:

@@ -24,14 +24,15 @@ def variant_of(cfg: ModelConfig) -> Variant:
     return "instruct" if cfg.expert_dtype == "fp4" else "base"
 
 
-def _blocks(n: int, block: int) -> int:
-    return -(-n // block)
+def ceil_div(n: int, d: int) -> int:
+    """Blocks of `d` needed for `n` (a block-scale grid's size: the last block may be partial)."""
+    return -(-n // d)
 
 
 def _fp8_linear(out: Layout, name: str, rows: int, cols: int, cfg: ModelConfig, scale_dtype: str) -> None:
     br, bc = cfg.weight_block_size
     out[f"{name}.weight"] = ("F8_E4M3", (rows, cols))
-    out[f"{name}.scale"] = (scale_dtype, (_blocks(rows, br), _blocks(cols, bc)))
+    out[f"{name}.scale"] = (scale_dtype, (ceil_div(rows, br), ceil_div(cols, bc)))
 
 
 def _fp4_linear(out: Layout, name: str, rows: int, cols: int) -> None:

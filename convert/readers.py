@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 from typing import Protocol
 
-from dsv4.convert.errors import MissingShardError, TruncatedShardError
+from dsv4.model.errors import MissingShardError, TruncatedShardError
 
 
 class ByteReader(Protocol):

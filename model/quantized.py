@@ -14,9 +14,8 @@ of the routed experts only those some token routes to are ever dequantised.
 from __future__ import annotations
 
 import torch
+from dsv4.model.native import FP4_GROUP, ceil_div
 from torch import nn
-
-from dsv4.convert.native import FP4_GROUP
 
 FP8 = torch.float8_e4m3fn
 E8M0 = torch.float8_e8m0fnu
@@ -30,10 +29,6 @@ _FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -
 def weight_param(shape: tuple[int, ...], dtype: torch.dtype) -> nn.Parameter:
     # Weights are loaded, never trained; integer and fp8 parameters cannot require grad anyway.
     return nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
-
-
-def ceil_div(n: int, d: int) -> int:
-    return -(-n // d)
 
 
 def scale_to_float(scale: torch.Tensor) -> torch.Tensor:
