@@ -268,15 +268,17 @@ def test_an_unmodified_rewrite_loads(tiny_pairs, tmp_path):
 
 
 def test_device_preference_is_xpu_then_cuda_then_cpu(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    if hasattr(torch, "xpu"):
-        monkeypatch.setattr(torch.xpu, "is_available", lambda: False)
+    # torch.accelerator names the build's accelerator (xpu on an XPU build, cuda on a CUDA one)
+    def machine(accelerator):
+        monkeypatch.setattr(torch.accelerator, "is_available", lambda: accelerator is not None)
+        monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda *a, **k: torch.device(accelerator) if accelerator else None)
+
+    machine(None)
     assert default_device() == torch.device("cpu")
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    machine("cuda")
     assert default_device() == torch.device("cuda")
-    if hasattr(torch, "xpu"):
-        monkeypatch.setattr(torch.xpu, "is_available", lambda: True)
-        assert default_device() == torch.device("xpu")
+    machine("xpu")
+    assert default_device() == torch.device("xpu")
 
 
 def test_the_shared_expert_swiglu_is_clamped_like_the_routed_ones():
