@@ -10,8 +10,8 @@ torch reference that defines its meaning.
 How many rows per program, warps each and which cache hints: `launch_config`, a table
 measured on an H200.
 
-Both: out of place, fp32 math, one rounding at the store (round to nearest even), T = 0
-launches nothing. Every call launches through Triton's public
+Both: out of place, fp32 math, one rounding at the store (round to nearest even; a NaN
+stays a NaN), T = 0 launches nothing. Every call launches through Triton's public
 `kernel[grid](...)`; its host cost per call (binding and specialising the arguments) is
 not paid under CUDA-graph replay, which is how a served draft step runs these kernels.
 
@@ -163,15 +163,19 @@ if triton is not None:
 
     # The interpreter's fp32 -> bf16 cast truncates; compiled code is asked for round to
     # nearest even, which the interpreter gets by integer arithmetic instead: the same bits
-    # on every backend. (On an H200 the integer rounding cost 2.7-8.6% of device time at
-    # T <= 256 against the cast.)
+    # as torch's .to(bfloat16) for every finite value and infinity. (On an H200 the integer
+    # rounding cost 2.7-8.6% of device time at T <= 256 against the cast.)
     _INTERPRETED = tl.constexpr(_INTERPRET)
 
     @triton.jit
     def _to_bf16_rtne(y):
         if _INTERPRETED:
             bits = y.to(tl.uint32, bitcast=True)
-            bits = bits + 0x7FFF + ((bits >> 16) & 1)
+            rounded = bits + 0x7FFF + ((bits >> 16) & 1)
+            # a NaN is not rounded: adding could carry its all-ones exponent and mantissa into
+            # the sign (0x7FFFFFFF -> 0x8000 = -0); it keeps its sign and top mantissa bits,
+            # and the quiet bit (0x00400000) keeps the bf16 mantissa nonzero, so a NaN
+            bits = tl.where(y != y, bits | 0x00400000, rounded)  # y != y: y is a NaN
             out = (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
         else:
             out = y.to(tl.bfloat16, fp_downcast_rounding="rtne")

@@ -281,3 +281,63 @@ def test_several_rows_per_program_norm_each_row_by_its_own_rms(monkeypatch, T):
     assert bf16_ulps(e_out, e_ref) <= 1 and bf16_ulps(h_out, h_ref) <= 1
     assert bf16_ulps(kernels.mtp_shared_head_rmsnorm(e, ew, EPS), kernels.rms_norm_ref(e, ew, EPS)) <= 1
 
+
+# fp32 NaNs whose exponent and top mantissa bits are all ones and whose low 16 bits are
+# >= 0x8000: adding the rounding increment carries into the sign (or out of the word);
+# and NaNs whose mantissa lies in the low 16 bits only: rounding them gives infinity
+NAN_BITS = [0x7FFFFFFF, 0xFFFFFFFF, 0xFFFF8000, 0x7FFF8001, 0x7FFF8000, 0x7F800001, 0xFF800001, 0x7FC00000]
+
+
+def _f32_from_bits(bits: list[int]) -> torch.Tensor:
+    return torch.tensor(bits, dtype=torch.int64).to(torch.uint32).view(torch.float32)
+
+
+def test_nan_patterns_are_nans():
+    assert torch.isnan(_f32_from_bits(NAN_BITS)).all()
+
+
+if kernels.triton is not None:
+    import triton
+    import triton.language as tl
+
+    from dsv4.model.kernels import _to_bf16_rtne
+
+    @triton.jit
+    def _round_to_bf16_kernel(x_ptr, out_ptr, N: tl.constexpr, BLOCK: tl.constexpr):
+        # the kernels' own fp32 -> bf16 rounding, on each element of x
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(out_ptr + offs, _to_bf16_rtne(tl.load(x_ptr + offs, mask=offs < N)), mask=offs < N)
+
+
+def test_kernel_bf16_rounding_keeps_every_nan_a_nan_and_rounds_the_rest_like_torch():
+    if kernels.triton_usable(DEVICE) is not None:
+        pytest.skip(kernels.triton_usable(DEVICE))
+    # every fp32 high half (sign, exponent, top 7 mantissa bits) with low halves at and
+    # around the rounding boundary (ties go to even), then the NaNs above
+    high = torch.arange(1 << 16, dtype=torch.int64) << 16
+    low = torch.tensor([0x0000, 0x0001, 0x7FFF, 0x8000, 0x8001, 0xFFFF], dtype=torch.int64)
+    bits = torch.cat(((high[:, None] | low[None, :]).flatten(), torch.tensor(NAN_BITS, dtype=torch.int64)))
+    x = bits.to(torch.uint32).view(torch.float32).to(DEVICE)
+    out = torch.empty(x.shape, dtype=torch.bfloat16, device=DEVICE)
+    _round_to_bf16_kernel[(triton.cdiv(x.numel(), 4096),)](x, out, x.numel(), BLOCK=4096)
+    nan = torch.isnan(x)
+    assert torch.isnan(out[nan]).all(), f"NaN in, not NaN out: {[hex(b) for b in bits[nan.cpu() & ~torch.isnan(out).cpu()].tolist()[:4]]}"
+    want = x[~nan].to(torch.bfloat16)
+    assert torch.equal(out[~nan].view(torch.int16), want.view(torch.int16)), "finite values and infinities: torch's bits"
+
+
+@pytest.mark.parametrize("nan_bits", NAN_BITS, ids=hex)
+@pytest.mark.filterwarnings("ignore:invalid value encountered in multiply:RuntimeWarning")  # signalling NaNs, numpy
+def test_a_nan_weight_gives_nan_from_every_kernel_path_that_rounds(nan_bits):
+    # y = x * rstd * w: a NaN weight (fp32, so every NaN bit pattern can be fed) makes its
+    # column NaN before the bf16 rounding of enorm, of each hnorm and of the shared head
+    T, H, col = 4, 96, 5
+    e, positions, prev, _, _ = _inputs(T, H, seed=9)
+    w = torch.ones(H, dtype=torch.float32)
+    w[col] = _f32_from_bits([nan_bits])[0]
+    w = w.to(DEVICE)
+    e_out, h_out = kernels.fused_mtp_input_rmsnorm(e, positions, prev, w, w, EPS, N_HC)
+    head = kernels.mtp_shared_head_rmsnorm(e, w, EPS)
+    paths = {"enorm": e_out, "hnorm": h_out, "shared head": head}
+    assert {name: out[..., col].flatten().tolist() for name, out in paths.items() if not torch.isnan(out[..., col]).all()} == {}
+    assert not any(torch.isnan(out[..., col + 1 :]).any() for out in paths.values())
