@@ -1,6 +1,6 @@
 """Benchmark the fused MTP norm kernels against torch eager and torch.compile of the same
 math, beside a device-to-device copy measured in the same run; or, with --vllm, against
-vLLM 0.33.0's kernels of the same two norms under CUDA-graph replay.
+vLLM 0.33.0's kernels of the same two norms under CUDA-graph replay and eager.
 
     python scripts/bench_kernels.py [--device cuda] [--json OUT.json]
     python scripts/bench_kernels.py --vllm fused_mtp_input_rmsnorm.py [--sweep] [--json OUT.json]
