@@ -89,10 +89,17 @@ def hc_head(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.
 
 
 # --- attention (spec 03 §3.3) ------------------------------------------------------------
+def rope_inv_freq(rope_dim: int, theta: float) -> torch.Tensor:
+    """The RoPE inverse frequencies 1 / theta^(i / rope_dim), i = 0, 2, ..., rope_dim - 2: fp32,
+    on the CPU, in the expression vLLM and DeepSeek use (NOTES.md, "RoPE inverse frequencies"),
+    so bit-identical with both; theta^(-i / rope_dim) is 1 ulp off in some frequencies."""
+    return 1.0 / theta ** (torch.arange(0, rope_dim, 2, dtype=torch.float32) / rope_dim)
+
+
 def rope(x: torch.Tensor, positions: torch.Tensor, rope_dim: int, theta: float, inverse: bool = False) -> torch.Tensor:
     """Interleaved RoPE (pairs (0,1), (2,3), ...) on the last `rope_dim` dims; out of place.
     x: [T, ..., D]; positions: [T]."""
-    inv_freq = theta ** (-torch.arange(0, rope_dim, 2, device=x.device, dtype=torch.float32) / rope_dim)
+    inv_freq = rope_inv_freq(rope_dim, theta).to(x.device)
     ang = positions.float().unsqueeze(-1) * inv_freq  # [T, rope_dim/2]
     ang = ang.view(ang.shape[0], *([1] * (x.dim() - 2)), ang.shape[1])
     cos, sin = ang.cos(), ang.sin()

@@ -302,3 +302,39 @@ def test_the_shared_expert_swiglu_is_clamped_like_the_routed_ones():
     w2 = shared.down_proj.dequantized().T
     assert torch.equal(shared(x), clamped @ w2)
     assert not torch.equal(shared(x), unclamped @ w2)
+
+
+def _upstream_inv_freq(rope_dim: int, theta: float) -> torch.Tensor:
+    # vLLM 0.33.0 DeepseekScalingRotaryEmbedding._compute_inv_freq and DeepSeek's
+    # precompute_freqs_cis (NOTES.md, "RoPE inverse frequencies")
+    return 1.0 / (theta ** (torch.arange(0, rope_dim, 2, dtype=torch.float32) / rope_dim))
+
+
+@pytest.mark.parametrize("theta", [10000.0, 40000.0, 160000.0])
+def test_rope_inverse_frequencies_are_the_upstream_expression_bit_for_bit(theta):
+    from dsv4.model.mtp import rope_inv_freq
+
+    rd = cfg_of("flash", "instruct").qk_rope_head_dim
+    upstream = _upstream_inv_freq(rd, theta)
+    assert torch.equal(rope_inv_freq(rd, theta), upstream)
+    old_form = theta ** (-torch.arange(0, rd, 2, dtype=torch.float32) / rd)
+    assert not torch.equal(old_form, upstream), "theta ** (-i / rd) is 1 ulp off in some frequencies"
+
+
+def test_rope_of_the_model_and_of_the_reference_turn_by_position_times_the_upstream_frequencies():
+    # a unit pair (1, 0) in every rotated slot comes out as exactly (cos, sin) of its angle; near
+    # position 1e6 one ulp of an inverse frequency moves the angle by about 0.0156 rad
+    from dsv4.model.mtp import rope
+    from dsv4.model.reference import _rotate
+
+    cfg = cfg_of("flash", "instruct")
+    rd, theta = cfg.qk_rope_head_dim, cfg.rope_theta
+    positions = torch.tensor([1_000_000, 654_321, 12_345, 1])
+    x = torch.zeros(4, 2, 8 + rd)
+    x[..., -rd::2] = 1.0
+    ang = positions.float()[:, None] * _upstream_inv_freq(rd, theta)  # [T, rd/2]
+    want_model = torch.stack((ang.cos(), ang.sin()), dim=-1).flatten(-2)[:, None].expand(4, 2, rd)
+    assert torch.equal(rope(x, positions, rd, theta)[..., -rd:], want_model)
+    cis = torch.polar(torch.ones(1), ang)
+    want_reference = torch.view_as_real(cis).flatten(-2)[:, None].expand(4, 2, rd)
+    assert torch.equal(_rotate(x, positions, rd, theta, 1.0)[..., -rd:], want_reference)
