@@ -17,13 +17,14 @@ not paid under CUDA-graph replay, which is how a served draft step runs these ke
 
 Triton runs on whatever device the tensors are on (CUDA, XPU; CPU only under
 TRITON_INTERPRET=1). Where Triton is not importable, or cannot run on the tensors' device,
-the torch reference runs instead and a warning says so once.
+the torch reference runs instead and a notice says so once (logging: the command line
+prints it as one `warning:` line).
 """
 
 from __future__ import annotations
 
+import logging
 import os
-import warnings
 from typing import NamedTuple
 
 import torch
@@ -35,6 +36,7 @@ except ImportError:  # the kernels are an optional extra (pyproject: [kernels]),
     triton = None
 
 _warned: set[str] = set()
+log = logging.getLogger(__name__)
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -87,7 +89,7 @@ def _fallback(device: torch.device) -> bool:
         return False
     if why not in _warned:
         _warned.add(why)
-        warnings.warn(f"dsv4.model.kernels: {why}; running the torch reference instead", stacklevel=3)
+        log.warning("%s; running the torch reference instead", why)
     return True
 
 

@@ -76,3 +76,12 @@ def test_top1_agreement_forgives_near_ties_only():
     mine = torch.tensor([[9.9, 10.0, 0.0], [5.0, 10.0, 0.0], [0.0, 1.0, 10.0]])
     assert top1_agreement_up_to_ties(mine, ref) == pytest.approx(2 / 3)
     assert top1_agreement_up_to_ties(ref, ref) == 1.0
+
+
+def test_without_triton_the_command_says_so_in_one_line_of_its_own(pair):
+    """No Python warning with a source path: the notice is the command's own `warning:` line."""
+    hide_triton = "import sys; sys.modules['triton'] = None; from dsv4.convert.cli import main; sys.argv[0] = 'convert-dsv4'; main()"
+    proc = subprocess.run([sys.executable, "-c", hide_triton, "smoke", str(pair[1]), "--device", "cpu", "--tokens", "2", "-q"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr == "warning: triton is not importable; running the torch reference instead\n"
+    assert "torch fallback (triton is not importable)" in proc.stdout
