@@ -32,7 +32,7 @@ from dsv4.convert.location import HUB_SCHEME, HubSpec, parse_hub_spec
 from dsv4.convert.output import CONVERSION_RECORD, read_record
 from dsv4.convert.pipeline import DEFAULT_MAX_SHARD, plan_source, run_plan
 from dsv4.convert.sizes import shard_size
-from dsv4.mapping.table import Table, installed_tables, load_table
+from dsv4.mapping.table import Table, installed_targets, load_table, tables_of_target
 from dsv4.model.errors import DSV4Error
 from dsv4.model.strictjson import write_record
 from huggingface_hub import HfApi, hf_hub_download
@@ -130,8 +130,8 @@ def load_manifest(path: str | Path, out_dir: str | Path | None = None) -> Manife
     max_shard, check = options.get("max_shard_size", DEFAULT_MAX_SHARD), options.get("check", True)
     if not isinstance(target, str) or not isinstance(name_t, str) or not (repo_t is None or isinstance(repo_t, str)):
         raise ManifestError(f"{path}: target, output.name and output.repo are strings")
-    if target not in installed_tables():  # before it fills a template or names a path
-        raise ManifestError(f"{path}: target {target!r} is not an installed mapping table (installed: {', '.join(installed_tables())}); a table is chosen by name, not path")
+    if target not in installed_targets():  # before it fills a template or names a path
+        raise ManifestError(f"{path}: target {target!r} is not an installed target (installed: {', '.join(installed_targets())}); a target is chosen by name, not path")
     if not (private is None or isinstance(private, bool)) or not isinstance(check, bool):
         raise ManifestError(f"{path}: output.private and options.check are true or false")
     if not isinstance(max_shard, int) or isinstance(max_shard, bool):
@@ -217,16 +217,19 @@ def select_shard(sources: Sequence[Source], num_shards: int, shard_index: int) -
     return [s for k, s in enumerate(sorted(sources, key=lambda s: s.key)) if k % num_shards == shard_index]
 
 
-def records(record: Any, location: str, commit: str, table: Table) -> bool:
-    """Whether a conversion.json records a forward conversion of this commit with this table version."""
+def records(record: Any, location: str, commit: str, tables: Mapping[str, Table]) -> bool:
+    """Whether a conversion.json records a forward conversion of this commit with one of
+    `tables` (by name) at its current version. One commit always takes the same table (the
+    one for the drafter it holds), so the record's table is the one it would take again."""
     if not isinstance(record, dict) or not isinstance(record.get("source"), dict):
         return False
     source = record["source"]
+    table = tables.get(record.get("table")) if isinstance(record.get("table"), str) else None
     return (
         source.get("location") == location
         and source.get("revision") == commit
         and record.get("direction") == "forward"
-        and record.get("table") == table.name
+        and table is not None
         and record.get("table_version") == table.version
     )
 
@@ -275,40 +278,45 @@ def run_check(out: Path) -> str:
 class _Job:
     """One source's run; `fetched` is kept up to date so a failure still reports it."""
 
-    def __init__(self, src: Source, manifest: Manifest, table: Table, push_to_hub: bool):
-        self.src, self.manifest, self.table, self.push_to_hub = src, manifest, table, push_to_hub
+    def __init__(self, src: Source, manifest: Manifest, tables: Mapping[str, Table], push_to_hub: bool):
+        self.src, self.manifest, self.tables, self.push_to_hub = src, manifest, tables, push_to_hub
         self.hub = HubSpec(src.repo, src.revision, explicit=True)  # a manifest names hub repositories only
         self.commit: str | None = None
         self.fetched = 0
 
     def run(self) -> tuple[str, dict[str, Any]]:
-        src, table = self.src, self.table
+        src, tables = self.src, self.tables
         self.commit = commit = resolve_commit(self.hub)
-        what = f"source commit {commit[:12]} with table {table.name} v{table.version}"
         target = src.push_repo if self.push_to_hub else None  # run_batch refuses --push without output.repo
-        if target and records(pushed_record(target), self.hub.location, commit, table):
-            return "skipped", {"reason": f"{HUB_SCHEME}{target} already records {what}"}
+        pushed = pushed_record(target) if target else None
+        if target and records(pushed, self.hub.location, commit, tables):
+            return "skipped", {"reason": f"{HUB_SCHEME}{target} already records {_what(pushed)}"}
         local = read_record(src.output / CONVERSION_RECORD)
-        if records(local, self.hub.location, commit, table):
+        if records(local, self.hub.location, commit, tables):
             if not target:
-                return "skipped", {"reason": f"{src.output} already records {what}"}
-            conversion = "reused"
+                return "skipped", {"reason": f"{src.output} already records {_what(local)}"}
+            conversion, table = "reused", tables[local["table"]]
         else:
             inv, reader = open_hub_source(f"{src.repo}@{commit}")
             self.fetched = inv.header_bytes
-            plan = plan_source(inv, reader, table)
+            plan = plan_source(inv, reader, self.manifest.target)
             try:
                 # replacing is safe only over an earlier conversion (it has a conversion.json), never over anything else
                 result = run_plan(plan, reader, src.output, overwrite=local is not None, max_shard_size=self.manifest.max_shard_size)
             finally:
                 self.fetched = inv.header_bytes + reader.bytes_read
-            conversion = result.status
-        entry: dict[str, Any] = {"conversion": conversion, "check": run_check(src.output) if self.manifest.check else "disabled"}
+            conversion, table = result.status, tables[plan.table]
+        entry: dict[str, Any] = {"conversion": conversion, "table": table.name, "check": run_check(src.output) if self.manifest.check else "disabled"}
         if target:
             message = f"Convert {src.repo}@{commit[:12]} with table {table.name} v{table.version}"
             description = f"Source: {src.repo} commit {commit}\nTable: {table.name} v{table.version} (target {table.target})\nTool: dsv4-convert {__version__}"
             entry["pushed"] = {"repo": target, "commit": push(src.output, target, message, description, self.manifest.private)}
         return "converted", entry
+
+
+def _what(record: dict[str, Any]) -> str:
+    """A conversion record that `records` accepted, as a skip reason names it."""
+    return f"source commit {record['source']['revision'][:12]} with table {record['table']} v{record['table_version']}"
 
 
 def _write_report(path: Path, report: dict[str, Any]) -> None:
@@ -340,7 +348,7 @@ def run_batch(
     start, started = time.monotonic(), datetime.now(UTC).isoformat(timespec="seconds")
     if push_to_hub and any(s.push_repo is None for s in manifest.sources):
         raise ManifestError(f"{manifest.path}: --push needs output.repo, the target repo name template")
-    table = load_table(manifest.target)
+    tables = {name: load_table(name) for name in tables_of_target(manifest.target)}
     mine = select_shard(manifest.sources, num_shards, shard_index)
     report_path = report_path or default_report_path(manifest, num_shards, shard_index)
     report: dict[str, Any] = {
@@ -349,8 +357,7 @@ def run_batch(
         "manifest": str(manifest.path),
         "started": started,
         "target": manifest.target,
-        "table": table.name,
-        "table_version": table.version,
+        "tables": {name: t.version for name, t in tables.items()},
         "push": push_to_hub,
         "shard": {"index": shard_index, "count": num_shards},
         "planned": [{"repo": s.repo, "revision": s.revision, "output": str(s.output), "push_repo": s.push_repo} for s in mine],
@@ -361,7 +368,7 @@ def run_batch(
         "seconds": 0.0,
     }
     for n, src in enumerate(mine, 1):
-        job = _Job(src, manifest, table, push_to_hub)
+        job = _Job(src, manifest, tables, push_to_hub)
         t0 = time.monotonic()
         try:
             outcome, entry = job.run()

@@ -17,8 +17,10 @@ The checks, in order (a later one may need an earlier one's result):
              tensors: MTP blocks present, expert_dtype, FP8 block size vs scale shapes
   layout     names, shapes and dtypes equal target_layout(config): the model's own layout
   quant      every linear has a quantisation layer name and resolves to one scheme
-  smoke      strict load into the bundled model and a few-token forward (--smoke)
-  native     numerical parity with the reference on the native checkpoint (--native)
+  smoke      strict load into the bundled model and a few-token forward (--smoke); for a
+             DSpark checkpoint one draft block from a few random target features
+  native     numerical parity with the reference on the native checkpoint (--native);
+             for DSpark also the draft tokens
 """
 
 from __future__ import annotations
@@ -349,10 +351,18 @@ def check_config(ctx: _Context, details: dict[str, Any]) -> str:
     if ctx.record is not None and (ctx.record.get("table"), ctx.record.get("target")) != (record["table"], record["layout"]):
         raise ConfigCheckError(f"{where}: {LAYOUT_RECORD} says table {record['table']!r} / layout {record['layout']!r}, {CONVERSION_RECORD} says {ctx.record.get('table')!r} / {ctx.record.get('target')!r}")
 
-    expected_layers = {cfg.mtp_layer_index(i) for i in range(cfg.num_nextn_predict_layers)}
+    drafter = "dspark" if cfg.is_dspark else "mtp"
+    if table.drafter != drafter:
+        raise ConfigCheckError(f"{where}: {LAYOUT_RECORD}.table {record['table']!r} maps {table.drafter} drafters, but config.json describes a{'' if cfg.is_dspark else 'n'} {drafter} drafter{' (dspark_* fields)' if cfg.is_dspark else ' (no dspark_* fields)'}")
     present = {int(m.group(1)) for name in inv.tensors if (m := LAYER.match(name))}
+    if cfg.is_dspark:  # the stages are an nn.ModuleList: model.layers.{s}, s < S
+        expected_layers = set(range(cfg.dspark_stages))
+        meaning = f"dspark_target_layer_ids ({len(cfg.dspark_target_layer_ids or ())} entries) means DSpark stage layer(s) {sorted(expected_layers)}"
+    else:
+        expected_layers = {cfg.mtp_layer_index(i) for i in range(cfg.num_nextn_predict_layers)}
+        meaning = f"num_nextn_predict_layers = {cfg.num_nextn_predict_layers} and num_hidden_layers = {cfg.num_hidden_layers} mean MTP layer(s) {sorted(expected_layers)}"
     if present != expected_layers:
-        raise ConfigCheckError(f"{where}: num_nextn_predict_layers = {cfg.num_nextn_predict_layers} and num_hidden_layers = {cfg.num_hidden_layers} mean MTP layer(s) {sorted(expected_layers)}, but the tensors hold layer(s) {sorted(present)}")
+        raise ConfigCheckError(f"{where}: {meaning}, but the tensors hold layer(s) {sorted(present)}")
 
     for name, src in sorted(inv.tensors.items()):
         implied = _expert_dtype_of(name, src.dtype)
@@ -375,8 +385,9 @@ def check_config(ctx: _Context, details: dict[str, Any]) -> str:
             if weight.shape == layout[weight.name][1] and src.shape != layout[name][1]:
                 raise ConfigCheckError(f"{where}: quantization_config.weight_block_size {block} gives {name} the shape {list(layout[name][1])}, but {src.file} holds {list(src.shape)} for {weight.name} {list(weight.shape)}")
     what = f"FP8 blocks {block}" if block else f"{quant.get('quant_method')} quantisation (names: see quant)" if isinstance(quant, dict) else "no quantization_config"
-    details.update(layout=record["layout"], table=record["table"], table_version=record["table_version"], mtp_layers=sorted(present))
-    return f"converted to {record['layout']!r} with table {record['table']} v{record['table_version']}; MTP layer(s) {sorted(present)}; expert_dtype {cfg.expert_dtype}; {what} agree with the tensors"
+    details.update(layout=record["layout"], table=record["table"], table_version=record["table_version"], drafter=drafter, mtp_layers=sorted(present))
+    layers = f"DSpark stage layer(s) {sorted(present)}" if cfg.is_dspark else f"MTP layer(s) {sorted(present)}"
+    return f"converted to {record['layout']!r} with table {record['table']} v{record['table_version']}; {layers}; expert_dtype {cfg.expert_dtype}; {what} agree with the tensors"
 
 
 # --- layout ------------------------------------------------------------------------------
@@ -420,14 +431,19 @@ def check_smoke(ctx: _Context, details: dict[str, Any]) -> str:
         raise _Skipped("not requested (--smoke or --native)")
     if "layout" not in ctx.passed:
         raise _Skipped("needs the target layout (layout check failed): a strict load would fail")
-    from dsv4.model.smoke import run_smoke  # imports the reference and kernels: only here
+    from dsv4.model.smoke import run_dspark_smoke, run_smoke  # imports the reference and kernels: only here
 
+    dspark = ctx.need_config().is_dspark
     try:
-        report = run_smoke(ctx.root, ctx.device, ctx.tokens, ctx.native)
+        # DSpark: one draft block from a context of `tokens` random target features
+        report = run_dspark_smoke(ctx.root, ctx.device, ctx.tokens, reference_dir=ctx.native) if dspark else run_smoke(ctx.root, ctx.device, ctx.tokens, ctx.native)
     except Exception as exc:  # a failed load or forward, whatever raised it, is this check's finding
         said = _first_line(exc)
         raise SmokeFailedError(said if str(ctx.root) in said else f"{ctx.root}: {said}") from None
     ctx.smoke_report = report
+    if dspark:
+        details.update({k: report[k] for k in ("device", "kernels", "hidden_shape", "logits_shape", "draft_tokens", "load_ms", "hidden_warm_ms", "logits_warm_ms")})
+        return f"strict load and one DSpark block ({ctx.tokens}-token context) on {report['device']}: hidden {report['hidden_shape']}, logits {report['logits_shape']}, draft tokens {report['draft_tokens']}, finite; fused norms: {report['kernels']}"
     details.update({k: report[k] for k in ("device", "kernels", "hidden_shape", "logits_shape", "load_ms", "forward_warm_ms")})
     return f"strict load and {ctx.tokens}-token forward on {report['device']}: hidden {report['hidden_shape']}, logits {report['logits_shape']}, finite; fused norms: {report['kernels']}"
 
@@ -440,9 +456,15 @@ def check_native(ctx: _Context, details: dict[str, Any]) -> str:
     r = ctx.smoke_report
     hidden = r["hidden_max_abs_diff"] / max(r["hidden_max_abs"], 1e-30)
     logits = r["logits_max_abs_diff"] / max(r["logits_max_abs"], 1e-30)
-    details.update({k: r[k] for k in ("hidden_max_abs_diff", "hidden_max_abs", "logits_max_abs_diff", "logits_max_abs", "top1_agreement", "top1_agreement_up_to_ties")})
-    said = f"hidden max|diff| {hidden:.2%} of max|h|, logits {logits:.2%} of max|logit|, top-1 agreement {r['top1_agreement']:.3f} ({r['top1_agreement_up_to_ties']:.3f} counting near-ties)"
-    if not (math.isfinite(hidden) and math.isfinite(logits)) or hidden > ctx.max_rel_diff or logits > ctx.max_rel_diff or r["top1_agreement_up_to_ties"] < ctx.min_top1:
+    if "draft_tokens" in r:  # DSpark: the B draft tokens are what the target verifies
+        details.update({k: r[k] for k in ("hidden_max_abs_diff", "hidden_max_abs", "logits_max_abs_diff", "logits_max_abs", "draft_tokens", "reference_draft_tokens", "draft_token_agreement")})
+        said = f"hidden max|diff| {hidden:.2%} of max|h|, logits {logits:.2%} of max|logit|, draft tokens {r['draft_tokens']} vs the reference's {r['reference_draft_tokens']} (agreement {r['draft_token_agreement']:.3f})"
+        agreement = r["draft_token_agreement"]
+    else:
+        details.update({k: r[k] for k in ("hidden_max_abs_diff", "hidden_max_abs", "logits_max_abs_diff", "logits_max_abs", "top1_agreement", "top1_agreement_up_to_ties")})
+        said = f"hidden max|diff| {hidden:.2%} of max|h|, logits {logits:.2%} of max|logit|, top-1 agreement {r['top1_agreement']:.3f} ({r['top1_agreement_up_to_ties']:.3f} counting near-ties)"
+        agreement = r["top1_agreement_up_to_ties"]
+    if not (math.isfinite(hidden) and math.isfinite(logits)) or hidden > ctx.max_rel_diff or logits > ctx.max_rel_diff or agreement < ctx.min_top1:
         raise NativeParityError(f"{ctx.root}: differs from the reference on {ctx.native}: {said} (limits {ctx.max_rel_diff:.0%}, top-1 {ctx.min_top1:.3f})")
     return f"agrees with the reference on {ctx.native}: {said}"
 

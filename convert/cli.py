@@ -21,7 +21,7 @@ import click
 from dsv4 import __version__
 from dsv4.convert.exit_codes import INTERNAL_ERROR, INTERRUPTED, exit_code
 from dsv4.convert.sizes import shard_size
-from dsv4.mapping.table import installed_tables
+from dsv4.mapping.table import installed_targets
 from dsv4.model.errors import DSV4Error
 from dsv4.model.presets import PRESETS
 
@@ -94,8 +94,9 @@ class Device(click.ParamType):
 
 
 # --- options shared by several commands: one name, default and help each ---------------------
-# A table is chosen by name from those installed, never by path (click lists the names).
-target_option = click.option("--target", type=click.Choice(installed_tables()), default="xpu", show_default=True, help="Mapping table: an installed table's name (mapping/<name>.toml).")
+# A target is chosen by name from those installed, never by path (click lists the names).
+# The target's table for the checkpoint's drafter (MTP or DSpark) is the plan's choice.
+target_option = click.option("--target", type=click.Choice(installed_targets()), default="xpu", show_default=True, help="Runtime layout: its table for the checkpoint's drafter (MTP: mapping/xpu.toml, DSpark: mapping/xpu_dspark.toml) is chosen from config.json and the tensors.")
 native_option = click.option("--native", type=click.Path(exists=True, file_okay=False, path_type=Path), help="The NATIVE checkpoint the output was converted from: compare with an independent reference run on it.")
 device_option = click.option("--device", type=Device(), default="auto", show_default=True, help="Device for the model: auto (xpu, else cuda, else cpu), cpu, cuda, cuda:1, xpu, ...")
 json_option = click.option("--json", "as_json", is_flag=True, help="Print the result as JSON (floats rounded to 6 significant digits).")
@@ -170,13 +171,18 @@ def _plan(source: str, target: str, reverse: bool) -> tuple[Plan, int]:
     """The plan for SOURCE, from headers only, and the header bytes read."""
     from dsv4.convert.pipeline import plan_source
     from dsv4.convert.sources import open_source  # start-up time
-    from dsv4.mapping.table import load_table
 
-    table = load_table(target)
     inv, reader = open_source(source)
-    plan = plan_source(inv, reader, table, reverse=reverse)
+    plan = plan_source(inv, reader, target, reverse=reverse)
     reader.close()
     return plan, inv.header_bytes
+
+
+# how `plan` names the layout it chose (convert/plan.py choose_table)
+DRAFTER_NAMES = {
+    "mtp": "MTP (no dspark_* fields in config.json): vLLM DeepSeekV4MTP",
+    "dspark": "DSpark (dspark_* fields and mtp.0.main_proj.weight): vLLM DSparkDeepseekV4ForCausalLM",
+}
 
 
 def _print_plan(plan: Plan, as_json: bool, quiet: bool, *, full: bool, header_bytes: int | None = None) -> None:
@@ -190,6 +196,7 @@ def _print_plan(plan: Plan, as_json: bool, quiet: bool, *, full: bool, header_by
     click.echo(f"{s['direction']} plan: {s['source']} -> {s['target']} (table {s['table']})" + (f": {s['tensors_out']} tensors, {_gb(s['bytes_to_read'])} to read" if quiet else ""))
     if quiet:
         return
+    click.echo(f"  draft layout:         {DRAFTER_NAMES[s['drafter']]}")
     click.echo(f"  tensors out:          {s['tensors_out']}")
     click.echo(f"  source keys consumed: {s['source_keys_consumed']}")
     click.echo(f"  source keys skipped:  {s['source_keys_skipped']}")

@@ -23,11 +23,11 @@ from dsv4.convert.execute import Executor, still_valid
 from dsv4.convert.inventory import Inventory, read_local_header
 from dsv4.convert.location import locate
 from dsv4.convert.output import CONFIG, CONVERSION_RECORD, TOOL, OutputClaim, claim_output, read_record
-from dsv4.convert.plan import LAYOUT_RECORD, Plan, PlannedTensor, plan_conversion, plan_reverse
+from dsv4.convert.plan import LAYOUT_RECORD, Direction, Plan, PlannedTensor, choose_table, plan_conversion, plan_reverse
 from dsv4.convert.readers import ByteReader, LocalReader
 from dsv4.convert.sources import open_source
 from dsv4.convert.writer import ShardWriter, TensorSpec, shard_name
-from dsv4.mapping.table import Table, load_table
+from dsv4.mapping.table import require_target
 from dsv4.model import strictjson
 from dsv4.model.checkpoint import INDEX_NAME
 from dsv4.model.strictjson import write_record
@@ -224,9 +224,12 @@ def _write_records(plan: Plan, config: dict[str, Any], partial: Path, shards: li
     )
 
 
-def plan_source(inv: Inventory, reader: ByteReader, table: Table, *, reverse: bool = False) -> Plan:
-    """Plan the conversion of an opened source; the reader is closed when planning fails."""
+def plan_source(inv: Inventory, reader: ByteReader, target: str, *, reverse: bool = False) -> Plan:
+    """Plan the conversion of an opened source to `target` with the table for the draft
+    layout it holds (MTP or DSpark); the reader is closed when planning fails."""
     try:
+        direction: Direction = "reverse" if reverse else "forward"
+        table = choose_table(target, inv, direction)
         return plan_reverse(inv, table) if reverse else plan_conversion(inv, table)
     except BaseException:
         reader.close()
@@ -243,10 +246,10 @@ def convert(source: str | Path, out: str | Path, *, target: str = "xpu", reverse
 
     OUT is owned (checked safe, locked) before the source is planned and until the output
     is published; with `wait` a run finding OUT locked waits for the other run."""
-    table = load_table(target)
+    require_target(target)  # a bad name is refused before OUT is touched
     with claim_output(out, source=_local_dir(source), wait=wait, on_wait=_waiting_notice(quiet)) as claim:
         inv, reader = open_source(source)
-        plan = plan_source(inv, reader, table, reverse=reverse)
+        plan = plan_source(inv, reader, target, reverse=reverse)
         try:
             return _write_output(plan, reader, claim, overwrite=overwrite, max_shard_size=max_shard_size, quiet=quiet)
         finally:

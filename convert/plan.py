@@ -17,12 +17,13 @@ from typing import Any, Literal
 from dsv4.convert.errors import DuplicateTargetError, LayoutMismatchError, MissingSourceError, PlanError, UncoveredKeyError
 from dsv4.convert.inventory import Inventory, TensorSource
 from dsv4.mapping.errors import TableError
-from dsv4.mapping.table import Rule, Table, expand
+from dsv4.mapping.probe import draft_bindings, stage_binding
+from dsv4.mapping.table import PINNED, Rule, Table, expand, load_table, placeholders, table_name_for
 from dsv4.model import native
 from dsv4.model.config import ModelConfig, config_errors
 from dsv4.model.dtypes import ITEMSIZE, nbytes
 from dsv4.model.errors import UnsupportedLayoutError
-from dsv4.model.layout import draft_layers_present, target_layout
+from dsv4.model.layout import TARGET_LAYER, draft_layers_present, target_layout
 
 Direction = Literal["forward", "reverse"]
 LAYOUT_RECORD = "dsv4_convert"  # key added to a converted config.json
@@ -69,6 +70,7 @@ class Plan:
     tensors: tuple[PlannedTensor, ...]
     skipped: dict[str, str] = field(default_factory=dict)  # source key -> reason
     revision: str | None = None
+    drafter: str = "mtp"  # the draft model kind the table maps ("mtp" or "dspark")
 
     @property
     def bytes_to_write(self) -> int:
@@ -93,6 +95,7 @@ class Plan:
             "revision": self.revision,
             "table": f"{self.table} v{self.table_version}",
             "target": self.target,
+            "drafter": self.drafter,
             "tensors_out": len(self.tensors),
             "source_keys_consumed": sum(len({p.source for p in t.pieces}) for t in self.tensors),
             "source_keys_skipped": len(self.skipped),
@@ -119,6 +122,27 @@ def model_config(inv: Inventory) -> ModelConfig:
         return ModelConfig.from_dict(inv.config)
 
 
+# The tensor that makes a checkpoint a DSpark drafter besides its config's dspark_* fields
+# (spec 04 §4.2: one without the other is refused), in the native and in the target layout.
+DSPARK_MARKER: dict[Direction, str] = {"forward": "mtp.0.main_proj.weight", "reverse": "model.main_proj.weight"}
+
+
+def drafter_of(inv: Inventory, cfg: ModelConfig, direction: Direction = "forward") -> str:
+    """"dspark" or "mtp": which draft layout `inv` holds, from its config AND its tensors,
+    which must agree (UnsupportedLayoutError 35 otherwise)."""
+    marker = DSPARK_MARKER[direction]
+    if marker in inv.tensors and not cfg.is_dspark:
+        raise UnsupportedLayoutError(f"{inv.tensors[marker].file}: tensor {marker}: a DSpark drafter's projection, but {inv.location}/config.json has no dspark_* fields (spec 04 §4.1); refusing to convert")
+    if cfg.is_dspark and marker not in inv.tensors:
+        raise UnsupportedLayoutError(f"{inv.location}/config.json: dspark_* fields (a DSpark drafter, spec 04), but the checkpoint has no tensor {marker}; refusing to convert")
+    return "dspark" if cfg.is_dspark else "mtp"
+
+
+def choose_table(target: str, inv: Inventory, direction: Direction = "forward") -> Table:
+    """The installed table of `target` for the draft layout `inv` holds (MTP or DSpark)."""
+    return load_table(table_name_for(target, drafter_of(inv, model_config(inv), direction)))
+
+
 def _refuse(inv: Inventory, table: Table) -> None:
     for rule in table.rules:
         if rule.op != "refuse":
@@ -130,8 +154,12 @@ def _refuse(inv: Inventory, table: Table) -> None:
             raise UnsupportedLayoutError(f"{inv.tensors[key].file}: tensor {key}: {rule.reason}; refusing to convert")
 
 
-def _bounds(cfg: ModelConfig) -> dict[str, int]:
-    return {"i": cfg.num_nextn_predict_layers, "e": cfg.n_routed_experts, "j": cfg.num_hidden_layers}
+def _bounds(cfg: ModelConfig) -> dict[str, tuple[int, str]]:
+    """placeholder -> (its limit, the config field the limit comes from)"""
+    out = {"i": (cfg.num_nextn_predict_layers, "num_nextn_predict_layers"), "e": (cfg.n_routed_experts, "n_routed_experts"), "j": (cfg.num_hidden_layers, "num_hidden_layers")}
+    if cfg.is_dspark:
+        out["s"] = (cfg.dspark_stages, "DSpark stages (len(dspark_target_layer_ids))")
+    return out
 
 
 def _by_first_component(rules: list[Rule]) -> dict[str, list[tuple[Rule, re.Pattern[str]]]]:
@@ -161,21 +189,27 @@ def _classify(inv: Inventory, rules: list[Rule], cfg: ModelConfig) -> dict[str, 
             raise TableError(f"tensor {key} is matched by several rules: {sorted({r.label for r, _ in hits})}")
         rule, m = hits[0]
         groups = m.groupdict()
-        for ph, limit in bounds.items():
+        for ph, (limit, what) in bounds.items():
             value = groups.get(ph)
             if value is not None and int(value) >= limit:
-                what = {"i": "num_nextn_predict_layers", "e": "n_routed_experts", "j": "num_hidden_layers"}[ph]
                 raise UnsupportedLayoutError(f"{src.file}: tensor {key}: index {value} but config.json has {what} = {limit} (keys and config disagree)")
+        if PINNED & groups.keys():
+            for ph, want in stage_binding(cfg).items():
+                if groups.get(ph) is not None and int(groups[ph]) != want:
+                    raise UnsupportedLayoutError(f"{src.file}: tensor {key}: only the {ph} stage mtp.{want} holds this tensor, not stage {groups[ph]} (spec 04 §4.1)")
         if rule.op == "skip":
             skipped[key] = rule.reason or ""
     return skipped
 
 
 def _bindings(rule: Rule, cfg: ModelConfig) -> Iterator[dict[str, int]]:
-    text = " ".join((*rule.sources, rule.target or ""))
-    if "{i}" in text or "{L}" in text:
-        for i in range(cfg.num_nextn_predict_layers):
-            yield {"i": i, "L": cfg.mtp_layer_index(i)}
+    """One binding per draft block for a per-block rule; one for a rule naming the first or
+    last stage; one empty binding for a rule with fixed names."""
+    used = {ph for pattern in (*rule.sources, rule.target or "") for ph in placeholders(pattern)}
+    if used & {"i", "L", "s"}:
+        yield from draft_bindings(cfg)
+    elif used & PINNED:
+        yield stage_binding(cfg)
     else:
         yield {}
 
@@ -204,12 +238,12 @@ def _write_order(tensors: list[PlannedTensor]) -> tuple[PlannedTensor, ...]:
     return tuple(sorted(tensors, key=lambda t: (t.pieces[0].file, t.pieces[0].start)))
 
 
-def _native_draft_layout(cfg: ModelConfig, *, with_emb_head: bool) -> native.Layout:
-    """The native top-level tensors and every MTP block: what a draft can be made of."""
-    layout = native.top_level_layout(cfg)
-    for i in range(cfg.num_nextn_predict_layers):
-        layout.update(native.mtp_layout(cfg, i, with_emb_head=with_emb_head))
-    return layout
+def _require_stages(inv: Inventory, cfg: ModelConfig, stages: set[int]) -> None:
+    """Refuse (35) a DSpark checkpoint that lacks one of the stages 0..S-1 (a stage beyond
+    S fails _classify or, in reverse, is a key the layout does not have)."""
+    missing = sorted(set(range(cfg.dspark_stages)) - stages)
+    if missing:
+        raise UnsupportedLayoutError(f"{inv.location}/config.json: {cfg.dspark_stages} DSpark stages (len(dspark_target_layer_ids)) but the tensors hold stage(s) {sorted(stages)}: stage {missing[0]} is missing (keys and config disagree)")
 
 
 def plan_conversion(inv: Inventory, table: Table) -> Plan:
@@ -218,10 +252,14 @@ def plan_conversion(inv: Inventory, table: Table) -> Plan:
     cfg = model_config(inv)
     rules = [r for r in table.rules_for(cfg.expert_dtype) if r.op != "refuse"]
     skipped = _classify(inv, rules, cfg)
-    with config_errors(f"{inv.location}/config.json"):  # blocks beyond the config: _classify
-        cfg.require_draft_blocks(sorted({m.group(1) for key in inv.tensors if (m := NATIVE_BLOCK.match(key))}))
+    blocks = {m.group(1) for key in inv.tensors if (m := NATIVE_BLOCK.match(key))}  # blocks beyond the config: _classify
+    if cfg.is_dspark:
+        _require_stages(inv, cfg, {int(b.removeprefix("mtp.")) for b in blocks})
+    else:
+        with config_errors(f"{inv.location}/config.json"):
+            cfg.require_draft_blocks(sorted(blocks))
     variant = native.variant_of(cfg)
-    expected_src = _native_draft_layout(cfg, with_emb_head=True)
+    expected_src = native.draft_layout(cfg, with_emb_head=True)
     layout = target_layout(cfg)
     consumed: Counter[str] = Counter()
     out: dict[str, PlannedTensor] = {}
@@ -264,17 +302,20 @@ def plan_conversion(inv: Inventory, table: Table) -> Plan:
     twice = sorted(n for n, c in consumed.items() if c > 1 and n not in once)
     if twice:
         raise PlanError(f"tensor {twice[0]} is consumed by more than one rule")
-    return Plan("forward", inv.location, inv.config, cfg, table.name, table.version, table.target, _write_order(list(out.values())), skipped, inv.revision)
+    return Plan("forward", inv.location, inv.config, cfg, table.name, table.version, table.target, _write_order(list(out.values())), skipped, inv.revision, table.drafter)
 
 
 def plan_reverse(inv: Inventory, table: Table) -> Plan:
     """Reverse: a checkpoint in the table's target layout -> native names (only the tensors
     the draft uses). Fused parameters are split back at the native sizes."""
     cfg = model_config(inv)
-    with config_errors(f"{inv.location}/config.json"):
-        cfg.require_draft_blocks(draft_layers_present(cfg, inv.tensors))
+    if cfg.is_dspark:  # stages are model.layers.{s}, s < S
+        _require_stages(inv, cfg, {int(m.group(1)) for key in inv.tensors if (m := TARGET_LAYER.match(key))})
+    else:
+        with config_errors(f"{inv.location}/config.json"):
+            cfg.require_draft_blocks(draft_layers_present(cfg, inv.tensors))
     layout = target_layout(cfg)
-    expected_src = _native_draft_layout(cfg, with_emb_head=False)
+    expected_src = native.draft_layout(cfg, with_emb_head=False)
     out: dict[str, PlannedTensor] = {}
     for key, src in inv.tensors.items():
         if key not in layout:
@@ -298,4 +339,4 @@ def plan_reverse(inv: Inventory, table: Table) -> Plan:
                 at += n
             if at != fused.end:
                 raise LayoutMismatchError(f"{fused.file}: tensor {target}: {fused.nbytes} bytes but its native parts add up to {at - fused.start}")
-    return Plan("reverse", inv.location, inv.config, cfg, table.name, table.version, "native", _write_order(list(out.values())), {}, inv.revision)
+    return Plan("reverse", inv.location, inv.config, cfg, table.name, table.version, "native", _write_order(list(out.values())), {}, inv.revision, table.drafter)

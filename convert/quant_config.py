@@ -36,6 +36,7 @@ from dsv4.convert.plan import LAYOUT_RECORD, Plan
 from dsv4.model.config import ModelConfig
 
 if TYPE_CHECKING:
+    from dsv4.model.dspark import DSparkDraft
     from dsv4.model.mtp import DeepSeekV4MTP
     from torch import nn
 
@@ -94,13 +95,15 @@ def draft_layers(model: nn.Module) -> list[DraftLayer]:
     return out
 
 
-def build_draft(cfg: ModelConfig) -> DeepSeekV4MTP:
-    """The bundled draft model on the meta device: names and classes, no memory."""
+def build_draft(cfg: ModelConfig) -> DeepSeekV4MTP | DSparkDraft:
+    """The bundled draft model for `cfg` (MTP, or DSpark for a config with dspark_* fields)
+    on the meta device: names and classes, no memory."""
     import torch  # start-up time: see _stand_in
+    from dsv4.model.dspark import DSparkDraft
     from dsv4.model.mtp import DeepSeekV4MTP
 
     with torch.device("meta"):
-        return DeepSeekV4MTP(cfg)
+        return DSparkDraft(cfg) if cfg.is_dspark else DeepSeekV4MTP(cfg)
 
 
 @dataclass(frozen=True)

@@ -10,12 +10,10 @@ Each shard is written header-first by `ShardWriter` and filled in row blocks of 
 headers are written: the tensor data are file holes that read back as zeros, so a
 full-size Flash or Pro replica costs almost no disk (for tests of inventory and planning).
 
-`variant="dspark"` writes the DSpark-0731 drafter (spec 01 §1.5), which converters must
-refuse. Its layout is invented (no header dump was seen): three stages `mtp.{0,1,2}`, each
-the usual MTP block minus enorm/hnorm/e_proj/h_proj, plus `main_norm`, an FP8 `main_proj`
-[H, 2H] (embedding and hidden state in one projection), `markov_head` [H, H] and
-`confidence_head` [1, H]. Its config.json keeps "num_nextn_predict_layers": 1 as the
-release does, so a converter has to recognise it by its tensor names, not its config.
+`variant="dspark"` writes a DeepSeek-V4-Flash-0731 release (spec 04 §4.1): its config
+(the four dspark_* fields, one compress ratio per stage, "num_nextn_predict_layers": 1 kept)
+and the three-stage DSpark drafter `mtp.{0,1,2}`, one shard per stage after the main model's
+(48 shards at Flash size).
 """
 
 from __future__ import annotations
@@ -33,11 +31,10 @@ from dsv4.model import strictjson
 from dsv4.model.checkpoint import INDEX_NAME, load_index
 from dsv4.model.config import ModelConfig, config_errors, parse_config
 from dsv4.model.dtypes import TORCH_DTYPES, nbytes
-from dsv4.model.native import Layout, main_layer_layout, mtp_layout, top_level_layout
+from dsv4.model.native import Layout, dspark_stage_layout, main_layer_layout, mtp_layout, top_level_layout
 from dsv4.model.presets import Variant, preset_config, with_variant
 
 CHUNK_BYTES = 1 << 20  # output bytes generated per write; temporaries stay within ~32x this
-DSPARK_STAGES = 3
 SHARD_METADATA = {"format": "pt"}  # what the released shards carry
 
 # Realistic magnitudes: a released FP8 block has its amax scaled to ~448, and weights of
@@ -57,32 +54,18 @@ def pack_e2m1(codes: torch.Tensor) -> torch.Tensor:
     return (codes[..., 0::2] | (codes[..., 1::2] << 4)).view(torch.int8)
 
 
-def _dspark_layout(cfg: ModelConfig, i: int) -> Layout:
-    p = f"mtp.{i}."
-    dropped = ("enorm.", "hnorm.", "e_proj.", "h_proj.")
-    out = {k: v for k, v in mtp_layout(cfg, i).items() if not k[len(p) :].startswith(dropped)}
-    H, (br, bc) = cfg.hidden_size, cfg.weight_block_size
-    out[f"{p}main_norm.weight"] = ("BF16", (H,))
-    out[f"{p}main_proj.weight"] = ("F8_E4M3", (H, 2 * H))
-    out[f"{p}main_proj.scale"] = ("F8_E8M0", (-(-H // br), -(-2 * H // bc)))
-    out[f"{p}markov_head.weight"] = ("BF16", (H, H))
-    out[f"{p}confidence_head.weight"] = ("BF16", (1, H))
-    return out
-
-
 def shard_layouts(cfg: ModelConfig, variant: Variant, main_layers: int) -> list[Layout]:
     """The tensors of each shard, in file order, as the release distributes them: embed,
-    one shard per main layer, head/norm/hc_head, then everything under mtp.*."""
+    one shard per main layer, head/norm/hc_head, then everything under mtp.* (one shard
+    per DSpark stage: 0731's shards 46-48)."""
     top = top_level_layout(cfg)
     first = {"embed.weight": top.pop("embed.weight")}
     layers = [main_layer_layout(cfg, j) for j in range(main_layers)]
-    mtp: Layout = {}
     if variant == "dspark":
-        for i in range(DSPARK_STAGES):
-            mtp.update(_dspark_layout(cfg, i))
-    else:
-        for i in range(cfg.num_nextn_predict_layers):
-            mtp.update(mtp_layout(cfg, i, with_emb_head=variant == "base"))
+        return [first, *layers, top, *(dspark_stage_layout(cfg, s) for s in range(cfg.dspark_stages))]
+    mtp: Layout = {}
+    for i in range(cfg.num_nextn_predict_layers):
+        mtp.update(mtp_layout(cfg, i, with_emb_head=variant == "base"))
     return [first, *layers, top, mtp]
 
 

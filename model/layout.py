@@ -22,12 +22,15 @@ import re
 from collections.abc import Iterable
 from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dsv4 import __version__
 from dsv4.model.config import ModelConfig
 from dsv4.model.native import Layout
 from dsv4.model.strictjson import StrictJSONError, loads, write_record
+
+if TYPE_CHECKING:
+    from torch import nn
 
 PACKAGE = Path(__file__).resolve().parent.parent
 # the code the model's parameters are a function of: the model package (the native
@@ -52,11 +55,20 @@ def build_target_layout(cfg: ModelConfig) -> Layout:
     """The layout read off the model on the meta device (what the cache holds)."""
     import torch  # start-up time: only a cache miss pays for torch and the model
     from dsv4.model.dtypes import SAFETENSORS_NAMES
-    from dsv4.model.mtp import DeepSeekV4MTP
+
 
     with torch.device("meta"):
-        model = DeepSeekV4MTP(cfg)
+        model = build_draft_model(cfg)
     return {name: (SAFETENSORS_NAMES[t.dtype], tuple(t.shape)) for name, t in model.state_dict().items()}
+
+
+def build_draft_model(cfg: ModelConfig) -> nn.Module:
+    """The bundled draft model `cfg` describes, on the current default device: the DSpark
+    drafter (spec 04) for a DSpark config, else the MTP draft (spec 02)."""
+    from dsv4.model.dspark import DSparkDraft
+    from dsv4.model.mtp import DeepSeekV4MTP
+
+    return DSparkDraft(cfg) if cfg.is_dspark else DeepSeekV4MTP(cfg)
 
 
 def cache_dir() -> Path:

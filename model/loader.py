@@ -18,9 +18,10 @@ from pathlib import Path
 import torch
 from dsv4.model.checkpoint import local_weight_map
 from dsv4.model.config import ModelConfig, config_errors
+from dsv4.model.dspark import DSparkDraft
 from dsv4.model.dtypes import SAFETENSORS_NAMES
 from dsv4.model.errors import DtypeMismatchError, LoadError, MissingConfigError, MissingKeyError, ShapeMismatchError, UnexpectedKeyError
-from dsv4.model.layout import draft_layers_present
+from dsv4.model.layout import build_draft_model, draft_layers_present
 from dsv4.model.mtp import DeepSeekV4MTP
 from safetensors import safe_open
 
@@ -30,8 +31,9 @@ def default_device() -> torch.device:
     return torch.accelerator.current_accelerator() if torch.accelerator.is_available() else torch.device("cpu")
 
 
-def load_converted(path: str | Path, device: str | torch.device | None = None) -> DeepSeekV4MTP:
-    """Build the draft model for `path`/config.json and load the converted weights strictly.
+def load_converted(path: str | Path, device: str | torch.device | None = None) -> DeepSeekV4MTP | DSparkDraft:
+    """Build the draft model for `path`/config.json (DSparkDraft for a DSpark config, spec 04;
+    else DeepSeekV4MTP) and load the converted weights strictly.
 
     Raises MissingKeyError, UnexpectedKeyError, ShapeMismatchError, DtypeMismatchError
     (all LoadError) naming the first offending tensor and its file; a config.json the
@@ -47,10 +49,11 @@ def load_converted(path: str | Path, device: str | torch.device | None = None) -
     dev = torch.device(device) if device is not None else default_device()
 
     weight_map, index_file = local_weight_map(root)
-    with config_errors(str(config_path)):
-        cfg.require_draft_blocks(draft_layers_present(cfg, weight_map))
+    if not cfg.is_dspark:  # a DSpark stage missing or extra is a missing or unexpected key below
+        with config_errors(str(config_path)):
+            cfg.require_draft_blocks(draft_layers_present(cfg, weight_map))
     with torch.device("meta"):
-        model = DeepSeekV4MTP(cfg)
+        model = build_draft_model(cfg)
     expected = model.state_dict()
     for name in expected:
         if name not in weight_map:

@@ -19,6 +19,8 @@ code (inference/model.py), all deliberate:
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from dsv4.model import kernels
@@ -111,28 +113,38 @@ def rope(x: torch.Tensor, positions: torch.Tensor, rope_dim: int, theta: float, 
     return torch.cat((x[..., :-rope_dim], rot.to(x.dtype)), dim=-1)
 
 
+# q [T, n_h, D], kv [T, D], attn_sink [n_h] -> o [T, n_h, D]: who attends to what
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def sink_attention(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    """q [T, n_h, D], kv [S, D] (K = V), visible [T, S] bool -> o [T, n_h, D]. Query t sees
+    the keys s with visible[t, s]; the per-head sink joins the softmax denominator and
+    carries no value."""
+    T, nh, D = q.shape
+    qf = q.float().transpose(0, 1)  # [n_h, T, D]
+    kf = kv.float()  # [S, D]
+    scores = (qf @ kf.T) * D**-0.5  # [n_h, T, S]
+    scores = scores.masked_fill(~visible, float("-inf"))
+    sink_col = sink.float().view(nh, 1, 1).expand(nh, T, 1)
+    p = torch.softmax(torch.cat((scores, sink_col), dim=-1), dim=-1)[..., :-1]
+    return (p @ kf).transpose(0, 1).to(q.dtype)
+
+
 def sliding_window_sink_attention(
     q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, window: int, chunk: int = 256
 ) -> torch.Tensor:
-    """q [T, n_h, D], kv [T, D] (K = V) -> o [T, n_h, D]. Token t sees s in (t-window, t];
-    the per-head sink joins the softmax denominator and carries no value. Queries go in
-    chunks so the score block stays [n_h, chunk, chunk+window] at any T."""
-    T, nh, D = q.shape
+    """q [T, n_h, D], kv [T, D] (K = V) -> o [T, n_h, D]. Token t sees s in (t-window, t].
+    Queries go in chunks so the score block stays [n_h, chunk, chunk+window] at any T."""
+    T = q.shape[0]
     out = torch.empty_like(q)
-    scale = D**-0.5
     for s0 in range(0, T, chunk):
         s1 = min(T, s0 + chunk)
         k0 = max(0, s0 - window + 1)
-        qc = q[s0:s1].float().transpose(0, 1)  # [n_h, c, D]
-        kc = kv[k0:s1].float()  # [S, D]
-        scores = (qc @ kc.T) * scale  # [n_h, c, S]
         t_idx = torch.arange(s0, s1, device=q.device).unsqueeze(-1)
         s_idx = torch.arange(k0, s1, device=q.device).unsqueeze(0)
         visible = (s_idx <= t_idx) & (s_idx > t_idx - window)
-        scores = scores.masked_fill(~visible, float("-inf"))
-        sink_col = sink.float().view(nh, 1, 1).expand(nh, s1 - s0, 1)
-        p = torch.softmax(torch.cat((scores, sink_col), dim=-1), dim=-1)[..., :-1]
-        out[s0:s1] = (p @ kc).transpose(0, 1).to(q.dtype)
+        out[s0:s1] = sink_attention(q[s0:s1], kv[k0:s1], sink, visible)
     return out
 
 
@@ -153,17 +165,29 @@ class Attention(nn.Module):
         self.wo_a = Fp8Linear(nh * D // g, (g * ro,), sdt, f"{p}.wo_a", blk)
         self.wo_b = Fp8Linear(g * ro, (H,), sdt, f"{p}.wo_b", blk)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def _latent(self, kv: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return rope(self.kv_norm(kv), positions, self.cfg.qk_rope_head_dim, self.cfg.rope_theta)
+
+    def latent_kv(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """kv_norm(wkv(x)) with RoPE at `positions` [T, D]: the latent other tokens attend to
+        (the wkv rows of fused_wqa_wkv; the wq_a rows are computed and dropped)."""
+        return self._latent(self.fused_wqa_wkv(x)[..., self.cfg.q_lora_rank :], positions)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, attend: Attend | None = None) -> torch.Tensor:
+        """x [T, H] -> [T, H]. `attend` replaces the causal sliding window over the T tokens
+        (the DSpark block attends to a context and to itself, non-causally)."""
         cfg = self.cfg
         T = x.shape[0]
         nh, D, g, rd = cfg.num_attention_heads, cfg.head_dim, cfg.o_groups, cfg.qk_rope_head_dim
         qa, kv = self.fused_wqa_wkv(x).split([cfg.q_lora_rank, D], dim=-1)
         q = self.wq_b(self.q_norm(qa)).view(T, nh, D)
         q = kernels.rms_norm_ref(q, None, cfg.rms_norm_eps)  # weightless, per head
-        kv = self.kv_norm(kv)
         q = rope(q, positions, rd, cfg.rope_theta)
-        kv = rope(kv, positions, rd, cfg.rope_theta)
-        o = sliding_window_sink_attention(q, kv, self.attn_sink, cfg.sliding_window)
+        kv = self._latent(kv, positions)
+        if attend is None:
+            o = sliding_window_sink_attention(q, kv, self.attn_sink, cfg.sliding_window)
+        else:
+            o = attend(q, kv, self.attn_sink)
         o = rope(o, positions, rd, cfg.rope_theta, inverse=True)
         wo_a = self.wo_a.dequantized(o.dtype).view(g, cfg.o_lora_rank, nh * D // g)
         o = torch.einsum("tgd,grd->tgr", o.reshape(T, g, nh * D // g), wo_a)
@@ -273,12 +297,12 @@ class Block(nn.Module):
         self.ffn = MoE(cfg, layer_prefix)
 
     def forward(
-        self, x: torch.Tensor, positions: torch.Tensor
+        self, x: torch.Tensor, positions: torch.Tensor, attend: Attend | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Streams [T, n, H] -> (ffn output [T, H], streams before the ffn mix, post, comb).
-        Like vLLM's block it leaves the LAST hc_post to the caller."""
+        Like vLLM's block it leaves the LAST hc_post to the caller. `attend`: Attention's."""
         u, post, comb = hc_pre(x, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base, self.cfg)
-        x = hc_post(self.attn(self.attn_norm(u), positions), x, post, comb)
+        x = hc_post(self.attn(self.attn_norm(u), positions, attend), x, post, comb)
         u, post, comb = hc_pre(x, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base, self.cfg)
         return self.ffn(self.ffn_norm(u)), x, post, comb
 

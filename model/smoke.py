@@ -1,5 +1,6 @@
 """`convert-dsv4 smoke OUT`: load a converted checkpoint strictly into the bundled model,
-run one draft step on a few tokens and check it (spec 03 §3.5)."""
+run one draft step on a few tokens and check it (spec 03 §3.5; for a DSpark checkpoint one
+drafted block, spec 04 §4.3: `run_dspark_smoke`)."""
 
 from __future__ import annotations
 
@@ -10,10 +11,13 @@ from typing import Any, TypeVar
 
 import torch
 from dsv4.model import kernels
-from dsv4.model.config import config_errors
-from dsv4.model.errors import SmokeCheckError
+from dsv4.model.config import ModelConfig, config_errors
+from dsv4.model.dspark import DSparkDraft, target_features
+from dsv4.model.dspark_reference import DSparkReference
+from dsv4.model.errors import DtypeMismatchError, LoadError, MissingKeyError, ShapeMismatchError, SmokeCheckError
 from dsv4.model.loader import default_device, load_converted
 from dsv4.model.reference import NativeReference
+from safetensors import SafetensorError, safe_open
 
 R = TypeVar("R")
 TIE_REL = 0.01  # top-1 near-tie: the reference's two candidates within 1% of max|logit|
@@ -75,6 +79,108 @@ def run_smoke(
         report["logits_max_abs"] = logits_ref.abs().max().item()
         report["top1_agreement"] = (logits.argmax(-1) == logits_ref.argmax(-1)).float().mean().item()
         report["top1_agreement_up_to_ties"] = top1_agreement_up_to_ties(logits, logits_ref)
+    return report
+
+
+FEATURE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # target features: any float the target ran in
+
+
+def read_target_features(path: str | Path, cfg: ModelConfig) -> torch.Tensor:
+    """The target features of a DSpark smoke from safetensors file `path`: tensors `h_{l}` for
+    l in dspark_target_layer_ids, each [T_ctx, H] (the same T_ctx), as [T_ctx, T*H] bf16.
+    Other tensors in the file are not read. LoadError (MissingKeyError, ShapeMismatchError,
+    DtypeMismatchError) naming the file and the tensor otherwise."""
+    ids = cfg.dspark_target_layer_ids
+    assert ids is not None
+    per_layer: list[torch.Tensor] = []
+    try:
+        with safe_open(path, framework="pt", device="cpu") as f:
+            present = set(f.keys())
+            for layer in ids:
+                name = f"h_{layer}"
+                if name not in present:
+                    raise MissingKeyError(f"{path}: no tensor {name} (the target features are h_l for dspark_target_layer_ids {list(ids)})")
+                t = f.get_tensor(name)
+                rows = per_layer[0].shape[0] if per_layer else None  # the first one sets T_ctx
+                shape = tuple(t.shape)
+                if len(shape) != 2 or shape[1] != cfg.hidden_size or shape[0] == 0 or shape[0] != (rows or shape[0]):
+                    want = f"[{rows or 'T_ctx >= 1'}, {cfg.hidden_size}]"
+                    raise ShapeMismatchError(f"{path}: tensor {name} has shape {list(shape)}, expected {want}")
+                if t.dtype not in FEATURE_DTYPES:
+                    raise DtypeMismatchError(f"{path}: tensor {name} has dtype {t.dtype}, expected a float (bf16, f16 or f32)")
+                per_layer.append(t.to(torch.bfloat16))
+    except (SafetensorError, OSError) as exc:
+        raise LoadError(f"{path}: not a readable safetensors file ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None
+    return target_features(per_layer)
+
+
+def run_dspark_smoke(
+    out_dir: str | Path,
+    device: str | None = None,
+    context_tokens: int = 16,
+    features: str | Path | None = None,
+    anchor: int | None = None,
+    first_position: int = 0,
+    reference_dir: str | Path | None = None,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """Load a converted DSpark checkpoint strictly and draft one block (twice: the first run
+    includes kernel compilation): target features for a context (random, seeded, or read from
+    `features`, see read_target_features) at positions first_position.., an anchor token
+    (random, seeded, when None). Checks shapes and finiteness; with `reference_dir` (the
+    native checkpoint) compares hidden states, logits and draft tokens with DSparkReference."""
+    dev = torch.device(device) if device else default_device()
+    report: dict[str, Any] = {"checkpoint": str(out_dir), "device": str(dev), "kernels": kernels.backend(dev), "layout": "dspark"}
+    model, report["load_ms"] = _timed(dev, lambda: load_converted(out_dir, dev))
+    if not isinstance(model, DSparkDraft):
+        raise SmokeCheckError(f"{out_dir}: not a DSpark checkpoint (its config.json has no dspark_* fields)")
+    cfg = model.config
+    gen = torch.Generator().manual_seed(seed)
+    if features is None:
+        feats = torch.randn(context_tokens, cfg.dspark_stages * cfg.hidden_size, generator=gen).to(torch.bfloat16)
+    else:
+        feats = read_target_features(features, cfg)
+        report["features"] = str(features)
+    if anchor is None:
+        anchor = int(torch.randint(0, cfg.vocab_size, (1,), generator=gen))
+    if not 0 <= anchor < cfg.vocab_size:
+        raise ValueError(f"anchor token {anchor} is not in 0..{cfg.vocab_size - 1}")
+    feats = feats.to(dev)
+    ctx = (first_position + torch.arange(feats.shape[0])).to(dev)
+    ids, positions = model.block_ids(anchor), model.block_positions(ctx)
+    report.update(context_tokens=feats.shape[0], anchor=anchor, block_positions=positions.tolist(), stages=cfg.dspark_stages)
+
+    def heads(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        base = model.base_logits(h)
+        return (base, *model.markov_decode(base, anchor))
+
+    for run in ("first", "warm"):
+        h, report[f"hidden_{run}_ms"] = _timed(dev, lambda: model.hidden_states(feats, ctx, ids, positions))
+        (base, logits, tokens), report[f"logits_{run}_ms"] = _timed(dev, lambda h=h: heads(h))
+    B = cfg.dspark_block_size
+    report["hidden_shape"], report["logits_shape"] = list(h.shape), list(logits.shape)
+    report["draft_tokens"] = tokens.tolist()
+    if tuple(h.shape) != (B, cfg.hc_dim) or tuple(logits.shape) != (B, cfg.vocab_size) or tuple(tokens.shape) != (B,):
+        raise SmokeCheckError(f"{out_dir}: the draft returned hidden {list(h.shape)}, logits {list(logits.shape)}, tokens {list(tokens.shape)}; expected {[B, cfg.hc_dim]}, {[B, cfg.vocab_size]}, {[B]}")
+    if not (torch.isfinite(h).all() and torch.isfinite(base).all() and torch.isfinite(logits).all()):
+        raise SmokeCheckError(f"{out_dir}: non-finite values in the draft's hidden states or logits")
+
+    if reference_dir is not None:
+        with config_errors(f"{reference_dir}/config.json"):  # the reference reads the native config
+            ref, report["reference_load_ms"] = _timed(dev, lambda: DSparkReference(reference_dir, dev))
+        out, report["reference_draft_ms"] = _timed(dev, lambda: ref.forward(feats, ctx, anchor))
+        report["reference"] = str(reference_dir)
+        report["hidden_max_abs_diff"] = (h.float() - out.hidden_states.float()).abs().max().item()
+        report["hidden_max_abs"] = out.hidden_states.float().abs().max().item()
+        report["base_logits_max_abs_diff"] = (base - out.base_logits).abs().max().item()
+        report["logits_max_abs_diff"] = (logits - out.logits).abs().max().item()
+        report["logits_max_abs"] = out.logits.abs().max().item()
+        report["reference_draft_tokens"] = out.draft_tokens.tolist()
+        same = [a == b for a, b in zip(report["draft_tokens"], report["reference_draft_tokens"])]
+        # greedy drafting conditions each token on the one before: after a first disagreement
+        # the rest compare different continuations
+        report["draft_tokens_agree_to"] = same.index(False) if False in same else B
+        report["draft_token_agreement"] = sum(same) / B
     return report
 
 

@@ -18,7 +18,7 @@ from dsv4.convert.errors import ManifestError, RepoNotFound
 from dsv4.convert.pipeline import convert
 from dsv4.convert.sizes import shard_size
 from dsv4.mapping.errors import TableError
-from dsv4.mapping.table import TABLE_DIR, installed_tables, load_table
+from dsv4.mapping.table import TABLE_DIR, installed_targets, load_table
 from inprocess import run_main
 
 INDEX = "model.safetensors.index.json"
@@ -115,7 +115,7 @@ def test_target_must_be_an_installed_table_name(command: str, table_copy: Path, 
         code, out, err = run_main(monkeypatch, capsys, *args, "--target", target)
         line = one_error_line(err)
         assert code == 2 and "'--target'" in line
-        assert all(repr(name) in line for name in installed_tables()), line
+        assert all(repr(name) in line for name in installed_targets()), line  # --target names a target; its tables are the plan's choice
         assert out == "" and not (tmp_path / "out").exists()
 
 

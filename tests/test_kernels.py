@@ -315,7 +315,6 @@ def test_nan_patterns_are_nans():
 if kernels.triton is not None:
     import triton
     import triton.language as tl
-
     from dsv4.model.kernels import _to_bf16_rtne
 
     @triton.jit

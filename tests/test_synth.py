@@ -210,14 +210,49 @@ def test_base_variant_is_fp8_mixed(tiny_base: Path) -> None:
 
 
 def test_dspark_variant(tmp_path: Path) -> None:
+    """Spec 04 §4.1: each stage is a V4 block without the MTP-only tensors; stage 0 adds
+    the target-feature projection, the last stage the head, Markov and confidence heads."""
     ckpt = write_checkpoint(tmp_path, variant="dspark")
     names = set(all_headers(ckpt))
-    for i in range(3):
-        for leaf in ("main_proj.weight", "main_proj.scale", "main_norm.weight", "markov_head.weight", "confidence_head.weight"):
-            assert f"mtp.{i}.{leaf}" in names
-    assert not any(".e_proj." in n or ".h_proj." in n for n in names)
-    assert json.loads((ckpt / "config.json").read_text())["num_nextn_predict_layers"] == 1
+    first = {"main_proj.weight", "main_proj.scale", "main_norm.weight"}
+    last = {"norm.weight", "hc_head_fn", "hc_head_base", "hc_head_scale", "markov_head.markov_w1.weight", "markov_head.markov_w2.weight", "confidence_head.proj.weight"}
+    for s in range(3):
+        stage = {n.removeprefix(f"mtp.{s}.") for n in names if n.startswith(f"mtp.{s}.")}
+        assert first <= stage if s == 0 else not first & stage, s
+        assert last <= stage if s == 2 else not last & stage, s
+        assert len(stage - first - last) == 29 + 6 * 8, s  # one V4 block: 29 + 6E (tiny: E = 8)
+        assert not {n for n in stage if n.split(".")[0] in ("enorm", "hnorm", "e_proj", "h_proj", "emb", "head")}, s
+    config = json.loads((ckpt / "config.json").read_text())
+    assert config["num_nextn_predict_layers"] == 1 and "n_mtp_layers" not in config
+    assert ModelConfig.from_dict(config).dspark_stages == 3
     load_all(ckpt)
+
+
+# spec 04 §4.1: the V4-Flash-0731 release
+FLASH_0731_DRAFTER_DTYPES = {"BF16": 20, "F32": 27, "F8_E4M3": 25, "F8_E8M0": 2_329, "I8": 2_304}
+FLASH_0731_DRAFTER_BYTES = 10_862_838_300
+
+
+def test_dspark_flash_replica_is_the_0731_release(tmp_path: Path) -> None:
+    """`synth --preset flash --variant dspark --sparse --main-layers all` = the release's census."""
+    result = CliRunner().invoke(cli, ["synth", str(tmp_path / "c"), "--preset", "flash", "--variant", "dspark", "--main-layers", "all", "--sparse"])
+    assert result.exit_code == 0, result.output
+    ckpt = tmp_path / "c"
+    headers = all_headers(ckpt)
+    assert len(headers) == 72_317 and len(shard_files(ckpt)) == 48
+    drafter = {n: v for n, v in headers.items() if n.startswith("mtp.")}
+    assert len(drafter) == 4_705
+    assert {f for f, _ in drafter.values()} == {f"model-000{k}-of-00048.safetensors" for k in (46, 47, 48)}
+    assert not [n for n, (f, _) in headers.items() if f >= "model-00046" and not n.startswith("mtp.")]
+    assert Counter(e["dtype"] for _, e in drafter.values()) == FLASH_0731_DRAFTER_DTYPES
+    assert Counter(int(n.split(".")[1]) for n in drafter) == {0: 1568, 1: 1565, 2: 1572}
+    assert sum(entry_bytes(e) for _, e in drafter.values()) == FLASH_0731_DRAFTER_BYTES
+    # the main model is Flash's: 69,187 tensors minus its 1,575-tensor MTP block
+    assert len(headers) - len(drafter) == 69_187 - 1_575
+    config = json.loads((ckpt / "config.json").read_text())
+    assert len(config["compress_ratios"]) == 46 and config["compress_ratios"][43:] == [0, 0, 0]
+    assert (config["expert_dtype"], config["num_nextn_predict_layers"]) == ("fp4", 1)
+    assert {k: config[k] for k in config if k.startswith("dspark_")} == {"dspark_block_size": 5, "dspark_noise_token_id": 128799, "dspark_target_layer_ids": [40, 41, 42], "dspark_markov_rank": 256}
 
 
 # --- storage formats (spec 01 §1.3) -----------------------------------------------------
