@@ -250,32 +250,64 @@ def check_command(directory: Path, native: Path | None, smoke: bool, fast: bool,
 @cli.command("smoke")
 @click.argument("out", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @device_option
-@click.option("--tokens", type=click.IntRange(min=1), default=8, show_default=True, help="Tokens in the draft step.")
+@click.option("--tokens", type=click.IntRange(min=1), default=8, show_default=True, help="Tokens in the draft step (DSpark: context tokens of random target features).")
 @native_option
-@click.option("--min-top1", type=click.FloatRange(0, 1), default=1.0, show_default=True, help="With --native: fail when top-1 agreement with the reference is lower (a disagreement on a near-tie, within 1% of max|logit| in the reference, counts as agreeing).")
+@click.option("--min-top1", type=click.FloatRange(0, 1), default=1.0, show_default=True, help="With --native: fail when top-1 agreement with the reference is lower (MTP: a disagreement on a near-tie, within 1% of max|logit| in the reference, counts as agreeing; DSpark: the share of the block's draft tokens equal to the reference's).")
+@click.option("--features", type=click.Path(exists=True, dir_okay=False, path_type=Path), help="DSpark: a safetensors file of target features h_<l> [T_ctx, H] for each of dspark_target_layer_ids (default: random, seeded).")
+@click.option("--anchor", type=click.IntRange(min=0), help="DSpark: the anchor token (the last accepted one; default: random, seeded).")
+@click.option("--position", type=click.IntRange(min=0), default=0, show_default=True, help="DSpark: the position of the context's first token.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random inputs.")
 @quiet_option
 @json_option
-def smoke_command(out: Path, device: str | None, tokens: int, native: Path | None, min_top1: float, seed: int, quiet: bool, as_json: bool) -> None:
-    """Load converted checkpoint OUT into the bundled draft model and run one draft step."""
+def smoke_command(out: Path, device: str | None, tokens: int, native: Path | None, min_top1: float, features: Path | None, anchor: int | None, position: int, seed: int, quiet: bool, as_json: bool) -> None:
+    """Load converted checkpoint OUT into the bundled draft model and run one draft step
+    (MTP: one step on TOKENS tokens; DSpark: one block drafted from a context)."""
     from dsv4.model.errors import SmokeCheckError
-    from dsv4.model.smoke import run_smoke  # start-up time: torch and the kernels
+    from dsv4.model.loader import converted_config  # start-up time: torch and the kernels
+    from dsv4.model.smoke import run_dspark_smoke, run_smoke
 
-    report = run_smoke(out, device, tokens, native, seed)
+    dspark = converted_config(out).is_dspark
+    if not dspark and (features is not None or anchor is not None or position):
+        raise click.UsageError("--features, --anchor and --position are for a DSpark checkpoint; OUT is an MTP one")
+    if dspark:
+        try:
+            report = run_dspark_smoke(out, device, tokens, features, anchor, position, native, seed)
+        except ValueError as exc:  # an anchor outside the vocabulary
+            raise click.UsageError(str(exc)) from None
+        agreement = report.get("draft_token_agreement")
+    else:
+        report = run_smoke(out, device, tokens, native, seed)
+        agreement = report.get("top1_agreement_up_to_ties")
     if as_json:
         echo_json(report)
     else:
-        click.echo(f"smoke: {out} on {report['device']}, fused norms: {report['kernels']}")
-        if not quiet:
+        _print_smoke(report, native, quiet)
+    if native is not None and agreement < min_top1:
+        what = "draft-token agreement" if dspark else "top-1 agreement (near-ties counted as agreeing)"
+        raise SmokeCheckError(f"{out}: {what} with the reference {agreement:.3f} is below {min_top1}", path=str(out))
+
+
+def _print_smoke(report: dict[str, Any], native: Path | None, quiet: bool) -> None:
+    click.echo(f"smoke: {report['checkpoint']} on {report['device']}, fused norms: {report['kernels']}")
+    dspark = report.get("layout") == "dspark"
+    if dspark:
+        click.echo(f"  draft tokens {report['draft_tokens']} (anchor {report['anchor']}, block positions {report['block_positions'][0]}..{report['block_positions'][-1]})")
+    if not quiet:
+        if dspark:
+            click.echo(f"  load {report['load_ms']:.0f} ms; stages {report['hidden_first_ms']:.1f} ms first, {report['hidden_warm_ms']:.1f} ms warm; "
+                       f"heads and sampler {report['logits_first_ms']:.1f} / {report['logits_warm_ms']:.1f} ms")
+        else:
             click.echo(f"  load {report['load_ms']:.0f} ms; forward {report['forward_first_ms']:.1f} ms first, {report['forward_warm_ms']:.1f} ms warm; "
                        f"logits {report['logits_first_ms']:.1f} / {report['logits_warm_ms']:.1f} ms")
-            click.echo(f"  hidden {report['hidden_shape']}, logits {report['logits_shape']}, all finite")
-        if native is not None:
-            click.echo(f"  vs reference {native}: hidden max|diff| {report['hidden_max_abs_diff']:.4g} (max|h| {report['hidden_max_abs']:.4g}), "
-                       f"logits max|diff| {report['logits_max_abs_diff']:.4g} (max {report['logits_max_abs']:.4g}), "
-                       f"top-1 agreement {report['top1_agreement']:.3f} ({report['top1_agreement_up_to_ties']:.3f} counting near-ties)")
-    if native is not None and report["top1_agreement_up_to_ties"] < min_top1:
-        raise SmokeCheckError(f"{out}: top-1 agreement with the reference {report['top1_agreement_up_to_ties']:.3f} (near-ties counted as agreeing) is below {min_top1}", path=str(out))
+        click.echo(f"  hidden {report['hidden_shape']}, logits {report['logits_shape']}, all finite")
+    if native is None:
+        return
+    diffs = (f"  vs reference {native}: hidden max|diff| {report['hidden_max_abs_diff']:.4g} (max|h| {report['hidden_max_abs']:.4g}), "
+             f"logits max|diff| {report['logits_max_abs_diff']:.4g} (max {report['logits_max_abs']:.4g}), ")
+    if dspark:
+        click.echo(diffs + f"reference draft tokens {report['reference_draft_tokens']}, agreement {report['draft_token_agreement']:.3f} (equal up to position {report['draft_tokens_agree_to']})")
+    else:
+        click.echo(diffs + f"top-1 agreement {report['top1_agreement']:.3f} ({report['top1_agreement_up_to_ties']:.3f} counting near-ties)")
 
 
 def _main_layers_arg(ctx: click.Context, param: click.Parameter, value: str) -> int | str:

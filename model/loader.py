@@ -16,7 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from dsv4.model.checkpoint import local_weight_map
+from dsv4.model.checkpoint import CONFIG, local_weight_map
 from dsv4.model.config import ModelConfig, config_errors
 from dsv4.model.dspark import DSparkDraft
 from dsv4.model.dtypes import SAFETENSORS_NAMES
@@ -31,6 +31,16 @@ def default_device() -> torch.device:
     return torch.accelerator.current_accelerator() if torch.accelerator.is_available() else torch.device("cpu")
 
 
+def converted_config(root: Path) -> ModelConfig:
+    """The validated config.json of converted checkpoint `root`, with the same verdicts as
+    plan, convert and check (MissingConfigError, MalformedConfigError, UnsupportedLayoutError)."""
+    config_path = root / CONFIG
+    if not config_path.is_file():
+        raise MissingConfigError(f"{config_path}: no config.json in the converted checkpoint", path=str(config_path))
+    with config_errors(str(config_path)):
+        return ModelConfig.from_file(config_path)
+
+
 def load_converted(path: str | Path, device: str | torch.device | None = None) -> DeepSeekV4MTP | DSparkDraft:
     """Build the draft model for `path`/config.json (DSparkDraft for a DSpark config, spec 04;
     else DeepSeekV4MTP) and load the converted weights strictly.
@@ -41,11 +51,8 @@ def load_converted(path: str | Path, device: str | torch.device | None = None) -
     MalformedConfigError, UnsupportedLayoutError).
     """
     root = Path(path)
-    config_path = root / "config.json"
-    if not config_path.is_file():
-        raise MissingConfigError(f"{config_path}: no config.json in the converted checkpoint")
-    with config_errors(str(config_path)):  # the same verdicts as plan, convert and check
-        cfg = ModelConfig.from_file(config_path)
+    config_path = root / CONFIG
+    cfg = converted_config(root)
     dev = torch.device(device) if device is not None else default_device()
 
     weight_map, index_file = local_weight_map(root)

@@ -25,6 +25,7 @@ from dsv4.model.presets import preset_config
 from dsv4.model.smoke import read_target_features, run_dspark_smoke
 from safetensors import safe_open
 from safetensors.torch import save_file
+from inprocess import run_main
 from spec02 import spec_layout
 
 INDEX, SHARD = "model.safetensors.index.json", "model-00001-of-00001.safetensors"
@@ -421,3 +422,31 @@ def test_a_features_file_that_is_not_safetensors_is_a_load_error(tmp_path):
     with pytest.raises(LoadError, match=r"not a readable safetensors file") as info:
         read_target_features(path, ModelConfig.from_dict(tiny_dspark_config()))
     assert info.value.exit_code == 50 and "\n" not in str(info.value)
+
+
+# --- `convert-dsv4 smoke` on a DSpark output ---------------------------------------------
+def test_the_smoke_command_drafts_a_block_and_compares_with_the_native_reference(tiny_dspark, monkeypatch, capsys):
+    native, converted = tiny_dspark[0]
+    code, out, err = run_main(monkeypatch, capsys, "smoke", converted, "--device", "cpu", "--tokens", "12", "--position", "30", "--native", native, "--seed", "4", "--json")
+    assert (code, err) == (0, ""), err
+    report = json.loads(out)
+    cfg = ModelConfig.from_file(converted / "config.json")
+    assert report["layout"] == "dspark" and len(report["draft_tokens"]) == cfg.dspark_block_size
+    assert report["draft_tokens"] == report["reference_draft_tokens"] and report["draft_token_agreement"] == 1.0
+    assert report["block_positions"] == list(range(42, 42 + cfg.dspark_block_size))  # p+1..p+B after the context 30..41
+    code, out, _ = run_main(monkeypatch, capsys, "smoke", converted, "--device", "cpu", "--tokens", "12", "--position", "30", "--native", native, "--seed", "4")
+    assert code == 0 and f"draft tokens {report['draft_tokens']}" in out and "agreement 1.000" in out
+
+
+def test_the_smoke_command_fails_when_another_model_drafts_other_tokens(tiny_dspark, monkeypatch, capsys):
+    other_native, converted = tiny_dspark[1][0], tiny_dspark[0][1]
+    code, out, err = run_main(monkeypatch, capsys, "smoke", converted, "--device", "cpu", "--native", other_native, "--json")
+    report = json.loads(out)
+    assert report["draft_token_agreement"] < 1.0
+    assert code == 55 and err.startswith(f"error: {converted}: draft-token agreement with the reference") and err.count("\n") == 1
+
+
+def test_dspark_options_on_an_mtp_output_are_a_usage_error(tiny_native, tmp_path, monkeypatch, capsys):
+    mtp = convert(tiny_native, tmp_path / "mtp").out
+    code, _, err = run_main(monkeypatch, capsys, "smoke", mtp, "--device", "cpu", "--anchor", "3")
+    assert code == 2 and "DSpark" in err and err.count("\n") == 1
