@@ -283,8 +283,8 @@ def smoke_command(out: Path, device: str | None, tokens: int, native: Path | Non
     else:
         _print_smoke(report, native, quiet)
     if native is not None and agreement < min_top1:
-        what = "draft-token agreement" if dspark else "top-1 agreement (near-ties counted as agreeing)"
-        raise SmokeCheckError(f"{out}: {what} with the reference {agreement:.3f} is below {min_top1}", path=str(out))
+        what = f"draft-token agreement with the reference {agreement:.3f}" if dspark else f"top-1 agreement with the reference {agreement:.3f} (near-ties counted as agreeing)"
+        raise SmokeCheckError(f"{out}: {what} is below {min_top1}", path=str(out))
 
 
 def _print_smoke(report: dict[str, Any], native: Path | None, quiet: bool) -> None:

@@ -16,6 +16,7 @@ import torch
 from dspark_fixtures import write_half_dspark
 from dsv4.convert import quant_config as quant
 from dsv4.convert.check import run_checks
+from dsv4.convert.exit_codes import exit_code
 from dsv4.convert.inventory import Inventory, read_inventory
 from dsv4.convert.pipeline import convert
 from dsv4.convert.plan import choose_table, plan_conversion, plan_reverse
@@ -355,13 +356,13 @@ def refusal(inv: Inventory) -> model_errors.DSV4Error:
 )
 def test_tensors_a_dspark_stage_must_not_hold_are_refused(native: Path, add: dict[str, str], words: str) -> None:
     exc = refusal(with_tensors(read_inventory(native), add))
-    assert isinstance(exc, model_errors.UnsupportedLayoutError) and exc.exit_code == 35
+    assert isinstance(exc, model_errors.UnsupportedLayoutError) and exit_code(exc) == 35
     assert words in str(exc)
 
 
 def test_a_missing_stage_is_refused(native: Path) -> None:
     exc = refusal(with_tensors(read_inventory(native), drop="mtp.1."))
-    assert exc.exit_code == 35 and "stage(s) [0, 2]: stage 1 is missing" in str(exc)
+    assert exit_code(exc) == 35 and "stage(s) [0, 2]: stage 1 is missing" in str(exc)
 
 
 def test_reverse_refuses_a_dspark_output_missing_a_stage(xpu: Path) -> None:
@@ -381,28 +382,28 @@ def test_main_proj_without_dspark_fields_is_refused_on_the_command_line(tmp_path
 def test_dspark_fields_without_main_proj_are_refused(native: Path) -> None:
     inv = read_inventory(native)
     exc = refusal(with_tensors(inv, drop="mtp.0.main_proj."))
-    assert exc.exit_code == 35 and "dspark_* fields (a DSpark drafter, spec 04), but the checkpoint has no tensor mtp.0.main_proj.weight" in str(exc)
+    assert exit_code(exc) == 35 and "dspark_* fields (a DSpark drafter, spec 04), but the checkpoint has no tensor mtp.0.main_proj.weight" in str(exc)
 
 
 def test_an_mtp_checkpoint_with_dspark_fields_is_refused(tiny_native: Path) -> None:
     inv = read_inventory(tiny_native)
     config = {**inv.config, **{k: preset_config("tiny", "dspark")[k] for k in DSPARK_FIELDS}, "dspark_target_layer_ids": [0]}
     exc = refusal(dataclasses.replace(inv, config=config))
-    assert exc.exit_code == 35 and "no tensor mtp.0.main_proj.weight" in str(exc)
+    assert exit_code(exc) == 35 and "no tensor mtp.0.main_proj.weight" in str(exc)
 
 
 def test_disagreeing_stage_counts_are_refused(native: Path) -> None:
     inv = read_inventory(native)
     exc = refusal(dataclasses.replace(inv, config={**inv.config, "n_mtp_layers": 2}))
     # the config loader's verdict (model/config.py): a config contradicting itself is malformed
-    assert isinstance(exc, model_errors.MalformedConfigError) and exc.exit_code == 18
+    assert isinstance(exc, model_errors.MalformedConfigError) and exit_code(exc) == 18
     assert "config.json: n_mtp_layers is 2 but dspark_target_layer_ids has 3 entries" in str(exc)
 
 
 def test_v41_is_refused_with_its_own_message(native: Path) -> None:
     inv = read_inventory(native)
     exc = refusal(dataclasses.replace(inv, config={**inv.config, "model_type": "deepseek_v41"}))
-    assert exc.exit_code == 35 and "V4.1" in str(exc)
+    assert exit_code(exc) == 35 and "V4.1" in str(exc)
 
 
 

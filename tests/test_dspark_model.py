@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from dsv4.convert.exit_codes import exit_code
 from dsv4.convert.pipeline import convert
 from dsv4.convert.synth import write_checkpoint
 from dsv4.model import dspark
@@ -23,9 +24,9 @@ from dsv4.model.loader import load_converted
 from dsv4.model.mtp import quant_layer_names
 from dsv4.model.presets import preset_config
 from dsv4.model.smoke import read_target_features, run_dspark_smoke
+from inprocess import run_main
 from safetensors import safe_open
 from safetensors.torch import save_file
-from inprocess import run_main
 from spec02 import spec_layout
 
 INDEX, SHARD = "model.safetensors.index.json", "model-00001-of-00001.safetensors"
@@ -365,7 +366,7 @@ def test_strict_load_rejects(tiny_dspark, tmp_path, edit, error, code, key):
         load_converted(bad, "cpu")
     msg = str(info.value)
     assert key in msg and str(bad) in msg and "\n" not in msg
-    assert info.value.exit_code == code
+    assert exit_code(info.value) == code
 
 
 def test_a_missing_stage_is_a_missing_key(tiny_dspark, tmp_path):
@@ -421,7 +422,7 @@ def test_a_features_file_that_is_not_safetensors_is_a_load_error(tmp_path):
     path.write_bytes(b"\xff" * 64)
     with pytest.raises(LoadError, match=r"not a readable safetensors file") as info:
         read_target_features(path, ModelConfig.from_dict(tiny_dspark_config()))
-    assert info.value.exit_code == 50 and "\n" not in str(info.value)
+    assert exit_code(info.value) == 50 and "\n" not in str(info.value)
 
 
 # --- `convert-dsv4 smoke` on a DSpark output ---------------------------------------------
