@@ -18,9 +18,9 @@ from pathlib import Path
 from typing import NamedTuple
 
 import torch
+from dsv4.model.checkpoint import local_weight_map
 from dsv4.model.config import ModelConfig
-from dsv4.model.reference import INDEX_NAME, VOCAB_SLICE, NativeReference, _norm, _rotate, fp8_weight
-from dsv4.model.strictjson import loads
+from dsv4.model.reference import VOCAB_SLICE, NativeReference, _norm, _rotate, fp8_weight
 from safetensors import safe_open
 
 
@@ -82,7 +82,7 @@ class DSparkReference:
         if not cfg.is_dspark:
             raise ValueError(f"{root / 'config.json'}: not a DSpark config (no dspark_* fields)")
         self.device = torch.device(device)
-        weight_map: dict[str, str] = loads((root / INDEX_NAME).read_bytes())["weight_map"]
+        weight_map, _ = local_weight_map(root)
         stages = tuple(f"mtp.{s}." for s in range(cfg.dspark_stages))
         wanted = sorted(k for k in weight_map if k in ("embed.weight", "head.weight") or k.startswith(stages))
         self.t: dict[str, torch.Tensor] = {}

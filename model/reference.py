@@ -22,7 +22,6 @@ from dsv4.model.checkpoint import local_weight_map
 from dsv4.model.config import ModelConfig
 from safetensors import safe_open
 
-INDEX_NAME = "model.safetensors.index.json"
 VOCAB_SLICE = 8192  # rows of the head upcast to fp32 at once in compute_logits: 128 MiB at Flash size
 
 
