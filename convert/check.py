@@ -1,11 +1,14 @@
 """`convert-dsv4 check DIR`: verify a converted checkpoint, one named check at a time.
 
-Each check passes, fails with its own exit code (convert/errors.py, 71..85) and a one-line
-reason naming the file and tensor, or is skipped with the reason why (not requested, or a
-check it builds on failed). `run_checks` returns the whole report for library callers (the
-batch job); the command prints it, optionally as JSON and as JUnit XML with one test case
-per check, so GitHub Actions and GitLab show each one, and exits with the first failure's
-code.
+Each check passes, fails with its own exit code (convert/exit_codes.py, 71..85) and a
+one-line reason naming the file and tensor, or is skipped with the reason why (not
+requested, or a check it builds on failed). `run_checks` returns the whole report
+(convert/report.py: text, JSON, JUnit) for the command (convert/cli.py) and for library
+callers (the batch job).
+
+Why one module of ~530 lines: the nine checks share one context (what the earlier checks
+found: the inventory, the config, the hashes) and run in a fixed order from one table
+(CHECKS); split into files, each file would need that context and the order from another.
 
 The checks, in order (a later one may need an earlier one's result):
   index      index and shard headers agree: names, shards present, no stray shard, every
@@ -322,7 +325,7 @@ LAYER = re.compile(r"model\.layers\.(\d+)\.")
 
 
 def _expert_dtype_of(name: str, dtype: str) -> str | None:
-    """The expert_dtype a routed-expert tensor implies (spec 02 §2.2): FP4 experts are uint8
+    """The expert_dtype a routed-expert tensor implies (mapping/README.md#mtp-parameters): FP4 experts are uint8
     weights with `_weight_scale`; FP8 experts are e4m3 weights with `_weight_scale_inv`."""
     m = EXPERT.search(name)
     if m is None:

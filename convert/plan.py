@@ -123,7 +123,7 @@ def model_config(inv: Inventory) -> ModelConfig:
 
 
 # The tensor that makes a checkpoint a DSpark drafter besides its config's dspark_* fields
-# (spec 04 §4.2: one without the other is refused), in the native and in the target layout.
+# (mapping/README.md#xpu-dspark-layout: one without the other is refused), in the native and in the target layout.
 DSPARK_MARKER: dict[Direction, str] = {"forward": "mtp.0.main_proj.weight", "reverse": "model.main_proj.weight"}
 
 
@@ -132,9 +132,9 @@ def drafter_of(inv: Inventory, cfg: ModelConfig, direction: Direction = "forward
     which must agree (UnsupportedLayoutError 35 otherwise)."""
     marker = DSPARK_MARKER[direction]
     if marker in inv.tensors and not cfg.is_dspark:
-        raise UnsupportedLayoutError(f"{inv.tensors[marker].file}: tensor {marker}: a DSpark drafter's projection, but {inv.location}/config.json has no dspark_* fields (spec 04 §4.1); refusing to convert")
+        raise UnsupportedLayoutError(f"{inv.tensors[marker].file}: tensor {marker}: a DSpark drafter's projection, but {inv.location}/config.json has no dspark_* fields (mapping/README.md#dspark-source-checkpoint); refusing to convert")
     if cfg.is_dspark and marker not in inv.tensors:
-        raise UnsupportedLayoutError(f"{inv.location}/config.json: dspark_* fields (a DSpark drafter, spec 04), but the checkpoint has no tensor {marker}; refusing to convert")
+        raise UnsupportedLayoutError(f"{inv.location}/config.json: dspark_* fields (a DSpark drafter, mapping/README.md#dspark-v4-flash-0731), but the checkpoint has no tensor {marker}; refusing to convert")
     return "dspark" if cfg.is_dspark else "mtp"
 
 
@@ -196,7 +196,7 @@ def _classify(inv: Inventory, rules: list[Rule], cfg: ModelConfig) -> dict[str, 
         if PINNED & groups.keys():
             for ph, want in stage_binding(cfg).items():
                 if groups.get(ph) is not None and int(groups[ph]) != want:
-                    raise UnsupportedLayoutError(f"{src.file}: tensor {key}: only the {ph} stage mtp.{want} holds this tensor, not stage {groups[ph]} (spec 04 §4.1)")
+                    raise UnsupportedLayoutError(f"{src.file}: tensor {key}: only the {ph} stage mtp.{want} holds this tensor, not stage {groups[ph]} (mapping/README.md#dspark-source-checkpoint)")
         if rule.op == "skip":
             skipped[key] = rule.reason or ""
     return skipped

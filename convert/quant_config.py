@@ -1,5 +1,5 @@
 """Quantisation layer names: carrying a quantization_config across the conversion, and
-checking that every linear of the draft resolves to one scheme (spec 02 §2.3).
+checking that every linear of the draft resolves to one scheme (mapping/README.md#quantisation-layer-names).
 
 A compressed-tensors config names modules (`targets`, `ignore`, `re:` regexes, class names
 such as "Linear"). Written for the native checkpoint it names `mtp.0.attn.wq_a`,

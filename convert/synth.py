@@ -1,4 +1,4 @@
-"""Synthetic native DeepSeek V4 checkpoints, laid out like the release (spec 01).
+"""Synthetic native DeepSeek V4 checkpoints, laid out like the release (mapping/README.md#native-checkpoint-format).
 
 Every name, dtype and shape comes from `dsv4.model.native`; the values are random but
 realistic (finite FP8, spread-out power-of-two scales, norms near 1) so that the MTP
@@ -10,7 +10,7 @@ Each shard is written header-first by `ShardWriter` and filled in row blocks of 
 headers are written: the tensor data are file holes that read back as zeros, so a
 full-size Flash or Pro replica costs almost no disk (for tests of inventory and planning).
 
-`variant="dspark"` writes a DeepSeek-V4-Flash-0731 release (spec 04 §4.1): its config
+`variant="dspark"` writes a DeepSeek-V4-Flash-0731 release (mapping/README.md#dspark-source-checkpoint): its config
 (the four dspark_* fields, one compress ratio per stage, "num_nextn_predict_layers": 1 kept)
 and the three-stage DSpark drafter `mtp.{0,1,2}`, one shard per stage after the main model's
 (48 shards at Flash size).
@@ -50,7 +50,7 @@ Fill = Callable[[tuple[int, ...], torch.Generator], torch.Tensor]
 
 def pack_e2m1(codes: torch.Tensor) -> torch.Tensor:
     """Pack e2m1 codes (uint8 0..15, last dim even) two per byte along the last dim, as the
-    release stores FP4 experts (spec 01 §1.3): LOW nibble = even index, HIGH = odd."""
+    release stores FP4 experts (mapping/README.md#storage-dtypes): LOW nibble = even index, HIGH = odd."""
     return (codes[..., 0::2] | (codes[..., 1::2] << 4)).view(torch.int8)
 
 

@@ -1,4 +1,4 @@
-"""The MTP draft's two fused RMSNorm kernels (spec 03 §3.1), in Triton, each beside a plain
+"""The MTP draft's two fused RMSNorm kernels (model/README.md#mtp-draft-step), in Triton, each beside a plain
 torch reference that defines its meaning.
 
 * `fused_mtp_input_rmsnorm`: the embedding rows of tokens at position 0 are zeroed before

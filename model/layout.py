@@ -64,7 +64,7 @@ def build_target_layout(cfg: ModelConfig) -> Layout:
 
 def build_draft_model(cfg: ModelConfig) -> nn.Module:
     """The bundled draft model `cfg` describes, on the current default device: the DSpark
-    drafter (spec 04) for a DSpark config, else the MTP draft (spec 02)."""
+    drafter (mapping/README.md#dspark-v4-flash-0731) for a DSpark config, else the MTP draft (mapping/README.md#xpu-mtp-layout)."""
     from dsv4.model.dspark import DSparkDraft
     from dsv4.model.mtp import DeepSeekV4MTP
 

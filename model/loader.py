@@ -1,6 +1,6 @@
 """Strict loading of a converted checkpoint into the bundled draft model.
 
-The converted checkpoint's keys ARE the model's parameter names (spec 02 §2.4): there is
+The converted checkpoint's keys ARE the model's parameter names (mapping/README.md#versions-and-loaders): there is
 no remap here, and anything other than an exact match of names, shapes and dtypes is an
 error naming the tensor and its file. Silent drops are how vLLM users got 0% draft
 acceptance with no load-time error; this loader refuses them.
@@ -42,7 +42,7 @@ def converted_config(root: Path) -> ModelConfig:
 
 
 def load_converted(path: str | Path, device: str | torch.device | None = None) -> DeepSeekV4MTP | DSparkDraft:
-    """Build the draft model for `path`/config.json (DSparkDraft for a DSpark config, spec 04;
+    """Build the draft model for `path`/config.json (DSparkDraft for a DSpark config, mapping/README.md#dspark-v4-flash-0731;
     else DeepSeekV4MTP) and load the converted weights strictly.
 
     Raises MissingKeyError, UnexpectedKeyError, ShapeMismatchError, DtypeMismatchError

@@ -1,4 +1,4 @@
-"""The native DeepSeek V4 checkpoint format (spec 01): every tensor's name, dtype and shape.
+"""The native DeepSeek V4 checkpoint format (mapping/README.md#native-checkpoint-format): every tensor's name, dtype and shape.
 
 This is the one place the source format is written down. The synthetic checkpoint writer
 produces exactly this layout, the planner checks a real checkpoint's MTP tensors against
@@ -103,7 +103,7 @@ def mtp_layout(cfg: ModelConfig, i: int, *, with_emb_head: bool = False) -> Layo
 
 
 def dspark_stage_layout(cfg: ModelConfig, s: int) -> Layout:
-    """All tensors of DSpark stage `mtp.{s}.` (spec 04 §4.1): one V4 block (29 + 6E) plus,
+    """All tensors of DSpark stage `mtp.{s}.` (mapping/README.md#dspark-source-checkpoint): one V4 block (29 + 6E) plus,
     in stage 0, the projection of the target features (main_proj, main_norm) and, in the last
     stage S-1, the head (norm, hc_head_*) and the Markov and confidence heads."""
     H, V, R = cfg.hidden_size, cfg.vocab_size, cfg.dspark_markov_rank

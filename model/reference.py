@@ -5,7 +5,7 @@ shares none of it: it reads the native names (`embed.weight`, `head.weight`, `mt
 with safetensors, keeps DeepSeek's structure (separate wq_a and wkv, per-expert w1/w2/w3,
 shared_experts.w1/w2/w3), uses no Triton kernel, no mapping table and none of the bundled
 model's code, and decodes the quantised formats its own way (E8M0 as 2^(byte-127), e2m1
-codes by bit arithmetic rather than a table). The math is spec 03, the same contract the
+codes by bit arithmetic rather than a table). The math is model/README.md, the same contract the
 bundled model follows, with two choices made differently where the spec allows either:
 the routing weight scales the expert's output after w2 (the bundled model scales before),
 and attention is computed over the full [T, T] score matrix per call.

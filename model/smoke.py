@@ -1,6 +1,6 @@
 """`convert-dsv4 smoke OUT`: load a converted checkpoint strictly into the bundled model,
-run one draft step on a few tokens and check it (spec 03 §3.5; for a DSpark checkpoint one
-drafted block, spec 04 §4.3: `run_dspark_smoke`)."""
+run one draft step on a few tokens and check it (model/README.md#smoke-test-and-reference; for a DSpark checkpoint one
+drafted block, model/README.md#dspark-forward: `run_dspark_smoke`)."""
 
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ from dsv4.model.presets import DSPARK_FIELDS
 
 def write_half_dspark(path: Path, *, seed: int = 0) -> Path:
     """A tiny DSpark checkpoint whose config.json lost its dspark_* fields: a DSpark drafter
-    (mtp.0.main_proj.weight) with a config that does not say so, refused (spec 04 §4.2)."""
+    (mtp.0.main_proj.weight) with a config that does not say so, refused (mapping/README.md#xpu-dspark-layout)."""
     ckpt = write_checkpoint(path, preset="tiny", variant="dspark", main_layers="all", seed=seed)
     config = json.loads((ckpt / "config.json").read_text())
     for field in DSPARK_FIELDS:

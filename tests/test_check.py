@@ -145,7 +145,7 @@ def drop_enorm(out: Path) -> None:
 
 
 def add_norm_gate(out: Path) -> None:
-    # the seed's remap targets: a module vLLM's draft does not have (spec 02 §2.1, bug 4)
+    # the seed's remap targets: a module vLLM's draft does not have (mapping/README.md#seed-bugs, bug 4)
     edit_tensors(out, lambda t: t.update({f"{B}ffn.norm_gate.gate.weight": t[f"{B}ffn.gate.weight"].clone()}))
 
 

@@ -1,6 +1,6 @@
 """DeepSeek-V4-Flash-0731 (the DSpark drafter) converted to vLLM 0.33.0's XPU DSpark layout
-(spec 04 §4.2): the table is chosen from the checkpoint itself, every parameter comes from
-the stage spec 04 names, the round trip gives the native bytes back, `plan`, `check` and
+(mapping/README.md#xpu-dspark-layout): the table is chosen from the checkpoint itself, every parameter comes from
+the stage mapping/README.md#dspark-v4-flash-0731 names, the round trip gives the native bytes back, `plan`, `check` and
 `batch` know the layout, and every malformed DSpark checkpoint is refused with its code."""
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ S = 3  # tiny DSpark: three stages, like the release
 
 
 def spec04_sources(cfg: ModelConfig) -> dict[str, list[str]]:
-    """Spec 04 §4.2 written out for the tests: each parameter -> its native sources, in the
+    """mapping/README.md#xpu-dspark-layout written out for the tests: each parameter -> its native sources, in the
     order their bytes follow one another (concat: the parts; stack: expert by expert)."""
     last = f"mtp.{cfg.dspark_stages - 1}."
     out = {
@@ -162,7 +162,7 @@ def test_a_table_binds_only_its_own_drafters_block_placeholders(tmp_path: Path) 
 
 @pytest.mark.parametrize("old, new", [('"mtp.{last}.norm.weight"', '"mtp.{first}.norm.weight"'), ('"mtp.{first}.main_proj.scale"', '"mtp.{last}.main_proj.scale"')])
 def test_a_rule_for_a_tensor_of_another_stage_is_a_dead_rule(tmp_path: Path, old: str, new: str) -> None:
-    """norm.weight is the last stage's and main_proj stage 0's (spec 04 §4.1): a rule
+    """norm.weight is the last stage's and main_proj stage 0's (mapping/README.md#dspark-source-checkpoint): a rule
     pinned to the other stage can never fire, and the loader says so."""
     with pytest.raises(mapping_errors.DeadRuleError, match=rf"source pattern {re.escape(new.strip(chr(34)))} matches no tensor"):
         load_table_file(dspark_table_with(tmp_path, old, new))
@@ -201,7 +201,7 @@ def test_plan_is_spec_04_and_the_models_layout(native: Path, cfg: ModelConfig) -
 
 
 def test_planning_the_full_size_0731_replica_gives_spec_04s_98_parameters(tmp_path: Path) -> None:
-    """Spec 04 §4.2 at 0731 size: 98 parameters, 12,980,953,116 bytes, read from the embed
+    """mapping/README.md#xpu-dspark-layout at 0731 size: 98 parameters, 12,980,953,116 bytes, read from the embed
     shard, the head shard and the three stage shards only."""
     ckpt = write_checkpoint(tmp_path / "0731", preset="flash", variant="dspark", main_layers="all", sparse=True)
     inv = read_inventory(ckpt)
@@ -324,7 +324,7 @@ def test_a_compressed_tensors_config_is_carried_to_the_dspark_layer_names(tmp_pa
     assert quant_check.status == "pass", quant_check.reason
 
 
-# --- refusals (spec 04 §4.2) --------------------------------------------------------------
+# --- refusals (mapping/README.md#xpu-dspark-layout) ---------------------------------------
 def with_tensors(inv: Inventory, add: dict[str, str] = {}, drop: str | None = None) -> Inventory:
     """`inv` with tensors added (new name -> the existing tensor whose place it takes) or
     every tensor under prefix `drop` removed: what the planner sees, no file rewritten."""
@@ -382,7 +382,7 @@ def test_main_proj_without_dspark_fields_is_refused_on_the_command_line(tmp_path
 def test_dspark_fields_without_main_proj_are_refused(native: Path) -> None:
     inv = read_inventory(native)
     exc = refusal(with_tensors(inv, drop="mtp.0.main_proj."))
-    assert exit_code(exc) == 35 and "dspark_* fields (a DSpark drafter, spec 04), but the checkpoint has no tensor mtp.0.main_proj.weight" in str(exc)
+    assert exit_code(exc) == 35 and "dspark_* fields (a DSpark drafter, mapping/README.md#dspark-v4-flash-0731), but the checkpoint has no tensor mtp.0.main_proj.weight" in str(exc)
 
 
 def test_an_mtp_checkpoint_with_dspark_fields_is_refused(tiny_native: Path) -> None:

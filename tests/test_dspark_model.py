@@ -1,5 +1,5 @@
-"""The bundled DSpark draft model (DeepSeek-V4-Flash-0731, spec 04): its config fields, its
-layout (spec 04 §4.2's 98 parameters), its forward (spec 04 §4.3: non-causal block attention,
+"""The bundled DSpark draft model (DeepSeek-V4-Flash-0731, mapping/README.md#dspark-v4-flash-0731): its config fields, its
+layout (mapping/README.md#xpu-dspark-layout's 98 parameters), its forward (model/README.md#dspark-forward: non-causal block attention,
 the Markov head's greedy sampler) against an independent reference reading the native
 checkpoint, and its strict loading."""
 
@@ -31,7 +31,7 @@ from spec02 import spec_layout
 
 INDEX, SHARD = "model.safetensors.index.json", "model-00001-of-00001.safetensors"
 
-DSPARK_0731 = {  # spec 04 §4.1
+DSPARK_0731 = {  # mapping/README.md#dspark-source-checkpoint
     "dspark_block_size": 5,
     "dspark_noise_token_id": 128799,
     "dspark_target_layer_ids": [40, 41, 42],
@@ -50,8 +50,8 @@ def config_0731() -> dict:
 
 
 def spec04_layout(cfg: ModelConfig) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """Spec 04 §4.2 transcribed: the model-level rows, then per stage s the 29 `mtp_block.`
-    rows of spec 02 §2.2 under `model.layers.{s}.`."""
+    """mapping/README.md#xpu-dspark-layout transcribed: the model-level rows, then per stage s the 29 `mtp_block.`
+    rows of mapping/README.md#mtp-parameters under `model.layers.{s}.`."""
     H, V, n, R, T = cfg.hidden_size, cfg.vocab_size, cfg.hc_mult, cfg.dspark_markov_rank, len(cfg.dspark_target_layer_ids)
     out = {
         "model.embed_tokens.weight": ("BF16", (V, H)),
@@ -74,7 +74,7 @@ def spec04_layout(cfg: ModelConfig) -> dict[str, tuple[str, tuple[int, ...]]]:
     return out
 
 
-# --- config (spec 04 §4.1) ----------------------------------------------------------------
+# --- config (mapping/README.md#dspark-source-checkpoint) ----------------------------------
 def test_the_0731_config_is_a_dspark_config_of_three_stages():
     cfg = ModelConfig.from_dict(config_0731())
     assert cfg.is_dspark and cfg.dspark_stages == 3
@@ -131,7 +131,7 @@ def test_v41_is_refused_with_its_own_message():
         ModelConfig.from_dict(raw)
 
 
-# --- layout (spec 04 §4.2) ----------------------------------------------------------------
+# --- layout (mapping/README.md#xpu-dspark-layout) -----------------------------------------
 def test_the_0731_layout_is_exactly_the_98_parameters_of_spec_04():
     cfg = ModelConfig.from_dict(config_0731())
     layout = target_layout(cfg)
@@ -217,7 +217,7 @@ def assert_bf16_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
     torch.testing.assert_close(actual.float(), expected.float(), rtol=1.6e-2, atol=1e-2)
 
 
-# --- the forward against the independent reference (spec 04 §4.3) ------------------------
+# --- the forward against the independent reference (model/README.md#dspark-forward) ------
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_converted_bundled_model_matches_the_native_reference(tiny_dspark, seed):
     native, converted = tiny_dspark[seed]
@@ -258,7 +258,7 @@ def test_the_comparison_catches_stages_in_the_wrong_order(tiny_dspark):
         assert_bf16_close(model(features, positions, anchor).hidden_states, DSparkReference(native).forward(features, positions, anchor).hidden_states)
 
 
-# --- non-causal block attention (spec 04 §4.3 step 4) -------------------------------------
+# --- non-causal block attention (model/README.md#dspark-forward step 4) -------------------
 def assert_attention_is_non_causal(model: DSparkDraft) -> None:
     """A later block token changes the logits at every earlier block position; the context
     features change every position; a context token older than the window changes none."""
@@ -297,7 +297,7 @@ def test_a_causal_block_mask_fails_the_non_causality_check(tiny_dspark, monkeypa
         assert_attention_is_non_causal(load_converted(tiny_dspark[0][1], "cpu"))
 
 
-# --- the Markov head and the greedy sampler (spec 04 §4.3 step 6) -------------------------
+# --- the Markov head and the greedy sampler (model/README.md#dspark-forward step 6) -------
 def test_without_markov_weights_the_draft_tokens_are_the_base_argmax(tiny_dspark):
     model = load_converted(tiny_dspark[1][1], "cpu")
     head = model.model.markov_head

@@ -1,4 +1,4 @@
-"""The fused MTP norm kernels agree with their torch references (spec 03 §3.1).
+"""The fused MTP norm kernels agree with their torch references (model/README.md#mtp-draft-step).
 
 On a machine without a GPU the Triton kernels run in the interpreter (conftest.py);
 with one, on the GPU. Either way the kernel must be within one bf16 ulp of the reference

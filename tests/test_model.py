@@ -1,6 +1,6 @@
-"""The bundled MTP draft model: its layout is spec 02 §2.2, its quantisation names spec 02
-§2.3, its loading is strict, and converted + bundled model computes what an independent
-reference computes from the native checkpoint (spec 03)."""
+"""The bundled MTP draft model: its layout is mapping/README.md#mtp-parameters, its quantisation names
+mapping/README.md#quantisation-layer-names, its loading is strict, and converted + bundled model computes what an independent
+reference computes from the native checkpoint (model/README.md)."""
 
 import json
 import shutil
@@ -67,7 +67,7 @@ def test_every_mtp_block_gets_its_own_layer_index():
     assert {k.split(".")[2] for k in layout if k.startswith("model.layers.")} == {"2", "3"}
 
 
-# --- quantisation layer names (spec 02 §2.3) ----------------------------------------------
+# --- quantisation layer names (mapping/README.md#quantisation-layer-names) ----------------
 def test_every_linear_carries_its_vllm_quantisation_name():
     with torch.device("meta"):
         model = DeepSeekV4MTP(cfg_of("flash", "instruct"))
@@ -169,7 +169,7 @@ def test_the_comparison_catches_a_wrong_concat_order(tiny_pairs):
 
 
 def test_the_draft_applies_the_final_hc_post(tiny_pairs):
-    """Spec 02 §2.1 bug 3: the seed returned the block's raw FFN output [T, H]."""
+    """mapping/README.md#seed-bugs bug 3: the seed returned the block's raw FFN output [T, H]."""
     model = load_converted(tiny_pairs["instruct", 0][1], "cpu")
     cfg, layer = model.config, model.model.layers["2"]
     T, n, H = 10, cfg.hc_mult, cfg.hidden_size

@@ -1,4 +1,4 @@
-"""Carrying a compressed-tensors quantization_config through the conversion (spec 02 §2.3):
+"""Carrying a compressed-tensors quantization_config through the conversion (mapping/README.md#quantisation-layer-names):
 the draft's layers get exactly the schemes their native parts had, judged layer by layer
 with compressed-tensors' own matching; what cannot be carried is refused; and `check`
 reports a linear that would fail like vLLM issue #44817."""
@@ -80,8 +80,8 @@ CLASS = ct_config(
 
 
 def spec_parts() -> dict[str, list[str]]:
-    """Draft quantisation layer -> the native modules it is made of, written out from spec 02
-    §2.2/§2.3 (not derived from the table, so the test checks the derivation)."""
+    """Draft quantisation layer -> the native modules it is made of, written out from
+    mapping/README.md#mtp-parameters and mapping/README.md#quantisation-layer-names (not derived from the table, so the test checks the derivation)."""
     m, d = f"mtp.{I}.", f"model.layers.{L}."
     return {
         "model.embed_tokens": ["embed"],

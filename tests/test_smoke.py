@@ -1,4 +1,4 @@
-"""`convert-dsv4 smoke`: load strictly, run a draft step, check it (spec 03 §3.5)."""
+"""`convert-dsv4 smoke`: load strictly, run a draft step, check it (model/README.md#smoke-test-and-reference)."""
 
 import json
 import os
