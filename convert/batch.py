@@ -76,10 +76,10 @@ class Manifest:
 
 def _table(raw: Any, where: str, keys: set[str]) -> dict[str, Any]:
     if not isinstance(raw, dict):
-        raise ManifestError(f"{where}: must be a table")
+        raise ManifestError(f"{where}: must be a table", path=str(where))
     unknown = sorted(set(raw) - keys)
     if unknown:
-        raise ManifestError(f"{where}: unknown key {unknown[0]!r} (known: {', '.join(sorted(keys))})")
+        raise ManifestError(f"{where}: unknown key {unknown[0]!r} (known: {', '.join(sorted(keys))})", path=str(where))
     return raw
 
 
@@ -95,7 +95,7 @@ def _fill(template: str, hub: HubSpec, target: str, where: str) -> str:
             raise ValueError(f"{bad} is not a placeholder")
         return template.format(**values)
     except ValueError as exc:
-        raise ManifestError(f"{where}: bad template {template!r} ({exc}); placeholders are {', '.join('{' + p + '}' for p in PLACEHOLDERS)}") from None
+        raise ManifestError(f"{where}: bad template {template!r} ({exc}); placeholders are {', '.join('{' + p + '}' for p in PLACEHOLDERS)}", path=str(where)) from None
 
 
 def _parse_source(entry: Any, where: str) -> HubSpec:
@@ -103,14 +103,14 @@ def _parse_source(entry: Any, where: str) -> HubSpec:
         entry = _table(entry, where, {"repo", "revision"})
         repo, revision = entry.get("repo"), entry.get("revision")
         if not isinstance(repo, str) or "@" in repo or not (revision is None or isinstance(revision, str)):
-            raise ManifestError(f"{where}: needs repo = \"org/name\" and optionally revision = \"branch, tag or commit\"")
+            raise ManifestError(f"{where}: needs repo = \"org/name\" and optionally revision = \"branch, tag or commit\"", path=str(where))
         entry = f"{repo}@{revision}" if revision else repo
     if not isinstance(entry, str):
-        raise ManifestError(f"{where}: a source is \"org/name[@revision]\" or {{repo = ..., revision = ...}}")
+        raise ManifestError(f"{where}: a source is \"org/name[@revision]\" or {{repo = ..., revision = ...}}", path=str(where))
     try:
         return parse_hub_spec(entry)
     except DSV4Error as exc:
-        raise ManifestError(f"{where}: {exc}") from None
+        raise ManifestError(f"{where}: {exc}", path=str(where)) from None
 
 
 def load_manifest(path: str | Path, out_dir: str | Path | None = None) -> Manifest:
@@ -119,9 +119,9 @@ def load_manifest(path: str | Path, out_dir: str | Path | None = None) -> Manife
     try:
         raw = tomllib.loads(path.read_text())
     except (OSError, UnicodeDecodeError) as exc:
-        raise ManifestError(f"{path}: cannot read the manifest ({exc})") from None
+        raise ManifestError(f"{path}: cannot read the manifest ({exc})", path=str(path)) from None
     except tomllib.TOMLDecodeError as exc:
-        raise ManifestError(f"{path}: not valid TOML ({exc})") from None
+        raise ManifestError(f"{path}: not valid TOML ({exc})", path=str(path)) from None
     _table(raw, str(path), TOP_KEYS)
     output = _table(raw.get("output", {}), f"{path}: [output]", OUTPUT_KEYS)
     options = _table(raw.get("options", {}), f"{path}: [options]", OPTION_KEYS)
@@ -129,28 +129,28 @@ def load_manifest(path: str | Path, out_dir: str | Path | None = None) -> Manife
     name_t, repo_t, private = output.get("name", DEFAULT_NAME), output.get("repo"), output.get("private")
     max_shard, check = options.get("max_shard_size", DEFAULT_MAX_SHARD), options.get("check", True)
     if not isinstance(target, str) or not isinstance(name_t, str) or not (repo_t is None or isinstance(repo_t, str)):
-        raise ManifestError(f"{path}: target, output.name and output.repo are strings")
+        raise ManifestError(f"{path}: target, output.name and output.repo are strings", path=str(path))
     if target not in installed_targets():  # before it fills a template or names a path
-        raise ManifestError(f"{path}: target {target!r} is not an installed target (installed: {', '.join(installed_targets())}); a target is chosen by name, not path")
+        raise ManifestError(f"{path}: target {target!r} is not an installed target (installed: {', '.join(installed_targets())}); a target is chosen by name, not path", path=str(path))
     if not (private is None or isinstance(private, bool)) or not isinstance(check, bool):
-        raise ManifestError(f"{path}: output.private and options.check are true or false")
+        raise ManifestError(f"{path}: output.private and options.check are true or false", path=str(path))
     if not isinstance(max_shard, int) or isinstance(max_shard, bool):
-        raise ManifestError(f"{path}: options.max_shard_size is a positive number of bytes (e.g. 5_000_000_000)")
+        raise ManifestError(f"{path}: options.max_shard_size is a positive number of bytes (e.g. 5_000_000_000)", path=str(path))
     try:
         max_shard = shard_size(max_shard)  # the rule --max-shard-size follows
     except ValueError as exc:
-        raise ManifestError(f"{path}: options.max_shard_size: {exc}") from None
+        raise ManifestError(f"{path}: options.max_shard_size: {exc}", path=str(path)) from None
     if out_dir is None:
         dir_raw = output.get("dir", DEFAULT_DIR)
         if not isinstance(dir_raw, str):
-            raise ManifestError(f"{path}: output.dir is a string")
+            raise ManifestError(f"{path}: output.dir is a string", path=str(path))
         out_root = path.parent / dir_raw  # relative to the manifest, so jobs may start anywhere
     else:
         out_root = Path(out_dir)
 
     entries = raw.get("sources")
     if not isinstance(entries, list) or not entries:
-        raise ManifestError(f"{path}: sources must be a non-empty list of \"org/name[@revision]\"")
+        raise ManifestError(f"{path}: sources must be a non-empty list of \"org/name[@revision]\"", path=str(path))
     sources: dict[str, Source] = {}
     names: dict[str, str] = {}
     for k, entry in enumerate(entries):
@@ -158,7 +158,7 @@ def load_manifest(path: str | Path, out_dir: str | Path | None = None) -> Manife
         hub = _parse_source(entry, where)
         local = _fill(name_t, hub, target, f"{path}: output.name")
         if not local or local in (".", "..") or "/" in local or "\\" in local:
-            raise ManifestError(f"{where}: output.name gives {local!r}, not a plain directory name")
+            raise ManifestError(f"{where}: output.name gives {local!r}, not a plain directory name", path=str(where))
         push_repo = _fill(repo_t, hub, target, f"{path}: output.repo") if repo_t else None
         if push_repo is not None:
             try:
@@ -166,13 +166,13 @@ def load_manifest(path: str | Path, out_dir: str | Path | None = None) -> Manife
                 if push_repo.count("/") != 1:
                     raise HFValidationError("needs org/name")
             except HFValidationError:
-                raise ManifestError(f"{where}: output.repo gives {push_repo!r}, not a repo id org/name") from None
+                raise ManifestError(f"{where}: output.repo gives {push_repo!r}, not a repo id org/name", path=str(where)) from None
         src = Source(hub.repo, hub.revision, out_root / local, push_repo)
         if src.key in sources:
-            raise ManifestError(f"{where}: {src.key} is listed twice")
+            raise ManifestError(f"{where}: {src.key} is listed twice", path=str(where))
         for label, value in (("local output", local), ("target repo", push_repo)):
             if value is not None and (other := names.get(f"{label}:{value}")) is not None:
-                raise ManifestError(f"{where}: {src.key} and {other} get the same {label} {value!r}; tell them apart in the template ({{org}}, {{revision}})")
+                raise ManifestError(f"{where}: {src.key} and {other} get the same {label} {value!r}; tell them apart in the template ({{org}}, {{revision}})", path=str(where))
             names[f"{label}:{value}"] = src.key
         sources[src.key] = src
     ordered = tuple(sources[k] for k in sorted(sources))
@@ -327,7 +327,7 @@ def _write_report(path: Path, report: dict[str, Any]) -> None:
     except OSError as exc:
         # mkdir says "File exists" when the folder's name is taken by a file
         why = f"{path.parent} is not a directory" if isinstance(exc, FileExistsError) else exc.strerror or str(exc)
-        raise WriteFailedError(f"{path}: cannot write the batch report ({why})") from None
+        raise WriteFailedError(f"{path}: cannot write the batch report ({why})", path=str(path)) from None
 
 
 def default_report_path(manifest: Manifest, num_shards: int, shard_index: int) -> Path:
@@ -347,7 +347,7 @@ def run_batch(
     """Process this shard's sources; returns the report (also written to `report_path`)."""
     start, started = time.monotonic(), datetime.now(UTC).isoformat(timespec="seconds")
     if push_to_hub and any(s.push_repo is None for s in manifest.sources):
-        raise ManifestError(f"{manifest.path}: --push needs output.repo, the target repo name template")
+        raise ManifestError(f"{manifest.path}: --push needs output.repo, the target repo name template", path=str(manifest.path))
     tables = {name: load_table(name) for name in tables_of_target(manifest.target)}
     mine = select_shard(manifest.sources, num_shards, shard_index)
     report_path = report_path or default_report_path(manifest, num_shards, shard_index)
@@ -376,7 +376,7 @@ def run_batch(
             outcome = "failed"
             code = exit_code(exc)
             reason = str(exc) if isinstance(exc, DSV4Error) else f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
-            entry = {"reason": reason, "error": type(exc).__name__, "exit_code": code}
+            entry = {"reason": reason, "error": type(exc).__name__, "exit_code": code, **(exc.fields() if isinstance(exc, DSV4Error) else {})}
         entry = {"repo": src.repo, "revision": src.revision, "commit": job.commit, "output": str(src.output), **entry, "bytes_fetched": job.fetched, "seconds": round(time.monotonic() - t0, 3)}
         report[outcome].append(entry)
         report["bytes_fetched"] += job.fetched

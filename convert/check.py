@@ -132,7 +132,7 @@ def _first_line(exc: BaseException) -> str:
 def check_index(ctx: _Context, details: dict[str, Any]) -> str:
     index_path = ctx.root / INDEX_NAME
     if not index_path.is_file():
-        raise IndexCheckError(f"{index_path}: missing (the converter always writes one)")
+        raise IndexCheckError(f"{index_path}: missing (the converter always writes one)", path=str(index_path))
     try:
         weight_map = load_index(strictjson.read_record_bytes(index_path), INDEX_NAME)
         files = sorted(set(weight_map.values()))
@@ -145,7 +145,7 @@ def check_index(ctx: _Context, details: dict[str, Any]) -> str:
         raise IndexCheckError(str(exc)) from None
     stray = sorted(p.name for p in ctx.root.glob("*.safetensors") if p.name not in sizes)
     if stray:
-        raise IndexCheckError(f"{ctx.where(stray[0])}: shard not named in {INDEX_NAME} (a loader that globs *.safetensors would read it; {len(stray)} such file(s))")
+        raise IndexCheckError(f"{ctx.where(stray[0])}: shard not named in {INDEX_NAME} (a loader that globs *.safetensors would read it; {len(stray)} such file(s))", path=str(ctx.where(stray[0])))
     ctx.inv = Inventory(str(ctx.root), ctx.config or {}, tensors, sizes)
     details.update(shards=files, tensors=len(tensors))
     return f"{len(files)} shard(s), {len(tensors)} tensors: index and headers agree, data sections tile their files"
@@ -237,18 +237,18 @@ def _conversion_record(ctx: _Context) -> dict[str, Any]:
     try:
         record = strictjson.loads(strictjson.read_record_bytes(path))
     except FileNotFoundError:
-        raise SizeCheckError(f"{path}: missing (the converter writes every tensor's file, size and sha256 there)") from None
+        raise SizeCheckError(f"{path}: missing (the converter writes every tensor's file, size and sha256 there)", path=str(path)) from None
     except (OSError, strictjson.StrictJSONError) as exc:
-        raise SizeCheckError(f"{path}: unreadable ({_first_line(exc)})") from None
+        raise SizeCheckError(f"{path}: unreadable ({_first_line(exc)})", path=str(path)) from None
     if not isinstance(record, dict) or not isinstance(record.get("tensors"), dict):
-        raise SizeCheckError(f"{path}: has no 'tensors' object")
+        raise SizeCheckError(f"{path}: has no 'tensors' object", path=str(path))
     for name, entry in record["tensors"].items():
         if not isinstance(entry, dict):
-            raise SizeCheckError(f"{path}: tensors[{name!r}] is {_brief(entry)}, not an object with file, nbytes and sha256")
+            raise SizeCheckError(f"{path}: tensors[{name!r}] is {_brief(entry)}, not an object with file, nbytes and sha256", path=str(path))
         if not isinstance(entry.get("file"), str):
-            raise SizeCheckError(f"{path}: tensors[{name!r}].file is {_brief(entry.get('file'))}, not a file name")
+            raise SizeCheckError(f"{path}: tensors[{name!r}].file is {_brief(entry.get('file'))}, not a file name", path=str(path))
         if not _is_int(entry.get("nbytes")):
-            raise SizeCheckError(f"{path}: tensors[{name!r}].nbytes is {_brief(entry.get('nbytes'))}, not a byte count")
+            raise SizeCheckError(f"{path}: tensors[{name!r}].nbytes is {_brief(entry.get('nbytes'))}, not a byte count", path=str(path))
     return record
 
 
@@ -269,10 +269,10 @@ def _declared_total_size(ctx: _Context) -> Any:
     try:
         index = strictjson.loads(strictjson.read_record_bytes(path))
     except (OSError, strictjson.StrictJSONError) as exc:
-        raise SizeCheckError(f"{path}: unreadable ({_first_line(exc)})") from None
+        raise SizeCheckError(f"{path}: unreadable ({_first_line(exc)})", path=str(path)) from None
     metadata = index.get("metadata", {}) if isinstance(index, dict) else None
     if not isinstance(metadata, dict):
-        raise SizeCheckError(f"{path}: metadata is {_brief(metadata)}, not an object")
+        raise SizeCheckError(f"{path}: metadata is {_brief(metadata)}, not an object", path=str(path))
     return metadata.get("total_size")
 
 
@@ -281,19 +281,19 @@ def check_sizes(ctx: _Context, details: dict[str, Any]) -> str:
     total = sum(src.nbytes for src in inv.tensors.values())
     declared = _declared_total_size(ctx)
     if not _is_int(declared) or declared != total:
-        raise SizeCheckError(f"{ctx.where(INDEX_NAME)}: metadata.total_size is {_brief(declared)} but the {len(inv.tensors)} tensors hold {total:,} bytes")
+        raise SizeCheckError(f"{ctx.where(INDEX_NAME)}: metadata.total_size is {_brief(declared)} but the {len(inv.tensors)} tensors hold {total:,} bytes", path=str(ctx.where(INDEX_NAME)))
     record = _conversion_record(ctx)
     listed = record["tensors"]
     missing = sorted(set(inv.tensors) - set(listed))
     if missing:
-        raise SizeCheckError(f"{ctx.where(CONVERSION_RECORD)}: does not list {len(missing)} tensor(s) the shards hold: {_short(missing)}")
+        raise SizeCheckError(f"{ctx.where(CONVERSION_RECORD)}: does not list {len(missing)} tensor(s) the shards hold: {_short(missing)}", path=str(ctx.where(CONVERSION_RECORD)))
     extra = sorted(set(listed) - set(inv.tensors))
     if extra:
-        raise SizeCheckError(f"{ctx.where(CONVERSION_RECORD)}: lists {len(extra)} tensor(s) no shard holds: {_short([repr(n) for n in extra])}")
+        raise SizeCheckError(f"{ctx.where(CONVERSION_RECORD)}: lists {len(extra)} tensor(s) no shard holds: {_short([repr(n) for n in extra])}", path=str(ctx.where(CONVERSION_RECORD)))
     for name, src in sorted(inv.tensors.items()):
         entry = listed[name]
         if entry["file"] != src.file or entry["nbytes"] != src.nbytes:
-            raise SizeCheckError(f"{ctx.where(CONVERSION_RECORD)}: tensor {name}: recorded as {entry['nbytes']!r} bytes in {entry['file']!r}, but it is {src.nbytes:,} bytes in {src.file}")
+            raise SizeCheckError(f"{ctx.where(CONVERSION_RECORD)}: tensor {name}: recorded as {entry['nbytes']!r} bytes in {entry['file']!r}, but it is {src.nbytes:,} bytes in {src.file}", path=str(ctx.where(CONVERSION_RECORD)), tensor=name)
     ctx.record = record
     details["total_size"] = total
     return f"total_size {total:,} bytes = the tensors' sum; {CONVERSION_RECORD} lists the same {len(listed)} tensors, files and sizes"
@@ -338,25 +338,25 @@ def _expert_dtype_of(name: str, dtype: str) -> str | None:
 def check_config(ctx: _Context, details: dict[str, Any]) -> str:
     where = ctx.where("config.json")
     if ctx.config is None or ctx.cfg is None:
-        raise ConfigCheckError(f"{where}: {ctx.config_error}")
+        raise ConfigCheckError(f"{where}: {ctx.config_error}", path=str(where))
     inv = ctx.need_inventory()
     config, cfg = ctx.config, ctx.cfg
     record = config.get(LAYOUT_RECORD)
     keys = ("layout", "table", "table_version", "tool_version")
     if not isinstance(record, dict) or any(k not in record for k in keys):
-        raise ConfigCheckError(f"{where}: no {LAYOUT_RECORD} record with {', '.join(keys)}: not a checkpoint this converter wrote")
+        raise ConfigCheckError(f"{where}: no {LAYOUT_RECORD} record with {', '.join(keys)}: not a checkpoint this converter wrote", path=str(where))
     try:
         table = load_table(record["table"])
     except TableError as exc:
-        raise ConfigCheckError(f"{where}: {LAYOUT_RECORD}.table {record['table']!r} is not a table this tool has ({_first_line(exc)})") from None
+        raise ConfigCheckError(f"{where}: {LAYOUT_RECORD}.table {record['table']!r} is not a table this tool has ({_first_line(exc)})", path=str(where)) from None
     if (record["layout"], record["table_version"]) != (table.target, table.version):
-        raise ConfigCheckError(f"{where}: converted to layout {record['layout']!r} with table {record['table']} v{record['table_version']}, but this tool's table {table.name} is v{table.version} for layout {table.target!r}: reconvert")
+        raise ConfigCheckError(f"{where}: converted to layout {record['layout']!r} with table {record['table']} v{record['table_version']}, but this tool's table {table.name} is v{table.version} for layout {table.target!r}: reconvert", path=str(where))
     if ctx.record is not None and (ctx.record.get("table"), ctx.record.get("target")) != (record["table"], record["layout"]):
-        raise ConfigCheckError(f"{where}: {LAYOUT_RECORD} says table {record['table']!r} / layout {record['layout']!r}, {CONVERSION_RECORD} says {ctx.record.get('table')!r} / {ctx.record.get('target')!r}")
+        raise ConfigCheckError(f"{where}: {LAYOUT_RECORD} says table {record['table']!r} / layout {record['layout']!r}, {CONVERSION_RECORD} says {ctx.record.get('table')!r} / {ctx.record.get('target')!r}", path=str(where))
 
     drafter = "dspark" if cfg.is_dspark else "mtp"
     if table.drafter != drafter:
-        raise ConfigCheckError(f"{where}: {LAYOUT_RECORD}.table {record['table']!r} maps {table.drafter} drafters, but config.json describes a{'' if cfg.is_dspark else 'n'} {drafter} drafter{' (dspark_* fields)' if cfg.is_dspark else ' (no dspark_* fields)'}")
+        raise ConfigCheckError(f"{where}: {LAYOUT_RECORD}.table {record['table']!r} maps {table.drafter} drafters, but config.json describes a{'' if cfg.is_dspark else 'n'} {drafter} drafter{' (dspark_* fields)' if cfg.is_dspark else ' (no dspark_* fields)'}", path=str(where))
     present = {int(m.group(1)) for name in inv.tensors if (m := LAYER.match(name))}
     if cfg.is_dspark:  # the stages are an nn.ModuleList: model.layers.{s}, s < S
         expected_layers = set(range(cfg.dspark_stages))
@@ -365,12 +365,12 @@ def check_config(ctx: _Context, details: dict[str, Any]) -> str:
         expected_layers = {cfg.mtp_layer_index(i) for i in range(cfg.num_nextn_predict_layers)}
         meaning = f"num_nextn_predict_layers = {cfg.num_nextn_predict_layers} and num_hidden_layers = {cfg.num_hidden_layers} mean MTP layer(s) {sorted(expected_layers)}"
     if present != expected_layers:
-        raise ConfigCheckError(f"{where}: {meaning}, but the tensors hold layer(s) {sorted(present)}")
+        raise ConfigCheckError(f"{where}: {meaning}, but the tensors hold layer(s) {sorted(present)}", path=str(where))
 
     for name, src in sorted(inv.tensors.items()):
         implied = _expert_dtype_of(name, src.dtype)
         if implied is not None and implied != cfg.expert_dtype:
-            raise ConfigCheckError(f"{where}: expert_dtype is {cfg.expert_dtype!r} but {src.file}: tensor {name} ({src.dtype}) holds {implied} experts")
+            raise ConfigCheckError(f"{where}: expert_dtype is {cfg.expert_dtype!r} but {src.file}: tensor {name} ({src.dtype}) holds {implied} experts", path=str(where), tensor=name)
 
     # an object or absent, its weight_block_size two integers in range: the config loader
     # (ctx.cfg) has checked both; only an FP8 config that names no block size is left
@@ -378,7 +378,7 @@ def check_config(ctx: _Context, details: dict[str, Any]) -> str:
     block = None
     if isinstance(quant, dict) and quant.get("quant_method") == "fp8":
         if "weight_block_size" not in quant:
-            raise ConfigCheckError(f"{where}: quantization_config.weight_block_size is None, not two positive integers")
+            raise ConfigCheckError(f"{where}: quantization_config.weight_block_size is None, not two positive integers", path=str(where))
         block = list(cfg.weight_block_size)
         layout = target_layout(cfg)
         for name, src in sorted(inv.tensors.items()):
@@ -386,7 +386,7 @@ def check_config(ctx: _Context, details: dict[str, Any]) -> str:
             if not name.endswith("_scale_inv") or weight is None or weight.dtype != "F8_E4M3" or name not in layout or weight.name not in layout:
                 continue
             if weight.shape == layout[weight.name][1] and src.shape != layout[name][1]:
-                raise ConfigCheckError(f"{where}: quantization_config.weight_block_size {block} gives {name} the shape {list(layout[name][1])}, but {src.file} holds {list(src.shape)} for {weight.name} {list(weight.shape)}")
+                raise ConfigCheckError(f"{where}: quantization_config.weight_block_size {block} gives {name} the shape {list(layout[name][1])}, but {src.file} holds {list(src.shape)} for {weight.name} {list(weight.shape)}", path=str(where))
     what = f"FP8 blocks {block}" if block else f"{quant.get('quant_method')} quantisation (names: see quant)" if isinstance(quant, dict) else "no quantization_config"
     details.update(layout=record["layout"], table=record["table"], table_version=record["table_version"], drafter=drafter, mtp_layers=sorted(present))
     layers = f"DSpark stage layer(s) {sorted(present)}" if cfg.is_dspark else f"MTP layer(s) {sorted(present)}"
@@ -468,7 +468,7 @@ def check_native(ctx: _Context, details: dict[str, Any]) -> str:
         said = f"hidden max|diff| {hidden:.2%} of max|h|, logits {logits:.2%} of max|logit|, top-1 agreement {r['top1_agreement']:.3f} ({r['top1_agreement_up_to_ties']:.3f} counting near-ties)"
         agreement = r["top1_agreement_up_to_ties"]
     if not (math.isfinite(hidden) and math.isfinite(logits)) or hidden > ctx.max_rel_diff or logits > ctx.max_rel_diff or agreement < ctx.min_top1:
-        raise NativeParityError(f"{ctx.root}: differs from the reference on {ctx.native}: {said} (limits {ctx.max_rel_diff:.0%}, top-1 {ctx.min_top1:.3f})")
+        raise NativeParityError(f"{ctx.root}: differs from the reference on {ctx.native}: {said} (limits {ctx.max_rel_diff:.0%}, top-1 {ctx.min_top1:.3f})", path=str(ctx.root))
     return f"agrees with the reference on {ctx.native}: {said}"
 
 

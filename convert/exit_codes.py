@@ -102,3 +102,4 @@ def code_of(error: type[BaseException]) -> int:
 def exit_code(exc: BaseException) -> int:
     """The documented code of the error `exc`."""
     return code_of(type(exc))
+

@@ -49,13 +49,13 @@ def hub_errors(what: str, fallback: type[HubError] = HubError) -> Iterator[None]
     except DSV4Error:
         raise
     except GatedRepoError:
-        raise RepoNotFound(f"{what}: gated repository; accept its terms on the hub, then set HF_TOKEN or run `hf auth login`") from None
+        raise RepoNotFound(f"{what}: gated repository; accept its terms on the hub, then set HF_TOKEN or run `hf auth login`", path=str(what)) from None
     except RepositoryNotFoundError:
-        raise RepoNotFound(f"{what}: repository not found (if it is private or gated, set HF_TOKEN or run `hf auth login`)") from None
+        raise RepoNotFound(f"{what}: repository not found (if it is private or gated, set HF_TOKEN or run `hf auth login`)", path=str(what)) from None
     except RevisionNotFoundError:
-        raise RevisionNotFound(f"{what}: revision not found in the repository") from None
+        raise RevisionNotFound(f"{what}: revision not found in the repository", path=str(what)) from None
     except OfflineModeIsEnabled:
-        raise HubError(f"{what}: HF_HUB_OFFLINE is set, so the hub cannot be read; convert a local directory instead") from None
+        raise HubError(f"{what}: HF_HUB_OFFLINE is set, so the hub cannot be read; convert a local directory instead", path=str(what)) from None
     except Exception as exc:  # network and HTTP failures of any kind; their text is multi-line
         status = getattr(getattr(exc, "response", None), "status_code", None)
         detail = f"HTTP {status}" if status else (str(exc).strip().splitlines() or [""])[0]
@@ -104,7 +104,7 @@ class HubReader:
                     f = self._fs.open(f"{self.repo}/{file}", "rb", revision=self.commit, cache_type="none", size=self.sizes[file])
                     f.url()
             except FileNotFoundError:
-                raise MissingShardError(f"{self._where(file)}: not in the repository at this commit") from None
+                raise MissingShardError(f"{self._where(file)}: not in the repository at this commit", path=str(self._where(file))) from None
             files[file] = f
             with self._lock:
                 self._opened.append(f)
@@ -115,7 +115,7 @@ class HubReader:
         bytes_read (inventory reads headers with it; read_into counts tensor data)."""
         size = self.sizes[file]
         if offset + n > size:
-            raise TruncatedShardError(f"{self._where(file)}: ends at byte {size}, before the planned range {offset}..{offset + n}")
+            raise TruncatedShardError(f"{self._where(file)}: ends at byte {size}, before the planned range {offset}..{offset + n}", path=str(self._where(file)))
         got = 0
         for attempt in range(SHORT_READ_RETRIES + 1):
             if attempt:
@@ -128,8 +128,8 @@ class HubReader:
             if got == n:
                 return data
             if got > n:  # the server ignored the Range header; retrying would pull whole shards again
-                raise DownloadError(f"{self._where(file)}: bytes {offset}..{offset + n}: the hub sent {got} bytes for a {n}-byte range")
-        raise DownloadError(f"{self._where(file)}: bytes {offset}..{offset + n}: got {got} of {n} bytes on each of {SHORT_READ_RETRIES + 1} attempts")
+                raise DownloadError(f"{self._where(file)}: bytes {offset}..{offset + n}: the hub sent {got} bytes for a {n}-byte range", path=str(self._where(file)))
+        raise DownloadError(f"{self._where(file)}: bytes {offset}..{offset + n}: got {got} of {n} bytes on each of {SHORT_READ_RETRIES + 1} attempts", path=str(self._where(file)))
 
     def read_into(self, file: str, offset: int, buf: memoryview) -> None:
         buf[:] = self.fetch(file, offset, len(buf))
@@ -152,7 +152,7 @@ def _model_info(hub: HubSpec, *, files_metadata: bool = False) -> tuple[str, Mod
     with hub_errors(f"{hub.location}@{hub.revision or 'default branch'}"):
         info = HfApi().model_info(hub.repo, revision=hub.revision, files_metadata=files_metadata)
     if not info.sha:
-        raise HubError(f"{hub.location}: the hub did not say which commit {hub.revision or 'the default branch'} is")
+        raise HubError(f"{hub.location}: the hub did not say which commit {hub.revision or 'the default branch'} is", path=str(hub.location))
     return info.sha, info
 
 
@@ -192,7 +192,7 @@ def open_hub_source(spec: str | HubSpec) -> tuple[Inventory, HubReader]:
 
     config_where = f"{hub.location}/config.json@{commit[:12]}"
     if "config.json" not in sizes:
-        raise MissingConfigError(f"{config_where}: no config.json in the repository")
+        raise MissingConfigError(f"{config_where}: no config.json in the repository", path=str(config_where))
     raw_config = _download(hub, commit, "config.json")
     with config_errors(config_where):
         config = parse_config(raw_config)

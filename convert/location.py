@@ -46,7 +46,7 @@ def parse_hub_spec(spec: str) -> HubSpec:
     except HFValidationError:
         ok = False
     if not ok:
-        raise RepoNotFound(f"{spec}: neither an existing local directory nor a hub repo id [hf://]org/name[@revision]")
+        raise RepoNotFound(f"{spec}: neither an existing local directory nor a hub repo id [hf://]org/name[@revision]", path=str(spec))
     return HubSpec(repo, revision or None, explicit)
 
 

@@ -24,6 +24,7 @@ from dsv4.convert.inventory import Inventory, read_local_header
 from dsv4.convert.location import locate
 from dsv4.convert.output import CONFIG, CONVERSION_RECORD, TOOL, OutputClaim, claim_output, read_record
 from dsv4.convert.plan import LAYOUT_RECORD, Direction, Plan, PlannedTensor, choose_table, plan_conversion, plan_reverse
+from dsv4.convert.quant_config import carried_quantization
 from dsv4.convert.readers import ByteReader, LocalReader
 from dsv4.convert.sources import open_source
 from dsv4.convert.writer import ShardWriter, TensorSpec, shard_name
@@ -73,8 +74,6 @@ def shard_layout(plan: Plan, max_shard_size: int) -> list[list[PlannedTensor]]:
 
 
 def output_config(plan: Plan) -> dict[str, Any]:
-    from dsv4.convert.quant_config import carried_quantization  # used by this function alone
-
     config = {k: v for k, v in plan.config.items() if k != LAYOUT_RECORD}
     # a compressed-tensors config names modules: rewritten to the draft's layer names
     # (forward) or restored from the record (reverse); an FP8 block config goes through as is
@@ -121,9 +120,9 @@ def _verify(partial: Path, shards: list[list[PlannedTensor]], names: list[str], 
         for t in tensors:
             src = found.get(t.name)
             if src is None or (src.dtype, src.shape, src.nbytes) != (t.dtype, t.shape, t.nbytes):
-                raise WriteFailedError(f"{partial / name}: tensor {t.name} does not read back as planned")
+                raise WriteFailedError(f"{partial / name}: tensor {t.name} does not read back as planned", path=str(partial / name), tensor=t.name)
             if t.name not in journal:
-                raise WriteFailedError(f"{partial / name}: tensor {t.name} was never finished")
+                raise WriteFailedError(f"{partial / name}: tensor {t.name} was never finished", path=str(partial / name), tensor=t.name)
 
 
 def run_plan(plan: Plan, reader: ByteReader, out: str | Path, *, overwrite: bool = False, wait: bool = False, max_shard_size: int = DEFAULT_MAX_SHARD, quiet: bool = True) -> ConversionResult:

@@ -29,6 +29,7 @@ class CheckResult:
         if self.error is not None:
             out["exit_code"] = self.exit_code
             out["error"] = type(self.error).__name__
+            out.update(self.error.fields())
         if self.details:
             out["details"] = self.details
         return out

@@ -17,6 +17,12 @@ class DSV4Error(Exception):
         self.path = path
         self.tensor = tensor
 
+    def fields(self) -> dict[str, str]:
+        """The structured fields that are set (the file at fault, the tensor, a config
+        field), for JSON reports: what a program reads instead of parsing the message."""
+        named = {"path": self.path, "tensor": self.tensor, "field": getattr(self, "field", None)}
+        return {k: v for k, v in named.items() if isinstance(v, str)}
+
 
 # --- reading a checkpoint's files: the inventory of a source, the index, the loader -----
 class CheckpointError(DSV4Error):

@@ -64,7 +64,7 @@ def load_converted(path: str | Path, device: str | torch.device | None = None) -
     expected = model.state_dict()
     for name in expected:
         if name not in weight_map:
-            raise MissingKeyError(f"{root / index_file}: missing tensor {name} (a parameter of the draft model)")
+            raise MissingKeyError(f"{root / index_file}: missing tensor {name} (a parameter of the draft model)", path=str(root / index_file), tensor=name)
 
     by_file: dict[str, list[str]] = {}
     for name, file in weight_map.items():
@@ -74,23 +74,23 @@ def load_converted(path: str | Path, device: str | torch.device | None = None) -
     for file, names in sorted(by_file.items()):
         shard = root / file
         if not shard.is_file():
-            raise LoadError(f"{shard}: shard named in {index_file} does not exist")
+            raise LoadError(f"{shard}: shard named in {index_file} does not exist", path=str(shard))
         with safe_open(shard, framework="pt") as f:
             in_file = set(f.keys())
             for name in sorted(in_file - set(names)):
-                raise UnexpectedKeyError(f"{shard}: unexpected tensor {name} (not listed in {index_file})")
+                raise UnexpectedKeyError(f"{shard}: unexpected tensor {name} (not listed in {index_file})", path=str(shard), tensor=name)
             for name in sorted(names):
                 if name not in in_file:
-                    raise MissingKeyError(f"{shard}: tensor {name} is listed in {index_file} but absent")
+                    raise MissingKeyError(f"{shard}: tensor {name} is listed in {index_file} but absent", path=str(shard), tensor=name)
                 if name not in expected:
-                    raise UnexpectedKeyError(f"{shard}: unexpected tensor {name} (not a parameter of the draft model)")
+                    raise UnexpectedKeyError(f"{shard}: unexpected tensor {name} (not a parameter of the draft model)", path=str(shard), tensor=name)
                 want = expected[name]
                 sl = f.get_slice(name)
                 dtype, shape = sl.get_dtype(), tuple(sl.get_shape())
                 if shape != tuple(want.shape):
-                    raise ShapeMismatchError(f"{shard}: tensor {name} has shape {list(shape)}, the model expects {list(want.shape)}")
+                    raise ShapeMismatchError(f"{shard}: tensor {name} has shape {list(shape)}, the model expects {list(want.shape)}", path=str(shard), tensor=name)
                 if dtype != SAFETENSORS_NAMES[want.dtype]:
-                    raise DtypeMismatchError(f"{shard}: tensor {name} has dtype {dtype}, the model expects {SAFETENSORS_NAMES[want.dtype]}")
+                    raise DtypeMismatchError(f"{shard}: tensor {name} has dtype {dtype}, the model expects {SAFETENSORS_NAMES[want.dtype]}", path=str(shard), tensor=name)
 
     # safetensors maps each shard privately (copy-on-write) and get_tensor returns a view of
     # that map: on the CPU the parameters ARE those views (no copy; a page is read when the

@@ -61,11 +61,11 @@ def run_smoke(
     report["hidden_shape"], report["logits_shape"] = list(h.shape), list(logits.shape)
     where = f"{out_dir}"
     if tuple(h.shape) != (tokens, cfg.hc_dim):
-        raise SmokeCheckError(f"{where}: forward returned {list(h.shape)}, expected {[tokens, cfg.hc_dim]}")
+        raise SmokeCheckError(f"{where}: forward returned {list(h.shape)}, expected {[tokens, cfg.hc_dim]}", path=str(where))
     if tuple(logits.shape) != (tokens, cfg.vocab_size):
-        raise SmokeCheckError(f"{where}: compute_logits returned {list(logits.shape)}, expected {[tokens, cfg.vocab_size]}")
+        raise SmokeCheckError(f"{where}: compute_logits returned {list(logits.shape)}, expected {[tokens, cfg.vocab_size]}", path=str(where))
     if not (torch.isfinite(h).all() and torch.isfinite(logits).all()):
-        raise SmokeCheckError(f"{where}: non-finite values in the draft's hidden states or logits")
+        raise SmokeCheckError(f"{where}: non-finite values in the draft's hidden states or logits", path=str(where))
 
     if reference_dir is not None:
         with config_errors(f"{reference_dir}/config.json"):  # the reference reads the native config
@@ -99,18 +99,18 @@ def read_target_features(path: str | Path, cfg: ModelConfig) -> torch.Tensor:
             for layer in ids:
                 name = f"h_{layer}"
                 if name not in present:
-                    raise MissingKeyError(f"{path}: no tensor {name} (the target features are h_l for dspark_target_layer_ids {list(ids)})")
+                    raise MissingKeyError(f"{path}: no tensor {name} (the target features are h_l for dspark_target_layer_ids {list(ids)})", path=str(path), tensor=name)
                 t = f.get_tensor(name)
                 rows = per_layer[0].shape[0] if per_layer else None  # the first one sets T_ctx
                 shape = tuple(t.shape)
                 if len(shape) != 2 or shape[1] != cfg.hidden_size or shape[0] == 0 or shape[0] != (rows or shape[0]):
                     want = f"[{rows or 'T_ctx >= 1'}, {cfg.hidden_size}]"
-                    raise ShapeMismatchError(f"{path}: tensor {name} has shape {list(shape)}, expected {want}")
+                    raise ShapeMismatchError(f"{path}: tensor {name} has shape {list(shape)}, expected {want}", path=str(path), tensor=name)
                 if t.dtype not in FEATURE_DTYPES:
-                    raise DtypeMismatchError(f"{path}: tensor {name} has dtype {t.dtype}, expected a float (bf16, f16 or f32)")
+                    raise DtypeMismatchError(f"{path}: tensor {name} has dtype {t.dtype}, expected a float (bf16, f16 or f32)", path=str(path), tensor=name)
                 per_layer.append(t.to(torch.bfloat16))
     except (SafetensorError, OSError) as exc:
-        raise LoadError(f"{path}: not a readable safetensors file ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None
+        raise LoadError(f"{path}: not a readable safetensors file ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})", path=str(path)) from None
     return target_features(per_layer)
 
 
@@ -133,7 +133,7 @@ def run_dspark_smoke(
     report: dict[str, Any] = {"checkpoint": str(out_dir), "device": str(dev), "kernels": kernels.backend(dev), "layout": "dspark"}
     model, report["load_ms"] = _timed(dev, lambda: load_converted(out_dir, dev))
     if not isinstance(model, DSparkDraft):
-        raise SmokeCheckError(f"{out_dir}: not a DSpark checkpoint (its config.json has no dspark_* fields)")
+        raise SmokeCheckError(f"{out_dir}: not a DSpark checkpoint (its config.json has no dspark_* fields)", path=str(out_dir))
     cfg = model.config
     gen = torch.Generator().manual_seed(seed)
     if features is None:
@@ -161,9 +161,9 @@ def run_dspark_smoke(
     report["hidden_shape"], report["logits_shape"] = list(h.shape), list(logits.shape)
     report["draft_tokens"] = tokens.tolist()
     if tuple(h.shape) != (B, cfg.hc_dim) or tuple(logits.shape) != (B, cfg.vocab_size) or tuple(tokens.shape) != (B,):
-        raise SmokeCheckError(f"{out_dir}: the draft returned hidden {list(h.shape)}, logits {list(logits.shape)}, tokens {list(tokens.shape)}; expected {[B, cfg.hc_dim]}, {[B, cfg.vocab_size]}, {[B]}")
+        raise SmokeCheckError(f"{out_dir}: the draft returned hidden {list(h.shape)}, logits {list(logits.shape)}, tokens {list(tokens.shape)}; expected {[B, cfg.hc_dim]}, {[B, cfg.vocab_size]}, {[B]}", path=str(out_dir))
     if not (torch.isfinite(h).all() and torch.isfinite(base).all() and torch.isfinite(logits).all()):
-        raise SmokeCheckError(f"{out_dir}: non-finite values in the draft's hidden states or logits")
+        raise SmokeCheckError(f"{out_dir}: non-finite values in the draft's hidden states or logits", path=str(out_dir))
 
     if reference_dir is not None:
         with config_errors(f"{reference_dir}/config.json"):  # the reference reads the native config

@@ -8,9 +8,11 @@ from pathlib import Path
 
 from dsv4.convert import errors as convert_errors
 from dsv4.convert.exit_codes import EXIT_CODES, code_of
+from dsv4.convert.inventory import tensors_from_header
 from dsv4.mapping import errors as mapping_errors
 from dsv4.model import config
 from dsv4.model import errors as model_errors
+from dsv4.model.presets import preset_config
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 
@@ -46,3 +48,23 @@ def test_every_code_appears_in_the_readme() -> None:
     check_table = {int(n) for row in re.findall(r"\| ([\d /]+) \|$", text, re.M) for n in row.split(" / ")}
     missing = sorted({code for code in EXIT_CODES.values() if code not in documented | check_table})
     assert missing == []
+
+
+def test_an_error_carries_the_file_and_tensor_it_names_as_fields() -> None:
+    header = {"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}, "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}}
+    try:
+        tensors_from_header(header, "model-00001-of-00002.safetensors", 100, 112)
+    except model_errors.MalformedHeaderError as exc:
+        assert exc.fields() == {"path": "model-00001-of-00002.safetensors", "tensor": "b"}
+        assert str(exc).startswith("model-00001-of-00002.safetensors: tensor b:")
+    else:
+        raise AssertionError("overlapping tensors were accepted")
+
+
+def test_a_config_error_carries_its_field() -> None:
+    try:
+        config.ModelConfig.from_dict({**preset_config("tiny"), "hidden_size": "256"})
+    except config.ConfigFieldError as exc:
+        assert exc.fields() == {"field": "hidden_size"}
+    else:
+        raise AssertionError("a string hidden_size was accepted")
