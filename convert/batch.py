@@ -131,7 +131,7 @@ def load_manifest(path: str | Path, out_dir: str | Path | None = None) -> Manife
     if not isinstance(target, str) or not isinstance(name_t, str) or not (repo_t is None or isinstance(repo_t, str)):
         raise ManifestError(f"{path}: target, output.name and output.repo are strings", path=str(path))
     if target not in installed_targets():  # before it fills a template or names a path
-        raise ManifestError(f"{path}: target {target!r} is not an installed target (installed: {', '.join(installed_targets())}); a target is chosen by name, not path", path=str(path))
+        raise ManifestError(f"{path}: target {target!r} is not an installed mapping table (installed: {', '.join(installed_targets())}); a table is chosen by name, not path", path=str(path))
     if not (private is None or isinstance(private, bool)) or not isinstance(check, bool):
         raise ManifestError(f"{path}: output.private and options.check are true or false", path=str(path))
     if not isinstance(max_shard, int) or isinstance(max_shard, bool):

@@ -321,7 +321,7 @@ def _main_layers_arg(ctx: click.Context, param: click.Parameter, value: str) -> 
 
 @cli.command("synth")
 @click.argument("out", type=click.Path(file_okay=False, path_type=Path))
-@click.option("--preset", type=click.Choice(sorted(PRESETS)), help="Released config to replicate (default tiny).")
+@click.option("--preset", type=click.Choice(sorted(PRESETS)), help="Released config to replicate (default tiny; with --variant dspark: flash, i.e. V4-Flash-0731).")
 @click.option("--config", "config_path", type=click.Path(dir_okay=False, exists=True, path_type=Path), help="A config.json to use instead of a preset.")
 @click.option("--variant", type=click.Choice(["instruct", "base", "dspark"]), default="instruct", show_default=True)
 @click.option("--main-layers", default="0", callback=_main_layers_arg, show_default=True, help="Main decoder layers to write: K or 'all'.")

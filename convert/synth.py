@@ -34,6 +34,9 @@ from dsv4.model.dtypes import TORCH_DTYPES, nbytes
 from dsv4.model.native import Layout, dspark_stage_layout, main_layer_layout, mtp_layout, top_level_layout
 from dsv4.model.presets import Variant, preset_config, with_variant
 
+# what `synth` writes without --preset: tiny, except for the dspark variant, which is the
+# V4-Flash-0731 release (there is no other DSpark release)
+DEFAULT_PRESET: dict[str, str] = {"instruct": "tiny", "base": "tiny", "dspark": "flash"}
 CHUNK_BYTES = 1 << 20  # output bytes generated per write; temporaries stay within ~32x this
 SHARD_METADATA = {"format": "pt"}  # what the released shards carry
 
@@ -208,14 +211,16 @@ def synthesize(out: Path, *, preset: str | None, config_path: Path | None, varia
     """`synth`: write a synthetic checkpoint into OUT (new or empty) from a preset or a
     config.json, refused with the converter's verdict if it would refuse the config; returns
     what was written (tensors, files, bytes)."""
+    # the dspark variant names a release (V4-Flash-0731); tiny is for tests and asked for by name
+    preset = preset or (None if config_path else DEFAULT_PRESET[variant])
     # writing into a directory that holds something would replace part of it (a typo for a
     # real download) and leave a mix of two checkpoints
     if out.is_dir() and any(out.iterdir()):
         raise OutputExistsError(f"{out}: exists and is not empty; synth writes only into a new or empty directory, so nothing was changed", path=str(out))
-    with config_errors(str(config_path) if config_path else f"preset {preset or 'tiny'}"):
+    with config_errors(str(config_path) if config_path else f"preset {preset}"):
         config = parse_config(config_path.read_bytes()) if config_path else None
         try:
-            write_checkpoint(out, preset=preset or "tiny", config=config, variant=variant, main_layers=main_layers, seed=seed, sparse=sparse)
+            write_checkpoint(out, preset=preset, config=config, variant=variant, main_layers=main_layers, seed=seed, sparse=sparse)
         except OSError as exc:  # a write's ENOSPC or EIO names no file: name OUT
             raise WriteFailedError(f"{exc.filename or out}: {exc.strerror or exc}; the synthetic checkpoint in {out} is incomplete", path=str(out)) from None
     raw = (out / INDEX_NAME).read_bytes()

@@ -1,8 +1,11 @@
-"""The native DeepSeek V4 checkpoint format (mapping/README.md#native-checkpoint-format): every tensor's name, dtype and shape.
+"""The native DeepSeek V4 checkpoint format (mapping/README.md#native-checkpoint-format, and
+mapping/README.md#dspark-source-checkpoint for the DSpark drafter of V4-Flash-0731): every
+tensor's name, dtype and shape.
 
 This is the one place the source format is written down. The synthetic checkpoint writer
-produces exactly this layout, the planner checks a real checkpoint's MTP tensors against
-it, and `--reverse` uses it to split fused tensors back into their native parts.
+produces exactly this layout, the planner checks a real checkpoint's draft tensors (MTP
+blocks or DSpark stages) against it, and `--reverse` uses it to split fused tensors back
+into their native parts.
 """
 
 from __future__ import annotations

@@ -128,6 +128,14 @@ def test_plan_says_which_layout(which: str, native: Path, tiny_native: Path, mon
     assert (summary["table"], summary["target"], summary["drafter"], summary["tensors_out"]) == ("xpu_dspark v1", "xpu", "dspark", 98)
 
 
+def test_planning_and_converting_a_dspark_checkpoint_import_no_torch_once_the_layouts_are_cached(native: Path, tmp_path: Path) -> None:
+    from test_startup import imported_by
+
+    imported_by("plan", str(native))  # fills this session's layout cache if it is not yet
+    assert imported_by("plan", str(native)) == []
+    assert imported_by(str(native), str(tmp_path / "out"), "-q") == []
+
+
 def test_both_tables_share_the_v4_block_rules() -> None:
     mtp, dspark = load_table("xpu"), load_table("xpu_dspark")
 
@@ -135,7 +143,7 @@ def test_both_tables_share_the_v4_block_rules() -> None:
         return {(r.op, tuple(s.removeprefix(src) for s in r.sources), (r.target or "").removeprefix(dst), r.when) for r in table.rules if r.sources[0].startswith(src) and (r.target or "").startswith(dst)}
 
     shared = block(mtp, "mtp.{i}.", "model.layers.{L}.mtp_block.")
-    assert len(shared) == 29 + 4  # 25 block parameters + 4 routed-expert stacks per expert dtype
+    assert len(shared) == 25 + 4 + 4  # 21 renames + 4 concats, then 4 routed-expert stacks for each expert dtype
     assert block(dspark, "mtp.{s}.", "model.layers.{s}.") == shared
 
 
@@ -168,15 +176,15 @@ def test_a_rule_for_a_tensor_of_another_stage_is_a_dead_rule(tmp_path: Path, old
         load_table_file(dspark_table_with(tmp_path, old, new))
 
 
-@pytest.mark.parametrize("include, words", [('file = "v4_block"', "v4_block"), ('file = "../xpu"', "is not an installed include"), ('file = "nope"', "is not an installed include")])
-def test_an_include_is_named_never_a_path(tmp_path: Path, include: str, words: str) -> None:
-    if include == 'file = "v4_block"':  # the shipped include with an unknown key
-        bad = dspark_table_with(tmp_path, 'file = "v4_block"', 'file = "v4_block"\nprefix = "x"')
-        with pytest.raises(mapping_errors.TableError, match=r"\[\[include\]\] needs exactly the strings"):
-            load_table_file(bad)
-        return
-    with pytest.raises(mapping_errors.TableError, match=words):
-        load_table_file(dspark_table_with(tmp_path, 'file = "v4_block"', include))
+@pytest.mark.parametrize("name", ["../xpu", "nope", "/work/x"])
+def test_an_include_is_named_never_a_path(tmp_path: Path, name: str) -> None:
+    with pytest.raises(mapping_errors.TableError, match=rf"\[\[include\]\] file '{re.escape(name)}' is not an installed include \(installed: v4_block\)"):
+        load_table_file(dspark_table_with(tmp_path, 'file = "v4_block"', f'file = "{name}"'))
+
+
+def test_an_include_names_exactly_file_source_and_target(tmp_path: Path) -> None:
+    with pytest.raises(mapping_errors.TableError, match=r"\[\[include\]\] needs exactly the strings \['file', 'source', 'target'\]"):
+        load_table_file(dspark_table_with(tmp_path, 'file = "v4_block"', 'file = "v4_block"\nprefix = "x"'))
 
 
 def test_an_include_with_the_wrong_prefix_writes_parameters_the_model_lacks(tmp_path: Path) -> None:

@@ -228,14 +228,23 @@ def test_dspark_variant(tmp_path: Path) -> None:
     load_all(ckpt)
 
 
+def test_dspark_variant_of_each_preset(tmp_path: Path) -> None:
+    result = CliRunner().invoke(cli, ["synth", str(tmp_path / "t"), "--preset", "tiny", "--variant", "dspark", "--sparse"])
+    # 6 top-level + 3 stages x (29 + 6 x 8 experts) + 3 (stage 0) + 7 (last stage); embed, top, one file per stage
+    assert result.exit_code == 0 and result.output.startswith("synth: 247 tensors in 5 files,"), result.output
+    result = CliRunner().invoke(cli, ["synth", str(tmp_path / "p"), "--preset", "pro", "--variant", "dspark", "--sparse"])
+    assert result.exit_code == 2 and "unknown preset 'pro' for variant dspark" in result.output and not (tmp_path / "p").exists()
+
+
 # mapping/README.md#dspark-source-checkpoint: the V4-Flash-0731 release
 FLASH_0731_DRAFTER_DTYPES = {"BF16": 20, "F32": 27, "F8_E4M3": 25, "F8_E8M0": 2_329, "I8": 2_304}
 FLASH_0731_DRAFTER_BYTES = 10_862_838_300
 
 
 def test_dspark_flash_replica_is_the_0731_release(tmp_path: Path) -> None:
-    """`synth --preset flash --variant dspark --sparse --main-layers all` = the release's census."""
-    result = CliRunner().invoke(cli, ["synth", str(tmp_path / "c"), "--preset", "flash", "--variant", "dspark", "--main-layers", "all", "--sparse"])
+    """`synth --variant dspark --sparse --main-layers all` (the dspark variant's preset is the
+    release, flash) = the release's census."""
+    result = CliRunner().invoke(cli, ["synth", str(tmp_path / "c"), "--variant", "dspark", "--main-layers", "all", "--sparse"])
     assert result.exit_code == 0, result.output
     ckpt = tmp_path / "c"
     headers = all_headers(ckpt)
