@@ -21,19 +21,10 @@ from dsv4.convert.writer import ShardWriter
 from dsv4.mapping.table import load_table
 from dsv4.model import errors as model_errors
 from dsv4.model.checkpoint import INDEX_NAME
-from safetensors import safe_open
+from tensors import load_all
 
 L = "model.layers.2."  # tiny: num_hidden_layers = 2
 B = L + "mtp_block."
-
-
-def load_all(root: Path) -> dict[str, torch.Tensor]:
-    weight_map = json.loads((root / INDEX_NAME).read_text())["weight_map"]
-    out = {}
-    for name, file in weight_map.items():
-        with safe_open(str(root / file), "pt") as f:
-            out[name] = f.get_tensor(name)
-    return out
 
 
 def raw(t: torch.Tensor) -> torch.Tensor:

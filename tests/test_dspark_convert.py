@@ -24,12 +24,11 @@ from dsv4.convert.synth import write_checkpoint
 from dsv4.mapping import errors as mapping_errors
 from dsv4.mapping.table import TABLE_DIR, load_table, load_table_file
 from dsv4.model import errors as model_errors
-from dsv4.model.checkpoint import INDEX_NAME
 from dsv4.model.config import ModelConfig
 from dsv4.model.layout import target_layout
 from dsv4.model.presets import DSPARK_FIELDS, preset_config
 from inprocess import run_main
-from safetensors import safe_open
+from tensors import load_all
 
 S = 3  # tiny DSpark: three stages, like the release
 
@@ -72,15 +71,6 @@ def spec04_sources(cfg: ModelConfig) -> dict[str, list[str]]:
         out[r + "w13_weight_scale"] = [f"{x}{e}.{w}.scale" for e in range(E) for w in ("w1", "w3")]
         out[r + "w2_weight"] = [f"{x}{e}.w2.weight" for e in range(E)]
         out[r + "w2_weight_scale"] = [f"{x}{e}.w2.scale" for e in range(E)]
-    return out
-
-
-def load_all(root: Path) -> dict[str, torch.Tensor]:
-    weight_map = json.loads((root / INDEX_NAME).read_text())["weight_map"]
-    out = {}
-    for name, file in weight_map.items():
-        with safe_open(str(root / file), "pt") as f:
-            out[name] = f.get_tensor(name)
     return out
 
 
