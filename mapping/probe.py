@@ -1,45 +1,54 @@
 """The small configuration a table is validated against, for both expert dtypes: which
-native names the source format allows (convert/native.py) and which parameters the
-bundled model has (model/layout.py)."""
+native names the source format allows (model/native.py) and which parameters the
+bundled model has (model/layout.py), for the table's drafter kind (MTP or DSpark)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from functools import cache
 
-from dsv4.convert import native
-from dsv4.convert.presets import preset_config
+from dsv4.model import native
 from dsv4.model.config import ModelConfig
 from dsv4.model.layout import target_layout
+from dsv4.model.presets import preset_config
 
 VARIANT_OF_EXPERT_DTYPE = {"fp4": "instruct", "fp8": "base"}
 
 
-def probe_config(expert_dtype: str) -> ModelConfig:
+def probe_config(expert_dtype: str, drafter: str = "mtp") -> ModelConfig:
+    if drafter == "dspark":  # the tiny DSpark release, with either expert storage
+        return ModelConfig.from_dict({**preset_config("tiny", "dspark"), "expert_dtype": expert_dtype})
     return ModelConfig.from_dict(preset_config("tiny", VARIANT_OF_EXPERT_DTYPE[expert_dtype]))
 
 
 def native_keys(cfg: ModelConfig) -> set[str]:
     """Every name a native checkpoint with this config may hold (Base's optional MTP
     emb/head included)."""
-    keys = set(native.top_level_layout(cfg))
+    keys = set(native.draft_layout(cfg, with_emb_head=native.variant_of(cfg) == "base"))
     for j in range(cfg.num_hidden_layers):
         keys |= set(native.main_layer_layout(cfg, j))
-    for i in range(cfg.num_nextn_predict_layers):
-        keys |= set(native.mtp_layout(cfg, i, with_emb_head=native.variant_of(cfg) == "base"))
     return keys
 
 
+def stage_binding(cfg: ModelConfig) -> dict[str, int]:
+    """What {first} and {last} stand for: stage 0 and stage S-1 of a DSpark drafter."""
+    return {"first": 0, "last": cfg.dspark_stages - 1}
+
+
+def draft_bindings(cfg: ModelConfig) -> list[dict[str, int]]:
+    """One binding per draft block: {i} and {L} = N + i for each MTP block, or {s} for each
+    DSpark stage (with {first} and {last})."""
+    if cfg.is_dspark:
+        return [{"s": s, **stage_binding(cfg)} for s in range(cfg.dspark_stages)]
+    return [{"i": i, "L": cfg.mtp_layer_index(i)} for i in range(cfg.num_nextn_predict_layers)]
+
+
 @cache
-def probe_keys() -> tuple[dict[str, set[str]], dict[str, set[str]], Callable[[str], list[str]]]:
-    cfgs = {d: probe_config(d) for d in VARIANT_OF_EXPERT_DTYPE}
+def probe_keys(drafter: str = "mtp") -> tuple[dict[str, set[str]], dict[str, set[str]], list[dict[str, int]], dict[str, int]]:
+    """(native names, target parameters) per expert dtype, the values the placeholders of a
+    target pattern take (each draft block's or stage's), and the {first}/{last} stages of
+    the probe configuration (none for MTP)."""
+    cfgs = {d: probe_config(d, drafter) for d in VARIANT_OF_EXPERT_DTYPE}
     natives = {d: native_keys(c) for d, c in cfgs.items()}
     targets = {d: set(target_layout(c)) for d, c in cfgs.items()}
     cfg = cfgs["fp4"]
-
-    def bind_target(pattern: str) -> list[str]:
-        from dsv4.mapping.table import expand
-
-        return sorted({expand(pattern, {"i": i, "L": cfg.mtp_layer_index(i)}) for i in range(cfg.num_nextn_predict_layers)})
-
-    return natives, targets, bind_target
+    return natives, targets, draft_bindings(cfg), stage_binding(cfg) if cfg.is_dspark else {}

@@ -2,9 +2,14 @@
 
 A table is data: `copy`, `rename`, `concat`, `stack`, `skip` and `refuse` sections whose
 keys and values are full tensor names with typed placeholders. Loading checks the table
-against the native format (convert/native.py) and the target layout (the bundled model)
+against the native format (model/native.py) and the target layout (the bundled model)
 before any checkpoint is read, so a rule that can never fire, or that writes something the
 model does not have, is an error at once, not a silent gap at serving time.
+
+Rules several tables share (one V4 block: mapping/include/v4_block.toml) are written once
+and pulled in by `[[include]]` with a source and a target prefix. A target (`--target xpu`)
+may have one table per drafter kind (`[table] drafter`: "mtp" or "dspark"); the planner picks
+the one the checkpoint is (convert/plan.py).
 """
 
 from __future__ import annotations
@@ -13,26 +18,30 @@ import re
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cache, cached_property
 from pathlib import Path
 from typing import Any
 
-from dsv4.convert.errors import (
-    DeadRuleError,
-    DuplicateTargetRuleError,
-    TableError,
-    UnboundPlaceholderError,
-    UnknownOpError,
-    UnknownTargetError,
-)
+from dsv4.mapping.errors import DeadRuleError, DuplicateTargetRuleError, TableError, UnboundPlaceholderError, UnknownOpError, UnknownTargetError
+from dsv4.mapping.probe import probe_keys
 
 TABLE_DIR = Path(__file__).parent
 
-# placeholder -> regex of what it matches in a source name
-PLACEHOLDERS = {"i": r"\d+", "e": r"\d+", "j": r"\d+", "rest": r"[A-Za-z0-9_.]+"}
+INCLUDE_DIR = TABLE_DIR / "include"
+
+# placeholder -> regex of what it matches in a source name. {i}: MTP block, {s}: DSpark
+# stage, {e}: routed expert, {j}: main layer; {first} and {last} name stage 0 and stage S-1
+# (PINNED: each binds one value, which the planner checks a matched key against).
+PLACEHOLDERS = {"i": r"\d+", "s": r"\d+", "first": r"\d+", "last": r"\d+", "e": r"\d+", "j": r"\d+", "rest": r"[A-Za-z0-9_.]+"}
+PINNED = {"first", "last"}
 DERIVED = {"L": "i"}  # {L} = num_hidden_layers + {i}; needs {i} bound
 EXPERT_DTYPES = ("fp4", "fp8")
-SECTIONS = {"table", "copy", "rename", "concat", "stack", "skip", "refuse"}
+DRAFTERS = ("mtp", "dspark")
+# the block placeholders a table of each drafter kind binds (the other kind's are unbound)
+DRAFTER_PLACEHOLDERS = {"mtp": {"i", "L"}, "dspark": {"s", "first", "last"}}
+SECTIONS = {"table", "include", "copy", "rename", "concat", "stack", "skip", "refuse"}
+INCLUDE_SECTIONS = {"rename", "concat", "stack", "skip", "refuse"}  # an include has no [table] of its own
+INCLUDE_KEYS = {"file", "source", "target"}
 STACK_KEYS = {"to", "cat", "view", "when"}
 _FIELD = re.compile(r"\{([^{}]*)\}")
 
@@ -93,6 +102,7 @@ class Table:
     layout: str
     rules: tuple[Rule, ...]
     path: str
+    drafter: str = "mtp"  # the draft model kind this table maps to (DRAFTERS)
 
     def rules_for(self, expert_dtype: str) -> list[Rule]:
         return [r for r in self.rules if r.applies(expert_dtype)]
@@ -101,35 +111,70 @@ class Table:
 def _parse(raw: dict[str, Any], where: str) -> tuple[dict[str, Any], list[Rule]]:
     unknown = set(raw) - SECTIONS
     if unknown:
-        raise UnknownOpError(f"{where}: unknown section(s) {sorted(unknown)}; a table has {sorted(SECTIONS)}")
+        raise UnknownOpError(f"{where}: unknown section(s) {sorted(unknown)}; a table has {sorted(SECTIONS)}", path=str(where))
     meta = raw.get("table")
     if not isinstance(meta, dict) or not all(isinstance(meta.get(k), str) for k in ("name", "version", "target")):
-        raise TableError(f"{where}: [table] needs string name, version and target")
+        raise TableError(f"{where}: [table] needs string name, version and target", path=str(where))
+    if meta.get("drafter", "mtp") not in DRAFTERS:
+        raise TableError(f"{where}: [table] drafter = {meta.get('drafter')!r}; expected one of {DRAFTERS}", path=str(where))
+    rules = _parse_rules(raw, where)
+    for entry in raw.get("include", []):
+        rules.extend(_included_rules(entry, where))
+    return meta, rules
+
+
+def _included_rules(entry: Any, where: str) -> list[Rule]:
+    """The rules of include file `entry["file"]` (a name in mapping/include/, never a path),
+    their source names prefixed with `entry["source"]` and targets with `entry["target"]`."""
+    if not isinstance(entry, dict) or set(entry) != INCLUDE_KEYS or not all(isinstance(v, str) for v in entry.values()):
+        raise TableError(f"{where}: [[include]] needs exactly the strings {sorted(INCLUDE_KEYS)}", path=str(where))
+    installed = sorted(p.stem for p in INCLUDE_DIR.glob("*.toml"))
+    if entry["file"] not in installed:
+        raise TableError(f"{where}: [[include]] file {entry['file']!r} is not an installed include (installed: {', '.join(installed)}); named, not a path", path=str(where))
+    path = INCLUDE_DIR / f"{entry['file']}.toml"
+    try:
+        raw = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise TableError(f"{path}: not valid TOML ({exc})", path=str(path)) from None
+    unknown = set(raw) - INCLUDE_SECTIONS
+    if unknown:
+        raise UnknownOpError(f"{path.name}: unknown section(s) {sorted(unknown)}; an include has {sorted(INCLUDE_SECTIONS)}", path=str(path.name))
+    return _parse_rules(raw, f"{where} (include {path.name})", entry["source"], entry["target"])
+
+
+def _parse_rules(raw: dict[str, Any], where: str, src: str = "", dst: str = "") -> list[Rule]:
+    """The rules of the op sections of `raw`, source names prefixed with `src` and target
+    names with `dst` (an include's prefixes; empty for a table's own rules)."""
+
+    def names(value: Any, prefix: str) -> Any:
+        # a non-string stays as it is for the type check below to name
+        return prefix + value if isinstance(value, str) else value
+
     rules: list[Rule] = []
-    for src, dst in raw.get("copy", {}).items():
-        rules.append(Rule("copy", (src,), dst))
-    for src, dst in raw.get("rename", {}).items():
-        rules.append(Rule("rename", (src,), dst))
-    for dst, srcs in raw.get("concat", {}).items():
+    for s, d in raw.get("copy", {}).items():
+        rules.append(Rule("copy", (names(s, src),), names(d, dst)))
+    for s, d in raw.get("rename", {}).items():
+        rules.append(Rule("rename", (names(s, src),), names(d, dst)))
+    for d, srcs in raw.get("concat", {}).items():
         if not (isinstance(srcs, list) and len(srcs) >= 2):
-            raise TableError(f"{where}: [concat] {dst}: needs a list of at least two sources")
-        rules.append(Rule("concat", tuple(srcs), dst))
+            raise TableError(f"{where}: [concat] {d}: needs a list of at least two sources", path=str(where))
+        rules.append(Rule("concat", tuple(names(x, src) for x in srcs), names(d, dst)))
     for entry in raw.get("stack", []):
         extra = set(entry) - STACK_KEYS
         if extra:
-            raise UnknownOpError(f"{where}: [[stack]] {entry.get('to')}: unknown key(s) {sorted(extra)}")
-        rules.append(Rule("stack", tuple(entry["cat"]), entry["to"], entry.get("view"), entry.get("when")))
+            raise UnknownOpError(f"{where}: [[stack]] {entry.get('to')}: unknown key(s) {sorted(extra)}", path=str(where))
+        rules.append(Rule("stack", tuple(names(x, src) for x in entry["cat"]), names(entry["to"], dst), entry.get("view"), entry.get("when")))
     for op in ("skip", "refuse"):
-        for src, reason in raw.get(op, {}).items():
+        for s, reason in raw.get(op, {}).items():
             if not isinstance(reason, str) or not reason.strip():
-                raise TableError(f"{where}: [{op}] {src}: needs a reason")
-            rules.append(Rule(op, (src,), reason=reason))
+                raise TableError(f"{where}: [{op}] {s}: needs a reason", path=str(where))
+            rules.append(Rule(op, (names(s, src),), reason=reason))
     for r in rules:
         if not all(isinstance(x, str) for x in (*r.sources, r.target or "")):
-            raise TableError(f"{where}: {r.label}: names must be strings")
+            raise TableError(f"{where}: {r.label}: names must be strings", path=str(where))
         if r.when is not None and r.when not in EXPERT_DTYPES:
-            raise TableError(f"{where}: {r.label}: when = {r.when!r}; expected one of {EXPERT_DTYPES}")
-    return meta, rules
+            raise TableError(f"{where}: {r.label}: when = {r.when!r}; expected one of {EXPERT_DTYPES}", path=str(where))
+    return rules
 
 
 def _check_placeholders(rule: Rule, where: str) -> None:
@@ -137,12 +182,12 @@ def _check_placeholders(rule: Rule, where: str) -> None:
     for src in rule.sources:
         for ph in placeholders(src):
             if ph not in PLACEHOLDERS:
-                raise UnboundPlaceholderError(f"{where}: {rule.label}: unknown placeholder {{{ph}}} in {src}")
+                raise UnboundPlaceholderError(f"{where}: {rule.label}: unknown placeholder {{{ph}}} in {src}", path=str(where))
             bound.add(ph)
     if "rest" in bound and rule.op not in ("skip", "refuse"):
-        raise UnboundPlaceholderError(f"{where}: {rule.label}: {{rest}} is for skip and refuse rules only")
+        raise UnboundPlaceholderError(f"{where}: {rule.label}: {{rest}} is for skip and refuse rules only", path=str(where))
     if rule.op == "stack" and not all("e" in placeholders(s) for s in rule.sources):
-        raise UnboundPlaceholderError(f"{where}: {rule.label}: every stacked source needs {{e}}")
+        raise UnboundPlaceholderError(f"{where}: {rule.label}: every stacked source needs {{e}}", path=str(where))
     if rule.target is None:
         return
     available = bound - {"e"} if rule.op == "stack" else set(bound)
@@ -151,26 +196,38 @@ def _check_placeholders(rule: Rule, where: str) -> None:
     for ph in placeholders(rule.target):
         need = DERIVED.get(ph, ph)
         if need not in available:
-            raise UnboundPlaceholderError(f"{where}: {rule.label}: target placeholder {{{ph}}} is not bound by its source(s) {list(rule.sources)}")
+            raise UnboundPlaceholderError(f"{where}: {rule.label}: target placeholder {{{ph}}} is not bound by its source(s) {list(rule.sources)}", path=str(where))
     if rule.op != "copy":
-        unused = (bound - {"e"} if rule.op == "stack" else bound) - {DERIVED.get(p, p) for p in placeholders(rule.target)}
+        # a pinned placeholder ({first}, {last}) binds one stage: it may name no target part
+        unused = (bound - {"e"} if rule.op == "stack" else bound) - PINNED - {DERIVED.get(p, p) for p in placeholders(rule.target)}
         if unused:
-            raise UnboundPlaceholderError(f"{where}: {rule.label}: source placeholder(s) {sorted(unused)} do not appear in the target, so two sources would write one parameter")
+            raise UnboundPlaceholderError(f"{where}: {rule.label}: source placeholder(s) {sorted(unused)} do not appear in the target, so two sources would write one parameter", path=str(where))
 
 
-def validate(table: Table, native_keys: Mapping[str, set[str]], target_keys: Mapping[str, set[str]], bind_target) -> None:
+def pin(pattern: str, pins: Mapping[str, int]) -> str:
+    """`pattern` with its pinned placeholders ({first}, {last}) replaced by their stage numbers."""
+    return _FIELD.sub(lambda m: str(pins[m.group(1)]) if m.group(1) in pins else m.group(0), pattern)
+
+
+def validate(table: Table, native_keys: Mapping[str, set[str]], target_keys: Mapping[str, set[str]], bind_target, pins: Mapping[str, int]) -> None:
     """Check the table against what the native format allows (`native_keys[expert_dtype]`)
     and the parameters the model has (`target_keys[expert_dtype]`); `bind_target(pattern)`
-    expands a target pattern for the probe configuration."""
+    expands a target pattern for the probe configuration, and `pins` are its {first} and
+    {last} stages (so a rule naming a tensor of the wrong stage is dead)."""
     where = table.path
     seen: dict[tuple[str, str], Rule] = {}
+    foreign = set().union(*DRAFTER_PLACEHOLDERS.values()) - DRAFTER_PLACEHOLDERS[table.drafter]
     for rule in table.rules:
         _check_placeholders(rule, where)
+        wrong = sorted({ph for p in (*rule.sources, rule.target or "") for ph in placeholders(p)} & foreign)
+        if wrong:
+            raise UnboundPlaceholderError(f"{where}: {rule.label}: placeholder {{{wrong[0]}}} belongs to the other drafter kind; a {table.drafter} table binds {sorted(DRAFTER_PLACEHOLDERS[table.drafter])}", path=str(where))
         if rule.op != "refuse":  # refuse rules describe other formats by design
             allowed = set().union(*(native_keys[d] for d in EXPERT_DTYPES if rule.applies(d)))
-            for rx, src in zip(rule.source_regexes, rule.sources):
+            for src in rule.sources:
+                rx = compile_pattern(pin(src, pins))
                 if not any(rx.match(k) for k in allowed):
-                    raise DeadRuleError(f"{where}: {rule.label}: source pattern {src} matches no tensor the native DeepSeek V4 format has: a dead rule")
+                    raise DeadRuleError(f"{where}: {rule.label}: source pattern {src} matches no tensor the native DeepSeek V4 format has: a dead rule", path=str(where))
         if rule.target is None:
             continue
         for dtype in EXPERT_DTYPES:
@@ -178,16 +235,54 @@ def validate(table: Table, native_keys: Mapping[str, set[str]], target_keys: Map
                 continue
             prior = seen.get((rule.target, dtype))
             if prior is not None:
-                raise DuplicateTargetRuleError(f"{where}: {rule.label} and {prior.label} both write {rule.target}")
+                raise DuplicateTargetRuleError(f"{where}: {rule.label} and {prior.label} both write {rule.target}", path=str(where))
             seen[(rule.target, dtype)] = rule
             for name in bind_target(rule.target):
                 if name not in target_keys[dtype]:
-                    raise UnknownTargetError(f"{where}: {rule.label}: {name} is not a parameter of the {table.target} layout ({dtype} experts)")
+                    raise UnknownTargetError(f"{where}: {rule.label}: {name} is not a parameter of the {table.target} layout ({dtype} experts)", path=str(where))
 
 
 def installed_tables() -> list[str]:
     """The names `load_table` accepts: the tables shipped in this package (mapping/*.toml)."""
     return sorted(p.stem for p in TABLE_DIR.glob("*.toml"))
+
+
+@cache
+def _table_headers() -> dict[str, tuple[str, str]]:
+    """table name -> (target, drafter), from the [table] sections alone: no validation, so
+    the CLI can list the targets at start-up for the cost of reading two small files."""
+    out = {}
+    for name in installed_tables():
+        meta = tomllib.loads((TABLE_DIR / f"{name}.toml").read_text()).get("table", {})
+        out[name] = (meta.get("target"), meta.get("drafter", "mtp"))
+    return out
+
+
+def installed_targets() -> list[str]:
+    """The names `--target` accepts: each a runtime (xpu), with one table per drafter kind."""
+    return sorted({target for target, _ in _table_headers().values()})
+
+
+def require_target(target: str) -> None:
+    """TableError (listing the installed targets) unless `target` is one."""
+    if target not in installed_targets():
+        raise TableError(f"no target {target!r} (installed: {', '.join(installed_targets())}); a target is chosen by name, not path")
+
+
+def tables_of_target(target: str) -> list[str]:
+    """The installed tables of `target`, one per drafter kind."""
+    require_target(target)
+    return [name for name, (t, _) in _table_headers().items() if t == target]
+
+
+def table_name_for(target: str, drafter: str) -> str:
+    """The installed table that maps a `drafter` ("mtp", "dspark") checkpoint to `target`."""
+    require_target(target)
+    names = [name for name, head in _table_headers().items() if head == (target, drafter)]
+    if len(names) != 1:
+        have = ", ".join(f"{n} ({t}, {d})" for n, (t, d) in _table_headers().items())
+        raise TableError(f"target {target!r} has {'no' if not names else 'more than one'} table for {drafter} drafters (installed: {have})")
+    return names[0]
 
 
 def load_table(name: str = "xpu") -> Table:
@@ -205,15 +300,13 @@ def load_table_file(path: Path) -> Table:
     """Load and validate the table file at `path`: for writing and testing a new table
     before it is installed beside xpu.toml. Conversions use `load_table(name)`."""
     if not path.is_file():
-        raise TableError(f"{path}: no such mapping table")
+        raise TableError(f"{path}: no such mapping table", path=str(path))
     try:
         raw = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as exc:
-        raise TableError(f"{path}: not valid TOML ({exc})") from None
+        raise TableError(f"{path}: not valid TOML ({exc})", path=str(path)) from None
     meta, rules = _parse(raw, path.name)
-    table = Table(meta["name"], meta["version"], meta["target"], meta.get("layout", ""), tuple(rules), path.name)
-    from dsv4.mapping.probe import probe_keys  # the model and the native format, for a small config
-
-    native_keys, target_keys, bind_target = probe_keys()
-    validate(table, native_keys, target_keys, bind_target)
+    table = Table(meta["name"], meta["version"], meta["target"], meta.get("layout", ""), tuple(rules), path.name, meta.get("drafter", "mtp"))
+    native_keys, target_keys, bindings, pins = probe_keys(table.drafter)
+    validate(table, native_keys, target_keys, lambda pattern: sorted({expand(pattern, b) for b in bindings}), pins)
     return table

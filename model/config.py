@@ -3,13 +3,11 @@ one validating loader every reader of a config.json goes through.
 
 A ModelConfig is valid by construction (`__post_init__` checks every field): each field has
 its JSON type (a bool is not an integer, "256" is not a number), its sign, a range with an
-upper bound far above the released models (spec 01 §1.2; convert/presets.py holds Flash and
+upper bound far above the released models (mapping/README.md#config-fields; model/presets.py holds Flash and
 Pro verbatim) and its relations to other fields. A value out of range, of the wrong type or
 contradicting another field is malformed (ConfigFieldError); a well-formed value this tool
 has no layout for (another routing, expert storage or model type) is unsupported
-(UnsupportedConfig). Both name the field. This module must not need `dsv4.convert`: the
-converter turns these errors into its exit codes in one place
-(`dsv4.convert.errors.config_errors`).
+(UnsupportedConfig). Both name the field; `config_errors` adds the file's name.
 """
 
 from __future__ import annotations
@@ -17,10 +15,13 @@ from __future__ import annotations
 import json
 import math
 import reprlib
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from dsv4.model.errors import DSV4Error, MalformedConfigError, UnsupportedLayoutError
 from dsv4.model.strictjson import StrictJSONError, loads
 
 # Upper bounds, each far above the released values (Flash / Pro in brackets): they refuse
@@ -38,6 +39,11 @@ MAX_SINKHORN_ITERS = 1000  # hc_sinkhorn_iters [20]
 MAX_EXPERTS = 1 << 12  # n_routed_experts [256 / 384]
 MAX_COMPRESS_RATIO = 1 << 16  # compress_ratios entries [0, 4, 128]
 MAX_BLOCK = 1 << 16  # quantization_config.weight_block_size entries [128, 128]
+MAX_DSPARK_BLOCK = 1 << 10  # dspark_block_size [5]: query tokens of one draft block
+MAX_DSPARK_STAGES = MAX_NEXTN_LAYERS  # len(dspark_target_layer_ids) [3], n_mtp_layers [absent]
+
+# The DSpark drafter's fields (mapping/README.md#dspark-source-checkpoint): all four or none
+DSPARK_FIELDS = ("dspark_block_size", "dspark_noise_token_id", "dspark_target_layer_ids", "dspark_markov_rank")
 
 SUPPORTED_MODEL_TYPE = "deepseek_v4"
 EXPERT_DTYPES = ("fp4", "fp8")  # instruct (FP4 experts) and Base ("FP8 mixed")
@@ -48,7 +54,7 @@ _SHORT.maxlist = _SHORT.maxtuple = 4
 _SHORT.maxdict, _SHORT.maxlevel = 3, 2
 
 
-class ConfigError(ValueError):
+class ConfigError(DSV4Error, ValueError):
     """config.json is not a DeepSeek V4 config this tool can use; one line, without the file's
     name (the caller adds it)."""
 
@@ -117,7 +123,7 @@ def _check_model_type(model_type: Any) -> None:
     if type(model_type) is not str:
         raise ConfigFieldError("model_type", f"model_type is {_describe(model_type)}; expected a string")
     if model_type != SUPPORTED_MODEL_TYPE:
-        hint = " (DeepSeek V4.1: vLLM 0.33.0 has no XPU draft model for it, spec 04)" if model_type == "deepseek_v41" else ""
+        hint = " (DeepSeek V4.1: vLLM 0.33.0 has no XPU draft model for it, mapping/README.md#later-drafters-dspark-and-v41)" if model_type == "deepseek_v41" else ""
         raise UnsupportedConfig("model_type", f"model_type {model_type!r}{hint}; this tool converts {SUPPORTED_MODEL_TYPE!r} checkpoints only")
 
 
@@ -155,10 +161,17 @@ class ModelConfig:
     compress_ratios: tuple[int, ...] = ()
     weight_block_size: tuple[int, int] = (128, 128)
     model_type: str = SUPPORTED_MODEL_TYPE
+    # DSpark-0731 (mapping/README.md#dspark-source-checkpoint); None = absent (an MTP checkpoint)
+    dspark_block_size: int | None = None
+    dspark_noise_token_id: int | None = None
+    dspark_target_layer_ids: tuple[int, ...] | None = None
+    dspark_markov_rank: int | None = None
+    n_mtp_layers: int | None = None  # vLLM's stage count (absent in 0731): must equal dspark_stages
 
     def __post_init__(self) -> None:
         _check_model_type(self.model_type)  # first: another model's fields are not ours to judge
         self._check_ranges()
+        self._check_dspark()
         self._check_relations()
         self._check_supported()
 
@@ -201,6 +214,27 @@ class ModelConfig:
         _int_list("compress_ratios", self.compress_ratios, 0, MAX_COMPRESS_RATIO, range(MAX_LAYERS + MAX_NEXTN_LAYERS + 1))
         _int_list("quantization_config.weight_block_size", self.weight_block_size, 1, MAX_BLOCK, range(2, 3))
 
+    def _check_dspark(self) -> None:
+        present = [f for f in DSPARK_FIELDS if getattr(self, f) is not None]
+        if present and len(present) < len(DSPARK_FIELDS):
+            missing = next(f for f in DSPARK_FIELDS if getattr(self, f) is None)
+            raise ConfigFieldError(missing, f"lacks {missing}: a DSpark config has all of {', '.join(DSPARK_FIELDS)} (it has {', '.join(present)})")
+        if self.n_mtp_layers is not None:
+            _int("n_mtp_layers", self.n_mtp_layers, 1, MAX_DSPARK_STAGES)
+        if not present:
+            return
+        _int("dspark_block_size", self.dspark_block_size, 1, MAX_DSPARK_BLOCK)
+        _int("dspark_noise_token_id", self.dspark_noise_token_id, 0, self.vocab_size - 1)
+        _int("dspark_markov_rank", self.dspark_markov_rank, 1, MAX_RANK)
+        ids = self.dspark_target_layer_ids
+        _int_list("dspark_target_layer_ids", ids, 0, self.num_hidden_layers - 1, range(1, MAX_DSPARK_STAGES + 1))
+        assert ids is not None  # _int_list refused anything but a list
+        repeated = sorted({i for i in ids if ids.count(i) > 1})
+        if repeated:
+            raise ConfigFieldError("dspark_target_layer_ids", f"dspark_target_layer_ids names layer {repeated[0]} twice; expected distinct main layers")
+        if self.n_mtp_layers is not None and self.n_mtp_layers != len(ids):
+            raise ConfigFieldError("n_mtp_layers", f"n_mtp_layers is {self.n_mtp_layers} but dspark_target_layer_ids has {len(ids)} entries: the stage counts disagree (mapping/README.md#dspark-source-checkpoint)")
+
     def _check_relations(self) -> None:
         rd, D = self.qk_rope_head_dim, self.head_dim
         if rd > D or rd % 2:
@@ -211,9 +245,13 @@ class ModelConfig:
             raise ConfigFieldError("num_experts_per_tok", f"num_experts_per_tok is {self.num_experts_per_tok}, more than n_routed_experts ({self.n_routed_experts})")
         if self.num_hash_layers > self.num_hidden_layers:
             raise ConfigFieldError("num_hash_layers", f"num_hash_layers is {self.num_hash_layers}, more than num_hidden_layers ({self.num_hidden_layers})")
-        if self.compress_ratios:
-            # spec 01 §1.2: one entry per main layer, then the MTP layer(s); DSpark-0731
-            # (spec 04 §4.1) appends one per drafter stage while keeping num_nextn 1
+        if self.compress_ratios and self.is_dspark:
+            # mapping/README.md#dspark-source-checkpoint: one entry per main layer, then one per drafter stage
+            n, want = len(self.compress_ratios), self.num_hidden_layers + self.dspark_stages
+            if n != want:
+                raise ConfigFieldError("compress_ratios", f"compress_ratios has {n} entries; expected one per main layer (num_hidden_layers = {self.num_hidden_layers}) and one per DSpark stage ({self.dspark_stages}): {want}")
+        elif self.compress_ratios:
+            # mapping/README.md#config-fields: one entry per main layer, then the MTP layer(s)
             n, low, high = len(self.compress_ratios), self.num_hidden_layers + 1, self.num_hidden_layers + MAX_NEXTN_LAYERS
             if not low <= n <= high:
                 raise ConfigFieldError("compress_ratios", f"compress_ratios has {n} entries; expected one per main layer (num_hidden_layers = {self.num_hidden_layers}) and one per draft layer: {low}..{high}")
@@ -224,15 +262,15 @@ class ModelConfig:
         if self.expert_dtype not in EXPERT_DTYPES:
             raise UnsupportedConfig("expert_dtype", f"unknown expert_dtype {self.expert_dtype!r} (expected fp4 or fp8)")
         # vLLM creates ffn.gate.e_score_correction_bias only for noaux_tc routing (NOTES.md),
-        # and the draft's router is sqrtsoftplus (spec 03 section 3.4)
+        # and the draft's router is sqrtsoftplus (model/README.md#moe-routing)
         for field, want in (("topk_method", "noaux_tc"), ("scoring_func", "sqrtsoftplus")):
             if getattr(self, field) != want:
                 raise UnsupportedConfig(field, f"topk_method {self.topk_method!r}, scoring_func {self.scoring_func!r}; the XPU MTP layout is defined for noaux_tc routing with sqrtsoftplus scores only")
         if self.n_shared_experts != 1:
-            raise UnsupportedConfig("n_shared_experts", f"n_shared_experts is {self.n_shared_experts}; the layouts of this tool have exactly one shared expert of width moe_intermediate_size (spec 01 §1.4)")
+            raise UnsupportedConfig("n_shared_experts", f"n_shared_experts is {self.n_shared_experts}; the layouts of this tool have exactly one shared expert of width moe_intermediate_size (mapping/README.md#names-of-an-mtp-block)")
         drafts = self.compress_ratios[self.num_hidden_layers :]
         if any(drafts):
-            raise UnsupportedConfig("compress_ratios", f"compress_ratios gives the draft layer(s) the ratio(s) {list(drafts)}; the MTP layer has no compressor (spec 01 §1.2: its entry is 0)")
+            raise UnsupportedConfig("compress_ratios", f"compress_ratios gives the draft layer(s) the ratio(s) {list(drafts)}; the MTP layer has no compressor (mapping/README.md#config-fields: its entry is 0)")
 
     @classmethod
     def from_dict(cls, raw: Any) -> ModelConfig:
@@ -240,8 +278,12 @@ class ModelConfig:
         _require_object(raw)
         names = {f.name for f in fields(cls)} - {"weight_block_size"}
         values = {k: v for k, v in raw.items() if k in names}
-        if type(values.get("compress_ratios")) is list:
-            values["compress_ratios"] = tuple(values["compress_ratios"])
+        for field in ("compress_ratios", "dspark_target_layer_ids"):
+            if type(values.get(field)) is list:
+                values[field] = tuple(values[field])
+        for field in (*DSPARK_FIELDS, "n_mtp_layers"):
+            if field in values and values[field] is None:  # None means absent in the dataclass
+                raise ConfigFieldError(field, f"{field} is null; expected an integer{' list' if field == 'dspark_target_layer_ids' else ''}")
         quant = raw.get("quantization_config")
         if quant is not None and not isinstance(quant, dict):
             raise ConfigFieldError("quantization_config", f"quantization_config is {_describe(quant)}; expected an object")
@@ -264,6 +306,18 @@ class ModelConfig:
     def from_file(cls, path: str | Path) -> ModelConfig:
         """Read and validate `path`; OSError if it cannot be read, ConfigError if unusable."""
         return cls.from_json(Path(path).read_bytes())
+
+    @property
+    def is_dspark(self) -> bool:
+        """A DSpark drafter (DeepSeek-V4-Flash-0731, mapping/README.md#dspark-v4-flash-0731): its dspark_* fields are set."""
+        return self.dspark_target_layer_ids is not None
+
+    @property
+    def dspark_stages(self) -> int:
+        """S, the drafter's stages `mtp.0..S-1`: one per target feature layer (mapping/README.md#dspark-source-checkpoint)."""
+        if self.dspark_target_layer_ids is None:
+            raise ValueError("dspark_stages of a config that is not DSpark")
+        return len(self.dspark_target_layer_ids)
 
     @property
     def hc_dim(self) -> int:
@@ -294,3 +348,16 @@ def parse_config(raw: bytes | str) -> dict[str, Any]:
         raise ConfigError(str(exc)) from None
     _require_object(value)
     return value
+
+
+@contextmanager
+def config_errors(where: str) -> Iterator[None]:
+    """The config verdicts as every command reports them (plan, convert, check, the loader):
+    unsupported -> UnsupportedLayoutError, anything else -> MalformedConfigError; `where`
+    (the config.json's path) heads the one-line message."""
+    try:
+        yield
+    except UnsupportedConfig as exc:
+        raise UnsupportedLayoutError(f"{where}: {exc}", path=where) from None
+    except ConfigError as exc:
+        raise MalformedConfigError(f"{where}: {exc}", path=where) from None

@@ -1,8 +1,8 @@
 """The bundled DeepSeek V4 MTP draft model, in vLLM 0.33.0's XPU runtime layout.
 
-Its `state_dict()` names, shapes and dtypes ARE the target layout of spec 02 §2.2; a
+Its `state_dict()` names, shapes and dtypes ARE the target layout of mapping/README.md#mtp-parameters; a
 converted checkpoint loads into it with no remap (see loader.py), and `layout.py` derives
-the target layout from it. The math follows spec 03. Deviations from DeepSeek's reference
+the target layout from it. The math follows model/README.md. Deviations from DeepSeek's reference
 code (inference/model.py), all deliberate:
 
 * Linears dequantise their FP8 / FP4 weights to bf16 and multiply bf16 activations; the
@@ -14,19 +14,19 @@ code (inference/model.py), all deliberate:
   within the sliding window by token index; `positions` drive RoPE and the
   positions == 0 embedding mask, as in vLLM.
 * The shared expert's SwiGLU is clamped by swiglu_limit like the routed experts' (vLLM and
-  DeepSeek both clamp it; spec 03 section 3.4 is silent: NOTES.md).
+  DeepSeek both clamp it; NOTES.md, item 1).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
-from torch import nn
-
-from dsv4.convert.native import variant_of
 from dsv4.model import kernels
 from dsv4.model.config import ModelConfig
-from dsv4.model.quant import (
+from dsv4.model.native import variant_of
+from dsv4.model.quantized import (
     E8M0,
     Bf16Linear,
     Embedding,
@@ -36,12 +36,12 @@ from dsv4.model.quant import (
     QuantLayer,
     weight_param,
 )
-
+from torch import nn
 
 
 def fp8_linear_scale_dtype(cfg: ModelConfig) -> torch.dtype:
     """vLLM 0.33 registers FP8 `weight_scale_inv` as E8M0 beside FP4 experts (instruct) and
-    as float32 beside FP8 experts (Base), matching the bytes on disk (spec 02 §2.2a)."""
+    as float32 beside FP8 experts (Base), matching the bytes on disk (mapping/README.md#scale-dtypes)."""
     return E8M0 if variant_of(cfg) == "instruct" else torch.float32
 
 
@@ -55,7 +55,7 @@ class RMSNorm(nn.Module):
         return kernels.rms_norm_ref(x, self.weight, self.eps)
 
 
-# --- mHC (spec 03 §3.2) ------------------------------------------------------------------
+# --- mHC (model/README.md#hyper-connections) ---------------------------------------------
 def hc_pre(
     x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, cfg: ModelConfig
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -90,11 +90,18 @@ def hc_head(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.
     return (pre.unsqueeze(-1) * x.float()).sum(dim=1).to(x.dtype)
 
 
-# --- attention (spec 03 §3.3) ------------------------------------------------------------
+# --- attention (model/README.md#attention) -----------------------------------------------
+def rope_inv_freq(rope_dim: int, theta: float) -> torch.Tensor:
+    """The RoPE inverse frequencies 1 / theta^(i / rope_dim), i = 0, 2, ..., rope_dim - 2: fp32,
+    on the CPU, in the expression vLLM and DeepSeek use (NOTES.md, "RoPE inverse frequencies"),
+    so bit-identical with both; theta^(-i / rope_dim) is 1 ulp off in some frequencies."""
+    return 1.0 / theta ** (torch.arange(0, rope_dim, 2, dtype=torch.float32) / rope_dim)
+
+
 def rope(x: torch.Tensor, positions: torch.Tensor, rope_dim: int, theta: float, inverse: bool = False) -> torch.Tensor:
     """Interleaved RoPE (pairs (0,1), (2,3), ...) on the last `rope_dim` dims; out of place.
     x: [T, ..., D]; positions: [T]."""
-    inv_freq = theta ** (-torch.arange(0, rope_dim, 2, device=x.device, dtype=torch.float32) / rope_dim)
+    inv_freq = rope_inv_freq(rope_dim, theta).to(x.device)
     ang = positions.float().unsqueeze(-1) * inv_freq  # [T, rope_dim/2]
     ang = ang.view(ang.shape[0], *([1] * (x.dim() - 2)), ang.shape[1])
     cos, sin = ang.cos(), ang.sin()
@@ -106,28 +113,38 @@ def rope(x: torch.Tensor, positions: torch.Tensor, rope_dim: int, theta: float, 
     return torch.cat((x[..., :-rope_dim], rot.to(x.dtype)), dim=-1)
 
 
+# q [T, n_h, D], kv [T, D], attn_sink [n_h] -> o [T, n_h, D]: who attends to what
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def sink_attention(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    """q [T, n_h, D], kv [S, D] (K = V), visible [T, S] bool -> o [T, n_h, D]. Query t sees
+    the keys s with visible[t, s]; the per-head sink joins the softmax denominator and
+    carries no value."""
+    T, nh, D = q.shape
+    qf = q.float().transpose(0, 1)  # [n_h, T, D]
+    kf = kv.float()  # [S, D]
+    scores = (qf @ kf.T) * D**-0.5  # [n_h, T, S]
+    scores = scores.masked_fill(~visible, float("-inf"))
+    sink_col = sink.float().view(nh, 1, 1).expand(nh, T, 1)
+    p = torch.softmax(torch.cat((scores, sink_col), dim=-1), dim=-1)[..., :-1]
+    return (p @ kf).transpose(0, 1).to(q.dtype)
+
+
 def sliding_window_sink_attention(
     q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, window: int, chunk: int = 256
 ) -> torch.Tensor:
-    """q [T, n_h, D], kv [T, D] (K = V) -> o [T, n_h, D]. Token t sees s in (t-window, t];
-    the per-head sink joins the softmax denominator and carries no value. Queries go in
-    chunks so the score block stays [n_h, chunk, chunk+window] at any T."""
-    T, nh, D = q.shape
+    """q [T, n_h, D], kv [T, D] (K = V) -> o [T, n_h, D]. Token t sees s in (t-window, t].
+    Queries go in chunks so the score block stays [n_h, chunk, chunk+window] at any T."""
+    T = q.shape[0]
     out = torch.empty_like(q)
-    scale = D**-0.5
     for s0 in range(0, T, chunk):
         s1 = min(T, s0 + chunk)
         k0 = max(0, s0 - window + 1)
-        qc = q[s0:s1].float().transpose(0, 1)  # [n_h, c, D]
-        kc = kv[k0:s1].float()  # [S, D]
-        scores = (qc @ kc.T) * scale  # [n_h, c, S]
         t_idx = torch.arange(s0, s1, device=q.device).unsqueeze(-1)
         s_idx = torch.arange(k0, s1, device=q.device).unsqueeze(0)
         visible = (s_idx <= t_idx) & (s_idx > t_idx - window)
-        scores = scores.masked_fill(~visible, float("-inf"))
-        sink_col = sink.float().view(nh, 1, 1).expand(nh, s1 - s0, 1)
-        p = torch.softmax(torch.cat((scores, sink_col), dim=-1), dim=-1)[..., :-1]
-        out[s0:s1] = (p @ kc).transpose(0, 1).to(q.dtype)
+        out[s0:s1] = sink_attention(q[s0:s1], kv[k0:s1], sink, visible)
     return out
 
 
@@ -148,24 +165,36 @@ class Attention(nn.Module):
         self.wo_a = Fp8Linear(nh * D // g, (g * ro,), sdt, f"{p}.wo_a", blk)
         self.wo_b = Fp8Linear(g * ro, (H,), sdt, f"{p}.wo_b", blk)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def _latent(self, kv: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return rope(self.kv_norm(kv), positions, self.cfg.qk_rope_head_dim, self.cfg.rope_theta)
+
+    def latent_kv(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """kv_norm(wkv(x)) with RoPE at `positions` [T, D]: the latent other tokens attend to
+        (the wkv rows of fused_wqa_wkv; the wq_a rows are computed and dropped)."""
+        return self._latent(self.fused_wqa_wkv(x)[..., self.cfg.q_lora_rank :], positions)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, attend: Attend | None = None) -> torch.Tensor:
+        """x [T, H] -> [T, H]. `attend` replaces the causal sliding window over the T tokens
+        (the DSpark block attends to a context and to itself, non-causally)."""
         cfg = self.cfg
         T = x.shape[0]
         nh, D, g, rd = cfg.num_attention_heads, cfg.head_dim, cfg.o_groups, cfg.qk_rope_head_dim
         qa, kv = self.fused_wqa_wkv(x).split([cfg.q_lora_rank, D], dim=-1)
         q = self.wq_b(self.q_norm(qa)).view(T, nh, D)
         q = kernels.rms_norm_ref(q, None, cfg.rms_norm_eps)  # weightless, per head
-        kv = self.kv_norm(kv)
         q = rope(q, positions, rd, cfg.rope_theta)
-        kv = rope(kv, positions, rd, cfg.rope_theta)
-        o = sliding_window_sink_attention(q, kv, self.attn_sink, cfg.sliding_window)
+        kv = self._latent(kv, positions)
+        if attend is None:
+            o = sliding_window_sink_attention(q, kv, self.attn_sink, cfg.sliding_window)
+        else:
+            o = attend(q, kv, self.attn_sink)
         o = rope(o, positions, rd, cfg.rope_theta, inverse=True)
         wo_a = self.wo_a.dequantized(o.dtype).view(g, cfg.o_lora_rank, nh * D // g)
         o = torch.einsum("tgd,grd->tgr", o.reshape(T, g, nh * D // g), wo_a)
         return self.wo_b(o.flatten(1))
 
 
-# --- MoE (spec 03 §3.4) ------------------------------------------------------------------
+# --- MoE (model/README.md#moe-routing) ---------------------------------------------------
 class Gate(QuantLayer):
     def __init__(self, cfg: ModelConfig, quant_name: str) -> None:
         super().__init__(quant_name)
@@ -206,7 +235,7 @@ class Experts(QuantLayer):
 
 class MoE(nn.Module):
     """Routes with sqrtsoftplus scores and noaux_tc selection: ModelConfig refuses any other
-    scoring_func or topk_method (spec 03 section 3.4)."""
+    scoring_func or topk_method (model/README.md#moe-routing)."""
 
     def __init__(self, cfg: ModelConfig, layer_prefix: str) -> None:
         super().__init__()
@@ -255,7 +284,7 @@ def _hc_params(module: nn.Module, sub: str, cfg: ModelConfig) -> None:
 
 class Block(nn.Module):
     """The decoder block (`mtp_block`). Module paths carry `.mtp_block.`, quantisation names
-    do not: vLLM hands the block the layer's prefix (spec 02 §2.3)."""
+    do not: vLLM hands the block the layer's prefix (mapping/README.md#quantisation-layer-names)."""
 
     def __init__(self, cfg: ModelConfig, layer_prefix: str) -> None:
         super().__init__()
@@ -268,12 +297,12 @@ class Block(nn.Module):
         self.ffn = MoE(cfg, layer_prefix)
 
     def forward(
-        self, x: torch.Tensor, positions: torch.Tensor
+        self, x: torch.Tensor, positions: torch.Tensor, attend: Attend | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Streams [T, n, H] -> (ffn output [T, H], streams before the ffn mix, post, comb).
-        Like vLLM's block it leaves the LAST hc_post to the caller."""
+        Like vLLM's block it leaves the LAST hc_post to the caller. `attend`: Attention's."""
         u, post, comb = hc_pre(x, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base, self.cfg)
-        x = hc_post(self.attn(self.attn_norm(u), positions), x, post, comb)
+        x = hc_post(self.attn(self.attn_norm(u), positions, attend), x, post, comb)
         u, post, comb = hc_pre(x, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base, self.cfg)
         return self.ffn(self.ffn_norm(u)), x, post, comb
 
@@ -301,7 +330,7 @@ class MTPLayer(nn.Module):
         self.mtp_block = Block(cfg, layer_prefix)
 
     def forward(self, e: torch.Tensor, positions: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
-        """e [T, H] embeddings, prev [T, n*H] -> streams [T, n*H] (spec 03 §3.1)."""
+        """e [T, H] embeddings, prev [T, n*H] -> streams [T, n*H] (model/README.md#mtp-draft-step)."""
         cfg = self.cfg
         T, n, H = e.shape[0], cfg.hc_mult, cfg.hidden_size
         e_n, h_n = kernels.fused_mtp_input_rmsnorm(
@@ -309,7 +338,7 @@ class MTPLayer(nn.Module):
         )
         x = self.h_proj(h_n) + self.e_proj(e_n).unsqueeze(-2)
         f, x, post, comb = self.mtp_block(x, positions)
-        # the post-mix the seed XPU draft never applied (spec 02 §2.1 bug 3)
+        # the post-mix the seed XPU draft never applied (mapping/README.md#seed-bugs bug 3)
         return hc_post(f, x, post, comb).flatten(1)
 
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor:

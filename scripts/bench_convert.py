@@ -3,10 +3,11 @@ measure the converter's own memory on it and on the tiny checkpoint.
 
     .venv/bin/python scripts/bench_convert.py [--work DIR] [--repeat N] [--clean]
     .venv/bin/python scripts/bench_convert.py --profile   # where the converter's time goes
+    .venv/bin/python scripts/bench_convert.py --variant dspark   # the V4-Flash-0731 DSpark drafter (~13 GB)
 
 Writes (once, kept for reruns unless --clean) the real-size DeepSeek V4 Flash MTP slice
-with real data (not sparse): embed.weight, head.weight and the MTP block, ~5.7 GB, and the
-tiny checkpoint. Then, on the same disk, in each round and each from a cold page cache
+with real data (not sparse): embed.weight, head.weight and the MTP block, ~5.7 GB (with
+`--variant dspark`: the three DSpark stages of V4-Flash-0731, ~13 GB), and the tiny checkpoint. Then, on the same disk, in each round and each from a cold page cache
 (`echo 3 > /proc/sys/vm/drop_caches`; root outside a container; the report says whether
 it worked): `cp` of exactly the files the plan reads, the same `cp` followed by `sync`
 (the converter makes its output durable before declaring it complete), and the converter
@@ -28,9 +29,9 @@ from __future__ import annotations
 import argparse
 import cProfile
 import hashlib
-import pstats
 import json
 import os
+import pstats
 import resource
 import shutil
 import subprocess
@@ -39,10 +40,9 @@ import time
 from pathlib import Path
 
 from dsv4.convert.inventory import read_inventory
-from dsv4.convert.job import hasher_lanes
-from dsv4.convert.plan import plan_conversion
+from dsv4.convert.execute import hasher_lanes
+from dsv4.convert.plan import choose_table, plan_conversion
 from dsv4.convert.synth import write_checkpoint
-from dsv4.mapping.table import load_table
 
 # Peak RSS as VmHWM: ru_maxrss survives exec, so a child of this (torch-importing) script
 # would report at least this script's size.
@@ -116,7 +116,7 @@ def sha256_gbps() -> float:
 
 
 def profile(src: Path, dst: Path) -> None:
-    from dsv4.convert.job import convert
+    from dsv4.convert.pipeline import convert
 
     shutil.rmtree(dst, ignore_errors=True)
     drop_caches()
@@ -126,7 +126,7 @@ def profile(src: Path, dst: Path) -> None:
     print(f"in-process conversion, cold cache: {time.perf_counter() - t:.2f} s", file=sys.stderr)
     shutil.rmtree(dst, ignore_errors=True)
     stats = pstats.Stats(prof, stream=sys.stdout).sort_stats("cumulative")
-    stats.print_stats(r"job.py.*\((run_plan|run|_all_zero|_still_valid)\)|writer.py.*\((write|start_writeback|sync)\)|_base.py.*\(result\)|\{method 'get' of '_queue|posix.posix_fadvise|method 'write' of '_io|posix.fsync")
+    stats.print_stats(r"(pipeline|execute).py.*\((run_plan|run|_all_zero|still_valid)\)|writer.py.*\((write|start_writeback|sync)\)|_base.py.*\(result\)|\{method 'get' of '_queue|posix.posix_fadvise|method 'write' of '_io|posix.fsync")
 
 
 def main() -> None:
@@ -135,19 +135,21 @@ def main() -> None:
     ap.add_argument("--repeat", default=3, type=int)
     ap.add_argument("--clean", action="store_true", help="Delete the source checkpoints afterwards too.")
     ap.add_argument("--profile", action="store_true", help="Profile one cold in-process conversion instead.")
+    ap.add_argument("--variant", choices=["instruct", "dspark"], default="instruct", help="Flash's MTP slice, or V4-Flash-0731's DSpark drafter")
     args = ap.parse_args()
-    src, tiny = args.work / "flash-mtp-slice", args.work / "tiny-real"
+    src, tiny = args.work / ("flash-mtp-slice" if args.variant == "instruct" else "flash-0731-dspark-slice"), args.work / "tiny-real"
     if not (src / "config.json").exists():
         t = time.perf_counter()
-        write_checkpoint(src, preset="flash", main_layers=0, sparse=False, seed=0)
-        print(f"wrote the Flash MTP slice in {time.perf_counter() - t:.0f} s", file=sys.stderr)
+        write_checkpoint(src, preset="flash", variant=args.variant, main_layers=0, sparse=False, seed=0)
+        print(f"wrote the Flash {args.variant} slice in {time.perf_counter() - t:.0f} s", file=sys.stderr)
     if not (tiny / "config.json").exists():
         write_checkpoint(tiny, preset="tiny", main_layers="all", seed=0)
     dst = args.work / "dst"
     if args.profile:
         profile(src, dst)
         return
-    plan = plan_conversion(read_inventory(src), load_table())
+    inv = read_inventory(src)
+    plan = plan_conversion(inv, choose_table("xpu", inv))
     files = [src / f for f in plan.files_needed]
     nbytes = plan.bytes_to_read
     memory = {"tiny": converter_memory(tiny, dst), "flash": converter_memory(src, dst)}  # also warms the layout cache
@@ -169,8 +171,9 @@ def main() -> None:
             seconds, user, system, out = timed(cmd)
             row = {"round": round_, "kind": kind, "seconds": round(seconds, 2), "GB/s": round(nbytes / seconds / 1e9, 3), "user_s": round(user, 2), "sys_s": round(system, 2)}
             if kind == "convert":
-                copy = json.loads(out)["seconds"]
-                row |= {"copy_s": round(copy, 2), "startup_s": round(seconds - copy, 2)}
+                result = json.loads(out)
+                copy = result["seconds"]
+                row |= {"copy_s": round(copy, 2), "startup_s": round(seconds - copy, 2), "read_vs_plan": round(result["bytes_read"] / result["bytes_planned"], 4)}
             rows.append(row)
             print(json.dumps(row), file=sys.stderr)
     shutil.rmtree(dst, ignore_errors=True)

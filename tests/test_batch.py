@@ -12,15 +12,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hubserver import FakeHub, hub_env, run_cli
-
+from dspark_fixtures import write_half_dspark
 from dsv4.convert.batch import Source, load_manifest, run_check, select_shard, shard_from_env
 from dsv4.convert.errors import ConfigCheckError, ManifestError
-from dsv4.convert.job import CONVERSION_RECORD, convert
+from dsv4.convert.pipeline import CONVERSION_RECORD, convert
 from dsv4.convert.synth import write_checkpoint
+from hubserver import FakeHub, hub_env, run_cli
 
 TOKEN = "hf_fakeTokenThatMustNeverBeWritten1234"
-REPOS = ("org/alpha", "org/beta", "org/gamma")  # gamma starts broken (a DSpark layout)
+REPOS = ("org/alpha", "org/beta", "org/gamma")  # gamma starts broken (a half DSpark checkpoint: exit 35)
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +29,7 @@ def native(tmp_path_factory: pytest.TempPathFactory) -> Path:
     for name, seed in (("alpha", 0), ("beta", 1), ("gamma", 2)):
         write_checkpoint(root / name, preset="tiny", main_layers="all", seed=seed)
         convert(root / name, root / f"{name}-converted")
-    write_checkpoint(root / "broken", preset="tiny", main_layers="all", seed=2, variant="dspark")
+    write_half_dspark(root / "broken", seed=2)  # a DSpark drafter whose config.json lacks the dspark_* fields
     return root
 
 

@@ -1,4 +1,4 @@
-"""The synthetic native checkpoint writer: layout counts match the release exactly (spec 01),
+"""The synthetic native checkpoint writer: layout counts match the release exactly (mapping/README.md#native-checkpoint-format),
 files are valid safetensors, values are sane and deterministic, sparse replicas are cheap."""
 
 from __future__ import annotations
@@ -12,15 +12,14 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
-from safetensors import safe_open
-
 from dsv4.convert import synth
 from dsv4.convert.cli import cli
-from dsv4.convert.presets import PRESETS, preset_config
 from dsv4.convert.synth import INDEX_NAME, pack_e2m1, write_checkpoint
 from dsv4.model.config import ModelConfig
+from dsv4.model.presets import PRESETS, preset_config
+from safetensors import safe_open
 
-# spec 01 §1.3, written out here rather than imported so the test checks the code
+# mapping/README.md#storage-dtypes, written out here rather than imported so the test checks the code
 E2M1_LUT = [0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6]
 
 FLASH_DTYPES = {"BF16": 433, "F32": 417, "F8_E4M3": 375, "F8_E8M0": 34167, "I8": 33792, "I64": 3}
@@ -191,7 +190,7 @@ def dequant_fp4(packed: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("name", ["tiny", "tiny_base"])
 def test_effective_weights_have_realistic_magnitude(name: str, request: pytest.FixtureRequest) -> None:
-    """Dequantised (spec 01 §1.3) linear weights sit near the std ~0.02 of trained ones, so
+    """Dequantised (mapping/README.md#storage-dtypes) linear weights sit near the std ~0.02 of trained ones, so
     an MTP forward on them gives finite, non-trivial activations."""
     t = load_all(request.getfixturevalue(name))
     for lin in ("mtp.0.e_proj", "mtp.0.attn.wo_b", "mtp.0.ffn.shared_experts.w2", "mtp.0.ffn.experts.3.w1"):
@@ -211,17 +210,61 @@ def test_base_variant_is_fp8_mixed(tiny_base: Path) -> None:
 
 
 def test_dspark_variant(tmp_path: Path) -> None:
+    """mapping/README.md#dspark-source-checkpoint: each stage is a V4 block without the MTP-only tensors; stage 0 adds
+    the target-feature projection, the last stage the head, Markov and confidence heads."""
     ckpt = write_checkpoint(tmp_path, variant="dspark")
     names = set(all_headers(ckpt))
-    for i in range(3):
-        for leaf in ("main_proj.weight", "main_proj.scale", "main_norm.weight", "markov_head.weight", "confidence_head.weight"):
-            assert f"mtp.{i}.{leaf}" in names
-    assert not any(".e_proj." in n or ".h_proj." in n for n in names)
-    assert json.loads((ckpt / "config.json").read_text())["num_nextn_predict_layers"] == 1
+    first = {"main_proj.weight", "main_proj.scale", "main_norm.weight"}
+    last = {"norm.weight", "hc_head_fn", "hc_head_base", "hc_head_scale", "markov_head.markov_w1.weight", "markov_head.markov_w2.weight", "confidence_head.proj.weight"}
+    for s in range(3):
+        stage = {n.removeprefix(f"mtp.{s}.") for n in names if n.startswith(f"mtp.{s}.")}
+        assert first <= stage if s == 0 else not first & stage, s
+        assert last <= stage if s == 2 else not last & stage, s
+        assert len(stage - first - last) == 29 + 6 * 8, s  # one V4 block: 29 + 6E (tiny: E = 8)
+        assert not {n for n in stage if n.split(".")[0] in ("enorm", "hnorm", "e_proj", "h_proj", "emb", "head")}, s
+    config = json.loads((ckpt / "config.json").read_text())
+    assert config["num_nextn_predict_layers"] == 1 and "n_mtp_layers" not in config
+    assert ModelConfig.from_dict(config).dspark_stages == 3
     load_all(ckpt)
 
 
-# --- storage formats (spec 01 §1.3) -----------------------------------------------------
+def test_dspark_variant_of_each_preset(tmp_path: Path) -> None:
+    result = CliRunner().invoke(cli, ["synth", str(tmp_path / "t"), "--preset", "tiny", "--variant", "dspark", "--sparse"])
+    # 6 top-level + 3 stages x (29 + 6 x 8 experts) + 3 (stage 0) + 7 (last stage); embed, top, one file per stage
+    assert result.exit_code == 0 and result.output.startswith("synth: 247 tensors in 5 files,"), result.output
+    result = CliRunner().invoke(cli, ["synth", str(tmp_path / "p"), "--preset", "pro", "--variant", "dspark", "--sparse"])
+    assert result.exit_code == 2 and "unknown preset 'pro' for variant dspark" in result.output and not (tmp_path / "p").exists()
+
+
+# mapping/README.md#dspark-source-checkpoint: the V4-Flash-0731 release
+FLASH_0731_DRAFTER_DTYPES = {"BF16": 20, "F32": 27, "F8_E4M3": 25, "F8_E8M0": 2_329, "I8": 2_304}
+FLASH_0731_DRAFTER_BYTES = 10_862_838_300
+
+
+def test_dspark_flash_replica_is_the_0731_release(tmp_path: Path) -> None:
+    """`synth --variant dspark --sparse --main-layers all` (the dspark variant's preset is the
+    release, flash) = the release's census."""
+    result = CliRunner().invoke(cli, ["synth", str(tmp_path / "c"), "--variant", "dspark", "--main-layers", "all", "--sparse"])
+    assert result.exit_code == 0, result.output
+    ckpt = tmp_path / "c"
+    headers = all_headers(ckpt)
+    assert len(headers) == 72_317 and len(shard_files(ckpt)) == 48
+    drafter = {n: v for n, v in headers.items() if n.startswith("mtp.")}
+    assert len(drafter) == 4_705
+    assert {f for f, _ in drafter.values()} == {f"model-000{k}-of-00048.safetensors" for k in (46, 47, 48)}
+    assert not [n for n, (f, _) in headers.items() if f >= "model-00046" and not n.startswith("mtp.")]
+    assert Counter(e["dtype"] for _, e in drafter.values()) == FLASH_0731_DRAFTER_DTYPES
+    assert Counter(int(n.split(".")[1]) for n in drafter) == {0: 1568, 1: 1565, 2: 1572}
+    assert sum(entry_bytes(e) for _, e in drafter.values()) == FLASH_0731_DRAFTER_BYTES
+    # the main model is Flash's: 69,187 tensors minus its 1,575-tensor MTP block
+    assert len(headers) - len(drafter) == 69_187 - 1_575
+    config = json.loads((ckpt / "config.json").read_text())
+    assert len(config["compress_ratios"]) == 46 and config["compress_ratios"][43:] == [0, 0, 0]
+    assert (config["expert_dtype"], config["num_nextn_predict_layers"]) == ("fp4", 1)
+    assert {k: config[k] for k in config if k.startswith("dspark_")} == {"dspark_block_size": 5, "dspark_noise_token_id": 128799, "dspark_target_layer_ids": [40, 41, 42], "dspark_markov_rank": 256}
+
+
+# --- storage formats (mapping/README.md#storage-dtypes) ---------------------------------
 
 
 def test_fp4_nibble_order() -> None:

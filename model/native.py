@@ -1,8 +1,11 @@
-"""The native DeepSeek V4 checkpoint format (spec 01): every tensor's name, dtype and shape.
+"""The native DeepSeek V4 checkpoint format (mapping/README.md#native-checkpoint-format, and
+mapping/README.md#dspark-source-checkpoint for the DSpark drafter of V4-Flash-0731): every
+tensor's name, dtype and shape.
 
 This is the one place the source format is written down. The synthetic checkpoint writer
-produces exactly this layout, the planner checks a real checkpoint's MTP tensors against
-it, and `--reverse` uses it to split fused tensors back into their native parts.
+produces exactly this layout, the planner checks a real checkpoint's draft tensors (MTP
+blocks or DSpark stages) against it, and `--reverse` uses it to split fused tensors back
+into their native parts.
 """
 
 from __future__ import annotations
@@ -24,14 +27,15 @@ def variant_of(cfg: ModelConfig) -> Variant:
     return "instruct" if cfg.expert_dtype == "fp4" else "base"
 
 
-def _blocks(n: int, block: int) -> int:
-    return -(-n // block)
+def ceil_div(n: int, d: int) -> int:
+    """Blocks of `d` needed for `n` (a block-scale grid's size: the last block may be partial)."""
+    return -(-n // d)
 
 
 def _fp8_linear(out: Layout, name: str, rows: int, cols: int, cfg: ModelConfig, scale_dtype: str) -> None:
     br, bc = cfg.weight_block_size
     out[f"{name}.weight"] = ("F8_E4M3", (rows, cols))
-    out[f"{name}.scale"] = (scale_dtype, (_blocks(rows, br), _blocks(cols, bc)))
+    out[f"{name}.scale"] = (scale_dtype, (ceil_div(rows, br), ceil_div(cols, bc)))
 
 
 def _fp4_linear(out: Layout, name: str, rows: int, cols: int) -> None:
@@ -99,6 +103,42 @@ def mtp_layout(cfg: ModelConfig, i: int, *, with_emb_head: bool = False) -> Layo
         out[f"{p}emb.tok_emb.weight"] = ("BF16", (cfg.vocab_size, H))
         out[f"{p}head.weight"] = ("BF16", (cfg.vocab_size, H))
     return out
+
+
+def dspark_stage_layout(cfg: ModelConfig, s: int) -> Layout:
+    """All tensors of DSpark stage `mtp.{s}.` (mapping/README.md#dspark-source-checkpoint): one V4 block (29 + 6E) plus,
+    in stage 0, the projection of the target features (main_proj, main_norm) and, in the last
+    stage S-1, the head (norm, hc_head_*) and the Markov and confidence heads."""
+    H, V, R = cfg.hidden_size, cfg.vocab_size, cfg.dspark_markov_rank
+    T = len(cfg.dspark_target_layer_ids)
+    p = f"mtp.{s}."
+    out = block_layout(cfg, p)
+    out[f"{p}ffn.gate.bias"] = ("F32", (cfg.n_routed_experts,))
+    if s == 0:
+        _fp8_linear(out, f"{p}main_proj", H, T * H, cfg, fp8_scale_dtype(cfg))
+        out[f"{p}main_norm.weight"] = ("BF16", (H,))
+    if s == cfg.dspark_stages - 1:
+        out[f"{p}norm.weight"] = ("BF16", (H,))
+        out[f"{p}hc_head_fn"] = ("F32", (cfg.hc_mult, cfg.hc_dim))
+        out[f"{p}hc_head_base"] = ("F32", (cfg.hc_mult,))
+        out[f"{p}hc_head_scale"] = ("F32", (1,))
+        out[f"{p}markov_head.markov_w1.weight"] = ("BF16", (V, R))
+        out[f"{p}markov_head.markov_w2.weight"] = ("BF16", (V, R))
+        out[f"{p}confidence_head.proj.weight"] = ("BF16", (1, H + R))
+    return out
+
+
+def draft_layout(cfg: ModelConfig, *, with_emb_head: bool = False) -> Layout:
+    """Every native tensor a draft is made of: the top-level ones and each MTP block, or
+    each DSpark stage for a DSpark config (`with_emb_head`: Base's optional MTP emb/head)."""
+    layout = top_level_layout(cfg)
+    if cfg.is_dspark:
+        for s in range(cfg.dspark_stages):
+            layout.update(dspark_stage_layout(cfg, s))
+    else:
+        for i in range(cfg.num_nextn_predict_layers):
+            layout.update(mtp_layout(cfg, i, with_emb_head=with_emb_head))
+    return layout
 
 
 def top_level_layout(cfg: ModelConfig) -> Layout:

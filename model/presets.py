@@ -2,7 +2,7 @@
 
 Each preset is the complete field set of the released config.json (not only the fields
 `ModelConfig` reads), so a synthetic checkpoint looks like the release to any tool that
-reads its config. Base variants differ only in "expert_dtype" (spec 01 §1.2).
+reads its config. Base variants differ only in "expert_dtype" (mapping/README.md#config-fields).
 """
 
 from __future__ import annotations
@@ -122,18 +122,50 @@ _TINY: dict[str, Any] = {
 
 PRESETS: dict[str, dict[str, Any]] = {"flash": _FLASH, "pro": _PRO, "tiny": _TINY}
 
+# DeepSeek-V4-Flash-0731 (mapping/README.md#dspark-source-checkpoint): Flash with a three-stage DSpark drafter. It keeps
+# "num_nextn_predict_layers": 1, and compress_ratios gains one 0 per stage (46 entries).
+_FLASH_0731: dict[str, Any] = {
+    **_FLASH,
+    "compress_ratios": [0, 0] + [4, 128] * 20 + [4] + [0, 0, 0],
+    "dspark_block_size": 5,
+    "dspark_noise_token_id": 128799,
+    "dspark_target_layer_ids": [40, 41, 42],
+    "dspark_markov_rank": 256,
+}
+
+# Tiny's DSpark sibling: three stages like the release, so stage 0, a middle stage and the
+# last stage S-1 are all distinct; three target layers need three main layers.
+_TINY_DSPARK: dict[str, Any] = {
+    **_TINY,
+    "num_hidden_layers": 3,
+    "compress_ratios": [4, 128, 0, 0, 0, 0],
+    "dspark_block_size": 5,
+    "dspark_noise_token_id": 500,
+    "dspark_target_layer_ids": [0, 1, 2],
+    "dspark_markov_rank": 32,
+}
+
+# The DSpark release of each preset (there is no DSpark Pro)
+DSPARK_PRESETS: dict[str, dict[str, Any]] = {"flash": _FLASH_0731, "tiny": _TINY_DSPARK}
+DSPARK_FIELDS = ("dspark_block_size", "dspark_noise_token_id", "dspark_target_layer_ids", "dspark_markov_rank")
+
 
 def with_variant(config: dict[str, Any], variant: Variant) -> dict[str, Any]:
-    """A deep copy of `config` with "expert_dtype" set as `variant` stores its experts."""
+    """A deep copy of `config` with "expert_dtype" set as `variant` stores its experts. A
+    DSpark config must carry its dspark_* fields already (a DSpark preset does)."""
     if variant not in EXPERT_DTYPE:
         raise ValueError(f"unknown variant {variant!r} (expected one of {', '.join(EXPERT_DTYPE)})")
+    if variant == "dspark" and not all(f in config for f in DSPARK_FIELDS):
+        raise ValueError(f"variant dspark needs a config with {', '.join(DSPARK_FIELDS)} (mapping/README.md#dspark-source-checkpoint)")
     out = copy.deepcopy(config)
     out["expert_dtype"] = EXPERT_DTYPE[variant]
     return out
 
 
 def preset_config(name: str, variant: Variant = "instruct") -> dict[str, Any]:
-    """The full config.json of preset `name` for `variant` (a fresh copy: callers may edit it)."""
-    if name not in PRESETS:
-        raise ValueError(f"unknown preset {name!r} (expected one of {', '.join(PRESETS)})")
-    return with_variant(PRESETS[name], variant)
+    """The full config.json of preset `name` for `variant` (a fresh copy: callers may edit it).
+    The dspark variant is the preset's DSpark release (flash: V4-Flash-0731)."""
+    presets = DSPARK_PRESETS if variant == "dspark" else PRESETS
+    if name not in presets:
+        raise ValueError(f"unknown preset {name!r} for variant {variant} (expected one of {', '.join(presets)})")
+    return with_variant(presets[name], variant)
