@@ -14,7 +14,6 @@ each other. N and K default from Slurm array or Kubernetes indexed-Job variables
 
 from __future__ import annotations
 
-import json
 import os
 import string
 import time
@@ -25,18 +24,20 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-import click
+from dsv4 import __version__
+from dsv4.convert.errors import ManifestError, PushError, WriteFailedError
+from dsv4.convert.exit_codes import exit_code
+from dsv4.convert.hub import hub_errors, open_hub_source, resolve_commit
+from dsv4.convert.location import HUB_SCHEME, HubSpec, parse_hub_spec
+from dsv4.convert.output import CONVERSION_RECORD, read_record
+from dsv4.convert.pipeline import DEFAULT_MAX_SHARD, plan_source, run_plan
+from dsv4.convert.sizes import shard_size
+from dsv4.mapping.table import Table, installed_targets, load_table, tables_of_target
+from dsv4.model.errors import DSV4Error
+from dsv4.model.strictjson import write_record
 from huggingface_hub import HfApi, hf_hub_download
 from huggingface_hub.errors import EntryNotFoundError, HFValidationError, RepositoryNotFoundError, RevisionNotFoundError
 from huggingface_hub.utils import validate_repo_id
-
-from dsv4 import __version__
-from dsv4.convert.errors import BatchFailedError, DSV4Error, ManifestError, PushError, WriteFailedError
-from dsv4.convert.hub import HUB_SCHEME, HubSpec, hub_errors, open_hub_source, parse_spec, resolve_commit
-from dsv4.convert.job import DEFAULT_MAX_SHARD, plan_source, run_plan
-from dsv4.convert.output import CONVERSION_RECORD, read_record
-from dsv4.convert.sizes import shard_size
-from dsv4.mapping.table import Table, installed_targets, load_table, tables_of_target
 
 TOP_KEYS = {"target", "sources", "output", "options"}
 OUTPUT_KEYS = {"dir", "name", "repo", "private"}
@@ -75,10 +76,10 @@ class Manifest:
 
 def _table(raw: Any, where: str, keys: set[str]) -> dict[str, Any]:
     if not isinstance(raw, dict):
-        raise ManifestError(f"{where}: must be a table")
+        raise ManifestError(f"{where}: must be a table", path=str(where))
     unknown = sorted(set(raw) - keys)
     if unknown:
-        raise ManifestError(f"{where}: unknown key {unknown[0]!r} (known: {', '.join(sorted(keys))})")
+        raise ManifestError(f"{where}: unknown key {unknown[0]!r} (known: {', '.join(sorted(keys))})", path=str(where))
     return raw
 
 
@@ -94,7 +95,7 @@ def _fill(template: str, hub: HubSpec, target: str, where: str) -> str:
             raise ValueError(f"{bad} is not a placeholder")
         return template.format(**values)
     except ValueError as exc:
-        raise ManifestError(f"{where}: bad template {template!r} ({exc}); placeholders are {', '.join('{' + p + '}' for p in PLACEHOLDERS)}") from None
+        raise ManifestError(f"{where}: bad template {template!r} ({exc}); placeholders are {', '.join('{' + p + '}' for p in PLACEHOLDERS)}", path=str(where)) from None
 
 
 def _parse_source(entry: Any, where: str) -> HubSpec:
@@ -102,14 +103,14 @@ def _parse_source(entry: Any, where: str) -> HubSpec:
         entry = _table(entry, where, {"repo", "revision"})
         repo, revision = entry.get("repo"), entry.get("revision")
         if not isinstance(repo, str) or "@" in repo or not (revision is None or isinstance(revision, str)):
-            raise ManifestError(f"{where}: needs repo = \"org/name\" and optionally revision = \"branch, tag or commit\"")
+            raise ManifestError(f"{where}: needs repo = \"org/name\" and optionally revision = \"branch, tag or commit\"", path=str(where))
         entry = f"{repo}@{revision}" if revision else repo
     if not isinstance(entry, str):
-        raise ManifestError(f"{where}: a source is \"org/name[@revision]\" or {{repo = ..., revision = ...}}")
+        raise ManifestError(f"{where}: a source is \"org/name[@revision]\" or {{repo = ..., revision = ...}}", path=str(where))
     try:
-        return parse_spec(entry)
+        return parse_hub_spec(entry)
     except DSV4Error as exc:
-        raise ManifestError(f"{where}: {exc}") from None
+        raise ManifestError(f"{where}: {exc}", path=str(where)) from None
 
 
 def load_manifest(path: str | Path, out_dir: str | Path | None = None) -> Manifest:
@@ -118,9 +119,9 @@ def load_manifest(path: str | Path, out_dir: str | Path | None = None) -> Manife
     try:
         raw = tomllib.loads(path.read_text())
     except (OSError, UnicodeDecodeError) as exc:
-        raise ManifestError(f"{path}: cannot read the manifest ({exc})") from None
+        raise ManifestError(f"{path}: cannot read the manifest ({exc})", path=str(path)) from None
     except tomllib.TOMLDecodeError as exc:
-        raise ManifestError(f"{path}: not valid TOML ({exc})") from None
+        raise ManifestError(f"{path}: not valid TOML ({exc})", path=str(path)) from None
     _table(raw, str(path), TOP_KEYS)
     output = _table(raw.get("output", {}), f"{path}: [output]", OUTPUT_KEYS)
     options = _table(raw.get("options", {}), f"{path}: [options]", OPTION_KEYS)
@@ -128,28 +129,28 @@ def load_manifest(path: str | Path, out_dir: str | Path | None = None) -> Manife
     name_t, repo_t, private = output.get("name", DEFAULT_NAME), output.get("repo"), output.get("private")
     max_shard, check = options.get("max_shard_size", DEFAULT_MAX_SHARD), options.get("check", True)
     if not isinstance(target, str) or not isinstance(name_t, str) or not (repo_t is None or isinstance(repo_t, str)):
-        raise ManifestError(f"{path}: target, output.name and output.repo are strings")
+        raise ManifestError(f"{path}: target, output.name and output.repo are strings", path=str(path))
     if target not in installed_targets():  # before it fills a template or names a path
-        raise ManifestError(f"{path}: target {target!r} is not an installed mapping table (installed: {', '.join(installed_targets())}); a table is chosen by name, not path")
+        raise ManifestError(f"{path}: target {target!r} is not an installed mapping table (installed: {', '.join(installed_targets())}); a table is chosen by name, not path", path=str(path))
     if not (private is None or isinstance(private, bool)) or not isinstance(check, bool):
-        raise ManifestError(f"{path}: output.private and options.check are true or false")
+        raise ManifestError(f"{path}: output.private and options.check are true or false", path=str(path))
     if not isinstance(max_shard, int) or isinstance(max_shard, bool):
-        raise ManifestError(f"{path}: options.max_shard_size is a positive number of bytes (e.g. 5_000_000_000)")
+        raise ManifestError(f"{path}: options.max_shard_size is a positive number of bytes (e.g. 5_000_000_000)", path=str(path))
     try:
         max_shard = shard_size(max_shard)  # the rule --max-shard-size follows
     except ValueError as exc:
-        raise ManifestError(f"{path}: options.max_shard_size: {exc}") from None
+        raise ManifestError(f"{path}: options.max_shard_size: {exc}", path=str(path)) from None
     if out_dir is None:
         dir_raw = output.get("dir", DEFAULT_DIR)
         if not isinstance(dir_raw, str):
-            raise ManifestError(f"{path}: output.dir is a string")
+            raise ManifestError(f"{path}: output.dir is a string", path=str(path))
         out_root = path.parent / dir_raw  # relative to the manifest, so jobs may start anywhere
     else:
         out_root = Path(out_dir)
 
     entries = raw.get("sources")
     if not isinstance(entries, list) or not entries:
-        raise ManifestError(f"{path}: sources must be a non-empty list of \"org/name[@revision]\"")
+        raise ManifestError(f"{path}: sources must be a non-empty list of \"org/name[@revision]\"", path=str(path))
     sources: dict[str, Source] = {}
     names: dict[str, str] = {}
     for k, entry in enumerate(entries):
@@ -157,7 +158,7 @@ def load_manifest(path: str | Path, out_dir: str | Path | None = None) -> Manife
         hub = _parse_source(entry, where)
         local = _fill(name_t, hub, target, f"{path}: output.name")
         if not local or local in (".", "..") or "/" in local or "\\" in local:
-            raise ManifestError(f"{where}: output.name gives {local!r}, not a plain directory name")
+            raise ManifestError(f"{where}: output.name gives {local!r}, not a plain directory name", path=str(where))
         push_repo = _fill(repo_t, hub, target, f"{path}: output.repo") if repo_t else None
         if push_repo is not None:
             try:
@@ -165,13 +166,13 @@ def load_manifest(path: str | Path, out_dir: str | Path | None = None) -> Manife
                 if push_repo.count("/") != 1:
                     raise HFValidationError("needs org/name")
             except HFValidationError:
-                raise ManifestError(f"{where}: output.repo gives {push_repo!r}, not a repo id org/name") from None
+                raise ManifestError(f"{where}: output.repo gives {push_repo!r}, not a repo id org/name", path=str(where)) from None
         src = Source(hub.repo, hub.revision, out_root / local, push_repo)
         if src.key in sources:
-            raise ManifestError(f"{where}: {src.key} is listed twice")
+            raise ManifestError(f"{where}: {src.key} is listed twice", path=str(where))
         for label, value in (("local output", local), ("target repo", push_repo)):
             if value is not None and (other := names.get(f"{label}:{value}")) is not None:
-                raise ManifestError(f"{where}: {src.key} and {other} get the same {label} {value!r}; tell them apart in the template ({{org}}, {{revision}})")
+                raise ManifestError(f"{where}: {src.key} and {other} get the same {label} {value!r}; tell them apart in the template ({{org}}, {{revision}})", path=str(where))
             names[f"{label}:{value}"] = src.key
         sources[src.key] = src
     ordered = tuple(sources[k] for k in sorted(sources))
@@ -279,7 +280,7 @@ class _Job:
 
     def __init__(self, src: Source, manifest: Manifest, tables: Mapping[str, Table], push_to_hub: bool):
         self.src, self.manifest, self.tables, self.push_to_hub = src, manifest, tables, push_to_hub
-        self.hub = HubSpec(src.repo, src.revision)
+        self.hub = HubSpec(src.repo, src.revision, explicit=True)  # a manifest names hub repositories only
         self.commit: str | None = None
         self.fetched = 0
 
@@ -319,16 +320,14 @@ def _what(record: dict[str, Any]) -> str:
 
 
 def _write_report(path: Path, report: dict[str, Any]) -> None:
-    # rewritten after every repo (atomically), so a killed job still leaves an accurate report
+    # rewritten after every repo (durably), so a killed job still leaves an accurate report
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
-        tmp.replace(path)
+        write_record(path, report)
     except OSError as exc:
         # mkdir says "File exists" when the folder's name is taken by a file
         why = f"{path.parent} is not a directory" if isinstance(exc, FileExistsError) else exc.strerror or str(exc)
-        raise WriteFailedError(f"{path}: cannot write the batch report ({why})") from None
+        raise WriteFailedError(f"{path}: cannot write the batch report ({why})", path=str(path)) from None
 
 
 def default_report_path(manifest: Manifest, num_shards: int, shard_index: int) -> Path:
@@ -343,12 +342,12 @@ def run_batch(
     num_shards: int = 1,
     shard_index: int = 0,
     report_path: Path | None = None,
-    echo: Callable[[str], object] = lambda line: None,
+    echo: Callable[[str], object] | None = None,
 ) -> dict[str, Any]:
     """Process this shard's sources; returns the report (also written to `report_path`)."""
     start, started = time.monotonic(), datetime.now(UTC).isoformat(timespec="seconds")
     if push_to_hub and any(s.push_repo is None for s in manifest.sources):
-        raise ManifestError(f"{manifest.path}: --push needs output.repo, the target repo name template")
+        raise ManifestError(f"{manifest.path}: --push needs output.repo, the target repo name template", path=str(manifest.path))
     tables = {name: load_table(name) for name in tables_of_target(manifest.target)}
     mine = select_shard(manifest.sources, num_shards, shard_index)
     report_path = report_path or default_report_path(manifest, num_shards, shard_index)
@@ -375,44 +374,17 @@ def run_batch(
             outcome, entry = job.run()
         except Exception as exc:  # one repo's failure, whatever it is, must not stop the others
             outcome = "failed"
-            code = exc.exit_code if isinstance(exc, DSV4Error) else 1
+            code = exit_code(exc)
             reason = str(exc) if isinstance(exc, DSV4Error) else f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
-            entry = {"reason": reason, "error": type(exc).__name__, "exit_code": code}
+            entry = {"reason": reason, "error": type(exc).__name__, "exit_code": code, **(exc.fields() if isinstance(exc, DSV4Error) else {})}
         entry = {"repo": src.repo, "revision": src.revision, "commit": job.commit, "output": str(src.output), **entry, "bytes_fetched": job.fetched, "seconds": round(time.monotonic() - t0, 3)}
         report[outcome].append(entry)
         report["bytes_fetched"] += job.fetched
         report["seconds"] = round(time.monotonic() - start, 3)
         _write_report(report_path, report)
         detail = entry.get("reason") or f"{entry['conversion']} -> {src.output} ({job.fetched:,} bytes fetched, {entry['seconds']:.1f} s)"
-        echo(f"[{n}/{len(mine)}] {src.key}: {outcome}: {detail}")
+        if echo is not None:
+            echo(f"[{n}/{len(mine)}] {src.key}: {outcome}: {detail}")
     report["seconds"] = round(time.monotonic() - start, 3)
     _write_report(report_path, report)
     return report
-
-
-@click.command("batch")
-@click.argument("manifest", type=click.Path(exists=True, dir_okay=False, path_type=Path))
-@click.option("--out-dir", type=click.Path(file_okay=False, path_type=Path), help="Root of the local outputs (default: the manifest's output.dir).")
-@click.option("--push", "push_to_hub", is_flag=True, help="Upload each output to the manifest's output.repo (HF_TOKEN or `hf auth login` with write access).")
-@click.option("--num-shards", type=click.IntRange(min=1), envvar=NUM_SHARDS_ENV, help=f"Split the manifest into N shards [env {NUM_SHARDS_ENV}; default: SLURM_ARRAY_TASK_COUNT, else 1].")
-@click.option("--shard-index", type=click.IntRange(min=0), help="This run's shard, 0..N-1 [default: the Slurm array task's place in its array, or JOB_COMPLETION_INDEX].")
-@click.option("--report", "report_path", type=click.Path(dir_okay=False, path_type=Path), help="JSON report [default: OUT_DIR/batch-report[-K-of-N].json].")
-def batch_command(manifest: Path, out_dir: Path | None, push_to_hub: bool, num_shards: int | None, shard_index: int | None, report_path: Path | None) -> None:
-    """Convert every source repo of MANIFEST (TOML) that is not already converted.
-
-    A source is skipped, without reading any of its files, when its output (with --push: its
-    target repo) already records the source's current commit and the table's version. A
-    failing repo is reported and the others go on; the exit code is non-zero if any failed.
-    """
-    try:
-        n, k = shard_from_env(num_shards, shard_index)
-    except ValueError as exc:
-        raise click.UsageError(str(exc)) from None
-    m = load_manifest(manifest, out_dir)
-    path = report_path or default_report_path(m, n, k)
-    report = run_batch(m, push_to_hub=push_to_hub, num_shards=n, shard_index=k, report_path=path, echo=click.echo)
-    counts = {key: len(report[key]) for key in ("planned", "converted", "skipped", "failed")}
-    done = f"{counts['converted']} converted, {counts['skipped']} skipped, {counts['failed']} failed of {counts['planned']}"
-    click.echo(f"shard {k}/{n}: {done}; {report['bytes_fetched']:,} bytes fetched in {report['seconds']:.1f} s; report {path}")
-    if counts["failed"]:
-        raise BatchFailedError(f"{manifest}: {counts['failed']} of {counts['planned']} repositories failed; reasons in {path}")

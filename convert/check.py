@@ -1,11 +1,14 @@
 """`convert-dsv4 check DIR`: verify a converted checkpoint, one named check at a time.
 
-Each check passes, fails with its own exit code (convert/errors.py, 71..85) and a one-line
-reason naming the file and tensor, or is skipped with the reason why (not requested, or a
-check it builds on failed). `run_checks` returns the whole report for library callers (the
-batch job); the command prints it, optionally as JSON and as JUnit XML with one test case
-per check, so GitHub Actions and GitLab show each one, and exits with the first failure's
-code.
+Each check passes, fails with its own exit code (convert/exit_codes.py, 71..85) and a
+one-line reason naming the file and tensor, or is skipped with the reason why (not
+requested, or a check it builds on failed). `run_checks` returns the whole report
+(convert/report.py: text, JSON, JUnit) for the command (convert/cli.py) and for library
+callers (the batch job).
+
+Why one module of ~530 lines: the nine checks share one context (what the earlier checks
+found: the inventory, the config, the hashes) and run in a fixed order from one table
+(CHECKS); split into files, each file would need that context and the order from another.
 
 The checks, in order (a later one may need an earlier one's result):
   index      index and shard headers agree: names, shards present, no stray shard, every
@@ -27,49 +30,46 @@ from __future__ import annotations
 
 import errno
 import hashlib
-import json
 import math
 import os
 import re
 import time
-import xml.etree.ElementTree as ET
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-import click
 import torch
-from safetensors import safe_open
-
-from dsv4.convert.cli import Device
-from dsv4.convert.dtypes import tensor_bytes
 from dsv4.convert.errors import (
     CheckError,
     ChecksumMismatchError,
     ConfigCheckError,
-    DSV4Error,
     IndexCheckError,
     MissingTensorsError,
     NativeParityError,
     SizeCheckError,
     SmokeFailedError,
-    TableError,
     TensorDtypeError,
     TensorShapeError,
     UnexpectedTensorsError,
     UnreadableTensorError,
-    WriteFailedError,
 )
-from dsv4.convert.inventory import INDEX_NAME, Inventory, TensorSource, load_index, merge_shards, read_local_shards
-from dsv4.convert.job import CONVERSION_RECORD
+from dsv4.convert.exit_codes import exit_code
+from dsv4.convert.inventory import Inventory, TensorSource, merge_shards, read_local_shards
+from dsv4.convert.pipeline import CONVERSION_RECORD
 from dsv4.convert.plan import LAYOUT_RECORD
-from dsv4.convert.quant import build_draft, check_draft_quantization
+from dsv4.convert.quant_config import build_draft, check_draft_quantization
+from dsv4.convert.report import CheckReport, CheckResult
+from dsv4.mapping.errors import TableError
 from dsv4.mapping.table import load_table
 from dsv4.model import strictjson
+from dsv4.model.checkpoint import INDEX_NAME, load_index
 from dsv4.model.config import ConfigError, ModelConfig, parse_config
+from dsv4.model.dtypes import tensor_bytes
+from dsv4.model.errors import DSV4Error
 from dsv4.model.layout import target_layout
+from safetensors import safe_open
 
 READ_BLOCK = 64 << 20  # bytes per read of one tensor: bounded memory at any tensor size
 SMOKE_TOKENS = 4
@@ -78,85 +78,8 @@ NATIVE_MAX_REL_DIFF = 2e-2  # max|diff| / max|value|: bf16 rounding, far below a
 LIST_AT_MOST = 3  # names quoted in a one-line reason; the JSON details list all of them
 SHA256 = re.compile(r"[0-9a-f]{64}")  # hashlib's hexdigest, as the converter records it
 
-Status = Literal["pass", "fail", "skip"]
-
-
 class _Skipped(Exception):
     """A check that did not run, and why."""
-
-
-@dataclass
-class CheckResult:
-    name: str
-    status: Status
-    reason: str
-    exit_code: int = 0
-    error: CheckError | None = field(default=None, repr=False)
-    seconds: float = 0.0
-    details: dict[str, Any] = field(default_factory=dict)
-
-    def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"name": self.name, "status": self.status, "reason": self.reason, "seconds": round(self.seconds, 3)}
-        if self.error is not None:
-            out["exit_code"] = self.exit_code
-            out["error"] = type(self.error).__name__
-        if self.details:
-            out["details"] = self.details
-        return out
-
-
-@dataclass
-class CheckReport:
-    checkpoint: str
-    results: list[CheckResult]
-
-    @property
-    def failures(self) -> list[CheckResult]:
-        return [r for r in self.results if r.status == "fail"]
-
-    @property
-    def ok(self) -> bool:
-        return not self.failures
-
-    @property
-    def exit_code(self) -> int:
-        """The first failed check's code (checks run in a fixed order), 0 when all passed."""
-        return self.failures[0].exit_code if self.failures else 0
-
-    def result(self, name: str) -> CheckResult:
-        return next(r for r in self.results if r.name == name)
-
-    def summary(self) -> str:
-        counts = {s: sum(r.status == s for r in self.results) for s in ("pass", "fail", "skip")}
-        verdict = "OK" if self.ok else f"FAILED (exit {self.exit_code})"
-        return f"{self.checkpoint}: {verdict}: {counts['pass']} passed, {counts['fail']} failed, {counts['skip']} skipped"
-
-    def raise_for_failure(self) -> None:
-        """Raise the first failed check's error (its one-line reason and exit code)."""
-        for r in self.failures:
-            assert r.error is not None
-            raise r.error
-
-    def to_json(self) -> dict[str, Any]:
-        return {"checkpoint": self.checkpoint, "ok": self.ok, "exit_code": self.exit_code, "summary": self.summary(), "checks": [r.to_json() for r in self.results]}
-
-    def to_junit(self) -> str:
-        """JUnit XML: one test case per check; a failure carries the reason, a skip its why."""
-        total = sum(r.seconds for r in self.results)
-        counts = {"tests": str(len(self.results)), "failures": str(len(self.failures)), "errors": "0", "skipped": str(sum(r.status == "skip" for r in self.results)), "time": f"{total:.3f}"}
-        suites = ET.Element("testsuites", {"name": "convert-dsv4 check", **counts})
-        suite = ET.SubElement(suites, "testsuite", {"name": f"convert-dsv4 check {self.checkpoint}", **counts})
-        for r in self.results:
-            case = ET.SubElement(suite, "testcase", {"classname": "convert-dsv4.check", "name": r.name, "time": f"{r.seconds:.3f}"})
-            if r.status == "fail":
-                failure = ET.SubElement(case, "failure", {"message": r.reason, "type": type(r.error).__name__})
-                failure.text = f"{r.reason} (exit code {r.exit_code})"
-            elif r.status == "skip":
-                ET.SubElement(case, "skipped", {"message": r.reason})
-            else:
-                ET.SubElement(case, "system-out").text = r.reason
-        ET.indent(suites)
-        return ET.tostring(suites, encoding="unicode", xml_declaration=True) + "\n"
 
 
 @dataclass
@@ -209,7 +132,7 @@ def _first_line(exc: BaseException) -> str:
 def check_index(ctx: _Context, details: dict[str, Any]) -> str:
     index_path = ctx.root / INDEX_NAME
     if not index_path.is_file():
-        raise IndexCheckError(f"{index_path}: missing (the converter always writes one)")
+        raise IndexCheckError(f"{index_path}: missing (the converter always writes one)", path=str(index_path))
     try:
         weight_map = load_index(strictjson.read_record_bytes(index_path), INDEX_NAME)
         files = sorted(set(weight_map.values()))
@@ -222,7 +145,7 @@ def check_index(ctx: _Context, details: dict[str, Any]) -> str:
         raise IndexCheckError(str(exc)) from None
     stray = sorted(p.name for p in ctx.root.glob("*.safetensors") if p.name not in sizes)
     if stray:
-        raise IndexCheckError(f"{ctx.where(stray[0])}: shard not named in {INDEX_NAME} (a loader that globs *.safetensors would read it; {len(stray)} such file(s))")
+        raise IndexCheckError(f"{ctx.where(stray[0])}: shard not named in {INDEX_NAME} (a loader that globs *.safetensors would read it; {len(stray)} such file(s))", path=str(ctx.where(stray[0])))
     ctx.inv = Inventory(str(ctx.root), ctx.config or {}, tensors, sizes)
     details.update(shards=files, tensors=len(tensors))
     return f"{len(files)} shard(s), {len(tensors)} tensors: index and headers agree, data sections tile their files"
@@ -314,18 +237,18 @@ def _conversion_record(ctx: _Context) -> dict[str, Any]:
     try:
         record = strictjson.loads(strictjson.read_record_bytes(path))
     except FileNotFoundError:
-        raise SizeCheckError(f"{path}: missing (the converter writes every tensor's file, size and sha256 there)") from None
+        raise SizeCheckError(f"{path}: missing (the converter writes every tensor's file, size and sha256 there)", path=str(path)) from None
     except (OSError, strictjson.StrictJSONError) as exc:
-        raise SizeCheckError(f"{path}: unreadable ({_first_line(exc)})") from None
+        raise SizeCheckError(f"{path}: unreadable ({_first_line(exc)})", path=str(path)) from None
     if not isinstance(record, dict) or not isinstance(record.get("tensors"), dict):
-        raise SizeCheckError(f"{path}: has no 'tensors' object")
+        raise SizeCheckError(f"{path}: has no 'tensors' object", path=str(path))
     for name, entry in record["tensors"].items():
         if not isinstance(entry, dict):
-            raise SizeCheckError(f"{path}: tensors[{name!r}] is {_brief(entry)}, not an object with file, nbytes and sha256")
+            raise SizeCheckError(f"{path}: tensors[{name!r}] is {_brief(entry)}, not an object with file, nbytes and sha256", path=str(path))
         if not isinstance(entry.get("file"), str):
-            raise SizeCheckError(f"{path}: tensors[{name!r}].file is {_brief(entry.get('file'))}, not a file name")
+            raise SizeCheckError(f"{path}: tensors[{name!r}].file is {_brief(entry.get('file'))}, not a file name", path=str(path))
         if not _is_int(entry.get("nbytes")):
-            raise SizeCheckError(f"{path}: tensors[{name!r}].nbytes is {_brief(entry.get('nbytes'))}, not a byte count")
+            raise SizeCheckError(f"{path}: tensors[{name!r}].nbytes is {_brief(entry.get('nbytes'))}, not a byte count", path=str(path))
     return record
 
 
@@ -346,10 +269,10 @@ def _declared_total_size(ctx: _Context) -> Any:
     try:
         index = strictjson.loads(strictjson.read_record_bytes(path))
     except (OSError, strictjson.StrictJSONError) as exc:
-        raise SizeCheckError(f"{path}: unreadable ({_first_line(exc)})") from None
+        raise SizeCheckError(f"{path}: unreadable ({_first_line(exc)})", path=str(path)) from None
     metadata = index.get("metadata", {}) if isinstance(index, dict) else None
     if not isinstance(metadata, dict):
-        raise SizeCheckError(f"{path}: metadata is {_brief(metadata)}, not an object")
+        raise SizeCheckError(f"{path}: metadata is {_brief(metadata)}, not an object", path=str(path))
     return metadata.get("total_size")
 
 
@@ -358,19 +281,19 @@ def check_sizes(ctx: _Context, details: dict[str, Any]) -> str:
     total = sum(src.nbytes for src in inv.tensors.values())
     declared = _declared_total_size(ctx)
     if not _is_int(declared) or declared != total:
-        raise SizeCheckError(f"{ctx.where(INDEX_NAME)}: metadata.total_size is {_brief(declared)} but the {len(inv.tensors)} tensors hold {total:,} bytes")
+        raise SizeCheckError(f"{ctx.where(INDEX_NAME)}: metadata.total_size is {_brief(declared)} but the {len(inv.tensors)} tensors hold {total:,} bytes", path=str(ctx.where(INDEX_NAME)))
     record = _conversion_record(ctx)
     listed = record["tensors"]
     missing = sorted(set(inv.tensors) - set(listed))
     if missing:
-        raise SizeCheckError(f"{ctx.where(CONVERSION_RECORD)}: does not list {len(missing)} tensor(s) the shards hold: {_short(missing)}")
+        raise SizeCheckError(f"{ctx.where(CONVERSION_RECORD)}: does not list {len(missing)} tensor(s) the shards hold: {_short(missing)}", path=str(ctx.where(CONVERSION_RECORD)))
     extra = sorted(set(listed) - set(inv.tensors))
     if extra:
-        raise SizeCheckError(f"{ctx.where(CONVERSION_RECORD)}: lists {len(extra)} tensor(s) no shard holds: {_short([repr(n) for n in extra])}")
+        raise SizeCheckError(f"{ctx.where(CONVERSION_RECORD)}: lists {len(extra)} tensor(s) no shard holds: {_short([repr(n) for n in extra])}", path=str(ctx.where(CONVERSION_RECORD)))
     for name, src in sorted(inv.tensors.items()):
         entry = listed[name]
         if entry["file"] != src.file or entry["nbytes"] != src.nbytes:
-            raise SizeCheckError(f"{ctx.where(CONVERSION_RECORD)}: tensor {name}: recorded as {entry['nbytes']!r} bytes in {entry['file']!r}, but it is {src.nbytes:,} bytes in {src.file}")
+            raise SizeCheckError(f"{ctx.where(CONVERSION_RECORD)}: tensor {name}: recorded as {entry['nbytes']!r} bytes in {entry['file']!r}, but it is {src.nbytes:,} bytes in {src.file}", path=str(ctx.where(CONVERSION_RECORD)), tensor=name)
     ctx.record = record
     details["total_size"] = total
     return f"total_size {total:,} bytes = the tensors' sum; {CONVERSION_RECORD} lists the same {len(listed)} tensors, files and sizes"
@@ -402,7 +325,7 @@ LAYER = re.compile(r"model\.layers\.(\d+)\.")
 
 
 def _expert_dtype_of(name: str, dtype: str) -> str | None:
-    """The expert_dtype a routed-expert tensor implies (spec 02 §2.2): FP4 experts are uint8
+    """The expert_dtype a routed-expert tensor implies (mapping/README.md#mtp-parameters): FP4 experts are uint8
     weights with `_weight_scale`; FP8 experts are e4m3 weights with `_weight_scale_inv`."""
     m = EXPERT.search(name)
     if m is None:
@@ -415,25 +338,25 @@ def _expert_dtype_of(name: str, dtype: str) -> str | None:
 def check_config(ctx: _Context, details: dict[str, Any]) -> str:
     where = ctx.where("config.json")
     if ctx.config is None or ctx.cfg is None:
-        raise ConfigCheckError(f"{where}: {ctx.config_error}")
+        raise ConfigCheckError(f"{where}: {ctx.config_error}", path=str(where))
     inv = ctx.need_inventory()
     config, cfg = ctx.config, ctx.cfg
     record = config.get(LAYOUT_RECORD)
     keys = ("layout", "table", "table_version", "tool_version")
     if not isinstance(record, dict) or any(k not in record for k in keys):
-        raise ConfigCheckError(f"{where}: no {LAYOUT_RECORD} record with {', '.join(keys)}: not a checkpoint this converter wrote")
+        raise ConfigCheckError(f"{where}: no {LAYOUT_RECORD} record with {', '.join(keys)}: not a checkpoint this converter wrote", path=str(where))
     try:
         table = load_table(record["table"])
     except TableError as exc:
-        raise ConfigCheckError(f"{where}: {LAYOUT_RECORD}.table {record['table']!r} is not a table this tool has ({_first_line(exc)})") from None
+        raise ConfigCheckError(f"{where}: {LAYOUT_RECORD}.table {record['table']!r} is not a table this tool has ({_first_line(exc)})", path=str(where)) from None
     if (record["layout"], record["table_version"]) != (table.target, table.version):
-        raise ConfigCheckError(f"{where}: converted to layout {record['layout']!r} with table {record['table']} v{record['table_version']}, but this tool's table {table.name} is v{table.version} for layout {table.target!r}: reconvert")
+        raise ConfigCheckError(f"{where}: converted to layout {record['layout']!r} with table {record['table']} v{record['table_version']}, but this tool's table {table.name} is v{table.version} for layout {table.target!r}: reconvert", path=str(where))
     if ctx.record is not None and (ctx.record.get("table"), ctx.record.get("target")) != (record["table"], record["layout"]):
-        raise ConfigCheckError(f"{where}: {LAYOUT_RECORD} says table {record['table']!r} / layout {record['layout']!r}, {CONVERSION_RECORD} says {ctx.record.get('table')!r} / {ctx.record.get('target')!r}")
+        raise ConfigCheckError(f"{where}: {LAYOUT_RECORD} says table {record['table']!r} / layout {record['layout']!r}, {CONVERSION_RECORD} says {ctx.record.get('table')!r} / {ctx.record.get('target')!r}", path=str(where))
 
     drafter = "dspark" if cfg.is_dspark else "mtp"
     if table.drafter != drafter:
-        raise ConfigCheckError(f"{where}: {LAYOUT_RECORD}.table {record['table']!r} maps {table.drafter} drafters, but config.json describes a{'' if cfg.is_dspark else 'n'} {drafter} drafter{' (dspark_* fields)' if cfg.is_dspark else ' (no dspark_* fields)'}")
+        raise ConfigCheckError(f"{where}: {LAYOUT_RECORD}.table {record['table']!r} maps {table.drafter} drafters, but config.json describes a{'' if cfg.is_dspark else 'n'} {drafter} drafter{' (dspark_* fields)' if cfg.is_dspark else ' (no dspark_* fields)'}", path=str(where))
     present = {int(m.group(1)) for name in inv.tensors if (m := LAYER.match(name))}
     if cfg.is_dspark:  # the stages are an nn.ModuleList: model.layers.{s}, s < S
         expected_layers = set(range(cfg.dspark_stages))
@@ -442,12 +365,12 @@ def check_config(ctx: _Context, details: dict[str, Any]) -> str:
         expected_layers = {cfg.mtp_layer_index(i) for i in range(cfg.num_nextn_predict_layers)}
         meaning = f"num_nextn_predict_layers = {cfg.num_nextn_predict_layers} and num_hidden_layers = {cfg.num_hidden_layers} mean MTP layer(s) {sorted(expected_layers)}"
     if present != expected_layers:
-        raise ConfigCheckError(f"{where}: {meaning}, but the tensors hold layer(s) {sorted(present)}")
+        raise ConfigCheckError(f"{where}: {meaning}, but the tensors hold layer(s) {sorted(present)}", path=str(where))
 
     for name, src in sorted(inv.tensors.items()):
         implied = _expert_dtype_of(name, src.dtype)
         if implied is not None and implied != cfg.expert_dtype:
-            raise ConfigCheckError(f"{where}: expert_dtype is {cfg.expert_dtype!r} but {src.file}: tensor {name} ({src.dtype}) holds {implied} experts")
+            raise ConfigCheckError(f"{where}: expert_dtype is {cfg.expert_dtype!r} but {src.file}: tensor {name} ({src.dtype}) holds {implied} experts", path=str(where), tensor=name)
 
     # an object or absent, its weight_block_size two integers in range: the config loader
     # (ctx.cfg) has checked both; only an FP8 config that names no block size is left
@@ -455,7 +378,7 @@ def check_config(ctx: _Context, details: dict[str, Any]) -> str:
     block = None
     if isinstance(quant, dict) and quant.get("quant_method") == "fp8":
         if "weight_block_size" not in quant:
-            raise ConfigCheckError(f"{where}: quantization_config.weight_block_size is None, not two positive integers")
+            raise ConfigCheckError(f"{where}: quantization_config.weight_block_size is None, not two positive integers", path=str(where))
         block = list(cfg.weight_block_size)
         layout = target_layout(cfg)
         for name, src in sorted(inv.tensors.items()):
@@ -463,7 +386,7 @@ def check_config(ctx: _Context, details: dict[str, Any]) -> str:
             if not name.endswith("_scale_inv") or weight is None or weight.dtype != "F8_E4M3" or name not in layout or weight.name not in layout:
                 continue
             if weight.shape == layout[weight.name][1] and src.shape != layout[name][1]:
-                raise ConfigCheckError(f"{where}: quantization_config.weight_block_size {block} gives {name} the shape {list(layout[name][1])}, but {src.file} holds {list(src.shape)} for {weight.name} {list(weight.shape)}")
+                raise ConfigCheckError(f"{where}: quantization_config.weight_block_size {block} gives {name} the shape {list(layout[name][1])}, but {src.file} holds {list(src.shape)} for {weight.name} {list(weight.shape)}", path=str(where))
     what = f"FP8 blocks {block}" if block else f"{quant.get('quant_method')} quantisation (names: see quant)" if isinstance(quant, dict) else "no quantization_config"
     details.update(layout=record["layout"], table=record["table"], table_version=record["table_version"], drafter=drafter, mtp_layers=sorted(present))
     layers = f"DSpark stage layer(s) {sorted(present)}" if cfg.is_dspark else f"MTP layer(s) {sorted(present)}"
@@ -545,7 +468,7 @@ def check_native(ctx: _Context, details: dict[str, Any]) -> str:
         said = f"hidden max|diff| {hidden:.2%} of max|h|, logits {logits:.2%} of max|logit|, top-1 agreement {r['top1_agreement']:.3f} ({r['top1_agreement_up_to_ties']:.3f} counting near-ties)"
         agreement = r["top1_agreement_up_to_ties"]
     if not (math.isfinite(hidden) and math.isfinite(logits)) or hidden > ctx.max_rel_diff or logits > ctx.max_rel_diff or agreement < ctx.min_top1:
-        raise NativeParityError(f"{ctx.root}: differs from the reference on {ctx.native}: {said} (limits {ctx.max_rel_diff:.0%}, top-1 {ctx.min_top1:.3f})")
+        raise NativeParityError(f"{ctx.root}: differs from the reference on {ctx.native}: {said} (limits {ctx.max_rel_diff:.0%}, top-1 {ctx.min_top1:.3f})", path=str(ctx.root))
     return f"agrees with the reference on {ctx.native}: {said}"
 
 
@@ -604,54 +527,8 @@ def run_checks(
         except _Skipped as skip:
             result = CheckResult(name, "skip", str(skip))
         except CheckError as exc:
-            result = CheckResult(name, "fail", str(exc), exc.exit_code, exc)
+            result = CheckResult(name, "fail", str(exc), exit_code(exc), exc)
         result.details = details
         result.seconds = time.monotonic() - start
         results.append(result)
     return CheckReport(str(ctx.root), results)
-
-
-@click.command("check")
-@click.argument("directory", type=click.Path(exists=True, file_okay=False, path_type=Path))
-@click.option("--native", "native", type=click.Path(exists=True, file_okay=False, path_type=Path), help="the NATIVE checkpoint DIRECTORY was converted from: check numerical parity with the reference on it (implies --smoke)")
-@click.option("--smoke", is_flag=True, help="load strictly into the bundled model and run a few-token forward")
-@click.option("--fast", is_flag=True, help="skip hashing the tensor data against conversion.json (says so in the report)")
-@click.option("--device", type=Device(), default="cpu", show_default=True, help="device for --smoke and --native")
-@click.option("--json", "as_json", is_flag=True, help="print the report as JSON")
-@click.option("--junit", type=click.Path(dir_okay=False, path_type=Path), help="also write the report as JUnit XML to this file (its folder is created), one test case per check")
-def check_command(directory: Path, native: Path | None, smoke: bool, fast: bool, device: str, as_json: bool, junit: Path | None) -> None:
-    """Verify converted checkpoint DIRECTORY; exit with the first failed check's code.
-
-    \b
-    exit codes: 71 index/headers  72 unreadable tensor  73 sizes  74 checksum
-                75 config vs tensors  76 missing  77 unexpected  78 shape  79 dtype
-                80 quantisation scheme  81 empty quantisation name (vLLM #44817)
-                84 smoke  85 native parity
-                42 the --junit file could not be written (after the report is printed)
-    """
-    report = run_checks(directory, native=native, smoke=smoke, fast=fast, device=device)
-    if as_json:
-        click.echo(json.dumps(report.to_json(), indent=2))
-    else:
-        for r in report.results:
-            code = f" [{r.exit_code}]" if r.status == "fail" else ""
-            click.echo(f"  {r.status.upper():4} {r.name:9} {r.reason}{code}")
-        click.echo(report.summary())
-    if junit is not None:  # after the report: a JUnit file that cannot be written loses nothing else
-        write_junit(report, junit)
-    # the process exit code travels on the error: cli.main() exits with it
-    report.raise_for_failure()
-
-
-def write_junit(report: CheckReport, path: Path) -> None:
-    """Write the report as JUnit XML to `path`, creating its directory (CI often names a
-    fresh reports/ folder). A file that cannot be written is a WriteFailedError (exit 42)
-    whose one line also carries the checks' verdict."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(report.to_junit())
-    except OSError as exc:
-        # mkdir says "File exists" when the folder's name is taken by a file
-        why = f"{path.parent} is not a directory" if isinstance(exc, FileExistsError) else exc.strerror or _first_line(exc)
-        verdict = "all checks passed" if report.ok else f"the checks FAILED (exit {report.exit_code}: {report.failures[0].name})"
-        raise WriteFailedError(f"{path}: cannot write the JUnit report ({why}); {verdict}") from None

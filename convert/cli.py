@@ -1,50 +1,42 @@
-"""`convert-dsv4`: the command line. `convert-dsv4 IN OUT --target xpu` converts; the other
-subcommands plan, check, smoke-test, synthesise and batch-convert."""
+"""`convert-dsv4`: the command line, every command of it. `convert-dsv4 IN OUT --target xpu`
+converts; the other commands plan, check, smoke-test, synthesise and batch-convert.
+
+Each command's body imports the library code it drives when it runs (start-up time: the
+model needs torch and Triton, the hub client its network stack, and a conversion neither).
+Options that several commands share are defined once below, with one name, default and help.
+"""
 
 from __future__ import annotations
 
-import importlib
 import json
+import logging
 import os
 import sys
 import warnings
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
-
 from dsv4 import __version__
-from dsv4.convert.errors import DSV4Error
+from dsv4.convert.exit_codes import INTERNAL_ERROR, INTERRUPTED, exit_code
 from dsv4.convert.sizes import shard_size
 from dsv4.mapping.table import installed_targets
+from dsv4.model.errors import DSV4Error
+from dsv4.model.presets import PRESETS
 
 if TYPE_CHECKING:
     from dsv4.convert.plan import Plan
 
-# Subcommands that live beside the code they drive, imported only when invoked: the model
-# (Triton) and the hub client (huggingface_hub) cost start-up time a conversion need not pay.
-LAZY_COMMANDS = {
-    "check": "dsv4.convert.check:check_command",
-    "smoke": "dsv4.model.smoke:smoke_command",
-    "synth": "dsv4.convert.synth:synth_command",
-    "batch": "dsv4.convert.batch:batch_command",
-}
+F = TypeVar("F", bound=Callable[..., Any])
+JSON_DIGITS = 6  # significant digits of a float in --json output
 
 
 class _Commands(click.Group):
-    """`convert-dsv4 IN OUT ...` means `convert-dsv4 convert IN OUT ...`; the subcommands
-    of LAZY_COMMANDS are imported when used."""
-
-    def list_commands(self, ctx: click.Context) -> list[str]:
-        return sorted({*self.commands, *LAZY_COMMANDS})
-
-    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
-        if name in LAZY_COMMANDS and name not in self.commands:
-            module, attr = LAZY_COMMANDS[name].split(":")
-            self.add_command(getattr(importlib.import_module(module), attr), name)
-        return super().get_command(ctx, name)
+    """`convert-dsv4 IN OUT ...` means `convert-dsv4 convert IN OUT ...`."""
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
-        if args and not args[0].startswith("-") and args[0] not in self.list_commands(ctx):
+        if args and not args[0].startswith("-") and args[0] not in self.commands:
             args = ["convert", *args]
         return super().parse_args(ctx, args)
 
@@ -52,10 +44,10 @@ class _Commands(click.Group):
 @click.group(cls=_Commands, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="convert-dsv4")
 def cli() -> None:
-    """Convert a native DeepSeek V4 checkpoint's MTP draft layer into vLLM's XPU MTP layout.
+    """Convert a native DeepSeek V4 checkpoint's draft layers into vLLM's XPU draft layout.
 
     \b
-      convert-dsv4 IN OUT --target xpu     convert (IN: directory or hub repo org/name[@rev])
+      convert-dsv4 IN OUT --target xpu     convert (IN: directory, or hub repo [hf://]org/name[@rev])
       convert-dsv4 plan IN --target xpu    show what a conversion would read and write
       convert-dsv4 check OUT               verify a converted checkpoint (for CI)
       convert-dsv4 smoke OUT               load it into the bundled model and run a forward
@@ -77,17 +69,20 @@ class ShardSize(click.ParamType):
 
 
 class Device(click.ParamType):
-    """A torch device that exists on this machine: cpu, cuda, cuda:1, xpu, ..."""
+    """`auto` (xpu, else cuda, else cpu: torch.accelerator's choice), or a torch device that
+    exists on this machine: cpu, cuda, cuda:1, xpu, ..."""
 
     name = "device"
 
-    def convert(self, value: object, param: click.Parameter | None, ctx: click.Context | None) -> str:
+    def convert(self, value: object, param: click.Parameter | None, ctx: click.Context | None) -> str | None:
+        if value is None or value == "auto":
+            return None
         import torch  # only commands that run the model take a device, and they import torch anyway
 
         try:
             device = torch.device(str(value))
         except (RuntimeError, ValueError):
-            self.fail(f"{value!r} is not a device (cpu, cuda, cuda:1, xpu, ...)", param, ctx)
+            self.fail(f"{value!r} is not a device (auto, cpu, cuda, cuda:1, xpu, ...)", param, ctx)
         if device.type == "cpu":
             return str(value)
         backend = getattr(torch, device.type, None)  # torch.cuda, torch.xpu, ...
@@ -98,9 +93,34 @@ class Device(click.ParamType):
         return str(value)
 
 
-# A table is chosen by name from those installed, never by path (click lists the names).
+# --- options shared by several commands: one name, default and help each ---------------------
+# A target is chosen by name from those installed, never by path (click lists the names).
 # The target's table for the checkpoint's drafter (MTP or DSpark) is the plan's choice.
 target_option = click.option("--target", type=click.Choice(installed_targets()), default="xpu", show_default=True, help="Runtime layout: its table for the checkpoint's drafter (MTP: mapping/xpu.toml, DSpark: mapping/xpu_dspark.toml) is chosen from config.json and the tensors.")
+native_option = click.option("--native", type=click.Path(exists=True, file_okay=False, path_type=Path), help="The NATIVE checkpoint the output was converted from: compare with an independent reference run on it.")
+device_option = click.option("--device", type=Device(), default="auto", show_default=True, help="Device for the model: auto (xpu, else cuda, else cpu), cpu, cuda, cuda:1, xpu, ...")
+json_option = click.option("--json", "as_json", is_flag=True, help="Print the result as JSON (floats rounded to 6 significant digits).")
+quiet_option = click.option("--quiet", "-q", is_flag=True, help="No progress output (bars, notices, per-item lines); the result is still printed.")
+
+
+def _rounded(value: Any) -> Any:
+    """`value` with every float rounded to JSON_DIGITS significant digits (a timing in ms
+    or a max|diff| means nothing past that)."""
+    if isinstance(value, float):
+        return float(f"{value:.{JSON_DIGITS}g}")
+    if isinstance(value, dict):
+        return {k: _rounded(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_rounded(v) for v in value]
+    return value
+
+
+def echo_json(data: Any) -> None:
+    click.echo(json.dumps(_rounded(data), indent=2))
+
+
+def _gb(n: int) -> str:
+    return f"{n / 1e9:.3f} GB" if n >= 1e7 else f"{n:,} B"
 
 
 @cli.command("convert")
@@ -112,23 +132,23 @@ target_option = click.option("--target", type=click.Choice(installed_targets()),
 @click.option("--wait", is_flag=True, help="If another run holds OUT, wait for it to finish instead of exiting with code 47.")
 @click.option("--max-shard-size", type=ShardSize(), default="5GB", show_default=True, help="Largest output shard: bytes, or with a unit (K, M, G, T = 1000^n; KiB, MiB, GiB, TiB = 1024^n).")
 @click.option("--dry-run", is_flag=True, help="Print the plan and stop (same as `plan`).")
-@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
-@click.option("--json", "as_json", is_flag=True, help="Print a JSON summary (bytes read/written, seconds, output path).")
+@quiet_option
+@json_option
 def convert_command(source: str, out: str, target: str, reverse: bool, overwrite: bool, wait: bool, max_shard_size: int, dry_run: bool, quiet: bool, as_json: bool) -> None:
-    """Convert SOURCE (a native checkpoint directory or hub repo org/name[@revision]) into OUT.
+    """Convert SOURCE (a native checkpoint directory, or hub repo [hf://]org/name[@revision]) into OUT.
 
     Reads only the byte ranges the plan needs, writes shards header-first with bounded
     memory in a hidden partial directory, and resumes there if interrupted. OUT appears
     only when complete and verified; rerunning on an up-to-date OUT does nothing.
     """
-    from dsv4.convert.job import convert
+    from dsv4.convert.pipeline import convert  # start-up time (see the module's docstring)
 
     if dry_run:
-        _print_plan(_plan(source, target, reverse)[0], as_json, full=False)
+        _print_plan(_plan(source, target, reverse)[0], as_json, quiet, full=False)
         return
     result = convert(source, out, target=target, reverse=reverse, overwrite=overwrite, wait=wait, max_shard_size=max_shard_size, quiet=quiet or as_json)
     if as_json:
-        click.echo(json.dumps(result.to_json(), indent=2))
+        echo_json(result.to_json())
     elif result.status == "up-to-date":
         click.echo(f"{out}: already up to date (same source, table {result.plan.table} v{result.plan.table_version}); nothing to do")
     else:
@@ -139,25 +159,23 @@ def convert_command(source: str, out: str, target: str, reverse: bool, overwrite
 @click.argument("source")
 @target_option
 @click.option("--reverse", is_flag=True, help="Plan the reverse conversion of a converted checkpoint.")
+@quiet_option
 @click.option("--json", "as_json", is_flag=True, help="The whole plan (every tensor and byte range, every skip) as JSON.")
-def plan_command(source: str, target: str, reverse: bool, as_json: bool) -> None:
+def plan_command(source: str, target: str, reverse: bool, quiet: bool, as_json: bool) -> None:
     """Show what converting SOURCE would read and write. Reads headers only."""
     plan, header_bytes = _plan(source, target, reverse)
-    _print_plan(plan, as_json, full=True, header_bytes=header_bytes)
+    _print_plan(plan, as_json, quiet, full=True, header_bytes=header_bytes)
 
 
 def _plan(source: str, target: str, reverse: bool) -> tuple[Plan, int]:
     """The plan for SOURCE, from headers only, and the header bytes read."""
-    from dsv4.convert.job import open_source, plan_source
+    from dsv4.convert.pipeline import plan_source
+    from dsv4.convert.sources import open_source  # start-up time
 
     inv, reader = open_source(source)
     plan = plan_source(inv, reader, target, reverse=reverse)
     reader.close()
     return plan, inv.header_bytes
-
-
-def _gb(n: int) -> str:
-    return f"{n / 1e9:.3f} GB" if n >= 1e7 else f"{n:,} B"
 
 
 # how `plan` names the layout it chose (convert/plan.py choose_table)
@@ -167,15 +185,17 @@ DRAFTER_NAMES = {
 }
 
 
-def _print_plan(plan: Plan, as_json: bool, *, full: bool, header_bytes: int | None = None) -> None:
+def _print_plan(plan: Plan, as_json: bool, quiet: bool, *, full: bool, header_bytes: int | None = None) -> None:
     if as_json:
         data = plan.to_json() if full else plan.summary()
         if header_bytes is not None:
             data["header_bytes_read"] = header_bytes
-        click.echo(json.dumps(data, indent=2))
+        echo_json(data)
         return
     s = plan.summary()
-    click.echo(f"{s['direction']} plan: {s['source']} -> {s['target']} (table {s['table']})")
+    click.echo(f"{s['direction']} plan: {s['source']} -> {s['target']} (table {s['table']})" + (f": {s['tensors_out']} tensors, {_gb(s['bytes_to_read'])} to read" if quiet else ""))
+    if quiet:
+        return
     click.echo(f"  draft layout:         {DRAFTER_NAMES[s['drafter']]}")
     click.echo(f"  tensors out:          {s['tensors_out']}")
     click.echo(f"  source keys consumed: {s['source_keys_consumed']}")
@@ -187,6 +207,180 @@ def _print_plan(plan: Plan, as_json: bool, *, full: bool, header_bytes: int | No
     click.echo("  ops:  " + ", ".join(f"{op} x{n}" for op, n in s["ops"].items()))
     for reason, n in s["skip_reasons"].items():
         click.echo(f"  skip x{n}: {reason}")
+
+
+@cli.command("check")
+@click.argument("directory", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@native_option
+@click.option("--smoke", is_flag=True, help="Load strictly into the bundled model and run a few-token forward.")
+@click.option("--fast", is_flag=True, help="Skip hashing the tensor data against conversion.json (says so in the report).")
+@device_option
+@click.option("--junit", type=click.Path(dir_okay=False, path_type=Path), help="Also write the report as JUnit XML to this file (its folder is created), one test case per check.")
+@quiet_option
+@json_option
+def check_command(directory: Path, native: Path | None, smoke: bool, fast: bool, device: str | None, junit: Path | None, quiet: bool, as_json: bool) -> None:
+    """Verify converted checkpoint DIRECTORY; exit with the first failed check's code.
+
+    --native implies --smoke.
+
+    \b
+    exit codes: 71 index/headers  72 unreadable tensor  73 sizes  74 checksum
+                75 config vs tensors  76 missing  77 unexpected  78 shape  79 dtype
+                80 quantisation scheme  81 empty quantisation name (vLLM #44817)
+                84 smoke  85 native parity
+                42 the --junit file could not be written (after the report is printed)
+    """
+    from dsv4.convert.check import run_checks  # start-up time
+    from dsv4.convert.report import write_junit
+
+    report = run_checks(directory, native=native, smoke=smoke, fast=fast, device=device)
+    if as_json:
+        echo_json(report.to_json())
+    else:
+        if not quiet:
+            for r in report.results:
+                code = f" [{r.exit_code}]" if r.status == "fail" else ""
+                click.echo(f"  {r.status.upper():4} {r.name:9} {r.reason}{code}")
+        click.echo(report.summary())
+    if junit is not None:  # after the report: a JUnit file that cannot be written loses nothing else
+        write_junit(report, junit)
+    report.raise_for_failure()  # main() exits with the failed check's code
+
+
+@cli.command("smoke")
+@click.argument("out", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@device_option
+@click.option("--tokens", type=click.IntRange(min=1), default=8, show_default=True, help="Tokens in the draft step (DSpark: context tokens of random target features).")
+@native_option
+@click.option("--min-top1", type=click.FloatRange(0, 1), default=1.0, show_default=True, help="With --native: fail when top-1 agreement with the reference is lower (MTP: a disagreement on a near-tie, within 1% of max|logit| in the reference, counts as agreeing; DSpark: the share of the block's draft tokens equal to the reference's).")
+@click.option("--features", type=click.Path(exists=True, dir_okay=False, path_type=Path), help="DSpark: a safetensors file of target features h_<l> [T_ctx, H] for each of dspark_target_layer_ids (default: random, seeded).")
+@click.option("--anchor", type=click.IntRange(min=0), help="DSpark: the anchor token (the last accepted one; default: random, seeded).")
+@click.option("--position", type=click.IntRange(min=0), default=0, show_default=True, help="DSpark: the position of the context's first token.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random inputs.")
+@quiet_option
+@json_option
+def smoke_command(out: Path, device: str | None, tokens: int, native: Path | None, min_top1: float, features: Path | None, anchor: int | None, position: int, seed: int, quiet: bool, as_json: bool) -> None:
+    """Load converted checkpoint OUT into the bundled draft model and run one draft step
+    (MTP: one step on TOKENS tokens; DSpark: one block drafted from a context)."""
+    from dsv4.model.errors import SmokeCheckError
+    from dsv4.model.loader import converted_config  # start-up time: torch and the kernels
+    from dsv4.model.smoke import run_dspark_smoke, run_smoke
+
+    dspark = converted_config(out).is_dspark
+    if not dspark and (features is not None or anchor is not None or position):
+        raise click.UsageError("--features, --anchor and --position are for a DSpark checkpoint; OUT is an MTP one")
+    if dspark:
+        try:
+            report = run_dspark_smoke(out, device, tokens, features, anchor, position, native, seed)
+        except ValueError as exc:  # an anchor outside the vocabulary
+            raise click.UsageError(str(exc)) from None
+        agreement = report.get("draft_token_agreement")
+    else:
+        report = run_smoke(out, device, tokens, native, seed)
+        agreement = report.get("top1_agreement_up_to_ties")
+    if as_json:
+        echo_json(report)
+    else:
+        _print_smoke(report, native, quiet)
+    if native is not None and agreement < min_top1:
+        what = f"draft-token agreement with the reference {agreement:.3f}" if dspark else f"top-1 agreement with the reference {agreement:.3f} (near-ties counted as agreeing)"
+        raise SmokeCheckError(f"{out}: {what} is below {min_top1}", path=str(out))
+
+
+def _print_smoke(report: dict[str, Any], native: Path | None, quiet: bool) -> None:
+    click.echo(f"smoke: {report['checkpoint']} on {report['device']}, fused norms: {report['kernels']}")
+    dspark = report.get("layout") == "dspark"
+    if dspark:
+        click.echo(f"  draft tokens {report['draft_tokens']} (anchor {report['anchor']}, block positions {report['block_positions'][0]}..{report['block_positions'][-1]})")
+    if not quiet:
+        if dspark:
+            click.echo(f"  load {report['load_ms']:.0f} ms; stages {report['hidden_first_ms']:.1f} ms first, {report['hidden_warm_ms']:.1f} ms warm; "
+                       f"heads and sampler {report['logits_first_ms']:.1f} / {report['logits_warm_ms']:.1f} ms")
+        else:
+            click.echo(f"  load {report['load_ms']:.0f} ms; forward {report['forward_first_ms']:.1f} ms first, {report['forward_warm_ms']:.1f} ms warm; "
+                       f"logits {report['logits_first_ms']:.1f} / {report['logits_warm_ms']:.1f} ms")
+        click.echo(f"  hidden {report['hidden_shape']}, logits {report['logits_shape']}, all finite")
+    if native is None:
+        return
+    diffs = (f"  vs reference {native}: hidden max|diff| {report['hidden_max_abs_diff']:.4g} (max|h| {report['hidden_max_abs']:.4g}), "
+             f"logits max|diff| {report['logits_max_abs_diff']:.4g} (max {report['logits_max_abs']:.4g}), ")
+    if dspark:
+        click.echo(diffs + f"reference draft tokens {report['reference_draft_tokens']}, agreement {report['draft_token_agreement']:.3f} (equal up to position {report['draft_tokens_agree_to']})")
+    else:
+        click.echo(diffs + f"top-1 agreement {report['top1_agreement']:.3f} ({report['top1_agreement_up_to_ties']:.3f} counting near-ties)")
+
+
+def _main_layers_arg(ctx: click.Context, param: click.Parameter, value: str) -> int | str:
+    if value == "all":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise click.BadParameter("expected a number of layers or 'all'") from None
+
+
+@cli.command("synth")
+@click.argument("out", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--preset", type=click.Choice(sorted(PRESETS)), help="Released config to replicate (default tiny; with --variant dspark: flash, i.e. V4-Flash-0731).")
+@click.option("--config", "config_path", type=click.Path(dir_okay=False, exists=True, path_type=Path), help="A config.json to use instead of a preset.")
+@click.option("--variant", type=click.Choice(["instruct", "base", "dspark"]), default="instruct", show_default=True)
+@click.option("--main-layers", default="0", callback=_main_layers_arg, show_default=True, help="Main decoder layers to write: K or 'all'.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the synthetic tensor data.")
+@click.option("--sparse", is_flag=True, help="Headers only; tensor data are file holes (read back as zeros).")
+@quiet_option
+@json_option
+def synth_command(out: Path, preset: str | None, config_path: Path | None, variant: str, main_layers: int | str, seed: int, sparse: bool, quiet: bool, as_json: bool) -> None:
+    """Write a synthetic native DeepSeek V4 checkpoint to OUT."""
+    from dsv4.convert.synth import synthesize  # start-up time: torch
+
+    if preset and config_path:
+        raise click.UsageError("--preset and --config are alternatives; give one")
+    try:
+        summary = synthesize(out, preset=preset, config_path=config_path, variant=variant, main_layers=main_layers, seed=seed, sparse=sparse)
+    except ValueError as exc:  # a preset or layer count the synthesiser does not have
+        raise click.UsageError(str(exc)) from exc
+    if as_json:
+        echo_json(summary)
+    else:
+        holes = " (sparse)" if sparse else ""
+        size = summary["bytes"]
+        click.echo(f"synth: {summary['tensors']} tensors in {summary['files']} files, {size:,} bytes ({size / 1e9:.1f} GB) logical{holes} -> {out}")
+
+
+@cli.command("batch")
+@click.argument("manifest", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--out-dir", type=click.Path(file_okay=False, path_type=Path), help="Root of the local outputs (default: the manifest's output.dir).")
+@click.option("--push", "push_to_hub", is_flag=True, help="Upload each output to the manifest's output.repo (HF_TOKEN or `hf auth login` with write access).")
+@click.option("--num-shards", type=click.IntRange(min=1), envvar="DSV4_NUM_SHARDS", help="Split the manifest into N shards [env DSV4_NUM_SHARDS; default: SLURM_ARRAY_TASK_COUNT, else 1].")
+@click.option("--shard-index", type=click.IntRange(min=0), help="This run's shard, 0..N-1 [default: the Slurm array task's place in its array, or JOB_COMPLETION_INDEX].")
+@click.option("--report", "report_path", type=click.Path(dir_okay=False, path_type=Path), help="JSON report [default: OUT_DIR/batch-report[-K-of-N].json].")
+@quiet_option
+@json_option
+def batch_command(manifest: Path, out_dir: Path | None, push_to_hub: bool, num_shards: int | None, shard_index: int | None, report_path: Path | None, quiet: bool, as_json: bool) -> None:
+    """Convert every source repo of MANIFEST (TOML) that is not already converted.
+
+    A source is skipped, without reading any of its files, when its output (with --push: its
+    target repo) already records the source's current commit and the table's version. A
+    failing repo is reported and the others go on; the exit code is non-zero if any failed.
+    """
+    from dsv4.convert.batch import default_report_path, load_manifest, run_batch, shard_from_env  # start-up time: the hub client
+    from dsv4.convert.errors import BatchFailedError
+
+    try:
+        n, k = shard_from_env(num_shards, shard_index)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+    m = load_manifest(manifest, out_dir)
+    path = report_path or default_report_path(m, n, k)
+    report = run_batch(m, push_to_hub=push_to_hub, num_shards=n, shard_index=k, report_path=path, echo=None if quiet or as_json else click.echo)
+    counts = {key: len(report[key]) for key in ("planned", "converted", "skipped", "failed")}
+    if as_json:
+        echo_json(report)
+    else:
+        done = f"{counts['converted']} converted, {counts['skipped']} skipped, {counts['failed']} failed of {counts['planned']}"
+        click.echo(f"shard {k}/{n}: {done}; {report['bytes_fetched']:,} bytes fetched in {report['seconds']:.1f} s; report {path}")
+    if counts["failed"]:
+        raise BatchFailedError(f"{manifest}: {counts['failed']} of {counts['planned']} repositories failed; reasons in {path}", path=str(path))
 
 
 # Developers set DSV4_TRACEBACK=1 to see the traceback the last-resort handler hides.
@@ -212,6 +406,22 @@ def _os_error(exc: OSError) -> str:
     return f"error: {paths}: {reason}" if paths else f"error: {reason}"
 
 
+class _NoticeFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        return _escape_newlines(f"{record.levelname.lower()}: {record.getMessage()}")
+
+
+def _log_to_stderr() -> None:
+    """The library's notices (logging, logger "dsv4") as the command's own output: one
+    line each on stderr, `warning: ...`, never a Python warning with a source path."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_NoticeFormatter())
+    logger = logging.getLogger("dsv4")
+    logger.handlers[:] = [handler]
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+
+
 def main() -> None:
     """The entry point: every outcome is an exit code and at most one line on stderr.
 
@@ -220,11 +430,12 @@ def main() -> None:
     traceback (unless DSV4_TRACEBACK=1)."""
     # numpy is no dependency of this tool; torch warns at import when it is absent
     warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
+    _log_to_stderr()
     try:
         cli(prog_name="convert-dsv4", standalone_mode=False)
     except DSV4Error as exc:
         click.echo(f"error: {_escape_newlines(str(exc))}", err=True)
-        sys.exit(exc.exit_code)
+        sys.exit(exit_code(exc))
     except click.exceptions.Exit as exc:
         sys.exit(exc.exit_code)
     except click.UsageError as exc:  # one line like every other error, not click's usage block
@@ -239,7 +450,7 @@ def main() -> None:
         sys.exit(exc.exit_code)
     except (click.exceptions.Abort, KeyboardInterrupt):  # click turns Ctrl-C into Abort
         click.echo("interrupted", err=True)
-        sys.exit(130)
+        sys.exit(INTERRUPTED)
     except BrokenPipeError:  # stdout closed early (`... --json | head`): nothing left to say
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's flush cannot fail again
         sys.exit(1)
@@ -250,4 +461,4 @@ def main() -> None:
             click.echo(_os_error(exc), err=True)
         else:
             click.echo(f"internal error: {type(exc).__name__}: {_one_line(exc)} (please report this bug with the command that caused it; {TRACEBACK_ENV}=1 shows the traceback)", err=True)
-        sys.exit(1)
+        sys.exit(INTERNAL_ERROR)

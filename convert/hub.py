@@ -17,63 +17,28 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass
 from functools import partial
 
+from dsv4.convert.errors import DownloadError, HubError, RepoNotFound, RevisionNotFound
+from dsv4.convert.inventory import Inventory, TensorSource, merge_shards, parse_header, tensors_from_header
+from dsv4.convert.location import HubSpec, parse_hub_spec
+from dsv4.model.checkpoint import INDEX_NAME, SINGLE_FILE, load_index
+from dsv4.model.config import config_errors, parse_config
+from dsv4.model.errors import DSV4Error, MissingConfigError, MissingShardError, TruncatedShardError
 from fsspec.spec import AbstractBufferedFile
 from huggingface_hub import HfApi, HfFileSystem, ModelInfo, hf_hub_download
 from huggingface_hub.errors import (
     GatedRepoError,
-    HFValidationError,
     OfflineModeIsEnabled,
     RepositoryNotFoundError,
     RevisionNotFoundError,
 )
-from huggingface_hub.utils import validate_repo_id
 
-from dsv4.convert.errors import (
-    DownloadError,
-    DSV4Error,
-    HubError,
-    MissingConfigError,
-    MissingShardError,
-    RepoNotFound,
-    RevisionNotFound,
-    TruncatedShardError,
-    config_errors,
-)
-from dsv4.convert.inventory import INDEX_NAME, SINGLE_FILE, Inventory, TensorSource, load_index, merge_shards, parse_header, tensors_from_header
-from dsv4.model.config import parse_config
-
-HUB_SCHEME = "hub:"
 # huggingface_hub already retries HTTP errors and dropped connections (http_backoff: 5 tries,
 # 1 s doubling to 8 s). What it cannot see is a complete-looking response that is shorter
 # than the range asked for (a proxy cutting a body short); those are retried here.
 SHORT_READ_RETRIES = 3
 SHORT_READ_BACKOFF_S = 0.5  # doubled after each short read
-
-
-@dataclass(frozen=True)
-class HubSpec:
-    repo: str
-    revision: str | None  # None: the repo's default branch
-
-    @property
-    def location(self) -> str:
-        return f"{HUB_SCHEME}{self.repo}"
-
-
-def parse_spec(spec: str) -> HubSpec:
-    """`org/name` or `org/name@revision` (a branch, tag or commit; may contain '/')."""
-    repo, at, revision = spec.partition("@")
-    try:
-        validate_repo_id(repo)
-        ok = repo.count("/") == 1 and (revision != "" or not at)
-    except HFValidationError:
-        ok = False
-    if not ok:
-        raise RepoNotFound(f"{spec}: neither an existing local directory nor a hub repo id org/name[@revision]")
-    return HubSpec(repo, revision or None)
 
 
 @contextmanager
@@ -84,13 +49,13 @@ def hub_errors(what: str, fallback: type[HubError] = HubError) -> Iterator[None]
     except DSV4Error:
         raise
     except GatedRepoError:
-        raise RepoNotFound(f"{what}: gated repository; accept its terms on the hub, then set HF_TOKEN or run `hf auth login`") from None
+        raise RepoNotFound(f"{what}: gated repository; accept its terms on the hub, then set HF_TOKEN or run `hf auth login`", path=str(what)) from None
     except RepositoryNotFoundError:
-        raise RepoNotFound(f"{what}: repository not found (if it is private or gated, set HF_TOKEN or run `hf auth login`)") from None
+        raise RepoNotFound(f"{what}: repository not found (if it is private or gated, set HF_TOKEN or run `hf auth login`)", path=str(what)) from None
     except RevisionNotFoundError:
-        raise RevisionNotFound(f"{what}: revision not found in the repository") from None
+        raise RevisionNotFound(f"{what}: revision not found in the repository", path=str(what)) from None
     except OfflineModeIsEnabled:
-        raise HubError(f"{what}: HF_HUB_OFFLINE is set, so the hub cannot be read; convert a local directory instead") from None
+        raise HubError(f"{what}: HF_HUB_OFFLINE is set, so the hub cannot be read; convert a local directory instead", path=str(what)) from None
     except Exception as exc:  # network and HTTP failures of any kind; their text is multi-line
         status = getattr(getattr(exc, "response", None), "status_code", None)
         detail = f"HTTP {status}" if status else (str(exc).strip().splitlines() or [""])[0]
@@ -139,7 +104,7 @@ class HubReader:
                     f = self._fs.open(f"{self.repo}/{file}", "rb", revision=self.commit, cache_type="none", size=self.sizes[file])
                     f.url()
             except FileNotFoundError:
-                raise MissingShardError(f"{self._where(file)}: not in the repository at this commit") from None
+                raise MissingShardError(f"{self._where(file)}: not in the repository at this commit", path=str(self._where(file))) from None
             files[file] = f
             with self._lock:
                 self._opened.append(f)
@@ -150,7 +115,7 @@ class HubReader:
         bytes_read (inventory reads headers with it; read_into counts tensor data)."""
         size = self.sizes[file]
         if offset + n > size:
-            raise TruncatedShardError(f"{self._where(file)}: ends at byte {size}, before the planned range {offset}..{offset + n}")
+            raise TruncatedShardError(f"{self._where(file)}: ends at byte {size}, before the planned range {offset}..{offset + n}", path=str(self._where(file)))
         got = 0
         for attempt in range(SHORT_READ_RETRIES + 1):
             if attempt:
@@ -163,8 +128,8 @@ class HubReader:
             if got == n:
                 return data
             if got > n:  # the server ignored the Range header; retrying would pull whole shards again
-                raise DownloadError(f"{self._where(file)}: bytes {offset}..{offset + n}: the hub sent {got} bytes for a {n}-byte range")
-        raise DownloadError(f"{self._where(file)}: bytes {offset}..{offset + n}: got {got} of {n} bytes on each of {SHORT_READ_RETRIES + 1} attempts")
+                raise DownloadError(f"{self._where(file)}: bytes {offset}..{offset + n}: the hub sent {got} bytes for a {n}-byte range", path=str(self._where(file)))
+        raise DownloadError(f"{self._where(file)}: bytes {offset}..{offset + n}: got {got} of {n} bytes on each of {SHORT_READ_RETRIES + 1} attempts", path=str(self._where(file)))
 
     def read_into(self, file: str, offset: int, buf: memoryview) -> None:
         buf[:] = self.fetch(file, offset, len(buf))
@@ -187,7 +152,7 @@ def _model_info(hub: HubSpec, *, files_metadata: bool = False) -> tuple[str, Mod
     with hub_errors(f"{hub.location}@{hub.revision or 'default branch'}"):
         info = HfApi().model_info(hub.repo, revision=hub.revision, files_metadata=files_metadata)
     if not info.sha:
-        raise HubError(f"{hub.location}: the hub did not say which commit {hub.revision or 'the default branch'} is")
+        raise HubError(f"{hub.location}: the hub did not say which commit {hub.revision or 'the default branch'} is", path=str(hub.location))
     return info.sha, info
 
 
@@ -212,16 +177,22 @@ def _read_shard_header(reader: HubReader, file: str) -> tuple[dict[str, TensorSo
     return tensors_from_header(header, file, data_start, size), data_start
 
 
-def open_hub_source(spec: str) -> tuple[Inventory, HubReader]:
+def open_hub_source(spec: str | HubSpec) -> tuple[Inventory, HubReader]:
     """Inventory of hub repo `org/name[@revision]` from its headers, and a reader pinned to
     the resolved commit. Applies the same checks as the local reader."""
-    hub = parse_spec(spec)
-    commit, info = _model_info(hub, files_metadata=True)
+    hub = parse_hub_spec(spec) if isinstance(spec, str) else spec
+    try:
+        commit, info = _model_info(hub, files_metadata=True)
+    except HubError as exc:
+        if hub.explicit:
+            raise
+        # a bare org/name may also have been meant as a local path: say both readings
+        raise type(exc)(f"{hub.repo}: no such local directory, and as a hub repository: {exc}") from None
     sizes = {s.rfilename: s.size for s in info.siblings or [] if s.size is not None}
 
     config_where = f"{hub.location}/config.json@{commit[:12]}"
     if "config.json" not in sizes:
-        raise MissingConfigError(f"{config_where}: no config.json in the repository")
+        raise MissingConfigError(f"{config_where}: no config.json in the repository", path=str(config_where))
     raw_config = _download(hub, commit, "config.json")
     with config_errors(config_where):
         config = parse_config(raw_config)

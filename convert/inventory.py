@@ -20,7 +20,6 @@ sharing bytes). So every rule of safetensors' reader (its Rust `read_metadata` a
 
 from __future__ import annotations
 
-import json
 import os
 import stat
 import struct
@@ -29,23 +28,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dsv4.convert.dtypes import ITEMSIZE
-from dsv4.convert.errors import (
-    DuplicateTensorError,
-    IndexMismatchError,
-    MalformedHeaderError,
-    MissingConfigError,
-    MissingShardError,
-    TruncatedShardError,
-    UnknownDtypeError,
-    UnsafeShardPathError,
-    config_errors,
-)
 from dsv4.model import strictjson
-from dsv4.model.config import parse_config
+from dsv4.model.checkpoint import INDEX_NAME, SINGLE_FILE, json_kind, load_index
+from dsv4.model.config import config_errors, parse_config
+from dsv4.model.dtypes import ITEMSIZE
+from dsv4.model.errors import DuplicateTensorError, IndexMismatchError, MalformedHeaderError, MissingConfigError, MissingShardError, TruncatedShardError, UnknownDtypeError, UnsafeShardPathError
 
-INDEX_NAME = "model.safetensors.index.json"
-SINGLE_FILE = "model.safetensors"
 MAX_HEADER = 100_000_000  # safetensors' MAX_HEADER_SIZE, in bytes (not MiB): it refuses a longer header
 U64_MAX = 2**64 - 1  # safetensors reads shapes and offsets as 64-bit sizes
 ENTRY_FIELDS = ("dtype", "shape", "data_offsets")
@@ -81,35 +69,27 @@ class Inventory:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def json_kind(value: Any) -> str:
-    """What a JSON value is, for a message: 'an object', 'a list', 'null', ..."""
-    if value is None:
-        return "null"
-    kinds = ((bool, "a boolean"), (int, "an integer"), (float, "a number"), (str, "a string"), (list, "a list"), (dict, "an object"))
-    return next(kind for t, kind in kinds if isinstance(value, t))
-
-
 def parse_header(raw_len: bytes, read_header: Callable[[int], bytes], file: str, file_size: int) -> tuple[dict[str, Any], int]:
     """Decode a safetensors header; returns (header dict, bytes before the data section).
     `read_header(n)` is called only once the length is known to be within the limit."""
     if len(raw_len) != 8:
-        raise TruncatedShardError(f"{file}: shorter than a safetensors header ({file_size} bytes)")
+        raise TruncatedShardError(f"{file}: shorter than a safetensors header ({file_size} bytes)", path=str(file))
     (n,) = struct.unpack("<Q", raw_len)
     if n > MAX_HEADER:
-        raise MalformedHeaderError(f"{file}: header of {n:,} bytes exceeds the {MAX_HEADER:,}-byte limit on a safetensors header (safetensors refuses it too)")
+        raise MalformedHeaderError(f"{file}: header of {n:,} bytes exceeds the {MAX_HEADER:,}-byte limit on a safetensors header (safetensors refuses it too)", path=str(file))
     if 8 + n > file_size:
-        raise TruncatedShardError(f"{file}: header claims {n} bytes but the file has {file_size}")
+        raise TruncatedShardError(f"{file}: header claims {n} bytes but the file has {file_size}", path=str(file))
     raw = read_header(n)
     if len(raw) != n:
-        raise TruncatedShardError(f"{file}: header claims {n} bytes but only {len(raw)} could be read")
+        raise TruncatedShardError(f"{file}: header claims {n} bytes but only {len(raw)} could be read", path=str(file))
     try:
         # tensors_from_header checks every entry's shape (depth 3 at most), so the generic
         # nesting walk, which costs more than the parse itself here, is left out
         header = strictjson.loads(raw, walk_depth=False)
     except strictjson.StrictJSONError as exc:
-        raise MalformedHeaderError(f"{file}: header is not valid JSON ({exc})") from None
+        raise MalformedHeaderError(f"{file}: header is not valid JSON ({exc})", path=str(file)) from None
     if not isinstance(header, dict):
-        raise MalformedHeaderError(f"{file}: header is {json_kind(header)}, not a JSON object")
+        raise MalformedHeaderError(f"{file}: header is {json_kind(header)}, not a JSON object", path=str(file))
     return header, 8 + n
 
 
@@ -125,12 +105,12 @@ def _utf8(text: str) -> bool:
 
 def _check_metadata(metadata: Any, file: str) -> None:
     if not isinstance(metadata, dict):
-        raise MalformedHeaderError(f"{file}: __metadata__ is {json_kind(metadata)}, not an object of strings")
+        raise MalformedHeaderError(f"{file}: __metadata__ is {json_kind(metadata)}, not an object of strings", path=str(file))
     for key, value in metadata.items():
         if not isinstance(value, str):
-            raise MalformedHeaderError(f"{file}: __metadata__[{key!r}] is {json_kind(value)}, not a string")
+            raise MalformedHeaderError(f"{file}: __metadata__[{key!r}] is {json_kind(value)}, not a string", path=str(file))
         if not (_utf8(key) and _utf8(value)):
-            raise MalformedHeaderError(f"{file}: __metadata__[{key!r}] is not valid Unicode")
+            raise MalformedHeaderError(f"{file}: __metadata__[{key!r}] is not valid Unicode", path=str(file))
 
 
 def _tensor_entry(name: str, entry: Any, file: str, data_start: int) -> TensorSource:
@@ -138,37 +118,37 @@ def _tensor_entry(name: str, entry: Any, file: str, data_start: int) -> TensorSo
     Written as plain loops: a Flash checkpoint has 69,187 entries."""
     where = f"{file}: tensor {name}"
     if not (name.isascii() or _utf8(name)):
-        raise MalformedHeaderError(f"{file}: tensor {name!r}: the name is not valid Unicode")
+        raise MalformedHeaderError(f"{file}: tensor {name!r}: the name is not valid Unicode", path=str(file))
     if not isinstance(entry, dict):
-        raise MalformedHeaderError(f"{where}: entry is {json_kind(entry)}, not an object")
+        raise MalformedHeaderError(f"{where}: entry is {json_kind(entry)}, not an object", path=str(where))
     if entry.keys() != ENTRY_KEYS:
         missing = [f for f in ENTRY_FIELDS if f not in entry]
         if missing:
-            raise MalformedHeaderError(f"{where}: entry lacks {'/'.join(missing)}")
+            raise MalformedHeaderError(f"{where}: entry lacks {'/'.join(missing)}", path=str(where))
         unknown = sorted(set(entry) - ENTRY_KEYS)
-        raise MalformedHeaderError(f"{where}: unknown field {unknown[0]!r} in its entry (a safetensors entry has {', '.join(ENTRY_FIELDS)})")
+        raise MalformedHeaderError(f"{where}: unknown field {unknown[0]!r} in its entry (a safetensors entry has {', '.join(ENTRY_FIELDS)})", path=str(where))
     dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
     if not isinstance(dtype, str):
-        raise MalformedHeaderError(f"{where}: dtype {dtype!r} is not a string")
+        raise MalformedHeaderError(f"{where}: dtype {dtype!r} is not a string", path=str(where))
     if dtype not in ITEMSIZE:
-        raise UnknownDtypeError(f"{where}: unknown dtype {dtype}")
+        raise UnknownDtypeError(f"{where}: unknown dtype {dtype}", path=str(where))
     if type(shape) is not list:
-        raise MalformedHeaderError(f"{where}: shape {shape!r} is not a list of non-negative integers")
+        raise MalformedHeaderError(f"{where}: shape {shape!r} is not a list of non-negative integers", path=str(where))
     elements = 1
     for d in shape:  # safetensors multiplies left to right and refuses any overflow on the way
         if type(d) is not int or not 0 <= d <= U64_MAX:  # bool is an int to Python, not to JSON
-            raise MalformedHeaderError(f"{where}: shape {shape!r} is not a list of non-negative integers")
+            raise MalformedHeaderError(f"{where}: shape {shape!r} is not a list of non-negative integers", path=str(where))
         elements *= d
         if elements > U64_MAX:
-            raise MalformedHeaderError(f"{where}: shape {shape} overflows 64 bits")
+            raise MalformedHeaderError(f"{where}: shape {shape} overflows 64 bits", path=str(where))
     size = elements * ITEMSIZE[dtype]
     if size * 8 > U64_MAX:  # safetensors counts bits
-        raise MalformedHeaderError(f"{where}: shape {shape} of {dtype} overflows 64 bits")
+        raise MalformedHeaderError(f"{where}: shape {shape} of {dtype} overflows 64 bits", path=str(where))
     if not (type(offsets) is list and len(offsets) == 2 and all(type(o) is int and 0 <= o <= U64_MAX for o in offsets)):
-        raise MalformedHeaderError(f"{where}: data_offsets {offsets!r} is not a pair of non-negative integers")
+        raise MalformedHeaderError(f"{where}: data_offsets {offsets!r} is not a pair of non-negative integers", path=str(where))
     lo, hi = offsets
     if hi - lo != size:
-        raise MalformedHeaderError(f"{where}: data_offsets [{lo}, {hi}] do not fit {dtype}{shape}")
+        raise MalformedHeaderError(f"{where}: data_offsets [{lo}, {hi}] do not fit {dtype}{shape}", path=str(where))
     return TensorSource(name, file, dtype, tuple(shape), data_start + lo, data_start + hi)
 
 
@@ -179,14 +159,14 @@ def _check_tiling(tensors: Iterable[TensorSource], file: str, data_start: int, f
     for src in sorted(tensors, key=lambda s: (s.start, s.end)):
         lo, hi = src.start - data_start, src.end - data_start
         if previous is not None and src.start < previous.end:
-            raise MalformedHeaderError(f"{file}: tensor {src.name}: data_offsets [{lo}, {hi}] overlap tensor {previous.name}'s [{previous.start - data_start}, {previous.end - data_start}]")
+            raise MalformedHeaderError(f"{file}: tensor {src.name}: data_offsets [{lo}, {hi}] overlap tensor {previous.name}'s [{previous.start - data_start}, {previous.end - data_start}]", path=str(file), tensor=src.name)
         if src.start > at:
-            raise MalformedHeaderError(f"{file}: data bytes {at - data_start}..{lo} before tensor {src.name} belong to no tensor")
+            raise MalformedHeaderError(f"{file}: data bytes {at - data_start}..{lo} before tensor {src.name} belong to no tensor", path=str(file), tensor=src.name)
         if src.end > file_size:
-            raise TruncatedShardError(f"{file}: tensor {src.name}: bytes {src.start}..{src.end} lie past the end of the file ({file_size} bytes)")
+            raise TruncatedShardError(f"{file}: tensor {src.name}: bytes {src.start}..{src.end} lie past the end of the file ({file_size} bytes)", path=str(file), tensor=src.name)
         at, previous = src.end, src
     if at != file_size:
-        raise MalformedHeaderError(f"{file}: data bytes {at - data_start}..{file_size - data_start} after the last tensor belong to no tensor (safetensors refuses such a file)")
+        raise MalformedHeaderError(f"{file}: data bytes {at - data_start}..{file_size - data_start} after the last tensor belong to no tensor (safetensors refuses such a file)", path=str(file))
 
 
 def tensors_from_header(header: Mapping[str, Any], file: str, data_start: int, file_size: int) -> dict[str, TensorSource]:
@@ -209,59 +189,23 @@ def read_local_header(path: Path) -> tuple[dict[str, TensorSource], int]:
     return tensors_from_header(header, path.name, data_start, size), data_start
 
 
-def check_shard_name(name: str, index_file: str) -> None:
-    """Index entries name plain files inside the checkpoint, nothing else."""
-    if not isinstance(name, str) or not name or name in (".", "..") or "/" in name or "\\" in name or os.path.isabs(name):
-        raise UnsafeShardPathError(f"{index_file}: shard name {name!r} is not a plain file name inside the checkpoint")
-
-
 def merge_shards(location: str, weight_map: Mapping[str, str] | None, shards: Iterable[tuple[str, dict[str, TensorSource]]]) -> dict[str, TensorSource]:
     """Union of per-shard tensors, checked against the index's weight map."""
     tensors: dict[str, TensorSource] = {}
     for file, found in shards:
         for name, src in found.items():
             if name in tensors:
-                raise DuplicateTensorError(f"{location}: tensor {name} is in both {tensors[name].file} and {file}")
+                raise DuplicateTensorError(f"{location}: tensor {name} is in both {tensors[name].file} and {file}", path=str(location), tensor=name)
             if weight_map is not None and name not in weight_map:
-                raise IndexMismatchError(f"{file}: tensor {name} is not listed in {INDEX_NAME}")
+                raise IndexMismatchError(f"{file}: tensor {name} is not listed in {INDEX_NAME}", path=str(file), tensor=name)
             if weight_map is not None and weight_map[name] != file:
-                raise IndexMismatchError(f"{file}: tensor {name} is listed in {INDEX_NAME} under {weight_map[name]}")
+                raise IndexMismatchError(f"{file}: tensor {name} is listed in {INDEX_NAME} under {weight_map[name]}", path=str(file), tensor=name)
             tensors[name] = src
     if weight_map is not None:
         for name, file in weight_map.items():
             if name not in tensors:
-                raise IndexMismatchError(f"{file}: tensor {name} is listed in {INDEX_NAME} but not in the shard's header")
+                raise IndexMismatchError(f"{file}: tensor {name} is listed in {INDEX_NAME} but not in the shard's header", path=str(file), tensor=name)
     return tensors
-
-
-def load_index(raw: bytes, index_file: str) -> dict[str, str]:
-    """The weight map of a model.safetensors.index.json, every field the tool reads
-    checked: weight_map maps tensor names to plain shard file names; metadata, when
-    present, is an object and its total_size a non-negative integer."""
-    try:
-        index = strictjson.loads(raw)
-    except strictjson.StrictJSONError as exc:
-        raise MalformedHeaderError(f"{index_file}: not valid JSON ({exc})") from None
-    if not isinstance(index, dict):
-        raise MalformedHeaderError(f"{index_file}: not a safetensors index: the top level is {json_kind(index)}, not an object")
-    if "weight_map" not in index:
-        raise MalformedHeaderError(f"{index_file}: not a safetensors index: no weight_map")
-    weight_map = index["weight_map"]
-    if not isinstance(weight_map, dict):
-        raise MalformedHeaderError(f"{index_file}: weight_map is {json_kind(weight_map)}, not an object")
-    if not weight_map:
-        raise MalformedHeaderError(f"{index_file}: weight_map lists no tensor")
-    for name, shard in weight_map.items():
-        if not isinstance(shard, str):
-            raise MalformedHeaderError(f"{index_file}: weight_map[{name!r}] is {json_kind(shard)}, not a shard file name")
-    metadata = index.get("metadata", {})
-    if not isinstance(metadata, dict):
-        raise MalformedHeaderError(f"{index_file}: metadata is {json_kind(metadata)}, not an object")
-    if "total_size" in metadata and not (type(metadata["total_size"]) is int and metadata["total_size"] >= 0):
-        raise MalformedHeaderError(f"{index_file}: metadata.total_size is {metadata['total_size']!r}, not a non-negative integer")
-    for shard in sorted(set(weight_map.values())):
-        check_shard_name(shard, index_file)
-    return weight_map
 
 
 @dataclass(frozen=True)
@@ -298,9 +242,9 @@ def read_local_shards(root: Path, weight_map: Mapping[str, str] | None, files: l
         if not shard.is_file():
             named = sorted(n for n, f in (weight_map or {}).items() if f == file)
             what = f" for {named[0]}" + (f" and {len(named) - 1} more tensors" if len(named) > 1 else "") if named else ""
-            raise MissingShardError(f"{shard}: named in {INDEX_NAME}{what} but does not exist")
+            raise MissingShardError(f"{shard}: named in {INDEX_NAME}{what} but does not exist", path=str(shard))
         if shard.resolve().parent != real_root:
-            raise UnsafeShardPathError(f"{shard}: resolves to {shard.resolve()}, outside the checkpoint directory")
+            raise UnsafeShardPathError(f"{shard}: resolves to {shard.resolve()}, outside the checkpoint directory", path=str(shard))
         found, data_start = read_local_header(shard)
         out.append(LocalShard(file, found, data_start, shard.stat().st_size))
     return out
@@ -314,11 +258,11 @@ def read_inventory(path: str | Path) -> Inventory:
     if (odd := not_a_regular_file(config_path)) is not None:
         raise MissingConfigError(odd)
     if not config_path.is_file():
-        raise MissingConfigError(f"{config_path}: no config.json in the checkpoint directory")
+        raise MissingConfigError(f"{config_path}: no config.json in the checkpoint directory", path=str(config_path))
     try:
         raw_config = strictjson.read_record_bytes(config_path)
     except OSError as exc:
-        raise MissingConfigError(f"{config_path}: cannot be read ({exc.strerror})") from None
+        raise MissingConfigError(f"{config_path}: cannot be read ({exc.strerror})", path=str(config_path)) from None
     with config_errors(str(config_path)):
         config = parse_config(raw_config)
 
@@ -331,7 +275,7 @@ def read_inventory(path: str | Path) -> Inventory:
     elif (root / SINGLE_FILE).is_file():
         weight_map, files = None, [SINGLE_FILE]
     else:
-        raise MissingShardError(f"{root}: neither {INDEX_NAME} nor {SINGLE_FILE} found")
+        raise MissingShardError(f"{root}: neither {INDEX_NAME} nor {SINGLE_FILE} found", path=str(root))
 
     shards = read_local_shards(root, weight_map, files)
     file_sizes = {s.file: s.size for s in shards}

@@ -16,7 +16,6 @@ siblings of a killed run are removed by the next run that holds OUT's lock, and 
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -28,21 +27,11 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from filelock import FileLock, Timeout
-
-from dsv4.convert.errors import (
-    OutputExistsError,
-    OutputInSourceError,
-    OutputIsSourceError,
-    OutputLockedError,
-    OutputParentError,
-    OverwriteRefusedError,
-    SourceInOutputError,
-    WriteFailedError,
-)
-from dsv4.convert.inventory import INDEX_NAME
+from dsv4.convert.errors import OutputExistsError, OutputInSourceError, OutputIsSourceError, OutputLockedError, OutputParentError, OverwriteRefusedError, SourceInOutputError, WriteFailedError
 from dsv4.convert.plan import LAYOUT_RECORD
-from dsv4.model.strictjson import StrictJSONError, loads, read_record_bytes
+from dsv4.model.checkpoint import INDEX_NAME
+from dsv4.model.strictjson import StrictJSONError, fsync_dir, json_bytes, loads, read_record_bytes, write_record
+from filelock import FileLock, Timeout
 
 CONVERSION_RECORD = "conversion.json"
 CONFIG = "config.json"
@@ -56,27 +45,6 @@ TOOL = "dsv4-convert"  # conversion.json's "tool": what marks a directory as thi
 # A run that just took the lock writes its owner record a moment later; a refused run
 # looks this long for that record before it says the owner is unknown.
 OWNER_GRACE_SECONDS = 2.0
-
-
-def json_bytes(obj: Any) -> bytes:
-    """The one serialisation of every record this tool writes (stable, so comparable)."""
-    return (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode()
-
-
-def write_json(path: Path, obj: Any) -> None:
-    """Write a record durably (fsynced before the call returns)."""
-    with open(path, "wb") as f:
-        f.write(json_bytes(obj))
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def read_record(path: Path) -> dict[str, Any] | None:
@@ -108,22 +76,22 @@ def resolve_output(out: Path, source: Path | None) -> Path:
     source has none). Reads the file system only."""
     real = Path(os.path.realpath(out))
     if real.parent == real:
-        raise OutputParentError(f"{out}: OUT cannot be a file system root")
+        raise OutputParentError(f"{out}: OUT cannot be a file system root", path=str(out))
     if source is not None:
         src = Path(os.path.realpath(source))
         if real == src:
-            raise OutputIsSourceError(f"{out}: OUT is the source directory {source} itself; write the output to another directory")
+            raise OutputIsSourceError(f"{out}: OUT is the source directory {source} itself; write the output to another directory", path=str(out))
         if _is_within(real, src):
-            raise OutputInSourceError(f"{out}: OUT is inside the source directory {source}; write the output outside it")
+            raise OutputInSourceError(f"{out}: OUT is inside the source directory {source}; write the output outside it", path=str(out))
         if _is_within(src, real):
-            raise SourceInOutputError(f"{source}: the source is inside OUT {out}; write the output to a directory that does not contain the source")
+            raise SourceInOutputError(f"{source}: the source is inside OUT {out}; write the output to a directory that does not contain the source", path=str(source))
         if _is_within(src, real.parent) and _sibling_pattern(real).fullmatch(src.relative_to(real.parent).parts[0]):
-            raise SourceInOutputError(f"{source}: the source is inside {real.parent / src.relative_to(real.parent).parts[0]}, a working directory of OUT {out} that a run removes")
+            raise SourceInOutputError(f"{source}: the source is inside {real.parent / src.relative_to(real.parent).parts[0]}, a working directory of OUT {out} that a run removes", path=str(source))
     ancestor = real.parent
     while not ancestor.exists():
         ancestor = ancestor.parent
     if not ancestor.is_dir():
-        raise OutputParentError(f"{ancestor}: is not a directory, so OUT {out} cannot be created under it")
+        raise OutputParentError(f"{ancestor}: is not a directory, so OUT {out} cannot be created under it", path=str(ancestor))
     return real
 
 
@@ -187,13 +155,13 @@ class OutputClaim:
                     continue
                 holder = holder or f"whose owner record {self.owner_path.name} is missing"
                 if not wait:
-                    raise OutputLockedError(f"{self.out}: locked by another run ({holder}); nothing was changed; pass --wait to wait for it") from None
+                    raise OutputLockedError(f"{self.out}: locked by another run ({holder}); nothing was changed; pass --wait to wait for it", path=str(self.out)) from None
                 if on_wait is not None:
                     on_wait(f"{self.out}: waiting for another run ({holder}) to release it")
                 lock.acquire()
                 break
         try:
-            write_json(self.owner_path, {"pid": os.getpid(), "host": socket.gethostname(), "since": datetime.now(UTC).isoformat(timespec="seconds")})
+            write_record(self.owner_path, {"pid": os.getpid(), "host": socket.gethostname(), "since": datetime.now(UTC).isoformat(timespec="seconds")})
             yield
         finally:
             try:
@@ -221,10 +189,10 @@ class OutputClaim:
         if not os.path.lexists(self.path) or (self.path.is_dir() and not any(self.path.iterdir())):
             return
         if not overwrite:
-            raise OutputExistsError(f"{self.out}: exists and is not empty (and is not this conversion's up-to-date output); pass --overwrite to replace it")
+            raise OutputExistsError(f"{self.out}: exists and is not empty (and is not this conversion's up-to-date output); pass --overwrite to replace it", path=str(self.out))
         reason = self._not_an_output()
         if reason is not None:
-            raise OverwriteRefusedError(f"{self.out}: --overwrite refused: {reason}; only a previous output of {TOOL} is replaced, so move or delete it yourself")
+            raise OverwriteRefusedError(f"{self.out}: --overwrite refused: {reason}; only a previous output of {TOOL} is replaced, so move or delete it yourself", path=str(self.out))
 
     def _not_an_output(self) -> str | None:
         """Why OUT is not a previous output of this tool, or None when it is one: a
@@ -258,7 +226,7 @@ class OutputClaim:
             if os.path.lexists(self.partial):
                 _remove(self.partial)
             self.partial.mkdir()
-            write_json(state, fingerprint)
+            write_record(state, fingerprint)
         return resumed
 
     def publish(self) -> None:
@@ -312,11 +280,11 @@ def claim_output(out: str | Path, *, source: Path | None = None, wait: bool = Fa
     try:
         claim = OutputClaim(out, resolve_output(out, source))
     except OSError as exc:
-        raise WriteFailedError(f"{exc.filename or out}: {exc.strerror or exc}; nothing was changed") from None
+        raise WriteFailedError(f"{exc.filename or out}: {exc.strerror or exc}; nothing was changed", path=str(exc.filename or out)) from None
     try:
         claim.path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise OutputParentError(f"{exc.filename or claim.path.parent}: OUT's parent directory cannot be created ({exc.strerror or exc})") from None
+        raise OutputParentError(f"{exc.filename or claim.path.parent}: OUT's parent directory cannot be created ({exc.strerror or exc})", path=str(exc.filename or claim.path.parent)) from None
     raised: OSError | None = None
     try:
         with claim._locked(wait, on_wait):

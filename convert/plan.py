@@ -10,32 +10,24 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
-from dsv4.convert import native
-from dsv4.convert.dtypes import ITEMSIZE, nbytes
-from dsv4.convert.errors import (
-    DuplicateTargetError,
-    LayoutMismatchError,
-    MissingSourceError,
-    PlanError,
-    TableError,
-    UncoveredKeyError,
-    UnsupportedLayoutError,
-    config_errors,
-)
+from dsv4.convert.errors import DuplicateTargetError, LayoutMismatchError, MissingSourceError, PlanError, UncoveredKeyError
 from dsv4.convert.inventory import Inventory, TensorSource
+from dsv4.mapping.errors import TableError
 from dsv4.mapping.probe import draft_bindings, stage_binding
 from dsv4.mapping.table import PINNED, Rule, Table, expand, load_table, placeholders, table_name_for
-from dsv4.model.config import ModelConfig
-from dsv4.model.layout import target_layout
+from dsv4.model import native
+from dsv4.model.config import ModelConfig, config_errors
+from dsv4.model.dtypes import ITEMSIZE, nbytes
+from dsv4.model.errors import UnsupportedLayoutError
+from dsv4.model.layout import TARGET_LAYER, draft_layers_present, target_layout
 
 Direction = Literal["forward", "reverse"]
 LAYOUT_RECORD = "dsv4_convert"  # key added to a converted config.json
 NATIVE_BLOCK = re.compile(r"(mtp\.\d+)\.")  # a native draft block's prefix
-TARGET_LAYER = re.compile(r"model\.layers\.(\d+)\.")  # a target-layout layer's number L
 
 
 @dataclass(frozen=True)
@@ -70,7 +62,8 @@ class PlannedTensor:
 class Plan:
     direction: Direction
     source: str
-    config: dict[str, Any]
+    config: dict[str, Any]  # the source's config.json, as read
+    model_config: ModelConfig  # the same, validated (model/config.py): what the layout was planned for
     table: str
     table_version: str
     target: str
@@ -129,14 +122,8 @@ def model_config(inv: Inventory) -> ModelConfig:
         return ModelConfig.from_dict(inv.config)
 
 
-def draft_layers_present(cfg: ModelConfig, names: Iterable[str]) -> list[str]:
-    """The target-layout draft layers ("model.layers.{L}", L >= num_hidden_layers) `names` hold."""
-    layers = {int(m.group(1)) for name in names if (m := TARGET_LAYER.match(name))}
-    return [f"model.layers.{L}" for L in sorted(layers) if L >= cfg.num_hidden_layers]
-
-
 # The tensor that makes a checkpoint a DSpark drafter besides its config's dspark_* fields
-# (spec 04 §4.2: one without the other is refused), in the native and in the target layout.
+# (mapping/README.md#xpu-dspark-layout: one without the other is refused), in the native and in the target layout.
 DSPARK_MARKER: dict[Direction, str] = {"forward": "mtp.0.main_proj.weight", "reverse": "model.main_proj.weight"}
 
 
@@ -145,9 +132,9 @@ def drafter_of(inv: Inventory, cfg: ModelConfig, direction: Direction = "forward
     which must agree (UnsupportedLayoutError 35 otherwise)."""
     marker = DSPARK_MARKER[direction]
     if marker in inv.tensors and not cfg.is_dspark:
-        raise UnsupportedLayoutError(f"{inv.tensors[marker].file}: tensor {marker}: a DSpark drafter's projection, but {inv.location}/config.json has no dspark_* fields (spec 04 §4.1); refusing to convert")
+        raise UnsupportedLayoutError(f"{inv.tensors[marker].file}: tensor {marker}: a DSpark drafter's projection, but {inv.location}/config.json has no dspark_* fields (mapping/README.md#dspark-source-checkpoint); refusing to convert", path=str(inv.tensors[marker].file), tensor=marker)
     if cfg.is_dspark and marker not in inv.tensors:
-        raise UnsupportedLayoutError(f"{inv.location}/config.json: dspark_* fields (a DSpark drafter, spec 04), but the checkpoint has no tensor {marker}; refusing to convert")
+        raise UnsupportedLayoutError(f"{inv.location}/config.json: dspark_* fields (a DSpark drafter, mapping/README.md#dspark-v4-flash-0731), but the checkpoint has no tensor {marker}; refusing to convert")
     return "dspark" if cfg.is_dspark else "mtp"
 
 
@@ -164,7 +151,7 @@ def _refuse(inv: Inventory, table: Table) -> None:
         refused = [key for key in inv.tensors if rx.match(key)]
         if refused:
             key = min(refused)  # the same key in every run, without sorting all 69,187
-            raise UnsupportedLayoutError(f"{inv.tensors[key].file}: tensor {key}: {rule.reason}; refusing to convert")
+            raise UnsupportedLayoutError(f"{inv.tensors[key].file}: tensor {key}: {rule.reason}; refusing to convert", path=str(inv.tensors[key].file), tensor=key)
 
 
 def _bounds(cfg: ModelConfig) -> dict[str, tuple[int, str]]:
@@ -197,7 +184,7 @@ def _classify(inv: Inventory, rules: list[Rule], cfg: ModelConfig) -> dict[str, 
     for key, src in inv.tensors.items():
         hits = [(r, m) for r, rx in by_head.get(key.split(".", 1)[0], anywhere) if (m := rx.match(key))]
         if not hits:
-            raise UncoveredKeyError(f"{src.file}: tensor {key}: no rule of the mapping table covers it (unknown key; refusing to drop it silently)")
+            raise UncoveredKeyError(f"{src.file}: tensor {key}: no rule of the mapping table covers it (unknown key; refusing to drop it silently)", path=str(src.file), tensor=key)
         if len(hits) > 1 and len({r.label for r, _ in hits}) > 1:
             raise TableError(f"tensor {key} is matched by several rules: {sorted({r.label for r, _ in hits})}")
         rule, m = hits[0]
@@ -205,11 +192,11 @@ def _classify(inv: Inventory, rules: list[Rule], cfg: ModelConfig) -> dict[str, 
         for ph, (limit, what) in bounds.items():
             value = groups.get(ph)
             if value is not None and int(value) >= limit:
-                raise UnsupportedLayoutError(f"{src.file}: tensor {key}: index {value} but config.json has {what} = {limit} (keys and config disagree)")
+                raise UnsupportedLayoutError(f"{src.file}: tensor {key}: index {value} but config.json has {what} = {limit} (keys and config disagree)", path=str(src.file), tensor=key)
         if PINNED & groups.keys():
             for ph, want in stage_binding(cfg).items():
                 if groups.get(ph) is not None and int(groups[ph]) != want:
-                    raise UnsupportedLayoutError(f"{src.file}: tensor {key}: only the {ph} stage mtp.{want} holds this tensor, not stage {groups[ph]} (spec 04 §4.1)")
+                    raise UnsupportedLayoutError(f"{src.file}: tensor {key}: only the {ph} stage mtp.{want} holds this tensor, not stage {groups[ph]} (mapping/README.md#dspark-source-checkpoint)", path=str(src.file), tensor=key)
         if rule.op == "skip":
             skipped[key] = rule.reason or ""
     return skipped
@@ -238,7 +225,7 @@ def _combined_shape(rule: Rule, parts: list[tuple[int, ...]], cfg: ModelConfig, 
         return parts[0]
     per_row = parts[0][1:]
     if any(p[1:] != per_row for p in parts):
-        raise LayoutMismatchError(f"{target}: sources {[list(p) for p in parts]} cannot be concatenated along dim 0")
+        raise LayoutMismatchError(f"{target}: sources {[list(p) for p in parts]} cannot be concatenated along dim 0", path=str(target))
     if rule.op == "concat":
         return (sum(p[0] for p in parts), *per_row)
     k = len(rule.sources)
@@ -285,37 +272,37 @@ def plan_conversion(inv: Inventory, table: Table) -> Plan:
             for name in _source_names(rule, binding, cfg):
                 src = inv.tensors.get(name)
                 if src is None:
-                    raise MissingSourceError(f"{target}: its source tensor {name} is not in the checkpoint ({rule.label})")
+                    raise MissingSourceError(f"{target}: its source tensor {name} is not in the checkpoint ({rule.label})", path=str(target), tensor=name)
                 want = expected_src[name]
                 if (src.dtype, src.shape) != want:
-                    raise LayoutMismatchError(f"{src.file}: tensor {name}: {src.dtype}{list(src.shape)} but config.json ({variant}) implies {want[0]}{list(want[1])}")
+                    raise LayoutMismatchError(f"{src.file}: tensor {name}: {src.dtype}{list(src.shape)} but config.json ({variant}) implies {want[0]}{list(want[1])}", path=str(src.file), tensor=name)
                 pieces.append(Piece(name, src.file, src.start, src.end))
                 shapes.append(src.shape)
                 dtypes.add(src.dtype)
                 consumed[name] += 1
             if len(dtypes) != 1:
-                raise LayoutMismatchError(f"{target}: sources of one parameter have different dtypes {sorted(dtypes)}")
+                raise LayoutMismatchError(f"{target}: sources of one parameter have different dtypes {sorted(dtypes)}", path=str(target))
             src_dtype = dtypes.pop()
             dtype = rule.view or src_dtype
             if ITEMSIZE[dtype] != ITEMSIZE[src_dtype]:
-                raise TableError(f"{rule.label}: view {dtype} would change the element size of {src_dtype}")
+                raise TableError(f"{rule.label}: view {dtype} would change the element size of {src_dtype}", path=str(rule.label))
             shape = _combined_shape(rule, shapes, cfg, target)
             if target in out:
-                raise DuplicateTargetError(f"{target}: produced twice ({out[target].rule} and {rule.label})")
+                raise DuplicateTargetError(f"{target}: produced twice ({out[target].rule} and {rule.label})", path=str(target))
             want_t = layout.get(target)
             if want_t is None:
-                raise LayoutMismatchError(f"{target}: not a parameter of the bundled model for this config")
+                raise LayoutMismatchError(f"{target}: not a parameter of the bundled model for this config", path=str(target))
             if (dtype, shape) != want_t:
-                raise LayoutMismatchError(f"{target}: would be {dtype}{list(shape)} but the model expects {want_t[0]}{list(want_t[1])} (sources {pieces[0].source}...)")
+                raise LayoutMismatchError(f"{target}: would be {dtype}{list(shape)} but the model expects {want_t[0]}{list(want_t[1])} (sources {pieces[0].source}...)", path=str(target))
             out[target] = PlannedTensor(target, dtype, shape, tuple(pieces), rule.op, rule.label)
     missing = sorted(set(layout) - set(out))
     if missing:
-        raise MissingSourceError(f"{missing[0]}: no rule of table {table.name} v{table.version} produces this parameter ({len(missing)} missing)")
+        raise MissingSourceError(f"{missing[0]}: no rule of table {table.name} v{table.version} produces this parameter ({len(missing)} missing)", path=str(missing[0]))
     once = {n for r in rules if r.op == "copy" for b in _bindings(r, cfg) for n in _source_names(r, b, cfg)}
     twice = sorted(n for n, c in consumed.items() if c > 1 and n not in once)
     if twice:
         raise PlanError(f"tensor {twice[0]} is consumed by more than one rule")
-    return Plan("forward", inv.location, inv.config, table.name, table.version, table.target, _write_order(list(out.values())), skipped, inv.revision, table.drafter)
+    return Plan("forward", inv.location, inv.config, cfg, table.name, table.version, table.target, _write_order(list(out.values())), skipped, inv.revision, table.drafter)
 
 
 def plan_reverse(inv: Inventory, table: Table) -> Plan:
@@ -332,9 +319,9 @@ def plan_reverse(inv: Inventory, table: Table) -> Plan:
     out: dict[str, PlannedTensor] = {}
     for key, src in inv.tensors.items():
         if key not in layout:
-            raise UncoveredKeyError(f"{src.file}: tensor {key}: not a parameter of the {table.target} layout")
+            raise UncoveredKeyError(f"{src.file}: tensor {key}: not a parameter of the {table.target} layout", path=str(src.file), tensor=key)
         if (src.dtype, src.shape) != layout[key]:
-            raise LayoutMismatchError(f"{src.file}: tensor {key}: {src.dtype}{list(src.shape)} but the model expects {layout[key][0]}{list(layout[key][1])}")
+            raise LayoutMismatchError(f"{src.file}: tensor {key}: {src.dtype}{list(src.shape)} but the model expects {layout[key][0]}{list(layout[key][1])}", path=str(src.file), tensor=key)
     for rule in table.rules_for(cfg.expert_dtype):
         if rule.target is None:
             continue
@@ -342,7 +329,7 @@ def plan_reverse(inv: Inventory, table: Table) -> Plan:
             target = expand(rule.target, binding)
             fused: TensorSource | None = inv.tensors.get(target)
             if fused is None:
-                raise MissingSourceError(f"{target}: parameter missing from the {table.target} checkpoint")
+                raise MissingSourceError(f"{target}: parameter missing from the {table.target} checkpoint", path=str(target))
             at = fused.start
             for name in _source_names(rule, binding, cfg):
                 dtype, shape = expected_src[name]
@@ -351,5 +338,5 @@ def plan_reverse(inv: Inventory, table: Table) -> Plan:
                     out[name] = PlannedTensor(name, dtype, shape, (Piece(target, fused.file, at, at + n),), f"split-{rule.op}", rule.label)
                 at += n
             if at != fused.end:
-                raise LayoutMismatchError(f"{fused.file}: tensor {target}: {fused.nbytes} bytes but its native parts add up to {at - fused.start}")
-    return Plan("reverse", inv.location, inv.config, table.name, table.version, "native", _write_order(list(out.values())), {}, inv.revision, table.drafter)
+                raise LayoutMismatchError(f"{fused.file}: tensor {target}: {fused.nbytes} bytes but its native parts add up to {at - fused.start}", path=str(fused.file), tensor=target)
+    return Plan("reverse", inv.location, inv.config, cfg, table.name, table.version, "native", _write_order(list(out.values())), {}, inv.revision, table.drafter)

@@ -1,6 +1,6 @@
-"""Synthetic native DeepSeek V4 checkpoints, laid out like the release (spec 01).
+"""Synthetic native DeepSeek V4 checkpoints, laid out like the release (mapping/README.md#native-checkpoint-format).
 
-Every name, dtype and shape comes from `dsv4.convert.native`; the values are random but
+Every name, dtype and shape comes from `dsv4.model.native`; the values are random but
 realistic (finite FP8, spread-out power-of-two scales, norms near 1) so that the MTP
 forward on them gives finite, non-trivial logits. Values are a pure function of
 (seed, tensor name): writing a subset of the layers does not change the others.
@@ -10,7 +10,7 @@ Each shard is written header-first by `ShardWriter` and filled in row blocks of 
 headers are written: the tensor data are file holes that read back as zeros, so a
 full-size Flash or Pro replica costs almost no disk (for tests of inventory and planning).
 
-`variant="dspark"` writes a DeepSeek-V4-Flash-0731 release (spec 04 §4.1): its config
+`variant="dspark"` writes a DeepSeek-V4-Flash-0731 release (mapping/README.md#dspark-source-checkpoint): its config
 (the four dspark_* fields, one compress ratio per stage, "num_nextn_predict_layers": 1 kept)
 and the three-stage DSpark drafter `mtp.{0,1,2}`, one shard per stage after the main model's
 (48 shards at Flash size).
@@ -24,16 +24,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
-import click
 import torch
-
-from dsv4.convert.dtypes import TORCH_DTYPES, nbytes
-from dsv4.convert.errors import OutputExistsError, WriteFailedError, config_errors
-from dsv4.convert.inventory import INDEX_NAME
-from dsv4.convert.native import Layout, dspark_stage_layout, main_layer_layout, mtp_layout, top_level_layout
-from dsv4.convert.presets import PRESETS, Variant, preset_config, with_variant
+from dsv4.convert.errors import OutputExistsError, WriteFailedError
 from dsv4.convert.writer import ShardWriter, TensorSpec, shard_name
-from dsv4.model.config import ModelConfig, parse_config
+from dsv4.model import strictjson
+from dsv4.model.checkpoint import INDEX_NAME, load_index
+from dsv4.model.config import ModelConfig, config_errors, parse_config
+from dsv4.model.dtypes import TORCH_DTYPES, nbytes
+from dsv4.model.native import Layout, dspark_stage_layout, main_layer_layout, mtp_layout, top_level_layout
+from dsv4.model.presets import Variant, preset_config, with_variant
 
 # what `synth` writes without --preset: tiny, except for the dspark variant, which is the
 # V4-Flash-0731 release (there is no other DSpark release)
@@ -54,7 +53,7 @@ Fill = Callable[[tuple[int, ...], torch.Generator], torch.Tensor]
 
 def pack_e2m1(codes: torch.Tensor) -> torch.Tensor:
     """Pack e2m1 codes (uint8 0..15, last dim even) two per byte along the last dim, as the
-    release stores FP4 experts (spec 01 §1.3): LOW nibble = even index, HIGH = odd."""
+    release stores FP4 experts (mapping/README.md#storage-dtypes): LOW nibble = even index, HIGH = odd."""
     return (codes[..., 0::2] | (codes[..., 1::2] << 4)).view(torch.int8)
 
 
@@ -208,45 +207,22 @@ def write_checkpoint(
     return out
 
 
-def _main_layers_arg(ctx: click.Context, param: click.Parameter, value: str) -> int | str:
-    if value == "all":
-        return value
-    try:
-        return int(value)
-    except ValueError:
-        raise click.BadParameter("expected a number of layers or 'all'") from None
-
-
-@click.command("synth")
-@click.argument("out", type=click.Path(file_okay=False, path_type=Path))
-@click.option("--preset", type=click.Choice(sorted(PRESETS)), help="released config to replicate (default tiny; with --variant dspark: flash, i.e. V4-Flash-0731)")
-@click.option("--config", "config_path", type=click.Path(dir_okay=False, exists=True, path_type=Path), help="a config.json to use instead of a preset")
-@click.option("--variant", type=click.Choice(["instruct", "base", "dspark"]), default="instruct", show_default=True)
-@click.option("--main-layers", default="0", callback=_main_layers_arg, show_default=True, help="main decoder layers to write: K or 'all'")
-@click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--sparse", is_flag=True, help="headers only; tensor data are file holes (read back as zeros)")
-def synth_command(out: Path, preset: str | None, config_path: Path | None, variant: Variant, main_layers: int | str, seed: int, sparse: bool) -> None:
-    """Write a synthetic native DeepSeek V4 checkpoint to OUT."""
-    if preset and config_path:
-        raise click.UsageError("--preset and --config are alternatives; give one")
+def synthesize(out: Path, *, preset: str | None, config_path: Path | None, variant: Variant, main_layers: int | str, seed: int, sparse: bool) -> dict[str, Any]:
+    """`synth`: write a synthetic checkpoint into OUT (new or empty) from a preset or a
+    config.json, refused with the converter's verdict if it would refuse the config; returns
+    what was written (tensors, files, bytes)."""
     # the dspark variant names a release (V4-Flash-0731); tiny is for tests and asked for by name
     preset = preset or (None if config_path else DEFAULT_PRESET[variant])
     # writing into a directory that holds something would replace part of it (a typo for a
     # real download) and leave a mix of two checkpoints
     if out.is_dir() and any(out.iterdir()):
-        raise OutputExistsError(f"{out}: exists and is not empty; synth writes only into a new or empty directory, so nothing was changed")
-    try:
-        # a config the converter would refuse is refused here with the converter's verdict
-        with config_errors(str(config_path) if config_path else f"preset {preset}"):
-            config = parse_config(config_path.read_bytes()) if config_path else None
-            try:
-                write_checkpoint(out, preset=preset, config=config, variant=variant, main_layers=main_layers, seed=seed, sparse=sparse)
-            except OSError as exc:  # a write's ENOSPC or EIO names no file: name OUT
-                raise WriteFailedError(f"{exc.filename or out}: {exc.strerror or exc}; the synthetic checkpoint in {out} is incomplete") from None
-    except ValueError as exc:
-        raise click.UsageError(str(exc)) from exc
-    index = json.loads((out / INDEX_NAME).read_text())
-    n_files = len(set(index["weight_map"].values()))
-    size = index["metadata"]["total_size"]
-    holes = " (sparse)" if sparse else ""
-    click.echo(f"synth: {len(index['weight_map'])} tensors in {n_files} files, {size:,} bytes ({size / 1e9:.1f} GB) logical{holes} -> {out}")
+        raise OutputExistsError(f"{out}: exists and is not empty; synth writes only into a new or empty directory, so nothing was changed", path=str(out))
+    with config_errors(str(config_path) if config_path else f"preset {preset}"):
+        config = parse_config(config_path.read_bytes()) if config_path else None
+        try:
+            write_checkpoint(out, preset=preset, config=config, variant=variant, main_layers=main_layers, seed=seed, sparse=sparse)
+        except OSError as exc:  # a write's ENOSPC or EIO names no file: name OUT
+            raise WriteFailedError(f"{exc.filename or out}: {exc.strerror or exc}; the synthetic checkpoint in {out} is incomplete", path=str(out)) from None
+    raw = (out / INDEX_NAME).read_bytes()
+    weight_map = load_index(raw, str(out / INDEX_NAME))
+    return {"output": str(out), "tensors": len(weight_map), "files": len(set(weight_map.values())), "bytes": strictjson.loads(raw)["metadata"]["total_size"]}

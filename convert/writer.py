@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from dsv4.convert.dtypes import ITEMSIZE, nbytes, tensor_bytes
+from dsv4.model.dtypes import ITEMSIZE, nbytes, tensor_bytes
 
 if TYPE_CHECKING:
     import torch

@@ -1,16 +1,15 @@
 """The small configuration a table is validated against, for both expert dtypes: which
-native names the source format allows (convert/native.py) and which parameters the
+native names the source format allows (model/native.py) and which parameters the
 bundled model has (model/layout.py), for the table's drafter kind (MTP or DSpark)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from functools import cache
 
-from dsv4.convert import native
-from dsv4.convert.presets import preset_config
+from dsv4.model import native
 from dsv4.model.config import ModelConfig
 from dsv4.model.layout import target_layout
+from dsv4.model.presets import preset_config
 
 VARIANT_OF_EXPERT_DTYPE = {"fp4": "instruct", "fp8": "base"}
 
@@ -44,17 +43,12 @@ def draft_bindings(cfg: ModelConfig) -> list[dict[str, int]]:
 
 
 @cache
-def probe_keys(drafter: str = "mtp") -> tuple[dict[str, set[str]], dict[str, set[str]], Callable[[str], list[str]], dict[str, int]]:
-    """(native names, target parameters) per expert dtype, the target pattern binder, and
-    the {first}/{last} stages of the probe configuration (none for MTP)."""
+def probe_keys(drafter: str = "mtp") -> tuple[dict[str, set[str]], dict[str, set[str]], list[dict[str, int]], dict[str, int]]:
+    """(native names, target parameters) per expert dtype, the values the placeholders of a
+    target pattern take (each draft block's or stage's), and the {first}/{last} stages of
+    the probe configuration (none for MTP)."""
     cfgs = {d: probe_config(d, drafter) for d in VARIANT_OF_EXPERT_DTYPE}
     natives = {d: native_keys(c) for d, c in cfgs.items()}
     targets = {d: set(target_layout(c)) for d, c in cfgs.items()}
     cfg = cfgs["fp4"]
-
-    def bind_target(pattern: str) -> list[str]:
-        from dsv4.mapping.table import expand
-
-        return sorted({expand(pattern, b) for b in draft_bindings(cfg)})
-
-    return natives, targets, bind_target, stage_binding(cfg) if cfg.is_dspark else {}
+    return natives, targets, draft_bindings(cfg), stage_binding(cfg) if cfg.is_dspark else {}

@@ -2,7 +2,7 @@
 
 A table is data: `copy`, `rename`, `concat`, `stack`, `skip` and `refuse` sections whose
 keys and values are full tensor names with typed placeholders. Loading checks the table
-against the native format (convert/native.py) and the target layout (the bundled model)
+against the native format (model/native.py) and the target layout (the bundled model)
 before any checkpoint is read, so a rule that can never fire, or that writes something the
 model does not have, is an error at once, not a silent gap at serving time.
 
@@ -22,14 +22,8 @@ from functools import cache, cached_property
 from pathlib import Path
 from typing import Any
 
-from dsv4.convert.errors import (
-    DeadRuleError,
-    DuplicateTargetRuleError,
-    TableError,
-    UnboundPlaceholderError,
-    UnknownOpError,
-    UnknownTargetError,
-)
+from dsv4.mapping.errors import DeadRuleError, DuplicateTargetRuleError, TableError, UnboundPlaceholderError, UnknownOpError, UnknownTargetError
+from dsv4.mapping.probe import probe_keys
 
 TABLE_DIR = Path(__file__).parent
 
@@ -117,12 +111,12 @@ class Table:
 def _parse(raw: dict[str, Any], where: str) -> tuple[dict[str, Any], list[Rule]]:
     unknown = set(raw) - SECTIONS
     if unknown:
-        raise UnknownOpError(f"{where}: unknown section(s) {sorted(unknown)}; a table has {sorted(SECTIONS)}")
+        raise UnknownOpError(f"{where}: unknown section(s) {sorted(unknown)}; a table has {sorted(SECTIONS)}", path=str(where))
     meta = raw.get("table")
     if not isinstance(meta, dict) or not all(isinstance(meta.get(k), str) for k in ("name", "version", "target")):
-        raise TableError(f"{where}: [table] needs string name, version and target")
+        raise TableError(f"{where}: [table] needs string name, version and target", path=str(where))
     if meta.get("drafter", "mtp") not in DRAFTERS:
-        raise TableError(f"{where}: [table] drafter = {meta.get('drafter')!r}; expected one of {DRAFTERS}")
+        raise TableError(f"{where}: [table] drafter = {meta.get('drafter')!r}; expected one of {DRAFTERS}", path=str(where))
     rules = _parse_rules(raw, where)
     for entry in raw.get("include", []):
         rules.extend(_included_rules(entry, where))
@@ -133,18 +127,18 @@ def _included_rules(entry: Any, where: str) -> list[Rule]:
     """The rules of include file `entry["file"]` (a name in mapping/include/, never a path),
     their source names prefixed with `entry["source"]` and targets with `entry["target"]`."""
     if not isinstance(entry, dict) or set(entry) != INCLUDE_KEYS or not all(isinstance(v, str) for v in entry.values()):
-        raise TableError(f"{where}: [[include]] needs exactly the strings {sorted(INCLUDE_KEYS)}")
+        raise TableError(f"{where}: [[include]] needs exactly the strings {sorted(INCLUDE_KEYS)}", path=str(where))
     installed = sorted(p.stem for p in INCLUDE_DIR.glob("*.toml"))
     if entry["file"] not in installed:
-        raise TableError(f"{where}: [[include]] file {entry['file']!r} is not an installed include (installed: {', '.join(installed)}); named, not a path")
+        raise TableError(f"{where}: [[include]] file {entry['file']!r} is not an installed include (installed: {', '.join(installed)}); named, not a path", path=str(where))
     path = INCLUDE_DIR / f"{entry['file']}.toml"
     try:
         raw = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as exc:
-        raise TableError(f"{path}: not valid TOML ({exc})") from None
+        raise TableError(f"{path}: not valid TOML ({exc})", path=str(path)) from None
     unknown = set(raw) - INCLUDE_SECTIONS
     if unknown:
-        raise UnknownOpError(f"{path.name}: unknown section(s) {sorted(unknown)}; an include has {sorted(INCLUDE_SECTIONS)}")
+        raise UnknownOpError(f"{path.name}: unknown section(s) {sorted(unknown)}; an include has {sorted(INCLUDE_SECTIONS)}", path=str(path.name))
     return _parse_rules(raw, f"{where} (include {path.name})", entry["source"], entry["target"])
 
 
@@ -163,23 +157,23 @@ def _parse_rules(raw: dict[str, Any], where: str, src: str = "", dst: str = "") 
         rules.append(Rule("rename", (names(s, src),), names(d, dst)))
     for d, srcs in raw.get("concat", {}).items():
         if not (isinstance(srcs, list) and len(srcs) >= 2):
-            raise TableError(f"{where}: [concat] {d}: needs a list of at least two sources")
+            raise TableError(f"{where}: [concat] {d}: needs a list of at least two sources", path=str(where))
         rules.append(Rule("concat", tuple(names(x, src) for x in srcs), names(d, dst)))
     for entry in raw.get("stack", []):
         extra = set(entry) - STACK_KEYS
         if extra:
-            raise UnknownOpError(f"{where}: [[stack]] {entry.get('to')}: unknown key(s) {sorted(extra)}")
+            raise UnknownOpError(f"{where}: [[stack]] {entry.get('to')}: unknown key(s) {sorted(extra)}", path=str(where))
         rules.append(Rule("stack", tuple(names(x, src) for x in entry["cat"]), names(entry["to"], dst), entry.get("view"), entry.get("when")))
     for op in ("skip", "refuse"):
         for s, reason in raw.get(op, {}).items():
             if not isinstance(reason, str) or not reason.strip():
-                raise TableError(f"{where}: [{op}] {s}: needs a reason")
+                raise TableError(f"{where}: [{op}] {s}: needs a reason", path=str(where))
             rules.append(Rule(op, (names(s, src),), reason=reason))
     for r in rules:
         if not all(isinstance(x, str) for x in (*r.sources, r.target or "")):
-            raise TableError(f"{where}: {r.label}: names must be strings")
+            raise TableError(f"{where}: {r.label}: names must be strings", path=str(where))
         if r.when is not None and r.when not in EXPERT_DTYPES:
-            raise TableError(f"{where}: {r.label}: when = {r.when!r}; expected one of {EXPERT_DTYPES}")
+            raise TableError(f"{where}: {r.label}: when = {r.when!r}; expected one of {EXPERT_DTYPES}", path=str(where))
     return rules
 
 
@@ -188,12 +182,12 @@ def _check_placeholders(rule: Rule, where: str) -> None:
     for src in rule.sources:
         for ph in placeholders(src):
             if ph not in PLACEHOLDERS:
-                raise UnboundPlaceholderError(f"{where}: {rule.label}: unknown placeholder {{{ph}}} in {src}")
+                raise UnboundPlaceholderError(f"{where}: {rule.label}: unknown placeholder {{{ph}}} in {src}", path=str(where))
             bound.add(ph)
     if "rest" in bound and rule.op not in ("skip", "refuse"):
-        raise UnboundPlaceholderError(f"{where}: {rule.label}: {{rest}} is for skip and refuse rules only")
+        raise UnboundPlaceholderError(f"{where}: {rule.label}: {{rest}} is for skip and refuse rules only", path=str(where))
     if rule.op == "stack" and not all("e" in placeholders(s) for s in rule.sources):
-        raise UnboundPlaceholderError(f"{where}: {rule.label}: every stacked source needs {{e}}")
+        raise UnboundPlaceholderError(f"{where}: {rule.label}: every stacked source needs {{e}}", path=str(where))
     if rule.target is None:
         return
     available = bound - {"e"} if rule.op == "stack" else set(bound)
@@ -202,12 +196,12 @@ def _check_placeholders(rule: Rule, where: str) -> None:
     for ph in placeholders(rule.target):
         need = DERIVED.get(ph, ph)
         if need not in available:
-            raise UnboundPlaceholderError(f"{where}: {rule.label}: target placeholder {{{ph}}} is not bound by its source(s) {list(rule.sources)}")
+            raise UnboundPlaceholderError(f"{where}: {rule.label}: target placeholder {{{ph}}} is not bound by its source(s) {list(rule.sources)}", path=str(where))
     if rule.op != "copy":
         # a pinned placeholder ({first}, {last}) binds one stage: it may name no target part
         unused = (bound - {"e"} if rule.op == "stack" else bound) - PINNED - {DERIVED.get(p, p) for p in placeholders(rule.target)}
         if unused:
-            raise UnboundPlaceholderError(f"{where}: {rule.label}: source placeholder(s) {sorted(unused)} do not appear in the target, so two sources would write one parameter")
+            raise UnboundPlaceholderError(f"{where}: {rule.label}: source placeholder(s) {sorted(unused)} do not appear in the target, so two sources would write one parameter", path=str(where))
 
 
 def pin(pattern: str, pins: Mapping[str, int]) -> str:
@@ -227,13 +221,13 @@ def validate(table: Table, native_keys: Mapping[str, set[str]], target_keys: Map
         _check_placeholders(rule, where)
         wrong = sorted({ph for p in (*rule.sources, rule.target or "") for ph in placeholders(p)} & foreign)
         if wrong:
-            raise UnboundPlaceholderError(f"{where}: {rule.label}: placeholder {{{wrong[0]}}} belongs to the other drafter kind; a {table.drafter} table binds {sorted(DRAFTER_PLACEHOLDERS[table.drafter])}")
+            raise UnboundPlaceholderError(f"{where}: {rule.label}: placeholder {{{wrong[0]}}} belongs to the other drafter kind; a {table.drafter} table binds {sorted(DRAFTER_PLACEHOLDERS[table.drafter])}", path=str(where))
         if rule.op != "refuse":  # refuse rules describe other formats by design
             allowed = set().union(*(native_keys[d] for d in EXPERT_DTYPES if rule.applies(d)))
             for src in rule.sources:
                 rx = compile_pattern(pin(src, pins))
                 if not any(rx.match(k) for k in allowed):
-                    raise DeadRuleError(f"{where}: {rule.label}: source pattern {src} matches no tensor the native DeepSeek V4 format has: a dead rule")
+                    raise DeadRuleError(f"{where}: {rule.label}: source pattern {src} matches no tensor the native DeepSeek V4 format has: a dead rule", path=str(where))
         if rule.target is None:
             continue
         for dtype in EXPERT_DTYPES:
@@ -241,11 +235,11 @@ def validate(table: Table, native_keys: Mapping[str, set[str]], target_keys: Map
                 continue
             prior = seen.get((rule.target, dtype))
             if prior is not None:
-                raise DuplicateTargetRuleError(f"{where}: {rule.label} and {prior.label} both write {rule.target}")
+                raise DuplicateTargetRuleError(f"{where}: {rule.label} and {prior.label} both write {rule.target}", path=str(where))
             seen[(rule.target, dtype)] = rule
             for name in bind_target(rule.target):
                 if name not in target_keys[dtype]:
-                    raise UnknownTargetError(f"{where}: {rule.label}: {name} is not a parameter of the {table.target} layout ({dtype} experts)")
+                    raise UnknownTargetError(f"{where}: {rule.label}: {name} is not a parameter of the {table.target} layout ({dtype} experts)", path=str(where))
 
 
 def installed_tables() -> list[str]:
@@ -306,15 +300,13 @@ def load_table_file(path: Path) -> Table:
     """Load and validate the table file at `path`: for writing and testing a new table
     before it is installed beside xpu.toml. Conversions use `load_table(name)`."""
     if not path.is_file():
-        raise TableError(f"{path}: no such mapping table")
+        raise TableError(f"{path}: no such mapping table", path=str(path))
     try:
         raw = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as exc:
-        raise TableError(f"{path}: not valid TOML ({exc})") from None
+        raise TableError(f"{path}: not valid TOML ({exc})", path=str(path)) from None
     meta, rules = _parse(raw, path.name)
     table = Table(meta["name"], meta["version"], meta["target"], meta.get("layout", ""), tuple(rules), path.name, meta.get("drafter", "mtp"))
-    from dsv4.mapping.probe import probe_keys  # the model and the native format, for a small config
-
-    native_keys, target_keys, bind_target, pins = probe_keys(table.drafter)
-    validate(table, native_keys, target_keys, bind_target, pins)
+    native_keys, target_keys, bindings, pins = probe_keys(table.drafter)
+    validate(table, native_keys, target_keys, lambda pattern: sorted({expand(pattern, b) for b in bindings}), pins)
     return table

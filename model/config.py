@@ -3,13 +3,11 @@ one validating loader every reader of a config.json goes through.
 
 A ModelConfig is valid by construction (`__post_init__` checks every field): each field has
 its JSON type (a bool is not an integer, "256" is not a number), its sign, a range with an
-upper bound far above the released models (spec 01 §1.2; convert/presets.py holds Flash and
+upper bound far above the released models (mapping/README.md#config-fields; model/presets.py holds Flash and
 Pro verbatim) and its relations to other fields. A value out of range, of the wrong type or
 contradicting another field is malformed (ConfigFieldError); a well-formed value this tool
 has no layout for (another routing, expert storage or model type) is unsupported
-(UnsupportedConfig). Both name the field. This module must not need `dsv4.convert`: the
-converter turns these errors into its exit codes in one place
-(`dsv4.convert.errors.config_errors`).
+(UnsupportedConfig). Both name the field; `config_errors` adds the file's name.
 """
 
 from __future__ import annotations
@@ -17,10 +15,13 @@ from __future__ import annotations
 import json
 import math
 import reprlib
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from dsv4.model.errors import DSV4Error, MalformedConfigError, UnsupportedLayoutError
 from dsv4.model.strictjson import StrictJSONError, loads
 
 # Upper bounds, each far above the released values (Flash / Pro in brackets): they refuse
@@ -41,7 +42,7 @@ MAX_BLOCK = 1 << 16  # quantization_config.weight_block_size entries [128, 128]
 MAX_DSPARK_BLOCK = 1 << 10  # dspark_block_size [5]: query tokens of one draft block
 MAX_DSPARK_STAGES = MAX_NEXTN_LAYERS  # len(dspark_target_layer_ids) [3], n_mtp_layers [absent]
 
-# The DSpark drafter's fields (spec 04 §4.1): all four or none
+# The DSpark drafter's fields (mapping/README.md#dspark-source-checkpoint): all four or none
 DSPARK_FIELDS = ("dspark_block_size", "dspark_noise_token_id", "dspark_target_layer_ids", "dspark_markov_rank")
 
 SUPPORTED_MODEL_TYPE = "deepseek_v4"
@@ -53,7 +54,7 @@ _SHORT.maxlist = _SHORT.maxtuple = 4
 _SHORT.maxdict, _SHORT.maxlevel = 3, 2
 
 
-class ConfigError(ValueError):
+class ConfigError(DSV4Error, ValueError):
     """config.json is not a DeepSeek V4 config this tool can use; one line, without the file's
     name (the caller adds it)."""
 
@@ -122,7 +123,7 @@ def _check_model_type(model_type: Any) -> None:
     if type(model_type) is not str:
         raise ConfigFieldError("model_type", f"model_type is {_describe(model_type)}; expected a string")
     if model_type != SUPPORTED_MODEL_TYPE:
-        hint = " (DeepSeek V4.1: vLLM 0.33.0 has no XPU draft model for it, spec 04)" if model_type == "deepseek_v41" else ""
+        hint = " (DeepSeek V4.1: vLLM 0.33.0 has no XPU draft model for it, mapping/README.md#later-drafters-dspark-and-v41)" if model_type == "deepseek_v41" else ""
         raise UnsupportedConfig("model_type", f"model_type {model_type!r}{hint}; this tool converts {SUPPORTED_MODEL_TYPE!r} checkpoints only")
 
 
@@ -160,7 +161,7 @@ class ModelConfig:
     compress_ratios: tuple[int, ...] = ()
     weight_block_size: tuple[int, int] = (128, 128)
     model_type: str = SUPPORTED_MODEL_TYPE
-    # DSpark-0731 (spec 04 §4.1); None = absent (an MTP checkpoint)
+    # DSpark-0731 (mapping/README.md#dspark-source-checkpoint); None = absent (an MTP checkpoint)
     dspark_block_size: int | None = None
     dspark_noise_token_id: int | None = None
     dspark_target_layer_ids: tuple[int, ...] | None = None
@@ -232,7 +233,7 @@ class ModelConfig:
         if repeated:
             raise ConfigFieldError("dspark_target_layer_ids", f"dspark_target_layer_ids names layer {repeated[0]} twice; expected distinct main layers")
         if self.n_mtp_layers is not None and self.n_mtp_layers != len(ids):
-            raise ConfigFieldError("n_mtp_layers", f"n_mtp_layers is {self.n_mtp_layers} but dspark_target_layer_ids has {len(ids)} entries: the stage counts disagree (spec 04 §4.1)")
+            raise ConfigFieldError("n_mtp_layers", f"n_mtp_layers is {self.n_mtp_layers} but dspark_target_layer_ids has {len(ids)} entries: the stage counts disagree (mapping/README.md#dspark-source-checkpoint)")
 
     def _check_relations(self) -> None:
         rd, D = self.qk_rope_head_dim, self.head_dim
@@ -245,12 +246,12 @@ class ModelConfig:
         if self.num_hash_layers > self.num_hidden_layers:
             raise ConfigFieldError("num_hash_layers", f"num_hash_layers is {self.num_hash_layers}, more than num_hidden_layers ({self.num_hidden_layers})")
         if self.compress_ratios and self.is_dspark:
-            # spec 04 §4.1: one entry per main layer, then one per drafter stage
+            # mapping/README.md#dspark-source-checkpoint: one entry per main layer, then one per drafter stage
             n, want = len(self.compress_ratios), self.num_hidden_layers + self.dspark_stages
             if n != want:
                 raise ConfigFieldError("compress_ratios", f"compress_ratios has {n} entries; expected one per main layer (num_hidden_layers = {self.num_hidden_layers}) and one per DSpark stage ({self.dspark_stages}): {want}")
         elif self.compress_ratios:
-            # spec 01 §1.2: one entry per main layer, then the MTP layer(s)
+            # mapping/README.md#config-fields: one entry per main layer, then the MTP layer(s)
             n, low, high = len(self.compress_ratios), self.num_hidden_layers + 1, self.num_hidden_layers + MAX_NEXTN_LAYERS
             if not low <= n <= high:
                 raise ConfigFieldError("compress_ratios", f"compress_ratios has {n} entries; expected one per main layer (num_hidden_layers = {self.num_hidden_layers}) and one per draft layer: {low}..{high}")
@@ -261,15 +262,15 @@ class ModelConfig:
         if self.expert_dtype not in EXPERT_DTYPES:
             raise UnsupportedConfig("expert_dtype", f"unknown expert_dtype {self.expert_dtype!r} (expected fp4 or fp8)")
         # vLLM creates ffn.gate.e_score_correction_bias only for noaux_tc routing (NOTES.md),
-        # and the draft's router is sqrtsoftplus (spec 03 section 3.4)
+        # and the draft's router is sqrtsoftplus (model/README.md#moe-routing)
         for field, want in (("topk_method", "noaux_tc"), ("scoring_func", "sqrtsoftplus")):
             if getattr(self, field) != want:
                 raise UnsupportedConfig(field, f"topk_method {self.topk_method!r}, scoring_func {self.scoring_func!r}; the XPU MTP layout is defined for noaux_tc routing with sqrtsoftplus scores only")
         if self.n_shared_experts != 1:
-            raise UnsupportedConfig("n_shared_experts", f"n_shared_experts is {self.n_shared_experts}; the layouts of this tool have exactly one shared expert of width moe_intermediate_size (spec 01 §1.4)")
+            raise UnsupportedConfig("n_shared_experts", f"n_shared_experts is {self.n_shared_experts}; the layouts of this tool have exactly one shared expert of width moe_intermediate_size (mapping/README.md#names-of-an-mtp-block)")
         drafts = self.compress_ratios[self.num_hidden_layers :]
         if any(drafts):
-            raise UnsupportedConfig("compress_ratios", f"compress_ratios gives the draft layer(s) the ratio(s) {list(drafts)}; the MTP layer has no compressor (spec 01 §1.2: its entry is 0)")
+            raise UnsupportedConfig("compress_ratios", f"compress_ratios gives the draft layer(s) the ratio(s) {list(drafts)}; the MTP layer has no compressor (mapping/README.md#config-fields: its entry is 0)")
 
     @classmethod
     def from_dict(cls, raw: Any) -> ModelConfig:
@@ -308,12 +309,12 @@ class ModelConfig:
 
     @property
     def is_dspark(self) -> bool:
-        """A DSpark drafter (DeepSeek-V4-Flash-0731, spec 04): its dspark_* fields are set."""
+        """A DSpark drafter (DeepSeek-V4-Flash-0731, mapping/README.md#dspark-v4-flash-0731): its dspark_* fields are set."""
         return self.dspark_target_layer_ids is not None
 
     @property
     def dspark_stages(self) -> int:
-        """S, the drafter's stages `mtp.0..S-1`: one per target feature layer (spec 04 §4.1)."""
+        """S, the drafter's stages `mtp.0..S-1`: one per target feature layer (mapping/README.md#dspark-source-checkpoint)."""
         if self.dspark_target_layer_ids is None:
             raise ValueError("dspark_stages of a config that is not DSpark")
         return len(self.dspark_target_layer_ids)
@@ -347,3 +348,16 @@ def parse_config(raw: bytes | str) -> dict[str, Any]:
         raise ConfigError(str(exc)) from None
     _require_object(value)
     return value
+
+
+@contextmanager
+def config_errors(where: str) -> Iterator[None]:
+    """The config verdicts as every command reports them (plan, convert, check, the loader):
+    unsupported -> UnsupportedLayoutError, anything else -> MalformedConfigError; `where`
+    (the config.json's path) heads the one-line message."""
+    try:
+        yield
+    except UnsupportedConfig as exc:
+        raise UnsupportedLayoutError(f"{where}: {exc}", path=where) from None
+    except ConfigError as exc:
+        raise MalformedConfigError(f"{where}: {exc}", path=where) from None

@@ -1,10 +1,10 @@
 """The bundled DSpark draft model (DeepSeek-V4-Flash-0731), in vLLM 0.33.0's XPU runtime layout.
 
-Its `state_dict()` names, shapes and dtypes ARE spec 04 §4.2's 98 parameters (at 0731 size):
+Its `state_dict()` names, shapes and dtypes ARE mapping/README.md#xpu-dspark-layout's 98 parameters (at 0731 size):
 `layout.py` derives the DSpark target layout from it and a converted checkpoint loads into
 it with no remap (loader.py). The stages are V4 decoder blocks, mtp.py's `Block`, numbered
-by list index (`model.layers.{s}`, no `mtp_block.` level). The math follows spec 04 §4.3
-on top of spec 03's block math; the deviations of mtp.py's docstring apply here too
+by list index (`model.layers.{s}`, no `mtp_block.` level). The math follows model/README.md#dspark-forward
+on top of model/README.md's block math; the deviations of mtp.py's docstring apply here too
 (bf16 dequantised weights, no FP8 KV simulation). Beyond them:
 
 * No KV cache: one call drafts one block. The context K/V are recomputed from the target
@@ -18,12 +18,11 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-from torch import nn
-
 from dsv4.model import kernels
 from dsv4.model.config import ModelConfig
 from dsv4.model.mtp import Block, RMSNorm, fp8_linear_scale_dtype, hc_head, hc_post, sink_attention
-from dsv4.model.quant import Bf16Linear, Embedding, Fp8Linear, weight_param
+from dsv4.model.quantized import Bf16Linear, Embedding, Fp8Linear, weight_param
+from torch import nn
 
 
 class DraftBlock(NamedTuple):
@@ -83,13 +82,13 @@ class DSparkDraft(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         if not cfg.is_dspark:
-            raise ValueError("DSparkDraft needs a DSpark config (the dspark_* fields of spec 04 §4.1)")
+            raise ValueError("DSparkDraft needs a DSpark config (the dspark_* fields of mapping/README.md#dspark-source-checkpoint)")
         self.config = cfg
         self.model = DSparkModel(cfg)
         self.lm_head = Bf16Linear(cfg.hidden_size, cfg.vocab_size, "lm_head")
 
     def block_ids(self, anchor: int | torch.Tensor) -> torch.Tensor:
-        """[anchor, noise x (B-1)]: the query block's token ids (spec 04 §4.3 step 3)."""
+        """[anchor, noise x (B-1)]: the query block's token ids (model/README.md#dspark-forward step 3)."""
         cfg = self.config
         assert cfg.dspark_block_size is not None and cfg.dspark_noise_token_id is not None
         ids = torch.full((cfg.dspark_block_size,), cfg.dspark_noise_token_id, dtype=torch.long, device=self.lm_head.weight.device)
@@ -157,7 +156,7 @@ class DSparkDraft(nn.Module):
 
     @torch.no_grad()
     def forward(self, features: torch.Tensor, context_positions: torch.Tensor, anchor: int | torch.Tensor) -> DraftBlock:
-        """Draft B tokens after the context (spec 04 §4.3).
+        """Draft B tokens after the context (model/README.md#dspark-forward).
 
         features [T_ctx, T*H]: the target's h_l for l in dspark_target_layer_ids, concatenated
         (`target_features`); context_positions [T_ctx]; anchor: the last sampled token, at

@@ -3,7 +3,7 @@
 Like reference.py for the MTP draft, it checks the whole chain (converter + bundled model)
 against something that shares none of it: it reads the native names (`embed.weight`,
 `head.weight`, `mtp.{s}.*`) with safetensors, keeps DeepSeek's structure (separate wq_a and
-wkv, per-expert w1/w2/w3), takes the model-level tensors from the stage spec 04 §4.2 names
+wkv, per-expert w1/w2/w3), takes the model-level tensors from the stage mapping/README.md#xpu-dspark-layout names
 (main_proj and main_norm from stage 0; norm, hc_head and markov_head from stage S-1), and
 uses no Triton kernel, no mapping table and no code of the bundled model (mtp.py, dspark.py).
 The block math (mHC, MoE, quantised formats) is reference.py's; the attention is written
@@ -18,11 +18,10 @@ from pathlib import Path
 from typing import NamedTuple
 
 import torch
-from safetensors import safe_open
-
+from dsv4.model.checkpoint import local_weight_map
 from dsv4.model.config import ModelConfig
-from dsv4.model.reference import INDEX_NAME, VOCAB_SLICE, NativeReference, _norm, _rotate, fp8_weight
-from dsv4.model.strictjson import loads
+from dsv4.model.reference import VOCAB_SLICE, NativeReference, _norm, _rotate, fp8_weight
+from safetensors import safe_open
 
 
 class ReferenceBlock(NamedTuple):
@@ -83,7 +82,7 @@ class DSparkReference:
         if not cfg.is_dspark:
             raise ValueError(f"{root / 'config.json'}: not a DSpark config (no dspark_* fields)")
         self.device = torch.device(device)
-        weight_map: dict[str, str] = loads((root / INDEX_NAME).read_bytes())["weight_map"]
+        weight_map, _ = local_weight_map(root)
         stages = tuple(f"mtp.{s}." for s in range(cfg.dspark_stages))
         wanted = sorted(k for k in weight_map if k in ("embed.weight", "head.weight") or k.startswith(stages))
         self.t: dict[str, torch.Tensor] = {}
@@ -125,7 +124,7 @@ class DSparkReference:
 
     @torch.no_grad()
     def forward(self, features: torch.Tensor, context_positions: torch.Tensor, anchor: int) -> ReferenceBlock:
-        cfg, last = self.cfg, self.stages[-1]  # the heads come from stage S-1 (spec 04 §4.2)
+        cfg, last = self.cfg, self.stages[-1]  # the heads come from stage S-1 (mapping/README.md#xpu-dspark-layout)
         B = cfg.dspark_block_size
         assert B is not None
         ids = torch.tensor([anchor] + [cfg.dspark_noise_token_id] * (B - 1), device=self.device)

@@ -1,4 +1,4 @@
-"""The MTP draft's two fused RMSNorm kernels (spec 03 §3.1), in Triton, each beside a plain
+"""The MTP draft's two fused RMSNorm kernels (model/README.md#mtp-draft-step), in Triton, each beside a plain
 torch reference that defines its meaning.
 
 * `fused_mtp_input_rmsnorm`: the embedding rows of tokens at position 0 are zeroed before
@@ -10,30 +10,33 @@ torch reference that defines its meaning.
 How many rows per program, warps each and which cache hints: `launch_config`, a table
 measured on an H200.
 
-Both: out of place, fp32 math, one rounding at the store, T = 0 launches nothing.
+Both: out of place, fp32 math, one rounding at the store (round to nearest even; a NaN
+stays a NaN), T = 0 launches nothing. Every call launches through Triton's public
+`kernel[grid](...)`; its host cost per call (binding and specialising the arguments) is
+not paid under CUDA-graph replay, which is how a served draft step runs these kernels.
 
 Triton runs on whatever device the tensors are on (CUDA, XPU; CPU only under
 TRITON_INTERPRET=1). Where Triton is not importable, or cannot run on the tensors' device,
-the torch reference runs instead and a warning says so once.
+the torch reference runs instead and a notice says so once (logging: the command line
+prints it as one `warning:` line).
 """
 
 from __future__ import annotations
 
+import logging
 import os
-import warnings
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 
 try:
     import triton
     import triton.language as tl
-    from triton import knobs
-    from triton.runtime.driver import driver
 except ImportError:  # the kernels are an optional extra (pyproject: [kernels]), triton >= 3.4
     triton = None
 
 _warned: set[str] = set()
+log = logging.getLogger(__name__)
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -86,52 +89,12 @@ def _fallback(device: torch.device) -> bool:
         return False
     if why not in _warned:
         _warned.add(why)
-        warnings.warn(f"dsv4.model.kernels: {why}; running the torch reference instead", stacklevel=3)
+        log.warning("%s; running the torch reference instead", why)
     return True
 
 
 # Triton reads TRITON_INTERPRET when the kernels are decorated, at import; so do we.
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-# (kernel, device, dtypes, constexprs) -> (launcher, function, packed metadata)
-_compiled: dict[tuple[Any, ...], tuple[Any, Any, Any]] = {}
-
-
-def _hooks_registered() -> bool:
-    # Triton >= 3.5 keeps launch hooks in HookChains (empty: none); earlier ones use None
-    hooks = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
-    return any(getattr(h, "calls", h) for h in hooks)
-
-
-def _launch(kernel: Any, grid: tuple[int, int], tensors: tuple[torch.Tensor, ...], eps: float, consts: dict[str, int], num_warps: int) -> None:
-    """Launch `kernel` on `grid` with args (*tensors, eps, **consts) and `num_warps` warps.
-
-    At T <= 256 these kernels take a few microseconds on the device and the host's launch
-    path is most of the cost: Triton's `kernel[grid](...)` re-binds and re-specialises every
-    argument on every call (~15-25 us on the H200 host measured, against ~6-9 us for the
-    launcher itself). So after the first launch the compiled kernel's launcher is called
-    directly, with the arguments Triton's own launch passes it. That is safe only when the
-    current device, the dtypes, the constants and the warps match and every pointer is
-    16-byte aligned again (what the compiled code may assume), so the key says exactly that.
-    With launch hooks registered (profilers) every launch takes Triton's ordinary path.
-    """
-    if _INTERPRET:
-        kernel[grid](*tensors, eps, **consts, num_warps=num_warps)
-        return
-    device = driver.active.get_current_device()
-    key = (kernel, device, *[t.dtype for t in tensors], *consts.values(), num_warps)
-    ptr_bits = 0
-    for t in tensors:
-        ptr_bits |= t.data_ptr()
-    aligned = ptr_bits & 15 == 0
-    hit = _compiled.get(key) if aligned else None
-    if hit is not None and not _hooks_registered():
-        run, function, packed = hit
-        stream = driver.active.get_current_stream(device)
-        run(grid[0], grid[1], 1, stream, function, packed, None, None, None, *tensors, eps, *consts.values())
-        return
-    compiled = kernel[grid](*tensors, eps, **consts, num_warps=num_warps)
-    if aligned:
-        _compiled[key] = (compiled.run, compiled.function, compiled.packed_metadata)
 
 
 class LaunchConfig(NamedTuple):
@@ -202,15 +165,19 @@ if triton is not None:
 
     # The interpreter's fp32 -> bf16 cast truncates; compiled code is asked for round to
     # nearest even, which the interpreter gets by integer arithmetic instead: the same bits
-    # on every backend. (On an H200 the integer rounding cost 2.7-8.6% of device time at
-    # T <= 256 against the cast.)
+    # as torch's .to(bfloat16) for every finite value and infinity. (On an H200 the integer
+    # rounding cost 2.7-8.6% of device time at T <= 256 against the cast.)
     _INTERPRETED = tl.constexpr(_INTERPRET)
 
     @triton.jit
     def _to_bf16_rtne(y):
         if _INTERPRETED:
             bits = y.to(tl.uint32, bitcast=True)
-            bits = bits + 0x7FFF + ((bits >> 16) & 1)
+            rounded = bits + 0x7FFF + ((bits >> 16) & 1)
+            # a NaN is not rounded: adding could carry its all-ones exponent and mantissa into
+            # the sign (0x7FFFFFFF -> 0x8000 = -0); it keeps its sign and top mantissa bits,
+            # and the quiet bit (0x00400000) keeps the bf16 mantissa nonzero, so a NaN
+            bits = tl.where(y != y, bits | 0x00400000, rounded)  # y != y: y is a NaN
             out = (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
         else:
             out = y.to(tl.bfloat16, fp_downcast_rounding="rtne")
@@ -277,21 +244,19 @@ def _fused_mtp_input_rmsnorm_into(
 ) -> None:  # fmt: skip
     """The fused kernel on contiguous tensors, T > 0, into e_out and h_out."""
     T, H = e.shape
-    _launch(
-        _fused_mtp_input_rmsnorm_kernel,
-        (T // config.rows, 1 + n_hc),
-        (e, positions, prev, enorm_w, hnorm_w, e_out, h_out),
-        eps,
-        {"H": H, "N_HC": n_hc, "BLOCK": triton.next_power_of_2(H), "ROWS": config.rows, "CONTIGUOUS": config.contiguous, **_hints(config)},
-        config.num_warps,
-    )
+    _fused_mtp_input_rmsnorm_kernel[(T // config.rows, 1 + n_hc)](
+        e, positions, prev, enorm_w, hnorm_w, e_out, h_out, eps,
+        H=H, N_HC=n_hc, BLOCK=triton.next_power_of_2(H), ROWS=config.rows, CONTIGUOUS=config.contiguous,
+        **_hints(config), num_warps=config.num_warps,
+    )  # fmt: skip
 
 
 def _mtp_shared_head_rmsnorm_into(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, eps: float, config: LaunchConfig) -> None:
     """The shared-head kernel on contiguous tensors, T > 0, into out."""
     T, H = x.shape
-    consts = {"H": H, "BLOCK": triton.next_power_of_2(H), "ROWS": config.rows, **_hints(config)}
-    _launch(_rmsnorm_kernel, (T // config.rows, 1), (x, w, out), eps, consts, config.num_warps)
+    _rmsnorm_kernel[(T // config.rows,)](
+        x, w, out, eps, H=H, BLOCK=triton.next_power_of_2(H), ROWS=config.rows, **_hints(config), num_warps=config.num_warps
+    )
 
 
 def fused_mtp_input_rmsnorm(

@@ -18,24 +18,26 @@ import dataclasses
 import hashlib
 import json
 import os
-import tempfile
+import re
+from collections.abc import Iterable
 from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dsv4 import __version__
-from dsv4.convert.native import Layout
 from dsv4.model.config import ModelConfig
-from dsv4.model.strictjson import StrictJSONError, loads
+from dsv4.model.native import Layout
+from dsv4.model.strictjson import StrictJSONError, loads, write_record
 
 if TYPE_CHECKING:
     from torch import nn
 
 PACKAGE = Path(__file__).resolve().parent.parent
-# the code the model's parameters are a function of: the model package, the native
-# format (variant, FP4 group) and the dtype names
-MODEL_CODE = ("model", "convert/native.py", "convert/dtypes.py")
+# the code the model's parameters are a function of: the model package (the native
+# format and the dtype names live in it too)
+MODEL_CODE = ("model",)
 CACHE_FORMAT = 1
+TARGET_LAYER = re.compile(r"model\.layers\.(\d+)\.")  # a target-layout layer's number L
 
 
 def target_layout(cfg: ModelConfig) -> Layout:
@@ -52,8 +54,8 @@ def target_layout(cfg: ModelConfig) -> Layout:
 def build_target_layout(cfg: ModelConfig) -> Layout:
     """The layout read off the model on the meta device (what the cache holds)."""
     import torch  # start-up time: only a cache miss pays for torch and the model
+    from dsv4.model.dtypes import SAFETENSORS_NAMES
 
-    from dsv4.convert.dtypes import SAFETENSORS_NAMES
 
     with torch.device("meta"):
         model = build_draft_model(cfg)
@@ -62,7 +64,7 @@ def build_target_layout(cfg: ModelConfig) -> Layout:
 
 def build_draft_model(cfg: ModelConfig) -> nn.Module:
     """The bundled draft model `cfg` describes, on the current default device: the DSpark
-    drafter (spec 04) for a DSpark config, else the MTP draft (spec 02)."""
+    drafter (mapping/README.md#dspark-v4-flash-0731) for a DSpark config, else the MTP draft (mapping/README.md#xpu-mtp-layout)."""
     from dsv4.model.dspark import DSparkDraft
     from dsv4.model.mtp import DeepSeekV4MTP
 
@@ -106,16 +108,14 @@ def _read_cached(path: Path, key: dict[str, Any]) -> Layout | None:
 
 
 def _write_cached(path: Path, key: dict[str, Any], layout: Layout) -> None:
-    """Atomically (a temporary file renamed over the entry): a reader never sees half."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".layout-", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump({"key": key, "layout": {k: [d, list(s)] for k, (d, s) in layout.items()}}, f)
-            os.replace(tmp, path)
-        except BaseException:
-            os.unlink(tmp)
-            raise
+        write_record(path, {"key": key, "layout": {k: [d, list(sh)] for k, (d, sh) in layout.items()}})
     except OSError:
         pass  # a read-only or full cache directory: the next run rebuilds the layout
+
+
+def draft_layers_present(cfg: ModelConfig, names: Iterable[str]) -> list[str]:
+    """The target-layout draft layers ("model.layers.{L}", L >= num_hidden_layers) `names` hold."""
+    layers = {int(m.group(1)) for name in names if (m := TARGET_LAYER.match(name))}
+    return [f"model.layers.{L}" for L in sorted(layers) if L >= cfg.num_hidden_layers]

@@ -1,6 +1,6 @@
 """Strict loading of a converted checkpoint into the bundled draft model.
 
-The converted checkpoint's keys ARE the model's parameter names (spec 02 §2.4): there is
+The converted checkpoint's keys ARE the model's parameter names (mapping/README.md#versions-and-loaders): there is
 no remap here, and anything other than an exact match of names, shapes and dtypes is an
 error naming the tensor and its file. Silent drops are how vLLM users got 0% draft
 acceptance with no load-time error; this loader refuses them.
@@ -13,60 +13,36 @@ the embedding).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
-
-from dsv4.convert.dtypes import SAFETENSORS_NAMES
-from dsv4.convert.errors import (
-    DtypeMismatchError,
-    LoadError,
-    MissingConfigError,
-    MissingKeyError,
-    ShapeMismatchError,
-    UnexpectedKeyError,
-    config_errors,
-)
-from dsv4.convert.inventory import INDEX_NAME, SINGLE_FILE
-from dsv4.convert.plan import draft_layers_present
-from dsv4.model.config import ModelConfig
+from dsv4.model.checkpoint import CONFIG, local_weight_map
+from dsv4.model.config import ModelConfig, config_errors
 from dsv4.model.dspark import DSparkDraft
-from dsv4.model.layout import build_draft_model
+from dsv4.model.dtypes import SAFETENSORS_NAMES
+from dsv4.model.errors import DtypeMismatchError, LoadError, MissingConfigError, MissingKeyError, ShapeMismatchError, UnexpectedKeyError
+from dsv4.model.layout import build_draft_model, draft_layers_present
 from dsv4.model.mtp import DeepSeekV4MTP
-
+from safetensors import safe_open
 
 
 def default_device() -> torch.device:
-    """xpu, else cuda, else cpu."""
-    if hasattr(torch, "xpu") and torch.xpu.is_available():
-        return torch.device("xpu")
-    if torch.cuda.is_available():
-        return torch.device("cuda")
-    return torch.device("cpu")
+    """The machine's accelerator (xpu or cuda: the one this torch build has), else the cpu."""
+    return torch.accelerator.current_accelerator() if torch.accelerator.is_available() else torch.device("cpu")
 
 
-def _weight_map(root: Path) -> dict[str, str]:
-    index = root / INDEX_NAME
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError):
-            raise LoadError(f"{index}: not a safetensors index (JSON with a weight_map)") from None
-        for shard in set(weight_map.values()):
-            if not isinstance(shard, str) or Path(shard).name != shard or shard in ("", ".", ".."):
-                raise LoadError(f"{index}: shard name {shard!r} is not a plain file name")
-        return weight_map
-    single = root / SINGLE_FILE
-    if single.is_file():
-        with safe_open(single, framework="pt") as f:
-            return dict.fromkeys(f.keys(), SINGLE_FILE)
-    raise LoadError(f"{root}: neither {INDEX_NAME} nor {SINGLE_FILE} found")
+def converted_config(root: Path) -> ModelConfig:
+    """The validated config.json of converted checkpoint `root`, with the same verdicts as
+    plan, convert and check (MissingConfigError, MalformedConfigError, UnsupportedLayoutError)."""
+    config_path = root / CONFIG
+    if not config_path.is_file():
+        raise MissingConfigError(f"{config_path}: no config.json in the converted checkpoint", path=str(config_path))
+    with config_errors(str(config_path)):
+        return ModelConfig.from_file(config_path)
 
 
 def load_converted(path: str | Path, device: str | torch.device | None = None) -> DeepSeekV4MTP | DSparkDraft:
-    """Build the draft model for `path`/config.json (DSparkDraft for a DSpark config, spec 04;
+    """Build the draft model for `path`/config.json (DSparkDraft for a DSpark config, mapping/README.md#dspark-v4-flash-0731;
     else DeepSeekV4MTP) and load the converted weights strictly.
 
     Raises MissingKeyError, UnexpectedKeyError, ShapeMismatchError, DtypeMismatchError
@@ -75,24 +51,20 @@ def load_converted(path: str | Path, device: str | torch.device | None = None) -
     MalformedConfigError, UnsupportedLayoutError).
     """
     root = Path(path)
-    config_path = root / "config.json"
-    if not config_path.is_file():
-        raise MissingConfigError(f"{config_path}: no config.json in the converted checkpoint")
-    with config_errors(str(config_path)):  # the same verdicts as plan, convert and check
-        cfg = ModelConfig.from_file(config_path)
+    config_path = root / CONFIG
+    cfg = converted_config(root)
     dev = torch.device(device) if device is not None else default_device()
 
-    weight_map = _weight_map(root)
+    weight_map, index_file = local_weight_map(root)
     if not cfg.is_dspark:  # a DSpark stage missing or extra is a missing or unexpected key below
         with config_errors(str(config_path)):
             cfg.require_draft_blocks(draft_layers_present(cfg, weight_map))
     with torch.device("meta"):
         model = build_draft_model(cfg)
     expected = model.state_dict()
-    index_file = INDEX_NAME if (root / INDEX_NAME).is_file() else SINGLE_FILE
     for name in expected:
         if name not in weight_map:
-            raise MissingKeyError(f"{root / index_file}: missing tensor {name} (a parameter of the draft model)")
+            raise MissingKeyError(f"{root / index_file}: missing tensor {name} (a parameter of the draft model)", path=str(root / index_file), tensor=name)
 
     by_file: dict[str, list[str]] = {}
     for name, file in weight_map.items():
@@ -102,23 +74,23 @@ def load_converted(path: str | Path, device: str | torch.device | None = None) -
     for file, names in sorted(by_file.items()):
         shard = root / file
         if not shard.is_file():
-            raise LoadError(f"{shard}: shard named in {index_file} does not exist")
+            raise LoadError(f"{shard}: shard named in {index_file} does not exist", path=str(shard))
         with safe_open(shard, framework="pt") as f:
             in_file = set(f.keys())
             for name in sorted(in_file - set(names)):
-                raise UnexpectedKeyError(f"{shard}: unexpected tensor {name} (not listed in {index_file})")
+                raise UnexpectedKeyError(f"{shard}: unexpected tensor {name} (not listed in {index_file})", path=str(shard), tensor=name)
             for name in sorted(names):
                 if name not in in_file:
-                    raise MissingKeyError(f"{shard}: tensor {name} is listed in {index_file} but absent")
+                    raise MissingKeyError(f"{shard}: tensor {name} is listed in {index_file} but absent", path=str(shard), tensor=name)
                 if name not in expected:
-                    raise UnexpectedKeyError(f"{shard}: unexpected tensor {name} (not a parameter of the draft model)")
+                    raise UnexpectedKeyError(f"{shard}: unexpected tensor {name} (not a parameter of the draft model)", path=str(shard), tensor=name)
                 want = expected[name]
                 sl = f.get_slice(name)
                 dtype, shape = sl.get_dtype(), tuple(sl.get_shape())
                 if shape != tuple(want.shape):
-                    raise ShapeMismatchError(f"{shard}: tensor {name} has shape {list(shape)}, the model expects {list(want.shape)}")
+                    raise ShapeMismatchError(f"{shard}: tensor {name} has shape {list(shape)}, the model expects {list(want.shape)}", path=str(shard), tensor=name)
                 if dtype != SAFETENSORS_NAMES[want.dtype]:
-                    raise DtypeMismatchError(f"{shard}: tensor {name} has dtype {dtype}, the model expects {SAFETENSORS_NAMES[want.dtype]}")
+                    raise DtypeMismatchError(f"{shard}: tensor {name} has dtype {dtype}, the model expects {SAFETENSORS_NAMES[want.dtype]}", path=str(shard), tensor=name)
 
     # safetensors maps each shard privately (copy-on-write) and get_tensor returns a view of
     # that map: on the CPU the parameters ARE those views (no copy; a page is read when the

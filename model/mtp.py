@@ -1,8 +1,8 @@
 """The bundled DeepSeek V4 MTP draft model, in vLLM 0.33.0's XPU runtime layout.
 
-Its `state_dict()` names, shapes and dtypes ARE the target layout of spec 02 §2.2; a
+Its `state_dict()` names, shapes and dtypes ARE the target layout of mapping/README.md#mtp-parameters; a
 converted checkpoint loads into it with no remap (see loader.py), and `layout.py` derives
-the target layout from it. The math follows spec 03. Deviations from DeepSeek's reference
+the target layout from it. The math follows model/README.md. Deviations from DeepSeek's reference
 code (inference/model.py), all deliberate:
 
 * Linears dequantise their FP8 / FP4 weights to bf16 and multiply bf16 activations; the
@@ -14,7 +14,7 @@ code (inference/model.py), all deliberate:
   within the sliding window by token index; `positions` drive RoPE and the
   positions == 0 embedding mask, as in vLLM.
 * The shared expert's SwiGLU is clamped by swiglu_limit like the routed experts' (vLLM and
-  DeepSeek both clamp it; spec 03 section 3.4 is silent: NOTES.md).
+  DeepSeek both clamp it; NOTES.md, item 1).
 """
 
 from __future__ import annotations
@@ -23,12 +23,10 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-
-from dsv4.convert.native import variant_of
 from dsv4.model import kernels
 from dsv4.model.config import ModelConfig
-from dsv4.model.quant import (
+from dsv4.model.native import variant_of
+from dsv4.model.quantized import (
     E8M0,
     Bf16Linear,
     Embedding,
@@ -38,12 +36,12 @@ from dsv4.model.quant import (
     QuantLayer,
     weight_param,
 )
-
+from torch import nn
 
 
 def fp8_linear_scale_dtype(cfg: ModelConfig) -> torch.dtype:
     """vLLM 0.33 registers FP8 `weight_scale_inv` as E8M0 beside FP4 experts (instruct) and
-    as float32 beside FP8 experts (Base), matching the bytes on disk (spec 02 §2.2a)."""
+    as float32 beside FP8 experts (Base), matching the bytes on disk (mapping/README.md#scale-dtypes)."""
     return E8M0 if variant_of(cfg) == "instruct" else torch.float32
 
 
@@ -57,7 +55,7 @@ class RMSNorm(nn.Module):
         return kernels.rms_norm_ref(x, self.weight, self.eps)
 
 
-# --- mHC (spec 03 §3.2) ------------------------------------------------------------------
+# --- mHC (model/README.md#hyper-connections) ---------------------------------------------
 def hc_pre(
     x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, cfg: ModelConfig
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -92,11 +90,18 @@ def hc_head(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.
     return (pre.unsqueeze(-1) * x.float()).sum(dim=1).to(x.dtype)
 
 
-# --- attention (spec 03 §3.3) ------------------------------------------------------------
+# --- attention (model/README.md#attention) -----------------------------------------------
+def rope_inv_freq(rope_dim: int, theta: float) -> torch.Tensor:
+    """The RoPE inverse frequencies 1 / theta^(i / rope_dim), i = 0, 2, ..., rope_dim - 2: fp32,
+    on the CPU, in the expression vLLM and DeepSeek use (NOTES.md, "RoPE inverse frequencies"),
+    so bit-identical with both; theta^(-i / rope_dim) is 1 ulp off in some frequencies."""
+    return 1.0 / theta ** (torch.arange(0, rope_dim, 2, dtype=torch.float32) / rope_dim)
+
+
 def rope(x: torch.Tensor, positions: torch.Tensor, rope_dim: int, theta: float, inverse: bool = False) -> torch.Tensor:
     """Interleaved RoPE (pairs (0,1), (2,3), ...) on the last `rope_dim` dims; out of place.
     x: [T, ..., D]; positions: [T]."""
-    inv_freq = theta ** (-torch.arange(0, rope_dim, 2, device=x.device, dtype=torch.float32) / rope_dim)
+    inv_freq = rope_inv_freq(rope_dim, theta).to(x.device)
     ang = positions.float().unsqueeze(-1) * inv_freq  # [T, rope_dim/2]
     ang = ang.view(ang.shape[0], *([1] * (x.dim() - 2)), ang.shape[1])
     cos, sin = ang.cos(), ang.sin()
@@ -189,7 +194,7 @@ class Attention(nn.Module):
         return self.wo_b(o.flatten(1))
 
 
-# --- MoE (spec 03 §3.4) ------------------------------------------------------------------
+# --- MoE (model/README.md#moe-routing) ---------------------------------------------------
 class Gate(QuantLayer):
     def __init__(self, cfg: ModelConfig, quant_name: str) -> None:
         super().__init__(quant_name)
@@ -230,7 +235,7 @@ class Experts(QuantLayer):
 
 class MoE(nn.Module):
     """Routes with sqrtsoftplus scores and noaux_tc selection: ModelConfig refuses any other
-    scoring_func or topk_method (spec 03 section 3.4)."""
+    scoring_func or topk_method (model/README.md#moe-routing)."""
 
     def __init__(self, cfg: ModelConfig, layer_prefix: str) -> None:
         super().__init__()
@@ -279,7 +284,7 @@ def _hc_params(module: nn.Module, sub: str, cfg: ModelConfig) -> None:
 
 class Block(nn.Module):
     """The decoder block (`mtp_block`). Module paths carry `.mtp_block.`, quantisation names
-    do not: vLLM hands the block the layer's prefix (spec 02 §2.3)."""
+    do not: vLLM hands the block the layer's prefix (mapping/README.md#quantisation-layer-names)."""
 
     def __init__(self, cfg: ModelConfig, layer_prefix: str) -> None:
         super().__init__()
@@ -325,7 +330,7 @@ class MTPLayer(nn.Module):
         self.mtp_block = Block(cfg, layer_prefix)
 
     def forward(self, e: torch.Tensor, positions: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
-        """e [T, H] embeddings, prev [T, n*H] -> streams [T, n*H] (spec 03 §3.1)."""
+        """e [T, H] embeddings, prev [T, n*H] -> streams [T, n*H] (model/README.md#mtp-draft-step)."""
         cfg = self.cfg
         T, n, H = e.shape[0], cfg.hc_mult, cfg.hidden_size
         e_n, h_n = kernels.fused_mtp_input_rmsnorm(
@@ -333,7 +338,7 @@ class MTPLayer(nn.Module):
         )
         x = self.h_proj(h_n) + self.e_proj(e_n).unsqueeze(-2)
         f, x, post, comb = self.mtp_block(x, positions)
-        # the post-mix the seed XPU draft never applied (spec 02 §2.1 bug 3)
+        # the post-mix the seed XPU draft never applied (mapping/README.md#seed-bugs bug 3)
         return hc_post(f, x, post, comb).flatten(1)
 
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor:

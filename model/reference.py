@@ -5,7 +5,7 @@ shares none of it: it reads the native names (`embed.weight`, `head.weight`, `mt
 with safetensors, keeps DeepSeek's structure (separate wq_a and wkv, per-expert w1/w2/w3,
 shared_experts.w1/w2/w3), uses no Triton kernel, no mapping table and none of the bundled
 model's code, and decodes the quantised formats its own way (E8M0 as 2^(byte-127), e2m1
-codes by bit arithmetic rather than a table). The math is spec 03, the same contract the
+codes by bit arithmetic rather than a table). The math is model/README.md, the same contract the
 bundled model follows, with two choices made differently where the spec allows either:
 the routing weight scales the expert's output after w2 (the bundled model scales before),
 and attention is computed over the full [T, T] score matrix per call.
@@ -13,17 +13,15 @@ and attention is computed over the full [T, T] score matrix per call.
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from dsv4.model.checkpoint import local_weight_map
+from dsv4.model.config import ModelConfig
 from safetensors import safe_open
 
-from dsv4.model.config import ModelConfig
-
-INDEX_NAME = "model.safetensors.index.json"
 VOCAB_SLICE = 8192  # rows of the head upcast to fp32 at once in compute_logits: 128 MiB at Flash size
 
 
@@ -81,7 +79,7 @@ class NativeReference:
         self.cfg = ModelConfig.from_file(root / "config.json")
         self.device = torch.device(device)
         self.p = f"mtp.{block_index}."
-        weight_map: dict[str, str] = json.loads((root / INDEX_NAME).read_text())["weight_map"]
+        weight_map, _ = local_weight_map(root)
         wanted = {"embed.weight", "head.weight"}
         # Base checkpoints also carry mtp.{i}.emb.tok_emb / head: the draft uses the top-level ones
         own = {k for k in weight_map if k.startswith(self.p) and not k.startswith((f"{self.p}emb.", f"{self.p}head."))}

@@ -1,35 +1,23 @@
 """`convert-dsv4 smoke OUT`: load a converted checkpoint strictly into the bundled model,
-run one draft step on a few tokens and check it (spec 03 §3.5; for a DSpark checkpoint one
-drafted block, spec 04 §4.3: `run_dspark_smoke`)."""
+run one draft step on a few tokens and check it (model/README.md#smoke-test-and-reference; for a DSpark checkpoint one
+drafted block, model/README.md#dspark-forward: `run_dspark_smoke`)."""
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-import click
 import torch
-
-from dsv4.convert.cli import Device
-from safetensors import SafetensorError, safe_open
-
-from dsv4.convert.errors import (
-    DtypeMismatchError,
-    LoadError,
-    MissingKeyError,
-    ShapeMismatchError,
-    SmokeCheckError,
-    config_errors,
-)
 from dsv4.model import kernels
-from dsv4.model.config import ModelConfig
+from dsv4.model.config import ModelConfig, config_errors
 from dsv4.model.dspark import DSparkDraft, target_features
 from dsv4.model.dspark_reference import DSparkReference
+from dsv4.model.errors import DtypeMismatchError, LoadError, MissingKeyError, ShapeMismatchError, SmokeCheckError
 from dsv4.model.loader import default_device, load_converted
 from dsv4.model.reference import NativeReference
+from safetensors import SafetensorError, safe_open
 
 R = TypeVar("R")
 TIE_REL = 0.01  # top-1 near-tie: the reference's two candidates within 1% of max|logit|
@@ -37,7 +25,7 @@ TIE_REL = 0.01  # top-1 near-tie: the reference's two candidates within 1% of ma
 
 def _sync(device: torch.device) -> None:
     if device.type != "cpu":
-        getattr(torch, device.type).synchronize(device)
+        torch.accelerator.synchronize(device)
 
 
 def _timed(device: torch.device, fn: Callable[[], R]) -> tuple[R, float]:
@@ -73,11 +61,11 @@ def run_smoke(
     report["hidden_shape"], report["logits_shape"] = list(h.shape), list(logits.shape)
     where = f"{out_dir}"
     if tuple(h.shape) != (tokens, cfg.hc_dim):
-        raise SmokeCheckError(f"{where}: forward returned {list(h.shape)}, expected {[tokens, cfg.hc_dim]}")
+        raise SmokeCheckError(f"{where}: forward returned {list(h.shape)}, expected {[tokens, cfg.hc_dim]}", path=str(where))
     if tuple(logits.shape) != (tokens, cfg.vocab_size):
-        raise SmokeCheckError(f"{where}: compute_logits returned {list(logits.shape)}, expected {[tokens, cfg.vocab_size]}")
+        raise SmokeCheckError(f"{where}: compute_logits returned {list(logits.shape)}, expected {[tokens, cfg.vocab_size]}", path=str(where))
     if not (torch.isfinite(h).all() and torch.isfinite(logits).all()):
-        raise SmokeCheckError(f"{where}: non-finite values in the draft's hidden states or logits")
+        raise SmokeCheckError(f"{where}: non-finite values in the draft's hidden states or logits", path=str(where))
 
     if reference_dir is not None:
         with config_errors(f"{reference_dir}/config.json"):  # the reference reads the native config
@@ -111,18 +99,18 @@ def read_target_features(path: str | Path, cfg: ModelConfig) -> torch.Tensor:
             for layer in ids:
                 name = f"h_{layer}"
                 if name not in present:
-                    raise MissingKeyError(f"{path}: no tensor {name} (the target features are h_l for dspark_target_layer_ids {list(ids)})")
+                    raise MissingKeyError(f"{path}: no tensor {name} (the target features are h_l for dspark_target_layer_ids {list(ids)})", path=str(path), tensor=name)
                 t = f.get_tensor(name)
                 rows = per_layer[0].shape[0] if per_layer else None  # the first one sets T_ctx
                 shape = tuple(t.shape)
                 if len(shape) != 2 or shape[1] != cfg.hidden_size or shape[0] == 0 or shape[0] != (rows or shape[0]):
                     want = f"[{rows or 'T_ctx >= 1'}, {cfg.hidden_size}]"
-                    raise ShapeMismatchError(f"{path}: tensor {name} has shape {list(shape)}, expected {want}")
+                    raise ShapeMismatchError(f"{path}: tensor {name} has shape {list(shape)}, expected {want}", path=str(path), tensor=name)
                 if t.dtype not in FEATURE_DTYPES:
-                    raise DtypeMismatchError(f"{path}: tensor {name} has dtype {t.dtype}, expected a float (bf16, f16 or f32)")
+                    raise DtypeMismatchError(f"{path}: tensor {name} has dtype {t.dtype}, expected a float (bf16, f16 or f32)", path=str(path), tensor=name)
                 per_layer.append(t.to(torch.bfloat16))
     except (SafetensorError, OSError) as exc:
-        raise LoadError(f"{path}: not a readable safetensors file ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None
+        raise LoadError(f"{path}: not a readable safetensors file ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})", path=str(path)) from None
     return target_features(per_layer)
 
 
@@ -145,7 +133,7 @@ def run_dspark_smoke(
     report: dict[str, Any] = {"checkpoint": str(out_dir), "device": str(dev), "kernels": kernels.backend(dev), "layout": "dspark"}
     model, report["load_ms"] = _timed(dev, lambda: load_converted(out_dir, dev))
     if not isinstance(model, DSparkDraft):
-        raise SmokeCheckError(f"{out_dir}: not a DSpark checkpoint (its config.json has no dspark_* fields)")
+        raise SmokeCheckError(f"{out_dir}: not a DSpark checkpoint (its config.json has no dspark_* fields)", path=str(out_dir))
     cfg = model.config
     gen = torch.Generator().manual_seed(seed)
     if features is None:
@@ -173,9 +161,9 @@ def run_dspark_smoke(
     report["hidden_shape"], report["logits_shape"] = list(h.shape), list(logits.shape)
     report["draft_tokens"] = tokens.tolist()
     if tuple(h.shape) != (B, cfg.hc_dim) or tuple(logits.shape) != (B, cfg.vocab_size) or tuple(tokens.shape) != (B,):
-        raise SmokeCheckError(f"{out_dir}: the draft returned hidden {list(h.shape)}, logits {list(logits.shape)}, tokens {list(tokens.shape)}; expected {[B, cfg.hc_dim]}, {[B, cfg.vocab_size]}, {[B]}")
+        raise SmokeCheckError(f"{out_dir}: the draft returned hidden {list(h.shape)}, logits {list(logits.shape)}, tokens {list(tokens.shape)}; expected {[B, cfg.hc_dim]}, {[B, cfg.vocab_size]}, {[B]}", path=str(out_dir))
     if not (torch.isfinite(h).all() and torch.isfinite(base).all() and torch.isfinite(logits).all()):
-        raise SmokeCheckError(f"{out_dir}: non-finite values in the draft's hidden states or logits")
+        raise SmokeCheckError(f"{out_dir}: non-finite values in the draft's hidden states or logits", path=str(out_dir))
 
     if reference_dir is not None:
         with config_errors(f"{reference_dir}/config.json"):  # the reference reads the native config
@@ -206,29 +194,3 @@ def top1_agreement_up_to_ties(logits: torch.Tensor, logits_ref: torch.Tensor, re
     mine = logits.argmax(-1, keepdim=True)
     gap = logits_ref.max(-1, keepdim=True).values - logits_ref.gather(-1, mine)
     return (gap <= tol).float().mean().item()
-
-
-@click.command("smoke")
-@click.argument("out", type=click.Path(exists=True, file_okay=False, path_type=Path))
-@click.option("--device", type=Device(), help="xpu, cuda, cpu, cuda:1, ... (default: xpu, else cuda, else cpu)")
-@click.option("--tokens", type=click.IntRange(min=1), default=8, show_default=True, help="tokens in the draft step")
-@click.option("--reference", "reference_dir", type=click.Path(exists=True, file_okay=False, path_type=Path), help="the NATIVE checkpoint OUT was converted from: compare with an independent reference")
-@click.option("--min-top1", type=click.FloatRange(0, 1), default=1.0, show_default=True, help="fail when top-1 agreement with the reference is lower (a disagreement on a near-tie, within 1% of max|logit| in the reference, counts as agreeing)")
-@click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--json", "as_json", is_flag=True, help="print the report as JSON")
-def smoke_command(out: Path, device: str | None, tokens: int, reference_dir: Path | None, min_top1: float, seed: int, as_json: bool) -> None:
-    """Load converted checkpoint OUT into the bundled draft model and run one MTP step."""
-    report = run_smoke(out, device, tokens, reference_dir, seed)
-    if as_json:
-        click.echo(json.dumps(report, indent=2))
-    else:
-        click.echo(f"smoke: {out} on {report['device']}, fused norms: {report['kernels']}")
-        click.echo(f"  load {report['load_ms']:.0f} ms; forward {report['forward_first_ms']:.1f} ms first, {report['forward_warm_ms']:.1f} ms warm; "
-                   f"logits {report['logits_first_ms']:.1f} / {report['logits_warm_ms']:.1f} ms")
-        click.echo(f"  hidden {report['hidden_shape']}, logits {report['logits_shape']}, all finite")
-        if reference_dir is not None:
-            click.echo(f"  vs reference {reference_dir}: hidden max|diff| {report['hidden_max_abs_diff']:.4g} (max|h| {report['hidden_max_abs']:.4g}), "
-                       f"logits max|diff| {report['logits_max_abs_diff']:.4g} (max {report['logits_max_abs']:.4g}), "
-                   f"top-1 agreement {report['top1_agreement']:.3f} ({report['top1_agreement_up_to_ties']:.3f} counting near-ties)")
-    if reference_dir is not None and report["top1_agreement_up_to_ties"] < min_top1:
-        raise SmokeCheckError(f"{out}: top-1 agreement with the reference {report['top1_agreement_up_to_ties']:.3f} (near-ties counted as agreeing) is below {min_top1}")

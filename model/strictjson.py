@@ -1,5 +1,5 @@
 """Strict JSON: the parser every record of this tool goes through (safetensors headers,
-indexes, config.json, conversion.json).
+indexes, config.json, conversion.json), and the one writer of its records.
 
 Python's json module accepts what safetensors and most JSON readers refuse, and fails in
 ways that are not ValueErrors: duplicate keys (the last one silently wins), NaN and
@@ -14,6 +14,7 @@ import errno
 import json
 import os
 import stat
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -108,3 +109,34 @@ def read_record_bytes(path: str | Path) -> bytes:
         if info.st_size > MAX_RECORD_BYTES:
             raise OSError(errno.EFBIG, f"{info.st_size:,} bytes, over the {MAX_RECORD_BYTES:,}-byte limit on a record", str(path))
         return f.read(MAX_RECORD_BYTES + 1)
+
+
+def json_bytes(obj: Any) -> bytes:
+    """The one serialisation of every record this tool writes (stable, so comparable)."""
+    return (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode()
+
+
+def fsync_dir(path: str | Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_record(path: str | Path, obj: Any) -> None:
+    """Write record `path` durably: a temporary file beside it, fsynced, renamed over it,
+    and the directory fsynced. A reader sees the old record or the new one, never half of
+    one, and once this returns a crash of the machine keeps the new one. OSError as raised."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(json_bytes(obj))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)

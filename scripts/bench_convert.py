@@ -29,9 +29,9 @@ from __future__ import annotations
 import argparse
 import cProfile
 import hashlib
-import pstats
 import json
 import os
+import pstats
 import resource
 import shutil
 import subprocess
@@ -40,7 +40,7 @@ import time
 from pathlib import Path
 
 from dsv4.convert.inventory import read_inventory
-from dsv4.convert.job import hasher_lanes
+from dsv4.convert.execute import hasher_lanes
 from dsv4.convert.plan import choose_table, plan_conversion
 from dsv4.convert.synth import write_checkpoint
 
@@ -116,7 +116,7 @@ def sha256_gbps() -> float:
 
 
 def profile(src: Path, dst: Path) -> None:
-    from dsv4.convert.job import convert
+    from dsv4.convert.pipeline import convert
 
     shutil.rmtree(dst, ignore_errors=True)
     drop_caches()
@@ -126,7 +126,7 @@ def profile(src: Path, dst: Path) -> None:
     print(f"in-process conversion, cold cache: {time.perf_counter() - t:.2f} s", file=sys.stderr)
     shutil.rmtree(dst, ignore_errors=True)
     stats = pstats.Stats(prof, stream=sys.stdout).sort_stats("cumulative")
-    stats.print_stats(r"job.py.*\((run_plan|run|_all_zero|_still_valid)\)|writer.py.*\((write|start_writeback|sync)\)|_base.py.*\(result\)|\{method 'get' of '_queue|posix.posix_fadvise|method 'write' of '_io|posix.fsync")
+    stats.print_stats(r"(pipeline|execute).py.*\((run_plan|run|_all_zero|still_valid)\)|writer.py.*\((write|start_writeback|sync)\)|_base.py.*\(result\)|\{method 'get' of '_queue|posix.posix_fadvise|method 'write' of '_io|posix.fsync")
 
 
 def main() -> None:

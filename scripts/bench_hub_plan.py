@@ -26,9 +26,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from hubserver import FakeHub, hub_env  # noqa: E402
-
 from dsv4.convert.synth import write_checkpoint  # noqa: E402
+from hubserver import FakeHub, hub_env  # noqa: E402
 
 REPO = "org/flash"
 CLI = "from dsv4.convert.cli import main; main()"

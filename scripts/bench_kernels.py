@@ -1,6 +1,6 @@
 """Benchmark the fused MTP norm kernels against torch eager and torch.compile of the same
 math, beside a device-to-device copy measured in the same run; or, with --vllm, against
-vLLM 0.33.0's kernels of the same two norms under CUDA-graph replay.
+vLLM 0.33.0's kernels of the same two norms under CUDA-graph replay and eager.
 
     python scripts/bench_kernels.py [--device cuda] [--json OUT.json]
     python scripts/bench_kernels.py --vllm fused_mtp_input_rmsnorm.py [--sweep] [--json OUT.json]
@@ -10,15 +10,15 @@ vLLM 0.33.0's kernels of the same two norms under CUDA-graph replay.
 stubbed (`load_vllm`); it is not part of this project. Per shape (H x T, `GRAPH_TOKENS`) and
 kernel, on the same inputs: both outputs checked against each other and the torch reference
 (bf16 ulps), then device time per call under CUDA-graph replay (`graph_us`): ours as the
-model calls it against vLLM's as vLLM's model calls it. --sweep times every launch config
+model calls it against vLLM's as vLLM's model calls it; and eager, the wall clock per call
+(`call_us`, host launch cost included) of the same two calls. --sweep times every launch config
 (`sweep_configs`) of ours instead, into preallocated outputs: how `kernels._TUNED` was chosen.
 
 Two timings per case:
 * gpu_us: device time per call from triton.testing.do_bench (CUDA/XPU events around each
   call, L2 flushed between calls, mean over repetitions). GB/s = bytes moved / gpu time.
-Implementations: triton = the kernels as the model calls them (cached launch after the
-first call); tl-jit = the same kernel through Triton's ordinary `kernel[grid](...)` launch;
-eager / compile = the torch reference, eager and under torch.compile.
+Implementations: triton = the kernels as the model calls them (Triton's `kernel[grid](...)`
+launch); eager / compile = the torch reference, eager and under torch.compile.
 * call_us: wall clock per call over N back-to-back calls with one synchronisation at the
   end: what a caller pays, host launch overhead included (launch-bound at small T).
 Bytes moved = every input row read once + every output row written once (+ weights).
@@ -39,7 +39,6 @@ from collections.abc import Callable
 
 import torch
 import triton.testing
-
 from dsv4.model import kernels
 
 N_HC = 4
@@ -232,16 +231,25 @@ def against_vllm(args: argparse.Namespace) -> None:
             }
             for name, (ours, theirs) in cases.items():
                 us = graph_us({"ours": ours, "vllm": theirs}, graph_calls(T))
+                n = 200 if T >= 4096 else 2000
+                eager = {"ours": call_us(ours, dev, n), "vllm": call_us(theirs, dev, n)}
                 cfg = kernels.launch_config(name, H, T)
-                rows.append({"kernel": name, "H": H, "T": T, "config": describe(cfg), "ours_us": us["ours"], "vllm_us": us["vllm"], "ulps_vs_vllm": ulps[name][0], "ulps_vs_ref": ulps[name][1]})
+                rows.append({
+                    "kernel": name, "H": H, "T": T, "config": describe(cfg), "ours_us": us["ours"], "vllm_us": us["vllm"],
+                    "ours_call_us": eager["ours"], "vllm_call_us": eager["vllm"], "ulps_vs_vllm": ulps[name][0], "ulps_vs_ref": ulps[name][1],
+                })  # fmt: skip
     if not args.sweep:
-        print("| kernel | H | T | warps x rows, hints | ours µs | vLLM µs | ours / vLLM | ulps vs vLLM | ulps vs ref |")
-        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+        print("| kernel | H | T | warps x rows, hints | ours µs | vLLM µs | ours / vLLM | ours call µs | vLLM call µs | ulps vs vLLM | ulps vs ref |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         for r in rows:
             ratio = r["ours_us"] / r["vllm_us"]
             mark = "" if ratio <= 1 else " **slower**"
-            print(f"| {r['kernel']} | {r['H']} | {r['T']} | {r['config']} | {r['ours_us']:.2f} | {r['vllm_us']:.2f} | {ratio:.3f}{mark} | {r['ulps_vs_vllm']} | {r['ulps_vs_ref']} |")
-        print(f"ours <= vLLM in {sum(r['ours_us'] <= r['vllm_us'] for r in rows)} of {len(rows)} shapes")
+            print(
+                f"| {r['kernel']} | {r['H']} | {r['T']} | {r['config']} | {r['ours_us']:.2f} | {r['vllm_us']:.2f} | {ratio:.3f}{mark} "
+                f"| {r['ours_call_us']:.1f} | {r['vllm_call_us']:.1f} | {r['ulps_vs_vllm']} | {r['ulps_vs_ref']} |"
+            )
+        print(f"ours <= vLLM in {sum(r['ours_us'] <= r['vllm_us'] for r in rows)} of {len(rows)} shapes under graph replay, "
+              f"{sum(r['ours_call_us'] <= r['vllm_call_us'] for r in rows)} of {len(rows)} eager (wall clock per call)")  # fmt: skip
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
@@ -275,29 +283,11 @@ def main() -> None:
             pos = torch.arange(T, device=dev)
             w1 = torch.randn(H, device=dev, dtype=torch.bfloat16)
             w2 = torch.randn(H, device=dev, dtype=torch.bfloat16)
-            block = triton.next_power_of_2(H)
-            fused_cfg, head_cfg = kernels.launch_config("fused_input", H, T), kernels.launch_config("shared_head", H, T)
-
-            def jit_fused() -> None:
-                # Triton's own launch path, for comparison with the cached launch in kernels.py
-                eo, ho = torch.empty_like(e), torch.empty_like(prev)
-                grid = (T // fused_cfg.rows, 1 + N_HC)
-                kernels._fused_mtp_input_rmsnorm_kernel[grid](
-                    e, pos, prev, w1, w2, eo, ho, EPS, H=H, N_HC=N_HC, BLOCK=block, ROWS=fused_cfg.rows,
-                    CONTIGUOUS=fused_cfg.contiguous, **kernels._hints(fused_cfg), num_warps=fused_cfg.num_warps,
-                )  # fmt: skip
-
-            def jit_head() -> None:
-                out = torch.empty_like(e)
-                grid = (T // head_cfg.rows,)
-                kernels._rmsnorm_kernel[grid](e, w1, out, EPS, H=H, BLOCK=block, ROWS=head_cfg.rows, **kernels._hints(head_cfg), num_warps=head_cfg.num_warps)
-
             cases = {
                 "fused_mtp_input_rmsnorm": (
                     2 * (1 + N_HC) * T * H * 2 + 2 * H * 2 + T * 8,
                     {
                         "triton": lambda: kernels.fused_mtp_input_rmsnorm(e, pos, prev, w1, w2, EPS, N_HC),
-                        "tl-jit": jit_fused,
                         "eager": lambda: kernels.fused_mtp_input_rmsnorm_ref(e, pos, prev, w1, w2, EPS, N_HC),
                         "compile": lambda: compiled_fused(e, pos, prev, w1, w2, EPS, N_HC),
                     },
@@ -306,7 +296,6 @@ def main() -> None:
                     2 * T * H * 2 + H * 2,
                     {
                         "triton": lambda: kernels.mtp_shared_head_rmsnorm(e, w1, EPS),
-                        "tl-jit": jit_head,
                         "eager": lambda: kernels.mtp_shared_head_rmsnorm_ref(e, w1, EPS),
                         "compile": lambda: compiled_head(e, w1, EPS),
                     },

@@ -4,7 +4,10 @@
         [--variant instruct|base|dspark] [--main-layers K|all] [--seed N] [--sparse]
 """
 
-from dsv4.convert.synth import synth_command
+import sys
+
+from dsv4.convert.cli import main
 
 if __name__ == "__main__":
-    synth_command()
+    sys.argv[1:1] = ["synth"]
+    main()

@@ -10,7 +10,6 @@ if not torch.cuda.is_available() and not (hasattr(torch, "xpu") and torch.xpu.is
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
-
 from dsv4.convert.synth import write_checkpoint  # noqa: E402
 
 

@@ -6,7 +6,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from dsv4.convert.cli import main
 
 

@@ -1,4 +1,4 @@
-"""Spec 02 section 2.2, transcribed once for the tests: the 41 parameters of the XPU MTP
+"""mapping/README.md#mtp-parameters, transcribed once for the tests: the 41 parameters of the XPU MTP
 layout. Tests compare the model (the project's authority on the layout) and the planner
 against this independent reading of the spec."""
 
@@ -11,7 +11,7 @@ def spec_layout(cfg: ModelConfig) -> dict[str, tuple[str, tuple[int, ...]]]:
     H, V, n, E, I = cfg.hidden_size, cfg.vocab_size, cfg.hc_mult, cfg.n_routed_experts, cfg.moe_intermediate_size
     D, nh, rq, g, ro = cfg.head_dim, cfg.num_attention_heads, cfg.q_lora_rank, cfg.o_groups, cfg.o_lora_rank
     instruct = cfg.expert_dtype == "fp4"
-    s = "F8_E8M0" if instruct else "F32"  # FP8 linears' weight_scale_inv (spec 02 §2.2a)
+    s = "F8_E8M0" if instruct else "F32"  # FP8 linears' weight_scale_inv (mapping/README.md#scale-dtypes)
     L = f"model.layers.{cfg.num_hidden_layers}."
     B = L + "mtp_block."
     out = {

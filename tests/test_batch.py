@@ -13,12 +13,11 @@ from typing import Any
 
 import pytest
 from dspark_fixtures import write_half_dspark
-from hubserver import FakeHub, hub_env, run_cli
-
 from dsv4.convert.batch import Source, load_manifest, run_check, select_shard, shard_from_env
 from dsv4.convert.errors import ConfigCheckError, ManifestError
-from dsv4.convert.job import CONVERSION_RECORD, convert
+from dsv4.convert.pipeline import CONVERSION_RECORD, convert
 from dsv4.convert.synth import write_checkpoint
+from hubserver import FakeHub, hub_env, run_cli
 
 TOKEN = "hf_fakeTokenThatMustNeverBeWritten1234"
 REPOS = ("org/alpha", "org/beta", "org/gamma")  # gamma starts broken (a half DSpark checkpoint: exit 35)

@@ -16,12 +16,12 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
-from safetensors.torch import load_file, save_file
-
 from dsv4.convert.check import run_checks
 from dsv4.convert.cli import cli
-from dsv4.convert.job import convert
+from dsv4.convert.exit_codes import exit_code
+from dsv4.convert.pipeline import convert
 from dsv4.convert.synth import write_checkpoint
+from safetensors.torch import load_file, save_file
 
 CHECKS = ["index", "readable", "sizes", "checksums", "config", "layout", "quant", "smoke", "native"]
 INDEX = "model.safetensors.index.json"
@@ -145,7 +145,7 @@ def drop_enorm(out: Path) -> None:
 
 
 def add_norm_gate(out: Path) -> None:
-    # the seed's remap targets: a module vLLM's draft does not have (spec 02 §2.1, bug 4)
+    # the seed's remap targets: a module vLLM's draft does not have (mapping/README.md#seed-bugs, bug 4)
     edit_tensors(out, lambda t: t.update({f"{B}ffn.norm_gate.gate.weight": t[f"{B}ffn.gate.weight"].clone()}))
 
 
@@ -248,7 +248,7 @@ def test_junit_lists_one_case_per_check_and_the_failure_with_its_reason(out: Pat
     drop_enorm(out)
     junit = tmp_path / "check.xml"
     result = CliRunner().invoke(cli, ["check", str(out), "--fast", "--junit", str(junit)])
-    assert result.exception is not None and result.exception.exit_code == 76
+    assert result.exception is not None and exit_code(result.exception) == 76
     root = ET.parse(junit).getroot()
     cases = {c.get("name"): c for c in root.iter("testcase")}
     assert list(cases) == CHECKS

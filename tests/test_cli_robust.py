@@ -11,13 +11,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-
 from dsv4.convert import cli as cli_module
 from dsv4.convert.batch import load_manifest
 from dsv4.convert.check import run_checks
-from dsv4.convert.errors import ManifestError, RepoNotFound, TableError
-from dsv4.convert.job import convert
+from dsv4.convert.errors import ManifestError, RepoNotFound
+from dsv4.convert.pipeline import convert
 from dsv4.convert.sizes import shard_size
+from dsv4.mapping.errors import TableError
 from dsv4.mapping.table import TABLE_DIR, installed_targets, load_table
 from inprocess import run_main
 
@@ -261,7 +261,7 @@ def raising(exc: BaseException) -> Callable[..., object]:
 
 
 def test_an_unexpected_exception_is_one_line_asking_for_a_report(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    monkeypatch.setattr("dsv4.convert.job.convert", raising(RuntimeError("the unexpected\nsecond line")))
+    monkeypatch.setattr("dsv4.convert.pipeline.convert", raising(RuntimeError("the unexpected\nsecond line")))
     monkeypatch.delenv(cli_module.TRACEBACK_ENV, raising=False)
     code, _, err = run_main(monkeypatch, capsys, str(tmp_path / "in"), str(tmp_path / "out"))
     line = one_error_line(err)
@@ -271,7 +271,7 @@ def test_an_unexpected_exception_is_one_line_asking_for_a_report(tmp_path: Path,
 
 
 def test_the_traceback_env_var_lets_developers_see_the_exception(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("dsv4.convert.job.convert", raising(RuntimeError("the unexpected")))
+    monkeypatch.setattr("dsv4.convert.pipeline.convert", raising(RuntimeError("the unexpected")))
     monkeypatch.setenv(cli_module.TRACEBACK_ENV, "1")
     monkeypatch.setattr(sys, "argv", ["convert-dsv4", str(tmp_path / "in"), str(tmp_path / "out")])
     with pytest.raises(RuntimeError, match="the unexpected"):
@@ -279,20 +279,20 @@ def test_the_traceback_env_var_lets_developers_see_the_exception(tmp_path: Path,
 
 
 def test_an_unclassified_os_error_is_one_line_with_path_and_reason(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    monkeypatch.setattr("dsv4.convert.job.convert", raising(PermissionError(13, "Permission denied", "/data/out/.out.partial")))
+    monkeypatch.setattr("dsv4.convert.pipeline.convert", raising(PermissionError(13, "Permission denied", "/data/out/.out.partial")))
     monkeypatch.delenv(cli_module.TRACEBACK_ENV, raising=False)
     code, _, err = run_main(monkeypatch, capsys, str(tmp_path / "in"), str(tmp_path / "out"))
     assert (code, one_error_line(err)) == (1, "error: /data/out/.out.partial: Permission denied")
 
 
 def test_ctrl_c_exits_130_with_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    monkeypatch.setattr("dsv4.convert.job.convert", raising(KeyboardInterrupt()))
+    monkeypatch.setattr("dsv4.convert.pipeline.convert", raising(KeyboardInterrupt()))
     code, _, err = run_main(monkeypatch, capsys, str(tmp_path / "in"), str(tmp_path / "out"))
     assert (code, one_error_line(err)) == (130, "interrupted")
 
 
 def test_an_error_message_quoting_a_newline_stays_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    monkeypatch.setattr("dsv4.convert.job.convert", raising(TableError("x.toml: tensor 'a\nb' is odd")))
+    monkeypatch.setattr("dsv4.convert.pipeline.convert", raising(TableError("x.toml: tensor 'a\nb' is odd")))
     code, _, err = run_main(monkeypatch, capsys, str(tmp_path / "in"), str(tmp_path / "out"))
     assert (code, one_error_line(err)) == (20, "error: x.toml: tensor 'a\\nb' is odd")
 

@@ -17,19 +17,19 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hubserver import FakeHub, hub_env
-from hubserver import run_cli as hub_cli
-
-from dsv4.convert import errors
 from dsv4.convert.check import run_checks
+from dsv4.convert.exit_codes import exit_code
 from dsv4.convert.inventory import read_inventory
-from dsv4.convert.job import convert
+from dsv4.convert.pipeline import convert
 from dsv4.convert.plan import model_config, plan_reverse
-from dsv4.convert.presets import PRESETS, preset_config
 from dsv4.convert.synth import write_checkpoint
 from dsv4.mapping.table import load_table
+from dsv4.model import errors as model_errors
 from dsv4.model.config import ConfigError, ConfigFieldError, ModelConfig, UnsupportedConfig, parse_config
 from dsv4.model.loader import load_converted
+from dsv4.model.presets import PRESETS, preset_config
+from hubserver import FakeHub, hub_env
+from hubserver import run_cli as hub_cli
 
 ADDRESS_SPACE = 4 << 30  # a CLI run that allocates without bound dies instead of swapping
 CLI_TIMEOUT_S = 120
@@ -136,16 +136,16 @@ def test_smoke_on_an_output_config_that_is_a_list_exits_18(converted: Path, tmp_
 def plan_verdict(ckpt: Path) -> tuple[int, str]:
     try:
         model_config(read_inventory(ckpt))
-    except errors.DSV4Error as exc:
-        return exc.exit_code, str(exc)
+    except model_errors.DSV4Error as exc:
+        return exit_code(exc), str(exc)
     return 0, ""
 
 
 def loader_verdict(ckpt: Path) -> tuple[int, str]:
     try:
         load_converted(ckpt, "cpu")
-    except errors.DSV4Error as exc:
-        return exc.exit_code, str(exc)
+    except model_errors.DSV4Error as exc:
+        return exit_code(exc), str(exc)
     return 0, ""
 
 
@@ -162,13 +162,13 @@ def test_plan_check_and_loader_give_a_config_the_same_verdict(converted: Path, t
 
 def test_loader_names_num_nextn_when_the_shards_hold_fewer_layers(converted: Path, tmp_path: Path) -> None:
     out = with_config(converted, tmp_path / "out", json.dumps({**json.loads((converted / "config.json").read_text()), "num_nextn_predict_layers": 3}))
-    with pytest.raises(errors.UnsupportedLayoutError, match=r"num_nextn_predict_layers = 3 but the shards hold 1 draft block\(s\) \(model\.layers\.2\)"):
+    with pytest.raises(model_errors.UnsupportedLayoutError, match=r"num_nextn_predict_layers = 3 but the shards hold 1 draft block\(s\) \(model\.layers\.2\)"):
         load_converted(out, "cpu")
 
 
 def test_reverse_plan_names_num_nextn_when_the_shards_hold_fewer_layers(converted: Path, tmp_path: Path) -> None:
     out = with_config(converted, tmp_path / "out", json.dumps({**json.loads((converted / "config.json").read_text()), "num_nextn_predict_layers": 2}))
-    with pytest.raises(errors.UnsupportedLayoutError, match=r"config.json: num_nextn_predict_layers = 2 but the shards hold 1 draft block\(s\) \(model\.layers\.2\)"):
+    with pytest.raises(model_errors.UnsupportedLayoutError, match=r"config.json: num_nextn_predict_layers = 2 but the shards hold 1 draft block\(s\) \(model\.layers\.2\)"):
         plan_reverse(read_inventory(out), load_table("xpu"))
 
 

@@ -12,26 +12,19 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
-
 from dsv4.convert import errors
-from dsv4.convert.inventory import INDEX_NAME, read_inventory
-from dsv4.convert.job import CRASH_AFTER_ENV, convert
+from dsv4.convert.exit_codes import code_of
+from dsv4.convert.inventory import read_inventory
+from dsv4.convert.pipeline import convert
 from dsv4.convert.plan import plan_conversion
 from dsv4.convert.writer import ShardWriter
 from dsv4.mapping.table import load_table
+from dsv4.model import errors as model_errors
+from dsv4.model.checkpoint import INDEX_NAME
+from tensors import load_all
 
 L = "model.layers.2."  # tiny: num_hidden_layers = 2
 B = L + "mtp_block."
-
-
-def load_all(root: Path) -> dict[str, torch.Tensor]:
-    weight_map = json.loads((root / INDEX_NAME).read_text())["weight_map"]
-    out = {}
-    for name, file in weight_map.items():
-        with safe_open(str(root / file), "pt") as f:
-            out[name] = f.get_tensor(name)
-    return out
 
 
 def raw(t: torch.Tensor) -> torch.Tensor:
@@ -40,6 +33,11 @@ def raw(t: torch.Tensor) -> torch.Tensor:
 
 def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "dsv4", *args], capture_output=True, text=True, env={**os.environ, **(env or {})})
+
+
+def crashing_cli(point: int, *args: str) -> subprocess.CompletedProcess:
+    """The CLI, killed (SIGKILL) once the output stream reaches byte `point` (tests/crashing_cli.py)."""
+    return subprocess.run([sys.executable, str(Path(__file__).with_name("crashing_cli.py")), str(point), *args], capture_output=True, text=True)
 
 
 def tree_bytes(root: Path) -> dict[str, bytes]:
@@ -148,7 +146,7 @@ def test_killed_runs_resume_to_byte_identical_output(tiny_native: Path, tiny_xpu
     assert len(points) >= 6
     out = tmp_path / "out"
     for point in points:
-        r = cli(str(tiny_native), str(out), "-q", env={CRASH_AFTER_ENV: str(point)})
+        r = crashing_cli(point, str(tiny_native), str(out), "-q")
         assert r.returncode == -9, r.stderr  # SIGKILL
         assert not out.exists()  # nothing that looks complete
         assert (tmp_path / ".out.partial").is_dir()
@@ -166,7 +164,7 @@ def test_resume_redoes_a_journaled_tensor_whose_bytes_are_stale(tiny_native: Pat
     out = tmp_path / "out"
     plan = plan_conversion(read_inventory(tiny_native), load_table())
     point = sum(t.nbytes for t in plan.tensors[:5]) + 1
-    assert cli(str(tiny_native), str(out), "-q", env={CRASH_AFTER_ENV: str(point)}).returncode == -9
+    assert crashing_cli(point, str(tiny_native), str(out), "-q").returncode == -9
     partial = tmp_path / ".out.partial"
     first = json.loads((partial / "journal.jsonl").read_text().splitlines()[0])
     shard = partial / first["file"]
@@ -212,7 +210,7 @@ def test_missing_shard_exit_code(tiny_native: Path, tmp_path: Path) -> None:
         os.link(p, src / p.name)
     (src / "model-00005-of-00005.safetensors").unlink()
     r = cli(str(src), str(tmp_path / "out"))
-    assert r.returncode == errors.MissingShardError.exit_code
+    assert r.returncode == code_of(model_errors.MissingShardError)
     assert "model-00005-of-00005.safetensors" in r.stderr and len(r.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "out").exists()
 
@@ -225,7 +223,7 @@ def test_truncated_shard_exit_code(tiny_native: Path, tmp_path: Path) -> None:
     mtp = src / "model-00005-of-00005.safetensors"
     os.truncate(mtp, mtp.stat().st_size - 100)
     r = cli(str(src), str(tmp_path / "out"))
-    assert r.returncode == errors.TruncatedShardError.exit_code
+    assert r.returncode == code_of(model_errors.TruncatedShardError)
     assert "model-00005-of-00005.safetensors: tensor mtp.0." in r.stderr
     assert not (tmp_path / "out").exists()
 
@@ -235,15 +233,15 @@ def test_non_empty_output_is_refused(tiny_native: Path, tmp_path: Path) -> None:
     out.mkdir()
     (out / "precious.txt").write_text("keep me")
     r = cli(str(tiny_native), str(out))
-    assert r.returncode == errors.OutputExistsError.exit_code and "--overwrite" in r.stderr
+    assert r.returncode == code_of(errors.OutputExistsError) and "--overwrite" in r.stderr
     assert sorted(p.name for p in out.iterdir()) == ["precious.txt"]
     # --overwrite replaces only a previous output of this tool (tests/test_output_safety.py)
-    assert cli(str(tiny_native), str(out), "--overwrite", "-q").returncode == errors.OverwriteRefusedError.exit_code
+    assert cli(str(tiny_native), str(out), "--overwrite", "-q").returncode == code_of(errors.OverwriteRefusedError)
     assert sorted(p.name for p in out.iterdir()) == ["precious.txt"]
 
 
 def test_distinct_exit_codes_for_distinct_failures() -> None:
-    assert len({errors.MissingShardError.exit_code, errors.TruncatedShardError.exit_code, errors.OutputExistsError.exit_code, errors.WriteFailedError.exit_code}) == 4
+    assert len({code_of(model_errors.MissingShardError), code_of(model_errors.TruncatedShardError), code_of(errors.OutputExistsError), code_of(errors.WriteFailedError)}) == 4
 
 
 def test_disk_full_leaves_no_final_directory(tiny_native: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -287,7 +285,7 @@ def test_synth_convert_and_check_need_no_numpy(tmp_path: Path) -> None:
 import sys
 sys.modules["numpy"] = None  # any import of numpy now fails
 from dsv4.convert.synth import write_checkpoint
-from dsv4.convert.job import convert
+from dsv4.convert.pipeline import convert
 from dsv4.convert.check import run_checks
 src = write_checkpoint({str(tmp_path / 'n')!r}, preset="tiny", seed=3)
 convert(src, {str(tmp_path / 'x')!r})

@@ -1,6 +1,6 @@
 """DeepSeek-V4-Flash-0731 (the DSpark drafter) converted to vLLM 0.33.0's XPU DSpark layout
-(spec 04 §4.2): the table is chosen from the checkpoint itself, every parameter comes from
-the stage spec 04 names, the round trip gives the native bytes back, `plan`, `check` and
+(mapping/README.md#xpu-dspark-layout): the table is chosen from the checkpoint itself, every parameter comes from
+the stage mapping/README.md#dspark-v4-flash-0731 names, the round trip gives the native bytes back, `plan`, `check` and
 `batch` know the layout, and every malformed DSpark checkpoint is refused with its code."""
 
 from __future__ import annotations
@@ -14,25 +14,27 @@ from typing import Any
 import pytest
 import torch
 from dspark_fixtures import write_half_dspark
-from inprocess import run_main
-from safetensors import safe_open
-
-from dsv4.convert import errors, quant
+from dsv4.convert import quant_config as quant
 from dsv4.convert.check import run_checks
-from dsv4.convert.inventory import INDEX_NAME, Inventory, read_inventory
-from dsv4.convert.job import convert
+from dsv4.convert.exit_codes import exit_code
+from dsv4.convert.inventory import Inventory, read_inventory
+from dsv4.convert.pipeline import convert
 from dsv4.convert.plan import choose_table, plan_conversion, plan_reverse
-from dsv4.convert.presets import DSPARK_FIELDS, preset_config
 from dsv4.convert.synth import write_checkpoint
+from dsv4.mapping import errors as mapping_errors
 from dsv4.mapping.table import TABLE_DIR, load_table, load_table_file
+from dsv4.model import errors as model_errors
 from dsv4.model.config import ModelConfig
 from dsv4.model.layout import target_layout
+from dsv4.model.presets import DSPARK_FIELDS, preset_config
+from inprocess import run_main
+from tensors import load_all
 
 S = 3  # tiny DSpark: three stages, like the release
 
 
 def spec04_sources(cfg: ModelConfig) -> dict[str, list[str]]:
-    """Spec 04 §4.2 written out for the tests: each parameter -> its native sources, in the
+    """mapping/README.md#xpu-dspark-layout written out for the tests: each parameter -> its native sources, in the
     order their bytes follow one another (concat: the parts; stack: expert by expert)."""
     last = f"mtp.{cfg.dspark_stages - 1}."
     out = {
@@ -69,15 +71,6 @@ def spec04_sources(cfg: ModelConfig) -> dict[str, list[str]]:
         out[r + "w13_weight_scale"] = [f"{x}{e}.{w}.scale" for e in range(E) for w in ("w1", "w3")]
         out[r + "w2_weight"] = [f"{x}{e}.w2.weight" for e in range(E)]
         out[r + "w2_weight_scale"] = [f"{x}{e}.w2.scale" for e in range(E)]
-    return out
-
-
-def load_all(root: Path) -> dict[str, torch.Tensor]:
-    weight_map = json.loads((root / INDEX_NAME).read_text())["weight_map"]
-    out = {}
-    for name, file in weight_map.items():
-        with safe_open(str(root / file), "pt") as f:
-            out[name] = f.get_tensor(name)
     return out
 
 
@@ -155,38 +148,38 @@ def dspark_table_with(tmp_path: Path, old: str, new: str) -> Path:
 def test_a_rule_naming_a_stage_needs_no_stage_in_its_target_but_a_per_stage_rule_does(tmp_path: Path) -> None:
     # {last} binds one stage; {s} in the source but not the target: S sources, one parameter
     bad = dspark_table_with(tmp_path, '"mtp.{last}.norm.weight" = "model.norm.weight"', '"mtp.{s}.norm.weight" = "model.norm.weight"')
-    with pytest.raises(errors.UnboundPlaceholderError, match=r"source placeholder\(s\) \['s'\] do not appear in the target"):
+    with pytest.raises(mapping_errors.UnboundPlaceholderError, match=r"source placeholder\(s\) \['s'\] do not appear in the target"):
         load_table_file(bad)
 
 
 def test_a_table_binds_only_its_own_drafters_block_placeholders(tmp_path: Path) -> None:
     bad = dspark_table_with(tmp_path, '"mtp.{last}.norm.weight" = "model.norm.weight"', '"mtp.{i}.norm.weight" = "model.layers.{L}.norm.weight"')
-    with pytest.raises(errors.UnboundPlaceholderError, match=r"placeholder \{L\} belongs to the other drafter kind; a dspark table binds \['first', 'last', 's'\]"):
+    with pytest.raises(mapping_errors.UnboundPlaceholderError, match=r"placeholder \{L\} belongs to the other drafter kind; a dspark table binds \['first', 'last', 's'\]"):
         load_table_file(bad)
 
 
 @pytest.mark.parametrize("old, new", [('"mtp.{last}.norm.weight"', '"mtp.{first}.norm.weight"'), ('"mtp.{first}.main_proj.scale"', '"mtp.{last}.main_proj.scale"')])
 def test_a_rule_for_a_tensor_of_another_stage_is_a_dead_rule(tmp_path: Path, old: str, new: str) -> None:
-    """norm.weight is the last stage's and main_proj stage 0's (spec 04 §4.1): a rule
+    """norm.weight is the last stage's and main_proj stage 0's (mapping/README.md#dspark-source-checkpoint): a rule
     pinned to the other stage can never fire, and the loader says so."""
-    with pytest.raises(errors.DeadRuleError, match=rf"source pattern {re.escape(new.strip(chr(34)))} matches no tensor"):
+    with pytest.raises(mapping_errors.DeadRuleError, match=rf"source pattern {re.escape(new.strip(chr(34)))} matches no tensor"):
         load_table_file(dspark_table_with(tmp_path, old, new))
 
 
 @pytest.mark.parametrize("name", ["../xpu", "nope", "/work/x"])
 def test_an_include_is_named_never_a_path(tmp_path: Path, name: str) -> None:
-    with pytest.raises(errors.TableError, match=rf"\[\[include\]\] file '{re.escape(name)}' is not an installed include \(installed: v4_block\)"):
+    with pytest.raises(mapping_errors.TableError, match=rf"\[\[include\]\] file '{re.escape(name)}' is not an installed include \(installed: v4_block\)"):
         load_table_file(dspark_table_with(tmp_path, 'file = "v4_block"', f'file = "{name}"'))
 
 
 def test_an_include_names_exactly_file_source_and_target(tmp_path: Path) -> None:
-    with pytest.raises(errors.TableError, match=r"\[\[include\]\] needs exactly the strings \['file', 'source', 'target'\]"):
+    with pytest.raises(mapping_errors.TableError, match=r"\[\[include\]\] needs exactly the strings \['file', 'source', 'target'\]"):
         load_table_file(dspark_table_with(tmp_path, 'file = "v4_block"', 'file = "v4_block"\nprefix = "x"'))
 
 
 def test_an_include_with_the_wrong_prefix_writes_parameters_the_model_lacks(tmp_path: Path) -> None:
     bad = dspark_table_with(tmp_path, 'target = "model.layers.{s}."', 'target = "model.layers.{s}.mtp_block."')
-    with pytest.raises(errors.UnknownTargetError, match=r"model.layers.0.mtp_block.hc_attn_fn is not a parameter"):
+    with pytest.raises(mapping_errors.UnknownTargetError, match=r"model.layers.0.mtp_block.hc_attn_fn is not a parameter"):
         load_table_file(bad)
 
 
@@ -206,7 +199,7 @@ def test_plan_is_spec_04_and_the_models_layout(native: Path, cfg: ModelConfig) -
 
 
 def test_planning_the_full_size_0731_replica_gives_spec_04s_98_parameters(tmp_path: Path) -> None:
-    """Spec 04 §4.2 at 0731 size: 98 parameters, 12,980,953,116 bytes, read from the embed
+    """mapping/README.md#xpu-dspark-layout at 0731 size: 98 parameters, 12,980,953,116 bytes, read from the embed
     shard, the head shard and the three stage shards only."""
     ckpt = write_checkpoint(tmp_path / "0731", preset="flash", variant="dspark", main_layers="all", sparse=True)
     inv = read_inventory(ckpt)
@@ -329,7 +322,7 @@ def test_a_compressed_tensors_config_is_carried_to_the_dspark_layer_names(tmp_pa
     assert quant_check.status == "pass", quant_check.reason
 
 
-# --- refusals (spec 04 §4.2) --------------------------------------------------------------
+# --- refusals (mapping/README.md#xpu-dspark-layout) ---------------------------------------
 def with_tensors(inv: Inventory, add: dict[str, str] = {}, drop: str | None = None) -> Inventory:
     """`inv` with tensors added (new name -> the existing tensor whose place it takes) or
     every tensor under prefix `drop` removed: what the planner sees, no file rewritten."""
@@ -338,8 +331,8 @@ def with_tensors(inv: Inventory, add: dict[str, str] = {}, drop: str | None = No
     return dataclasses.replace(inv, tensors=tensors)
 
 
-def refusal(inv: Inventory) -> errors.DSV4Error:
-    with pytest.raises(errors.DSV4Error) as info:
+def refusal(inv: Inventory) -> model_errors.DSV4Error:
+    with pytest.raises(model_errors.DSV4Error) as info:
         plan_conversion(inv, choose_table("xpu", inv))
     assert "\n" not in str(info.value)
     return info.value
@@ -361,18 +354,18 @@ def refusal(inv: Inventory) -> errors.DSV4Error:
 )
 def test_tensors_a_dspark_stage_must_not_hold_are_refused(native: Path, add: dict[str, str], words: str) -> None:
     exc = refusal(with_tensors(read_inventory(native), add))
-    assert isinstance(exc, errors.UnsupportedLayoutError) and exc.exit_code == 35
+    assert isinstance(exc, model_errors.UnsupportedLayoutError) and exit_code(exc) == 35
     assert words in str(exc)
 
 
 def test_a_missing_stage_is_refused(native: Path) -> None:
     exc = refusal(with_tensors(read_inventory(native), drop="mtp.1."))
-    assert exc.exit_code == 35 and "stage(s) [0, 2]: stage 1 is missing" in str(exc)
+    assert exit_code(exc) == 35 and "stage(s) [0, 2]: stage 1 is missing" in str(exc)
 
 
 def test_reverse_refuses_a_dspark_output_missing_a_stage(xpu: Path) -> None:
     inv = with_tensors(read_inventory(xpu), drop="model.layers.1.")
-    with pytest.raises(errors.UnsupportedLayoutError, match=r"stage\(s\) \[0, 2\]: stage 1 is missing"):
+    with pytest.raises(model_errors.UnsupportedLayoutError, match=r"stage\(s\) \[0, 2\]: stage 1 is missing"):
         plan_reverse(inv, choose_table("xpu", inv, "reverse"))
 
 
@@ -387,28 +380,28 @@ def test_main_proj_without_dspark_fields_is_refused_on_the_command_line(tmp_path
 def test_dspark_fields_without_main_proj_are_refused(native: Path) -> None:
     inv = read_inventory(native)
     exc = refusal(with_tensors(inv, drop="mtp.0.main_proj."))
-    assert exc.exit_code == 35 and "dspark_* fields (a DSpark drafter, spec 04), but the checkpoint has no tensor mtp.0.main_proj.weight" in str(exc)
+    assert exit_code(exc) == 35 and "dspark_* fields (a DSpark drafter, mapping/README.md#dspark-v4-flash-0731), but the checkpoint has no tensor mtp.0.main_proj.weight" in str(exc)
 
 
 def test_an_mtp_checkpoint_with_dspark_fields_is_refused(tiny_native: Path) -> None:
     inv = read_inventory(tiny_native)
     config = {**inv.config, **{k: preset_config("tiny", "dspark")[k] for k in DSPARK_FIELDS}, "dspark_target_layer_ids": [0]}
     exc = refusal(dataclasses.replace(inv, config=config))
-    assert exc.exit_code == 35 and "no tensor mtp.0.main_proj.weight" in str(exc)
+    assert exit_code(exc) == 35 and "no tensor mtp.0.main_proj.weight" in str(exc)
 
 
 def test_disagreeing_stage_counts_are_refused(native: Path) -> None:
     inv = read_inventory(native)
     exc = refusal(dataclasses.replace(inv, config={**inv.config, "n_mtp_layers": 2}))
     # the config loader's verdict (model/config.py): a config contradicting itself is malformed
-    assert isinstance(exc, errors.MalformedConfigError) and exc.exit_code == 18
+    assert isinstance(exc, model_errors.MalformedConfigError) and exit_code(exc) == 18
     assert "config.json: n_mtp_layers is 2 but dspark_target_layer_ids has 3 entries" in str(exc)
 
 
 def test_v41_is_refused_with_its_own_message(native: Path) -> None:
     inv = read_inventory(native)
     exc = refusal(dataclasses.replace(inv, config={**inv.config, "model_type": "deepseek_v41"}))
-    assert exc.exit_code == 35 and "V4.1" in str(exc)
+    assert exit_code(exc) == 35 and "V4.1" in str(exc)
 
 
 

@@ -1,5 +1,5 @@
-"""The bundled DSpark draft model (DeepSeek-V4-Flash-0731, spec 04): its config fields, its
-layout (spec 04 §4.2's 98 parameters), its forward (spec 04 §4.3: non-causal block attention,
+"""The bundled DSpark draft model (DeepSeek-V4-Flash-0731, mapping/README.md#dspark-v4-flash-0731): its config fields, its
+layout (mapping/README.md#xpu-dspark-layout's 98 parameters), its forward (model/README.md#dspark-forward: non-causal block attention,
 the Markov head's greedy sampler) against an independent reference reading the native
 checkpoint, and its strict loading."""
 
@@ -10,27 +10,28 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
-
-from dsv4.convert.dtypes import nbytes
-from dsv4.convert.errors import DtypeMismatchError, LoadError, MissingKeyError, ShapeMismatchError, UnexpectedKeyError
-from dsv4.convert.job import convert
-from dsv4.convert.presets import preset_config
+from dsv4.convert.exit_codes import exit_code
+from dsv4.convert.pipeline import convert
 from dsv4.convert.synth import write_checkpoint
-from dsv4.model.config import ConfigFieldError, ModelConfig, UnsupportedConfig
 from dsv4.model import dspark
+from dsv4.model.config import ConfigFieldError, ModelConfig, UnsupportedConfig
 from dsv4.model.dspark import DSparkDraft
 from dsv4.model.dspark_reference import DSparkReference
+from dsv4.model.dtypes import nbytes
+from dsv4.model.errors import DtypeMismatchError, LoadError, MissingKeyError, ShapeMismatchError, UnexpectedKeyError
 from dsv4.model.layout import target_layout
 from dsv4.model.loader import load_converted
 from dsv4.model.mtp import quant_layer_names
+from dsv4.model.presets import preset_config
 from dsv4.model.smoke import read_target_features, run_dspark_smoke
+from inprocess import run_main
+from safetensors import safe_open
+from safetensors.torch import save_file
 from spec02 import spec_layout
 
 INDEX, SHARD = "model.safetensors.index.json", "model-00001-of-00001.safetensors"
 
-DSPARK_0731 = {  # spec 04 §4.1
+DSPARK_0731 = {  # mapping/README.md#dspark-source-checkpoint
     "dspark_block_size": 5,
     "dspark_noise_token_id": 128799,
     "dspark_target_layer_ids": [40, 41, 42],
@@ -49,8 +50,8 @@ def config_0731() -> dict:
 
 
 def spec04_layout(cfg: ModelConfig) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """Spec 04 §4.2 transcribed: the model-level rows, then per stage s the 29 `mtp_block.`
-    rows of spec 02 §2.2 under `model.layers.{s}.`."""
+    """mapping/README.md#xpu-dspark-layout transcribed: the model-level rows, then per stage s the 29 `mtp_block.`
+    rows of mapping/README.md#mtp-parameters under `model.layers.{s}.`."""
     H, V, n, R, T = cfg.hidden_size, cfg.vocab_size, cfg.hc_mult, cfg.dspark_markov_rank, len(cfg.dspark_target_layer_ids)
     out = {
         "model.embed_tokens.weight": ("BF16", (V, H)),
@@ -73,7 +74,7 @@ def spec04_layout(cfg: ModelConfig) -> dict[str, tuple[str, tuple[int, ...]]]:
     return out
 
 
-# --- config (spec 04 §4.1) ----------------------------------------------------------------
+# --- config (mapping/README.md#dspark-source-checkpoint) ----------------------------------
 def test_the_0731_config_is_a_dspark_config_of_three_stages():
     cfg = ModelConfig.from_dict(config_0731())
     assert cfg.is_dspark and cfg.dspark_stages == 3
@@ -130,7 +131,7 @@ def test_v41_is_refused_with_its_own_message():
         ModelConfig.from_dict(raw)
 
 
-# --- layout (spec 04 §4.2) ----------------------------------------------------------------
+# --- layout (mapping/README.md#xpu-dspark-layout) -----------------------------------------
 def test_the_0731_layout_is_exactly_the_98_parameters_of_spec_04():
     cfg = ModelConfig.from_dict(config_0731())
     layout = target_layout(cfg)
@@ -216,7 +217,7 @@ def assert_bf16_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
     torch.testing.assert_close(actual.float(), expected.float(), rtol=1.6e-2, atol=1e-2)
 
 
-# --- the forward against the independent reference (spec 04 §4.3) ------------------------
+# --- the forward against the independent reference (model/README.md#dspark-forward) ------
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_converted_bundled_model_matches_the_native_reference(tiny_dspark, seed):
     native, converted = tiny_dspark[seed]
@@ -257,7 +258,7 @@ def test_the_comparison_catches_stages_in_the_wrong_order(tiny_dspark):
         assert_bf16_close(model(features, positions, anchor).hidden_states, DSparkReference(native).forward(features, positions, anchor).hidden_states)
 
 
-# --- non-causal block attention (spec 04 §4.3 step 4) -------------------------------------
+# --- non-causal block attention (model/README.md#dspark-forward step 4) -------------------
 def assert_attention_is_non_causal(model: DSparkDraft) -> None:
     """A later block token changes the logits at every earlier block position; the context
     features change every position; a context token older than the window changes none."""
@@ -296,7 +297,7 @@ def test_a_causal_block_mask_fails_the_non_causality_check(tiny_dspark, monkeypa
         assert_attention_is_non_causal(load_converted(tiny_dspark[0][1], "cpu"))
 
 
-# --- the Markov head and the greedy sampler (spec 04 §4.3 step 6) -------------------------
+# --- the Markov head and the greedy sampler (model/README.md#dspark-forward step 6) -------
 def test_without_markov_weights_the_draft_tokens_are_the_base_argmax(tiny_dspark):
     model = load_converted(tiny_dspark[1][1], "cpu")
     head = model.model.markov_head
@@ -365,7 +366,7 @@ def test_strict_load_rejects(tiny_dspark, tmp_path, edit, error, code, key):
         load_converted(bad, "cpu")
     msg = str(info.value)
     assert key in msg and str(bad) in msg and "\n" not in msg
-    assert info.value.exit_code == code
+    assert exit_code(info.value) == code
 
 
 def test_a_missing_stage_is_a_missing_key(tiny_dspark, tmp_path):
@@ -421,4 +422,32 @@ def test_a_features_file_that_is_not_safetensors_is_a_load_error(tmp_path):
     path.write_bytes(b"\xff" * 64)
     with pytest.raises(LoadError, match=r"not a readable safetensors file") as info:
         read_target_features(path, ModelConfig.from_dict(tiny_dspark_config()))
-    assert info.value.exit_code == 50 and "\n" not in str(info.value)
+    assert exit_code(info.value) == 50 and "\n" not in str(info.value)
+
+
+# --- `convert-dsv4 smoke` on a DSpark output ---------------------------------------------
+def test_the_smoke_command_drafts_a_block_and_compares_with_the_native_reference(tiny_dspark, monkeypatch, capsys):
+    native, converted = tiny_dspark[0]
+    code, out, err = run_main(monkeypatch, capsys, "smoke", converted, "--device", "cpu", "--tokens", "12", "--position", "30", "--native", native, "--seed", "4", "--json")
+    assert (code, err) == (0, ""), err
+    report = json.loads(out)
+    cfg = ModelConfig.from_file(converted / "config.json")
+    assert report["layout"] == "dspark" and len(report["draft_tokens"]) == cfg.dspark_block_size
+    assert report["draft_tokens"] == report["reference_draft_tokens"] and report["draft_token_agreement"] == 1.0
+    assert report["block_positions"] == list(range(42, 42 + cfg.dspark_block_size))  # p+1..p+B after the context 30..41
+    code, out, _ = run_main(monkeypatch, capsys, "smoke", converted, "--device", "cpu", "--tokens", "12", "--position", "30", "--native", native, "--seed", "4")
+    assert code == 0 and f"draft tokens {report['draft_tokens']}" in out and "agreement 1.000" in out
+
+
+def test_the_smoke_command_fails_when_another_model_drafts_other_tokens(tiny_dspark, monkeypatch, capsys):
+    other_native, converted = tiny_dspark[1][0], tiny_dspark[0][1]
+    code, out, err = run_main(monkeypatch, capsys, "smoke", converted, "--device", "cpu", "--native", other_native, "--json")
+    report = json.loads(out)
+    assert report["draft_token_agreement"] < 1.0
+    assert code == 55 and err.startswith(f"error: {converted}: draft-token agreement with the reference") and err.count("\n") == 1
+
+
+def test_dspark_options_on_an_mtp_output_are_a_usage_error(tiny_native, tmp_path, monkeypatch, capsys):
+    mtp = convert(tiny_native, tmp_path / "mtp").out
+    code, _, err = run_main(monkeypatch, capsys, "smoke", mtp, "--device", "cpu", "--anchor", "3")
+    assert code == 2 and "DSpark" in err and err.count("\n") == 1

@@ -1,6 +1,6 @@
 """Property: whatever config.json holds, the validating loader returns a valid ModelConfig or
 raises its own ConfigError (one line), which the converter maps to exit 18 or 35; never
-another exception. Inputs: random JSON, and the released configs (convert/presets.py) with
+another exception. Inputs: random JSON, and the released configs (model/presets.py) with
 values and types mutated, keys dropped, junk added, and their JSON text damaged.
 
 Derandomized (the same examples on every run, no example database), EXAMPLES per target."""
@@ -12,13 +12,14 @@ import math
 from typing import Any
 
 import pytest
+from dsv4.convert.exit_codes import exit_code
+from dsv4.model import errors as model_errors
+from dsv4.model import native
+from dsv4.model.config import ConfigError, ModelConfig, config_errors
+from dsv4.model.layout import target_layout
+from dsv4.model.presets import EXPERT_DTYPE, PRESETS, preset_config
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-
-from dsv4.convert import errors, native
-from dsv4.convert.presets import EXPERT_DTYPE, PRESETS, preset_config
-from dsv4.model.config import ConfigError, ModelConfig
-from dsv4.model.layout import target_layout
 
 EXAMPLES = 300
 FUZZ = settings(max_examples=EXAMPLES, derandomize=True, database=None, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -75,10 +76,10 @@ def load_or_refuse(load: Any, raw: Any) -> ModelConfig | ConfigError:
         cfg = load(raw)
     except ConfigError as exc:
         assert str(exc) and "\n" not in str(exc), repr(exc)
-        with pytest.raises((errors.MalformedConfigError, errors.UnsupportedLayoutError)) as mapped:  # exit 18 or 35
-            with errors.config_errors("config.json"):
+        with pytest.raises((model_errors.MalformedConfigError, model_errors.UnsupportedLayoutError)) as mapped:  # exit 18 or 35
+            with config_errors("config.json"):
                 raise exc
-        event(f"refused {mapped.value.exit_code}")
+        event(f"refused {exit_code(mapped.value)}")
         return exc
     event("accepted")
     return cfg

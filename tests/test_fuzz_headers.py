@@ -19,13 +19,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from dsv4.convert.inventory import read_local_header
+from dsv4.model.checkpoint import INDEX_NAME, load_index
+from dsv4.model.dtypes import ITEMSIZE, SAFETENSORS_NAMES, nbytes, tensor_bytes
+from dsv4.model.errors import CheckpointError
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from safetensors import safe_open
-
-from dsv4.convert.dtypes import ITEMSIZE, SAFETENSORS_NAMES, nbytes, tensor_bytes
-from dsv4.convert.errors import InventoryError
-from dsv4.convert.inventory import INDEX_NAME, load_index, read_local_header
 
 EXAMPLES = 250
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -169,7 +169,7 @@ def assert_valid_or_own_error(path: Path, raw: bytes) -> None:
     path.write_bytes(raw)
     try:
         tensors, data_start = read_local_header(path)
-    except InventoryError as exc:  # the tool's own errors: 11..19, one line naming the file
+    except CheckpointError as exc:  # the tool's own errors: 11..19, one line naming the file
         assert str(exc).startswith(f"{SHARD}: ") and "\n" not in str(exc)
         event(f"refused: {type(exc).__name__}")
         return
@@ -252,7 +252,7 @@ def _mutate_text(draw: st.DrawFn, raw: bytes) -> bytes:
 def test_index_files_parse_or_fail_with_the_tools_error(raw: bytes) -> None:
     try:
         weight_map = load_index(raw, INDEX_NAME)
-    except InventoryError as exc:  # 17 malformed, 16 a shard name leaving the directory
+    except CheckpointError as exc:  # 17 malformed, 16 a shard name leaving the directory
         assert str(exc).startswith(f"{INDEX_NAME}: ") and "\n" not in str(exc)
         event(f"refused: {type(exc).__name__}")
         return

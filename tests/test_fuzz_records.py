@@ -15,14 +15,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, currently_in_test_context, event, given, settings
-from hypothesis import strategies as st
-
 from dsv4.convert.batch import Manifest, load_manifest
 from dsv4.convert.check import _Context, check_checksums, check_index, check_readable, check_sizes
-from dsv4.convert.errors import DSV4Error
-from dsv4.convert.job import convert, read_record
+from dsv4.convert.pipeline import convert, read_record
 from dsv4.convert.sizes import MAX_SHARD_SIZE
+from dsv4.model.errors import DSV4Error
+from hypothesis import HealthCheck, currently_in_test_context, event, given, settings
+from hypothesis import strategies as st
 
 EXAMPLES = 200
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow], database=None)

@@ -11,8 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from dsv4.convert.job import convert
+from dsv4.convert.pipeline import convert
 from dsv4.convert.synth import write_checkpoint
 from inprocess import run_main as run_in_process
 

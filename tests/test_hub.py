@@ -14,15 +14,15 @@ from pathlib import Path
 
 import pytest
 from dspark_fixtures import write_half_dspark
-from hubserver import FakeHub, Fault, hub_env, run_cli
-
 from dsv4.convert.errors import RepoNotFound
-from dsv4.convert.hub import HubSpec, parse_spec
-from dsv4.convert.inventory import INDEX_NAME, read_inventory
-from dsv4.convert.job import CONVERSION_RECORD, convert
+from dsv4.convert.inventory import read_inventory
+from dsv4.convert.location import HubSpec, parse_hub_spec
+from dsv4.convert.pipeline import CONVERSION_RECORD, convert
 from dsv4.convert.plan import plan_conversion
 from dsv4.convert.synth import write_checkpoint
 from dsv4.mapping.table import load_table
+from dsv4.model.checkpoint import INDEX_NAME
+from hubserver import FakeHub, Fault, hub_env, run_cli
 
 REPO = "org/tiny"
 COMPARED = ("config.json", INDEX_NAME)  # plus every shard; conversion.json names the source, so it differs
@@ -195,10 +195,10 @@ def test_the_first_bad_shard_in_shard_order_is_the_one_reported(native: Path, hu
 @pytest.mark.parametrize("spec", ["org/name", "org/name@main", "org/name@refs/pr/1", "org/name@0123456789abcdef0123456789abcdef01234567"])
 def test_parse_spec_accepts_repo_ids_with_revisions(spec: str) -> None:
     repo, _, revision = spec.partition("@")
-    assert parse_spec(spec) == HubSpec(repo, revision or None)
+    assert parse_hub_spec(spec) == HubSpec(repo, revision or None)
 
 
 @pytest.mark.parametrize("spec", ["name-only", "a/b/c", "org/name@", "./local/dir", "org/na me"])
 def test_parse_spec_refuses_what_is_not_a_repo_id(spec: str) -> None:
     with pytest.raises(RepoNotFound, match="org/name"):
-        parse_spec(spec)
+        parse_hub_spec(spec)

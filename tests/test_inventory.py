@@ -11,11 +11,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from dsv4.convert.exit_codes import code_of
+from dsv4.convert.inventory import read_inventory
+from dsv4.model import errors as model_errors
+from dsv4.model.checkpoint import INDEX_NAME
 from safetensors import safe_open
 from safetensors.torch import save_file
-
-from dsv4.convert import errors
-from dsv4.convert.inventory import INDEX_NAME, read_inventory
 
 CONFIG = {"model_type": "deepseek_v4"}
 
@@ -76,7 +77,7 @@ def test_reads_headers_only(flash_sparse: Path) -> None:
 def test_missing_shard(tmp_path: Path) -> None:
     root = two_shards(tmp_path / "c")
     os.remove(root / "model-00002-of-00002.safetensors")
-    with pytest.raises(errors.MissingShardError, match="model-00002-of-00002.safetensors"):
+    with pytest.raises(model_errors.MissingShardError, match="model-00002-of-00002.safetensors"):
         read_inventory(root)
 
 
@@ -86,19 +87,19 @@ def test_index_key_not_in_named_shard(tmp_path: Path) -> None:
         {"a.safetensors": {"x": torch.zeros(2)}, "b.safetensors": {"y": torch.zeros(2)}},
         weight_map={"x": "b.safetensors", "y": "b.safetensors"},
     )
-    with pytest.raises(errors.IndexMismatchError, match=r"b.safetensors: tensor x is listed in .* but not in the shard.s header"):
+    with pytest.raises(model_errors.IndexMismatchError, match=r"b.safetensors: tensor x is listed in .* but not in the shard.s header"):
         read_inventory(root)
 
 
 def test_index_key_missing_from_every_shard(tmp_path: Path) -> None:
     root = make_checkpoint(tmp_path / "c", {"a.safetensors": {"x": torch.zeros(2)}}, weight_map={"x": "a.safetensors", "ghost": "a.safetensors"})
-    with pytest.raises(errors.IndexMismatchError, match="tensor ghost"):
+    with pytest.raises(model_errors.IndexMismatchError, match="tensor ghost"):
         read_inventory(root)
 
 
 def test_key_in_two_shards(tmp_path: Path) -> None:
     root = make_checkpoint(tmp_path / "c", {"a.safetensors": {"x": torch.zeros(2)}, "b.safetensors": {"x": torch.zeros(2), "y": torch.zeros(2)}}, weight_map={"x": "a.safetensors", "y": "b.safetensors"})
-    with pytest.raises(errors.DuplicateTensorError, match="tensor x is in both a.safetensors and b.safetensors"):
+    with pytest.raises(model_errors.DuplicateTensorError, match="tensor x is in both a.safetensors and b.safetensors"):
         read_inventory(root)
 
 
@@ -106,7 +107,7 @@ def test_truncated_shard(tmp_path: Path) -> None:
     root = two_shards(tmp_path / "c")
     shard = root / "model-00001-of-00002.safetensors"
     os.truncate(shard, shard.stat().st_size - 1)
-    with pytest.raises(errors.TruncatedShardError, match="model-00001-of-00002.safetensors: tensor embed.weight"):
+    with pytest.raises(model_errors.TruncatedShardError, match="model-00001-of-00002.safetensors: tensor embed.weight"):
         read_inventory(root)
 
 
@@ -122,14 +123,14 @@ def rewrite_header(path: Path, edit) -> None:
 def test_unknown_dtype(tmp_path: Path) -> None:
     root = two_shards(tmp_path / "c")
     rewrite_header(root / "model-00001-of-00002.safetensors", lambda h: h["embed.weight"].update(dtype="F4"))
-    with pytest.raises(errors.UnknownDtypeError, match="tensor embed.weight: unknown dtype F4"):
+    with pytest.raises(model_errors.UnknownDtypeError, match="tensor embed.weight: unknown dtype F4"):
         read_inventory(root)
 
 
 def test_offsets_that_disagree_with_shape(tmp_path: Path) -> None:
     root = two_shards(tmp_path / "c")
     rewrite_header(root / "model-00001-of-00002.safetensors", lambda h: h["embed.weight"].update(shape=[4, 9]))
-    with pytest.raises(errors.MalformedHeaderError, match="tensor embed.weight"):
+    with pytest.raises(model_errors.MalformedHeaderError, match="tensor embed.weight"):
         read_inventory(root)
 
 
@@ -139,7 +140,7 @@ def test_header_not_json(tmp_path: Path) -> None:
     raw = bytearray(shard.read_bytes())
     raw[8] = ord("#")
     shard.write_bytes(bytes(raw))
-    with pytest.raises(errors.MalformedHeaderError, match="model-00001-of-00002.safetensors: header is not valid JSON"):
+    with pytest.raises(model_errors.MalformedHeaderError, match="model-00001-of-00002.safetensors: header is not valid JSON"):
         read_inventory(root)
 
 
@@ -149,7 +150,7 @@ def test_shard_names_must_be_plain_files(tmp_path: Path, bad: str) -> None:
     index = json.loads((root / INDEX_NAME).read_text())
     index["weight_map"]["embed.weight"] = bad
     (root / INDEX_NAME).write_text(json.dumps(index))
-    with pytest.raises(errors.UnsafeShardPathError, match="not a plain file name"):
+    with pytest.raises(model_errors.UnsafeShardPathError, match="not a plain file name"):
         read_inventory(root)
 
 
@@ -158,18 +159,18 @@ def test_symlink_leaving_the_directory(tmp_path: Path) -> None:
     outside = tmp_path / "elsewhere.safetensors"
     shutil.move(root / "model-00001-of-00002.safetensors", outside)
     (root / "model-00001-of-00002.safetensors").symlink_to(outside)
-    with pytest.raises(errors.UnsafeShardPathError, match="outside the checkpoint directory"):
+    with pytest.raises(model_errors.UnsafeShardPathError, match="outside the checkpoint directory"):
         read_inventory(root)
 
 
 def test_missing_config(tmp_path: Path) -> None:
     root = two_shards(tmp_path / "c")
     os.remove(root / "config.json")
-    with pytest.raises(errors.MissingConfigError, match="config.json"):
+    with pytest.raises(model_errors.MissingConfigError, match="config.json"):
         read_inventory(root)
 
 
 def test_each_failure_has_its_own_exit_code() -> None:
-    classes = [errors.MissingShardError, errors.TruncatedShardError, errors.IndexMismatchError, errors.DuplicateTensorError, errors.UnknownDtypeError, errors.UnsafeShardPathError, errors.MalformedHeaderError, errors.MissingConfigError, errors.SourceNotFoundError]
-    codes = [c.exit_code for c in classes]
+    classes = [model_errors.MissingShardError, model_errors.TruncatedShardError, model_errors.IndexMismatchError, model_errors.DuplicateTensorError, model_errors.UnknownDtypeError, model_errors.UnsafeShardPathError, model_errors.MalformedHeaderError, model_errors.MissingConfigError, model_errors.SourceNotFoundError]
+    codes = [code_of(c) for c in classes]
     assert len(set(codes)) == len(codes)

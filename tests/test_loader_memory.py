@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-
-from dsv4.convert.job import convert
+from dsv4.convert.pipeline import convert
 from dsv4.convert.synth import write_checkpoint
-from dsv4.model import quant, reference
+from dsv4.model import quantized as quant
+from dsv4.model import reference
 from dsv4.model.loader import load_converted
 from dsv4.model.reference import NativeReference
+from torch.utils._python_dispatch import TorchDispatchMode
 
 INDEX = "model.safetensors.index.json"
 L = "model.layers.2."

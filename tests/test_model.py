@@ -1,6 +1,6 @@
-"""The bundled MTP draft model: its layout is spec 02 §2.2, its quantisation names spec 02
-§2.3, its loading is strict, and converted + bundled model computes what an independent
-reference computes from the native checkpoint (spec 03)."""
+"""The bundled MTP draft model: its layout is mapping/README.md#mtp-parameters, its quantisation names
+mapping/README.md#quantisation-layer-names, its loading is strict, and converted + bundled model computes what an independent
+reference computes from the native checkpoint (model/README.md)."""
 
 import json
 import shutil
@@ -8,22 +8,22 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
-from torch import nn
-
-from dsv4.convert.errors import DtypeMismatchError, MissingKeyError, ShapeMismatchError, UnexpectedKeyError
-from dsv4.convert.job import convert
-from dsv4.convert.presets import preset_config
+from dsv4.convert.exit_codes import exit_code
+from dsv4.convert.pipeline import convert
 from dsv4.convert.synth import write_checkpoint
 from dsv4.model import kernels
 from dsv4.model.config import ModelConfig
+from dsv4.model.errors import DtypeMismatchError, MissingKeyError, ShapeMismatchError, UnexpectedKeyError
 from dsv4.model.layout import target_layout
 from dsv4.model.loader import default_device, load_converted
 from dsv4.model.mtp import DeepSeekV4MTP, hc_post, quant_layer_names
-from dsv4.model.quant import Fp8Linear
+from dsv4.model.presets import preset_config
+from dsv4.model.quantized import Fp8Linear
 from dsv4.model.reference import NativeReference
+from safetensors import safe_open
+from safetensors.torch import save_file
 from spec02 import spec_layout
+from torch import nn
 
 INDEX = "model.safetensors.index.json"
 
@@ -67,7 +67,7 @@ def test_every_mtp_block_gets_its_own_layer_index():
     assert {k.split(".")[2] for k in layout if k.startswith("model.layers.")} == {"2", "3"}
 
 
-# --- quantisation layer names (spec 02 §2.3) ----------------------------------------------
+# --- quantisation layer names (mapping/README.md#quantisation-layer-names) ----------------
 def test_every_linear_carries_its_vllm_quantisation_name():
     with torch.device("meta"):
         model = DeepSeekV4MTP(cfg_of("flash", "instruct"))
@@ -169,7 +169,7 @@ def test_the_comparison_catches_a_wrong_concat_order(tiny_pairs):
 
 
 def test_the_draft_applies_the_final_hc_post(tiny_pairs):
-    """Spec 02 §2.1 bug 3: the seed returned the block's raw FFN output [T, H]."""
+    """mapping/README.md#seed-bugs bug 3: the seed returned the block's raw FFN output [T, H]."""
     model = load_converted(tiny_pairs["instruct", 0][1], "cpu")
     cfg, layer = model.config, model.model.layers["2"]
     T, n, H = 10, cfg.hc_mult, cfg.hidden_size
@@ -249,7 +249,7 @@ def test_strict_load_rejects(tiny_pairs, tmp_path, edit, error, code, key):
     msg = str(info.value)
     assert key in msg and "\n" not in msg
     assert str(bad) in msg, "the message names the file"
-    assert info.value.exit_code == code
+    assert exit_code(info.value) == code
 
 
 def test_strict_load_rejects_a_shard_tensor_missing_from_the_index(tiny_pairs, tmp_path):
@@ -268,15 +268,17 @@ def test_an_unmodified_rewrite_loads(tiny_pairs, tmp_path):
 
 
 def test_device_preference_is_xpu_then_cuda_then_cpu(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    if hasattr(torch, "xpu"):
-        monkeypatch.setattr(torch.xpu, "is_available", lambda: False)
+    # torch.accelerator names the build's accelerator (xpu on an XPU build, cuda on a CUDA one)
+    def machine(accelerator):
+        monkeypatch.setattr(torch.accelerator, "is_available", lambda: accelerator is not None)
+        monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda *a, **k: torch.device(accelerator) if accelerator else None)
+
+    machine(None)
     assert default_device() == torch.device("cpu")
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    machine("cuda")
     assert default_device() == torch.device("cuda")
-    if hasattr(torch, "xpu"):
-        monkeypatch.setattr(torch.xpu, "is_available", lambda: True)
-        assert default_device() == torch.device("xpu")
+    machine("xpu")
+    assert default_device() == torch.device("xpu")
 
 
 def test_the_shared_expert_swiglu_is_clamped_like_the_routed_ones():
@@ -300,3 +302,39 @@ def test_the_shared_expert_swiglu_is_clamped_like_the_routed_ones():
     w2 = shared.down_proj.dequantized().T
     assert torch.equal(shared(x), clamped @ w2)
     assert not torch.equal(shared(x), unclamped @ w2)
+
+
+def _upstream_inv_freq(rope_dim: int, theta: float) -> torch.Tensor:
+    # vLLM 0.33.0 DeepseekScalingRotaryEmbedding._compute_inv_freq and DeepSeek's
+    # precompute_freqs_cis (NOTES.md, "RoPE inverse frequencies")
+    return 1.0 / (theta ** (torch.arange(0, rope_dim, 2, dtype=torch.float32) / rope_dim))
+
+
+@pytest.mark.parametrize("theta", [10000.0, 40000.0, 160000.0])
+def test_rope_inverse_frequencies_are_the_upstream_expression_bit_for_bit(theta):
+    from dsv4.model.mtp import rope_inv_freq
+
+    rd = cfg_of("flash", "instruct").qk_rope_head_dim
+    upstream = _upstream_inv_freq(rd, theta)
+    assert torch.equal(rope_inv_freq(rd, theta), upstream)
+    old_form = theta ** (-torch.arange(0, rd, 2, dtype=torch.float32) / rd)
+    assert not torch.equal(old_form, upstream), "theta ** (-i / rd) is 1 ulp off in some frequencies"
+
+
+def test_rope_of_the_model_and_of_the_reference_turn_by_position_times_the_upstream_frequencies():
+    # a unit pair (1, 0) in every rotated slot comes out as exactly (cos, sin) of its angle; near
+    # position 1e6 one ulp of an inverse frequency moves the angle by about 0.0156 rad
+    from dsv4.model.mtp import rope
+    from dsv4.model.reference import _rotate
+
+    cfg = cfg_of("flash", "instruct")
+    rd, theta = cfg.qk_rope_head_dim, cfg.rope_theta
+    positions = torch.tensor([1_000_000, 654_321, 12_345, 1])
+    x = torch.zeros(4, 2, 8 + rd)
+    x[..., -rd::2] = 1.0
+    ang = positions.float()[:, None] * _upstream_inv_freq(rd, theta)  # [T, rd/2]
+    want_model = torch.stack((ang.cos(), ang.sin()), dim=-1).flatten(-2)[:, None].expand(4, 2, rd)
+    assert torch.equal(rope(x, positions, rd, theta)[..., -rd:], want_model)
+    cis = torch.polar(torch.ones(1), ang)
+    want_reference = torch.view_as_real(cis).flatten(-2)[:, None].expand(4, 2, rd)
+    assert torch.equal(_rotate(x, positions, rd, theta, 1.0)[..., -rd:], want_reference)

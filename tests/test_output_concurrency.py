@@ -12,8 +12,9 @@ from pathlib import Path
 
 from dsv4.convert import errors
 from dsv4.convert.check import run_checks
-from dsv4.convert.inventory import INDEX_NAME
+from dsv4.convert.exit_codes import code_of
 from dsv4.convert.synth import write_checkpoint
+from dsv4.model.checkpoint import INDEX_NAME
 
 # A test-only launcher: one Python that has imported the converter (and run it once, so
 # every lazy import is done) forks both converter processes of a round; each runs
@@ -25,8 +26,9 @@ import json, os, sys, time
 import torch
 torch.set_num_threads(1)
 from dsv4.convert.cli import main
-from dsv4.convert.job import convert
+from dsv4.convert.pipeline import convert
 from dsv4.convert.writer import ShardWriter
+from dsv4.convert.exit_codes import code_of
 
 spec = json.loads(sys.argv[1])
 convert(*spec["warm_up"])
@@ -112,7 +114,7 @@ def test_two_converters_on_one_out_leave_exactly_one_complete_output(tiny_native
         assert converted, where
         for k in (0, 1):
             code, log, other_pid = codes[k], logs[k], pids[1 - k]
-            if code == errors.OutputLockedError.exit_code:
+            if code == code_of(errors.OutputLockedError):
                 refused += 1
                 assert "--wait" not in p["runs"][k][1], where
                 # one line, naming the process that really held OUT

@@ -10,14 +10,14 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-
 from dsv4.convert import errors
 from dsv4.convert.inventory import Inventory, TensorSource, read_inventory
 from dsv4.convert.plan import plan_conversion
-from dsv4.convert.presets import preset_config
 from dsv4.convert.synth import write_checkpoint
 from dsv4.mapping.table import load_table
+from dsv4.model import errors as model_errors
 from dsv4.model.config import ModelConfig
+from dsv4.model.presets import preset_config
 from spec02 import spec_layout
 
 
@@ -100,21 +100,21 @@ def test_dtype_that_disagrees_with_config(tiny_native: Path, table) -> None:
 def test_num_nextn_inconsistent_with_keys(tiny_native: Path, table) -> None:
     inv = read_inventory(tiny_native)
     extra = {k.replace("mtp.0.", "mtp.1.", 1): dataclasses.replace(v, name=k.replace("mtp.0.", "mtp.1.", 1)) for k, v in inv.tensors.items() if k.startswith("mtp.0.")}
-    with pytest.raises(errors.UnsupportedLayoutError, match=r"tensor mtp.1.* num_nextn_predict_layers = 1"):
+    with pytest.raises(model_errors.UnsupportedLayoutError, match=r"tensor mtp.1.* num_nextn_predict_layers = 1"):
         plan_conversion(with_tensors(inv, {**inv.tensors, **extra}), table)
 
 
 def test_unknown_expert_dtype(tiny_native: Path, table) -> None:
     inv = read_inventory(tiny_native)
     bad = dataclasses.replace(inv, config={**inv.config, "expert_dtype": "mxfp6"})
-    with pytest.raises(errors.UnsupportedLayoutError, match="unknown expert_dtype 'mxfp6'"):
+    with pytest.raises(model_errors.UnsupportedLayoutError, match="unknown expert_dtype 'mxfp6'"):
         plan_conversion(bad, table)
 
 
 @pytest.mark.parametrize("field, value", [("topk_method", "greedy"), ("scoring_func", "sigmoid")])
 def test_routing_other_than_noaux_tc_sqrtsoftplus_is_refused(tiny_native: Path, table, field: str, value: str) -> None:
     inv = read_inventory(tiny_native)
-    with pytest.raises(errors.UnsupportedLayoutError, match=f"{field} '{value}'"):
+    with pytest.raises(model_errors.UnsupportedLayoutError, match=f"{field} '{value}'"):
         plan_conversion(dataclasses.replace(inv, config={**inv.config, field: value}), table)
 
 
@@ -126,7 +126,7 @@ def test_absent_expert_dtype_means_fp4(tiny_native: Path, table) -> None:
 
 def test_dspark_drafter_is_refused(tmp_path: Path, table) -> None:
     ckpt = write_checkpoint(tmp_path / "dspark", preset="tiny", variant="dspark")
-    with pytest.raises(errors.UnsupportedLayoutError, match=r"DSpark.*refusing to convert"):
+    with pytest.raises(model_errors.UnsupportedLayoutError, match=r"DSpark.*refusing to convert"):
         plan_conversion(read_inventory(ckpt), table)
 
 

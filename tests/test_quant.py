@@ -1,4 +1,4 @@
-"""Carrying a compressed-tensors quantization_config through the conversion (spec 02 §2.3):
+"""Carrying a compressed-tensors quantization_config through the conversion (mapping/README.md#quantisation-layer-names):
 the draft's layers get exactly the schemes their native parts had, judged layer by layer
 with compressed-tensors' own matching; what cannot be carried is refused; and `check`
 reports a linear that would fail like vLLM issue #44817."""
@@ -13,16 +13,16 @@ from typing import Any
 
 import pytest
 import torch
-from torch import nn
-
-from dsv4.convert import quant
+from dsv4.convert import quant_config as quant
 from dsv4.convert.check import run_checks
 from dsv4.convert.errors import EmptyQuantNameError, QuantCarryError, QuantSchemeError
-from dsv4.convert.job import convert
-from dsv4.convert.presets import preset_config
+from dsv4.convert.exit_codes import code_of, exit_code
+from dsv4.convert.pipeline import convert
 from dsv4.convert.synth import write_checkpoint
 from dsv4.model.config import ModelConfig
 from dsv4.model.mtp import DeepSeekV4MTP, quant_layer_names
+from dsv4.model.presets import preset_config
+from torch import nn
 
 match = pytest.importorskip("compressed_tensors.utils.match")
 from compressed_tensors.quantization import QuantizationConfig  # noqa: E402
@@ -80,8 +80,8 @@ CLASS = ct_config(
 
 
 def spec_parts() -> dict[str, list[str]]:
-    """Draft quantisation layer -> the native modules it is made of, written out from spec 02
-    §2.2/§2.3 (not derived from the table, so the test checks the derivation)."""
+    """Draft quantisation layer -> the native modules it is made of, written out from
+    mapping/README.md#mtp-parameters and mapping/README.md#quantisation-layer-names (not derived from the table, so the test checks the derivation)."""
     m, d = f"mtp.{I}.", f"model.layers.{L}."
     return {
         "model.embed_tokens": ["embed"],
@@ -204,7 +204,7 @@ def refuse(tmp_path: Path, qc: dict[str, Any]) -> str:
     out = tmp_path / "out"
     with pytest.raises(QuantCarryError) as err:
         convert(native_with(tmp_path, qc), out)
-    assert err.value.exit_code == 82
+    assert exit_code(err.value) == 82
     assert not out.exists()
     return str(err.value)
 
@@ -267,7 +267,7 @@ def test_an_e_proj_without_a_quantisation_name_is_reported_as_issue_44817(regex_
         layer.e_proj = nn.Linear(1, 1, device="meta")
     with pytest.raises(EmptyQuantNameError) as err:
         quant.check_draft_quantization(draft, config_of(regex_out), "out/config.json")
-    assert err.value.exit_code == 81
+    assert exit_code(err.value) == 81
     assert f"module model.layers.{L}.e_proj has an empty quantisation layer name: {ISSUE_44817}" in str(err.value)
 
 
@@ -298,5 +298,5 @@ def test_check_reports_linears_without_exactly_one_scheme(regex_out: Path, tmp_p
         config["quantization_config"] = REGEX
     (out / "config.json").write_text(json.dumps(config))
     report = run_checks(out, fast=True)
-    assert (report.failures[0].name, report.exit_code) == ("quant", QuantSchemeError.exit_code)
+    assert (report.failures[0].name, report.exit_code) == ("quant", code_of(QuantSchemeError))
     assert said in report.failures[0].reason

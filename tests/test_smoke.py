@@ -1,4 +1,4 @@
-"""`convert-dsv4 smoke`: load strictly, run a draft step, check it (spec 03 §3.5)."""
+"""`convert-dsv4 smoke`: load strictly, run a draft step, check it (model/README.md#smoke-test-and-reference)."""
 
 import json
 import os
@@ -9,11 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
-
 from dsv4.convert.cli import cli
-from dsv4.convert.job import convert
+from dsv4.convert.pipeline import convert
 from dsv4.convert.synth import write_checkpoint
-from dsv4.convert.errors import SmokeCheckError
+from dsv4.model.errors import SmokeCheckError
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +25,7 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 def test_smoke_reports_shapes_timings_and_agreement_as_json(pair):
     native, converted = pair
-    result = CliRunner().invoke(cli, ["smoke", str(converted), "--device", "cpu", "--tokens", "12", "--reference", str(native), "--json"])
+    result = CliRunner().invoke(cli, ["smoke", str(converted), "--device", "cpu", "--tokens", "12", "--native", str(native), "--json"])
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout[result.stdout.index("{") :])
     assert report["device"] == "cpu"
@@ -50,7 +49,7 @@ def test_smoke_says_which_device_and_kernels_ran(pair):
 def test_smoke_fails_when_the_reference_disagrees(pair, tmp_path):
     # a reference from another seed is another model: agreement must fall below 1
     other = write_checkpoint(tmp_path / "other", preset="tiny", variant="instruct", seed=9)
-    result = CliRunner().invoke(cli, ["smoke", str(pair[1]), "--device", "cpu", "--tokens", "16", "--reference", str(other)])
+    result = CliRunner().invoke(cli, ["smoke", str(pair[1]), "--device", "cpu", "--tokens", "16", "--native", str(other)])
     assert isinstance(result.exception, SmokeCheckError)
     assert "top-1 agreement with the reference" in str(result.exception)
 
@@ -77,3 +76,12 @@ def test_top1_agreement_forgives_near_ties_only():
     mine = torch.tensor([[9.9, 10.0, 0.0], [5.0, 10.0, 0.0], [0.0, 1.0, 10.0]])
     assert top1_agreement_up_to_ties(mine, ref) == pytest.approx(2 / 3)
     assert top1_agreement_up_to_ties(ref, ref) == 1.0
+
+
+def test_without_triton_the_command_says_so_in_one_line_of_its_own(pair):
+    """No Python warning with a source path: the notice is the command's own `warning:` line."""
+    hide_triton = "import sys; sys.modules['triton'] = None; from dsv4.convert.cli import main; sys.argv[0] = 'convert-dsv4'; main()"
+    proc = subprocess.run([sys.executable, "-c", hide_triton, "smoke", str(pair[1]), "--device", "cpu", "--tokens", "2", "-q"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr == "warning: triton is not importable; running the torch reference instead\n"
+    assert "torch fallback (triton is not importable)" in proc.stdout

@@ -14,14 +14,12 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
-
-from dsv4.convert import job
-from dsv4.convert.dtypes import ITEMSIZE, TORCH_DTYPES
-from dsv4.convert.inventory import INDEX_NAME
-from dsv4.convert.presets import preset_config
+from dsv4.convert import execute, pipeline
 from dsv4.model import layout
+from dsv4.model.checkpoint import INDEX_NAME
 from dsv4.model.config import ModelConfig
+from dsv4.model.dtypes import ITEMSIZE, TORCH_DTYPES
+from dsv4.model.presets import preset_config
 
 # Imports a whole conversion (or plan) in a child process and reports which heavy modules
 # it loaded; the child inherits the session's layout cache.
@@ -33,7 +31,7 @@ try:
     main()
 except SystemExit as exc:
     assert not exc.code, exc.code
-print("\\nIMPORTED", [m for m in ("torch", "triton", "safetensors", "huggingface_hub") if m in sys.modules])
+print("\\nIMPORTED", [m for m in ("torch", "triton", "safetensors", "huggingface_hub.hf_api", "httpx") if m in sys.modules])
 """
 
 
@@ -103,12 +101,12 @@ def test_an_unwritable_cache_costs_only_the_rebuild(tmp_path: Path, monkeypatch:
 @pytest.mark.parametrize("n", [1, 2, 4096, 4097])
 def test_zero_test_sees_every_byte(n: int) -> None:
     buf = mmap.mmap(-1, n)
-    assert job._all_zero(memoryview(buf))
+    assert execute._all_zero(memoryview(buf))
     for at in {0, n // 2, n - 1}:
         buf[at] = 1
-        assert not job._all_zero(memoryview(buf)), at
+        assert not execute._all_zero(memoryview(buf)), at
         buf[at] = 0
-    assert not job._all_zero(memoryview(buf)[:0])  # an empty chunk writes nothing anyway
+    assert not execute._all_zero(memoryview(buf)[:0])  # an empty chunk writes nothing anyway
 
 
 def shard_tensor_bytes(root: Path) -> dict[str, bytes]:
@@ -127,13 +125,13 @@ def shard_tensor_bytes(root: Path) -> dict[str, bytes]:
 @pytest.mark.parametrize("lanes", [1, 3])
 def test_each_tensor_keeps_one_sha256_over_its_bytes_in_order(tiny_native: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, lanes: int) -> None:
     reference = tmp_path / "reference"
-    job.convert(tiny_native, reference)
+    pipeline.convert(tiny_native, reference)
     # chunks far smaller than the tensors: every big tensor is hashed in many updates while
     # other tensors hash in other lanes; the buffers are reused many times over
-    monkeypatch.setattr(job, "CHUNK", 1000)
-    monkeypatch.setattr(job, "hasher_lanes", lambda: lanes)
+    monkeypatch.setattr(execute, "CHUNK", 1000)
+    monkeypatch.setattr(execute, "hasher_lanes", lambda: lanes)
     out = tmp_path / "out"
-    job.convert(tiny_native, out)
+    pipeline.convert(tiny_native, out)
     record = json.loads((out / "conversion.json").read_text())
     data = shard_tensor_bytes(out)
     assert max(len(b) for b in data.values()) > 50 * 1000

@@ -1,7 +1,6 @@
 """The strict JSON parser refuses what safetensors refuses, and fails only with its own error."""
 
 import pytest
-
 from dsv4.model.strictjson import MAX_DEPTH, StrictJSONError, loads
 
 

@@ -1,4 +1,4 @@
-"""The synthetic native checkpoint writer: layout counts match the release exactly (spec 01),
+"""The synthetic native checkpoint writer: layout counts match the release exactly (mapping/README.md#native-checkpoint-format),
 files are valid safetensors, values are sane and deterministic, sparse replicas are cheap."""
 
 from __future__ import annotations
@@ -12,15 +12,14 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
-from safetensors import safe_open
-
 from dsv4.convert import synth
 from dsv4.convert.cli import cli
-from dsv4.convert.presets import PRESETS, preset_config
 from dsv4.convert.synth import INDEX_NAME, pack_e2m1, write_checkpoint
 from dsv4.model.config import ModelConfig
+from dsv4.model.presets import PRESETS, preset_config
+from safetensors import safe_open
 
-# spec 01 §1.3, written out here rather than imported so the test checks the code
+# mapping/README.md#storage-dtypes, written out here rather than imported so the test checks the code
 E2M1_LUT = [0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6]
 
 FLASH_DTYPES = {"BF16": 433, "F32": 417, "F8_E4M3": 375, "F8_E8M0": 34167, "I8": 33792, "I64": 3}
@@ -191,7 +190,7 @@ def dequant_fp4(packed: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("name", ["tiny", "tiny_base"])
 def test_effective_weights_have_realistic_magnitude(name: str, request: pytest.FixtureRequest) -> None:
-    """Dequantised (spec 01 §1.3) linear weights sit near the std ~0.02 of trained ones, so
+    """Dequantised (mapping/README.md#storage-dtypes) linear weights sit near the std ~0.02 of trained ones, so
     an MTP forward on them gives finite, non-trivial activations."""
     t = load_all(request.getfixturevalue(name))
     for lin in ("mtp.0.e_proj", "mtp.0.attn.wo_b", "mtp.0.ffn.shared_experts.w2", "mtp.0.ffn.experts.3.w1"):
@@ -211,7 +210,7 @@ def test_base_variant_is_fp8_mixed(tiny_base: Path) -> None:
 
 
 def test_dspark_variant(tmp_path: Path) -> None:
-    """Spec 04 §4.1: each stage is a V4 block without the MTP-only tensors; stage 0 adds
+    """mapping/README.md#dspark-source-checkpoint: each stage is a V4 block without the MTP-only tensors; stage 0 adds
     the target-feature projection, the last stage the head, Markov and confidence heads."""
     ckpt = write_checkpoint(tmp_path, variant="dspark")
     names = set(all_headers(ckpt))
@@ -237,7 +236,7 @@ def test_dspark_variant_of_each_preset(tmp_path: Path) -> None:
     assert result.exit_code == 2 and "unknown preset 'pro' for variant dspark" in result.output and not (tmp_path / "p").exists()
 
 
-# spec 04 §4.1: the V4-Flash-0731 release
+# mapping/README.md#dspark-source-checkpoint: the V4-Flash-0731 release
 FLASH_0731_DRAFTER_DTYPES = {"BF16": 20, "F32": 27, "F8_E4M3": 25, "F8_E8M0": 2_329, "I8": 2_304}
 FLASH_0731_DRAFTER_BYTES = 10_862_838_300
 
@@ -265,7 +264,7 @@ def test_dspark_flash_replica_is_the_0731_release(tmp_path: Path) -> None:
     assert {k: config[k] for k in config if k.startswith("dspark_")} == {"dspark_block_size": 5, "dspark_noise_token_id": 128799, "dspark_target_layer_ids": [40, 41, 42], "dspark_markov_rank": 256}
 
 
-# --- storage formats (spec 01 §1.3) -----------------------------------------------------
+# --- storage formats (mapping/README.md#storage-dtypes) ---------------------------------
 
 
 def test_fp4_nibble_order() -> None:

@@ -1,5 +1,6 @@
-"""The native DeepSeek V4 checkpoint format (spec 01, and spec 04 §4.1 for the DSpark
-drafter of V4-Flash-0731): every tensor's name, dtype and shape.
+"""The native DeepSeek V4 checkpoint format (mapping/README.md#native-checkpoint-format, and
+mapping/README.md#dspark-source-checkpoint for the DSpark drafter of V4-Flash-0731): every
+tensor's name, dtype and shape.
 
 This is the one place the source format is written down. The synthetic checkpoint writer
 produces exactly this layout, the planner checks a real checkpoint's draft tensors (MTP
@@ -26,14 +27,15 @@ def variant_of(cfg: ModelConfig) -> Variant:
     return "instruct" if cfg.expert_dtype == "fp4" else "base"
 
 
-def _blocks(n: int, block: int) -> int:
-    return -(-n // block)
+def ceil_div(n: int, d: int) -> int:
+    """Blocks of `d` needed for `n` (a block-scale grid's size: the last block may be partial)."""
+    return -(-n // d)
 
 
 def _fp8_linear(out: Layout, name: str, rows: int, cols: int, cfg: ModelConfig, scale_dtype: str) -> None:
     br, bc = cfg.weight_block_size
     out[f"{name}.weight"] = ("F8_E4M3", (rows, cols))
-    out[f"{name}.scale"] = (scale_dtype, (_blocks(rows, br), _blocks(cols, bc)))
+    out[f"{name}.scale"] = (scale_dtype, (ceil_div(rows, br), ceil_div(cols, bc)))
 
 
 def _fp4_linear(out: Layout, name: str, rows: int, cols: int) -> None:
@@ -104,7 +106,7 @@ def mtp_layout(cfg: ModelConfig, i: int, *, with_emb_head: bool = False) -> Layo
 
 
 def dspark_stage_layout(cfg: ModelConfig, s: int) -> Layout:
-    """All tensors of DSpark stage `mtp.{s}.` (spec 04 §4.1): one V4 block (29 + 6E) plus,
+    """All tensors of DSpark stage `mtp.{s}.` (mapping/README.md#dspark-source-checkpoint): one V4 block (29 + 6E) plus,
     in stage 0, the projection of the target features (main_proj, main_norm) and, in the last
     stage S-1, the head (norm, hc_head_*) and the Markov and confidence heads."""
     H, V, R = cfg.hidden_size, cfg.vocab_size, cfg.dspark_markov_rank

@@ -1,7 +1,7 @@
-"""Quantised weight containers of the bundled model and their dequantisation (spec 01 §1.3).
+"""Quantised weight containers of the bundled model and their dequantisation (mapping/README.md#storage-dtypes).
 
 Every linear-like module derives from `QuantLayer` and carries the quantisation layer name
-vLLM gives it (spec 02 §2.3). The seed bug was a linear built without one: its name was ""
+vLLM gives it (mapping/README.md#quantisation-layer-names). The seed bug was a linear built without one: its name was ""
 and compressed-tensors could not match it. So the name is a required constructor argument
 and an empty one is refused at construction.
 
@@ -14,26 +14,21 @@ of the routed experts only those some token routes to are ever dequantised.
 from __future__ import annotations
 
 import torch
+from dsv4.model.native import FP4_GROUP, ceil_div
 from torch import nn
-
-from dsv4.convert.native import FP4_GROUP
 
 FP8 = torch.float8_e4m3fn
 E8M0 = torch.float8_e8m0fnu
 
 FP32_STEP_BYTES = 64 << 20  # Bf16Linear.forward_fp32's fp32 buffer: 4096 rows of Flash's head
 
-# e2m1 code -> value; bit 3 is the sign (spec 01 §1.3)
+# e2m1 code -> value; bit 3 is the sign (mapping/README.md#storage-dtypes)
 _FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
 
 def weight_param(shape: tuple[int, ...], dtype: torch.dtype) -> nn.Parameter:
     # Weights are loaded, never trained; integer and fp8 parameters cannot require grad anyway.
     return nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
-
-
-def ceil_div(n: int, d: int) -> int:
-    return -(-n // d)
 
 
 def scale_to_float(scale: torch.Tensor) -> torch.Tensor:
@@ -159,7 +154,7 @@ class Embedding(QuantLayer):
 
 
 class Fp4RoutedExperts(nn.Module):
-    """E stacked FP4 experts, vLLM's `routed_experts` (spec 02 §2.2): packed e2m1 bytes and
+    """E stacked FP4 experts, vLLM's `routed_experts` (mapping/README.md#mtp-parameters): packed e2m1 bytes and
     raw E8M0 scale bytes, both uint8. w13 = cat(w1, w3) on the output dim."""
 
     def __init__(self, n_experts: int, hidden: int, inter: int) -> None:

@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 from typing import Protocol
 
-from dsv4.convert.errors import MissingShardError, TruncatedShardError
+from dsv4.model.errors import MissingShardError, TruncatedShardError
 
 
 class ByteReader(Protocol):
@@ -40,7 +40,7 @@ class LocalReader:
                 # planned ranges are read front to back: ask for aggressive read-ahead
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
             except FileNotFoundError:
-                raise MissingShardError(f"{self.root / file}: shard disappeared while converting") from None
+                raise MissingShardError(f"{self.root / file}: shard disappeared while converting", path=str(self.root / file)) from None
         return fd
 
     def read_into(self, file: str, offset: int, buf: memoryview) -> None:
@@ -48,7 +48,7 @@ class LocalReader:
         while done < len(buf):
             n = os.preadv(fd, [buf[done:]], offset + done)
             if n == 0:
-                raise TruncatedShardError(f"{self.root / file}: ends at byte {offset + done}, before the planned range {offset}..{offset + len(buf)}")
+                raise TruncatedShardError(f"{self.root / file}: ends at byte {offset + done}, before the planned range {offset}..{offset + len(buf)}", path=str(self.root / file))
             done += n
         self.bytes_read += done
 

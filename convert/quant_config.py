@@ -1,5 +1,5 @@
 """Quantisation layer names: carrying a quantization_config across the conversion, and
-checking that every linear of the draft resolves to one scheme (spec 02 §2.3).
+checking that every linear of the draft resolves to one scheme (mapping/README.md#quantisation-layer-names).
 
 A compressed-tensors config names modules (`targets`, `ignore`, `re:` regexes, class names
 such as "Linear"). Written for the native checkpoint it names `mtp.0.attn.wq_a`,
@@ -36,10 +36,9 @@ from dsv4.convert.plan import LAYOUT_RECORD, Plan
 from dsv4.model.config import ModelConfig
 
 if TYPE_CHECKING:
-    from torch import nn
-
     from dsv4.model.dspark import DSparkDraft
     from dsv4.model.mtp import DeepSeekV4MTP
+    from torch import nn
 
 CT_METHOD = "compressed-tensors"
 INSTALL_HINT = "pip install 'dsv4-convert[quant]'"
@@ -82,10 +81,9 @@ class DraftLayer:
 def draft_layers(model: nn.Module) -> list[DraftLayer]:
     """Every linear-like module of `model` with its quantisation layer name. A plain torch
     Linear or Embedding carries no name at all: it is listed with "" (the seed bug's shape)."""
-    from torch import nn  # start-up time: see _stand_in
-
     from dsv4.model.mtp import Experts
-    from dsv4.model.quant import Embedding, QuantLayer
+    from dsv4.model.quantized import Embedding, QuantLayer
+    from torch import nn  # start-up time: see _stand_in
 
     out = []
     for path, mod in model.named_modules():
@@ -101,7 +99,6 @@ def build_draft(cfg: ModelConfig) -> DeepSeekV4MTP | DSparkDraft:
     """The bundled draft model for `cfg` (MTP, or DSpark for a config with dspark_* fields)
     on the meta device: names and classes, no memory."""
     import torch  # start-up time: see _stand_in
-
     from dsv4.model.dspark import DSparkDraft
     from dsv4.model.mtp import DeepSeekV4MTP
 
@@ -125,7 +122,7 @@ def layer_map(plan: Plan) -> LayerMap:
     """From a forward plan: each planned tensor belongs to the draft layer whose module path
     prefixes its name, and is made of source tensors whose module is their name minus the
     last component (`mtp.0.attn.wq_a.scale` -> `mtp.0.attn.wq_a`)."""
-    layers = {layer.path: layer for layer in draft_layers(build_draft(ModelConfig.from_dict(plan.config)))}
+    layers = {layer.path: layer for layer in draft_layers(build_draft(plan.model_config))}
     kinds: dict[str, LayerKind] = {}
     parts: dict[str, dict[str, None]] = {}  # insertion-ordered sets
     for t in plan.tensors:
@@ -229,7 +226,7 @@ def _refuse_named_siblings(qc: Mapping[str, Any], where: str) -> None:
             # llm-compressor writes a dense sparsity_config with no targets: nothing to carry
             value = [*(value.get("targets") or []), *(value.get("ignore") or [])]
         if value:
-            raise QuantCarryError(f"{where}: quantization_config.{key} names layers too; carrying it is not supported (refusing rather than leaving native names in it)")
+            raise QuantCarryError(f"{where}: quantization_config.{key} names layers too; carrying it is not supported (refusing rather than leaving native names in it)", path=str(where))
 
 
 def rewrite_for_draft(qc: Mapping[str, Any], layers: LayerMap, where: str) -> tuple[dict[str, Any], list[str]]:
@@ -245,13 +242,13 @@ def rewrite_for_draft(qc: Mapping[str, Any], layers: LayerMap, where: str) -> tu
         found = {n: source.resolve(n, kind) for n in natives}
         for native, res in found.items():
             if res.status == "ambiguous":
-                raise QuantCarryError(f"{where}: quantization_config matches {native} with {res.describe()} at the same precedence; which one {draft} should get is undefined")
+                raise QuantCarryError(f"{where}: quantization_config matches {native} with {res.describe()} at the same precedence; which one {draft} should get is undefined", path=str(where))
         outcomes: dict[tuple[str, str | None], str] = {}
         for native, res in found.items():
             outcomes.setdefault(res.outcome, native)
         if len(outcomes) > 1:
             said = "; ".join(f"{n} -> {found[n].describe()}" for n in outcomes.values())
-            raise QuantCarryError(f"{where}: quantization_config cannot be carried: the draft fuses {len(natives)} native modules into {draft}, and they resolve differently ({said}); one layer takes one scheme")
+            raise QuantCarryError(f"{where}: quantization_config cannot be carried: the draft fuses {len(natives)} native modules into {draft}, and they resolve differently ({said}); one layer takes one scheme", path=str(where))
         expected[draft] = found[natives[0]]
 
     out = copy.deepcopy(dict(qc))
@@ -281,7 +278,7 @@ def rewrite_for_draft(qc: Mapping[str, Any], layers: LayerMap, where: str) -> tu
         want = ("ignored", None) if draft in added else res.outcome
         got = rewritten.resolve(draft, layers.kinds[draft])
         if got.outcome != want:
-            raise QuantCarryError(f"{where}: rewritten quantization_config gives {draft} {got.describe()}, its native parts had {res.describe()}")
+            raise QuantCarryError(f"{where}: rewritten quantization_config gives {draft} {got.describe()}, its native parts had {res.describe()}", path=str(where))
     return out, added
 
 
@@ -304,10 +301,10 @@ def carried_quantization(plan: Plan) -> tuple[dict[str, Any] | None, dict[str, A
     if method == "fp8":
         named = [k for k in FP8_NAME_LISTS if qc.get(k)]
         if named:
-            raise QuantCarryError(f"{where}: quantization_config.{named[0]} lists native module names; carrying them to the draft is not supported")
+            raise QuantCarryError(f"{where}: quantization_config.{named[0]} lists native module names; carrying them to the draft is not supported", path=str(where))
         return qc, None
     if method != CT_METHOD:
-        raise QuantCarryError(f"{where}: quantization_config quant_method {method!r} is not one this converter carries (fp8, {CT_METHOD}): its layer names would stay native")
+        raise QuantCarryError(f"{where}: quantization_config quant_method {method!r} is not one this converter carries (fp8, {CT_METHOD}): its layer names would stay native", path=str(where))
     out, added = rewrite_for_draft(qc, layer_map(plan), where)
     return out, {"source": qc, "names": "rewritten from native module names to the draft's quantisation layer names", "added_to_ignore": added}
 
@@ -345,7 +342,7 @@ def check_draft_quantization(model: nn.Module, config: Mapping[str, Any], where:
                 said.append(f"module {layer.path} has an empty quantisation layer name: {NO_TARGET.format(name='')} (vLLM issue #44817: built without prefix=)")
             else:
                 said.append(f"module {layer.path} has an empty quantisation layer name: only {res.describe()} reaches it and no ignore entry can name it (vLLM issue #44817: built without prefix=)")
-        raise EmptyQuantNameError(f"{where}: {'; '.join(said)}")
+        raise EmptyQuantNameError(f"{where}: {'; '.join(said)}", path=str(where))
 
     if ct_config is None:
         what = "FP8 block quantisation (checked against the scale shapes under config)" if isinstance(qc, Mapping) and qc.get("quant_method") == "fp8" else "no compressed-tensors quantization_config"
@@ -371,6 +368,6 @@ def check_draft_quantization(model: nn.Module, config: Mapping[str, Any], where:
         else:
             outcome[res.group or "ignored"] += 1
     if problems:
-        raise QuantSchemeError(f"{where}: {len(problems)} problem(s): {_short(problems)}")
+        raise QuantSchemeError(f"{where}: {len(problems)} problem(s): {_short(problems)}", path=str(where))
     counts = ", ".join(f"{n} {g}" for g, n in sorted(outcome.items()))
     return QuantSummary(len(layers), True, f"every linear resolves to exactly one scheme or is ignored ({counts})")

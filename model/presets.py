@@ -2,7 +2,7 @@
 
 Each preset is the complete field set of the released config.json (not only the fields
 `ModelConfig` reads), so a synthetic checkpoint looks like the release to any tool that
-reads its config. Base variants differ only in "expert_dtype" (spec 01 §1.2).
+reads its config. Base variants differ only in "expert_dtype" (mapping/README.md#config-fields).
 """
 
 from __future__ import annotations
@@ -122,7 +122,7 @@ _TINY: dict[str, Any] = {
 
 PRESETS: dict[str, dict[str, Any]] = {"flash": _FLASH, "pro": _PRO, "tiny": _TINY}
 
-# DeepSeek-V4-Flash-0731 (spec 04 §4.1): Flash with a three-stage DSpark drafter. It keeps
+# DeepSeek-V4-Flash-0731 (mapping/README.md#dspark-source-checkpoint): Flash with a three-stage DSpark drafter. It keeps
 # "num_nextn_predict_layers": 1, and compress_ratios gains one 0 per stage (46 entries).
 _FLASH_0731: dict[str, Any] = {
     **_FLASH,
@@ -156,7 +156,7 @@ def with_variant(config: dict[str, Any], variant: Variant) -> dict[str, Any]:
     if variant not in EXPERT_DTYPE:
         raise ValueError(f"unknown variant {variant!r} (expected one of {', '.join(EXPERT_DTYPE)})")
     if variant == "dspark" and not all(f in config for f in DSPARK_FIELDS):
-        raise ValueError(f"variant dspark needs a config with {', '.join(DSPARK_FIELDS)} (spec 04 §4.1)")
+        raise ValueError(f"variant dspark needs a config with {', '.join(DSPARK_FIELDS)} (mapping/README.md#dspark-source-checkpoint)")
     out = copy.deepcopy(config)
     out["expert_dtype"] = EXPERT_DTYPE[variant]
     return out

@@ -1,0 +1,255 @@
+"""Running a Plan: the executor, and the run that owns OUT (convert/output.py) while it
+plans, writes and publishes.
+
+Work happens in a hidden partial directory beside OUT with a journal of finished tensors;
+OUT appears (one rename) only once every tensor is written and the result is verified.
+A run killed at any point resumes from the journal and gives byte-identical files.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dsv4 import __version__
+from dsv4.convert.errors import WriteFailedError
+from dsv4.convert.execute import Executor, still_valid
+from dsv4.convert.inventory import Inventory, read_local_header
+from dsv4.convert.location import locate
+from dsv4.convert.output import CONFIG, CONVERSION_RECORD, TOOL, OutputClaim, claim_output, read_record
+from dsv4.convert.plan import LAYOUT_RECORD, Direction, Plan, PlannedTensor, choose_table, plan_conversion, plan_reverse
+from dsv4.convert.quant_config import carried_quantization
+from dsv4.convert.readers import ByteReader, LocalReader
+from dsv4.convert.sources import open_source
+from dsv4.convert.writer import ShardWriter, TensorSpec, shard_name
+from dsv4.mapping.table import require_target
+from dsv4.model import strictjson
+from dsv4.model.checkpoint import INDEX_NAME
+from dsv4.model.strictjson import write_record
+from huggingface_hub.utils import tqdm
+
+DEFAULT_MAX_SHARD = 5 * 10**9
+
+
+@dataclass
+class ConversionResult:
+    out: Path
+    status: str  # "converted", "resumed" or "up-to-date"
+    bytes_read: int
+    bytes_written: int
+    seconds: float
+    tensors: int
+    plan: Plan
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "status": self.status,
+            "output": str(self.out),
+            "tensors": self.tensors,
+            "bytes_read": self.bytes_read,
+            "bytes_written": self.bytes_written,
+            "bytes_planned": self.plan.bytes_to_read,
+            "seconds": round(self.seconds, 3),
+        }
+
+
+def shard_layout(plan: Plan, max_shard_size: int) -> list[list[PlannedTensor]]:
+    """Tensors in write order, cut into shards of at most max_shard_size bytes (a larger
+    tensor gets a shard of its own)."""
+    shards: list[list[PlannedTensor]] = [[]]
+    size = 0
+    for t in plan.tensors:
+        if shards[-1] and size + t.nbytes > max_shard_size:
+            shards.append([])
+            size = 0
+        shards[-1].append(t)
+        size += t.nbytes
+    return shards
+
+
+def output_config(plan: Plan) -> dict[str, Any]:
+    config = {k: v for k, v in plan.config.items() if k != LAYOUT_RECORD}
+    # a compressed-tensors config names modules: rewritten to the draft's layer names
+    # (forward) or restored from the record (reverse); an FP8 block config goes through as is
+    quantization, note = carried_quantization(plan)
+    if quantization is not None:
+        config["quantization_config"] = quantization
+    if plan.direction == "forward":
+        config[LAYOUT_RECORD] = {"layout": plan.target, "table": plan.table, "table_version": plan.table_version, "tool_version": __version__}
+        if note is not None:
+            config[LAYOUT_RECORD]["quantization_config"] = note
+    return config
+
+
+def _fingerprint(plan: Plan, reader: ByteReader, shards: list[list[PlannedTensor]]) -> dict[str, Any]:
+    layout = [[(t.name, t.dtype, list(t.shape), [(p.file, p.start, p.end) for p in t.pieces]) for t in s] for s in shards]
+    return {
+        "tool_version": __version__,
+        "direction": plan.direction,
+        "table": plan.table,
+        "table_version": plan.table_version,
+        "source": {**reader.fingerprint(plan.files_needed), "revision": plan.revision},
+        "plan_sha256": hashlib.sha256(json.dumps(layout).encode()).hexdigest(),
+    }
+
+
+def _journal(path: Path) -> dict[str, dict[str, Any]]:
+    """Finished tensors; a line torn by a kill is ignored (that tensor is redone)."""
+    done: dict[str, dict[str, Any]] = {}
+    if path.exists():
+        for line in path.read_bytes().splitlines():
+            try:
+                entry = strictjson.loads(line)
+            except strictjson.StrictJSONError:
+                continue
+            if isinstance(entry, dict) and isinstance(entry.get("name"), str) and isinstance(entry.get("nbytes"), int) and isinstance(entry.get("sha256"), str):
+                done[entry["name"]] = entry
+    return done
+
+
+def _verify(partial: Path, shards: list[list[PlannedTensor]], names: list[str], journal: dict[str, dict[str, Any]]) -> None:
+    """Re-read every written header and check it against the plan and the journal."""
+    for tensors, name in zip(shards, names):
+        found, _ = read_local_header(partial / name)
+        for t in tensors:
+            src = found.get(t.name)
+            if src is None or (src.dtype, src.shape, src.nbytes) != (t.dtype, t.shape, t.nbytes):
+                raise WriteFailedError(f"{partial / name}: tensor {t.name} does not read back as planned", path=str(partial / name), tensor=t.name)
+            if t.name not in journal:
+                raise WriteFailedError(f"{partial / name}: tensor {t.name} was never finished", path=str(partial / name), tensor=t.name)
+
+
+def run_plan(plan: Plan, reader: ByteReader, out: str | Path, *, overwrite: bool = False, wait: bool = False, max_shard_size: int = DEFAULT_MAX_SHARD, quiet: bool = True) -> ConversionResult:
+    """Write an already made plan into OUT, owning OUT (its lock) from here to publish;
+    the reader is closed at the end. `convert` takes OUT before it plans."""
+    try:
+        with claim_output(out, source=_local_root(reader), wait=wait, on_wait=_waiting_notice(quiet)) as claim:
+            return _write_output(plan, reader, claim, overwrite=overwrite, max_shard_size=max_shard_size, quiet=quiet)
+    finally:
+        reader.close()
+
+
+def _local_root(reader: ByteReader) -> Path | None:
+    return reader.root if isinstance(reader, LocalReader) else None
+
+
+def _waiting_notice(quiet: bool) -> Callable[[str], object] | None:
+    return None if quiet else lambda line: print(line, file=sys.stderr, flush=True)
+
+
+def progress_bar(total: int, done: int, quiet: bool) -> tqdm:
+    """The bar over the output stream (tensors in write order); `done`: bytes an earlier run
+    finished. Drawn only on a terminal, and not when HF_HUB_DISABLE_PROGRESS_BARS is set
+    (huggingface_hub's tqdm). The kill tests wrap this function (tests/crashing_cli.py)."""
+    return tqdm(total=total, initial=done, unit="B", unit_scale=True, unit_divisor=1024, desc="convert", disable=True if quiet else None)
+
+
+def _write_output(plan: Plan, reader: ByteReader, claim: OutputClaim, *, overwrite: bool, max_shard_size: int, quiet: bool) -> ConversionResult:
+    """Convert `plan` into the claimed OUT: nothing if it is up to date, else in the
+    partial directory (resuming its work), then publish."""
+    start = time.monotonic()
+    config = output_config(plan)  # before any byte is written: a config that cannot be carried fails here
+    shards = shard_layout(plan, max_shard_size)
+    names = [shard_name(k, len(shards)) for k in range(len(shards))]
+    fingerprint = _fingerprint(plan, reader, shards)
+
+    record = read_record(claim.path / CONVERSION_RECORD) if claim.path.is_dir() else None
+    if isinstance(record, dict) and record.get("fingerprint") == fingerprint and not overwrite:
+        return ConversionResult(claim.out, "up-to-date", 0, 0, time.monotonic() - start, len(plan.tensors), plan)
+    claim.refuse_unless_replaceable(overwrite)
+
+    try:
+        resumed = claim.start(fingerprint)
+        journal = _journal(claim.journal) if resumed else {}
+    except OSError as exc:
+        raise claim.write_failed(exc) from None
+    partial = claim.partial
+
+    todo = sum(t.nbytes for s in shards for t in s if t.name not in journal)
+    bar = progress_bar(plan.bytes_to_write, plan.bytes_to_write - todo, quiet)
+    executor = Executor(reader, bar.update)
+    try:
+        with open(claim.journal, "a") as jf:
+            for tensors, name in zip(shards, names):
+                specs = [TensorSpec(t.name, t.dtype, t.shape) for t in tensors]
+                with ShardWriter(partial / name, specs, {"format": "pt"}, resume=resumed) as writer:
+                    done = [journal[t.name] for t in tensors if t.name in journal]
+                    valid = still_valid(writer.path, done, writer.offsets) if writer.resumed else set()
+                    for t in tensors:
+                        if t.name in journal and t.name not in valid:
+                            del journal[t.name]
+                    for t, sha in executor.run([t for t in tensors if t.name not in journal], writer):
+                        entry = {"name": t.name, "file": name, "nbytes": t.nbytes, "sha256": sha}
+                        jf.write(json.dumps(entry, sort_keys=True) + "\n")
+                        jf.flush()
+                        journal[t.name] = entry
+                    writer.sync()
+        # the journal is closed: nothing writes into the partial directory once it is OUT
+        _verify(partial, shards, names, journal)
+        _write_records(plan, config, partial, shards, names, journal, fingerprint)
+        claim.publish()
+    except OSError as exc:
+        raise claim.write_failed(exc) from None
+    finally:
+        bar.close()
+        executor.close()
+    return ConversionResult(claim.out, "resumed" if resumed else "converted", reader.bytes_read, executor.written, time.monotonic() - start, len(plan.tensors), plan)
+
+
+def _write_records(plan: Plan, config: dict[str, Any], partial: Path, shards: list[list[PlannedTensor]], names: list[str], journal: dict[str, dict[str, Any]], fingerprint: dict[str, Any]) -> None:
+    weight_map = {t.name: name for tensors, name in zip(shards, names) for t in tensors}
+    write_record(partial / INDEX_NAME, {"metadata": {"total_size": plan.bytes_to_write}, "weight_map": weight_map})
+    write_record(partial / CONFIG, config)
+    write_record(
+        partial / CONVERSION_RECORD,
+        {
+            "tool": TOOL,
+            "tool_version": __version__,
+            "direction": plan.direction,
+            "table": plan.table,
+            "table_version": plan.table_version,
+            "target": plan.target,
+            "source": fingerprint["source"],
+            "fingerprint": fingerprint,
+            "skipped": len(plan.skipped),
+            "tensors": {t.name: {"file": journal[t.name]["file"], "nbytes": t.nbytes, "sha256": journal[t.name]["sha256"]} for s in shards for t in s},
+        },
+    )
+
+
+def plan_source(inv: Inventory, reader: ByteReader, target: str, *, reverse: bool = False) -> Plan:
+    """Plan the conversion of an opened source to `target` with the table for the draft
+    layout it holds (MTP or DSpark); the reader is closed when planning fails."""
+    try:
+        direction: Direction = "reverse" if reverse else "forward"
+        table = choose_table(target, inv, direction)
+        return plan_reverse(inv, table) if reverse else plan_conversion(inv, table)
+    except BaseException:
+        reader.close()
+        raise
+
+
+def _local_dir(source: str | Path) -> Path | None:
+    where = locate(source)
+    return where if isinstance(where, Path) else None
+
+
+def convert(source: str | Path, out: str | Path, *, target: str = "xpu", reverse: bool = False, overwrite: bool = False, wait: bool = False, max_shard_size: int = DEFAULT_MAX_SHARD, quiet: bool = True) -> ConversionResult:
+    """Convert `source` (native checkpoint, or with reverse=True a converted one) into `out`.
+
+    OUT is owned (checked safe, locked) before the source is planned and until the output
+    is published; with `wait` a run finding OUT locked waits for the other run."""
+    require_target(target)  # a bad name is refused before OUT is touched
+    with claim_output(out, source=_local_dir(source), wait=wait, on_wait=_waiting_notice(quiet)) as claim:
+        inv, reader = open_source(source)
+        plan = plan_source(inv, reader, target, reverse=reverse)
+        try:
+            return _write_output(plan, reader, claim, overwrite=overwrite, max_shard_size=max_shard_size, quiet=quiet)
+        finally:
+            reader.close()
