@@ -59,7 +59,7 @@ from dsv4.convert.exit_codes import exit_code
 from dsv4.convert.inventory import Inventory, TensorSource, merge_shards, read_local_shards
 from dsv4.convert.pipeline import CONVERSION_RECORD
 from dsv4.convert.plan import LAYOUT_RECORD
-from dsv4.convert.quant_config import build_draft, check_draft_quantization
+from dsv4.convert.quant_config import check_draft_quantization
 from dsv4.convert.report import CheckReport, CheckResult
 from dsv4.mapping.errors import TableError
 from dsv4.mapping.table import load_table
@@ -68,7 +68,7 @@ from dsv4.model.checkpoint import INDEX_NAME, load_index
 from dsv4.model.config import ConfigError, ModelConfig, parse_config
 from dsv4.model.dtypes import tensor_bytes
 from dsv4.model.errors import DSV4Error
-from dsv4.model.layout import target_layout
+from dsv4.model.layout import build_draft_model, target_layout
 from safetensors import safe_open
 
 READ_BLOCK = 64 << 20  # bytes per read of one tensor: bounded memory at any tensor size
@@ -421,7 +421,7 @@ def check_layout(ctx: _Context, details: dict[str, Any]) -> str:
 def check_quant(ctx: _Context, details: dict[str, Any]) -> str:
     cfg = ctx.need_config()
     assert ctx.config is not None  # a parsed cfg implies a parsed config.json
-    summary = check_draft_quantization(build_draft(cfg), ctx.config, ctx.where("config.json"))
+    summary = check_draft_quantization(build_draft_model(cfg), ctx.config, ctx.where("config.json"))
     if summary.library_missing:
         raise _Skipped(summary.reason)
     details.update(layers=summary.layers, schemes_checked=summary.schemes_checked)

@@ -33,11 +33,9 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from dsv4.convert.errors import CheckError, EmptyQuantNameError, QuantCarryError, QuantSchemeError
 from dsv4.convert.plan import LAYOUT_RECORD, Plan
-from dsv4.model.config import ModelConfig
+from dsv4.model.layout import build_draft_model
 
 if TYPE_CHECKING:
-    from dsv4.model.dspark import DSparkDraft
-    from dsv4.model.mtp import DeepSeekV4MTP
     from torch import nn
 
 CT_METHOD = "compressed-tensors"
@@ -95,17 +93,6 @@ def draft_layers(model: nn.Module) -> list[DraftLayer]:
     return out
 
 
-def build_draft(cfg: ModelConfig) -> DeepSeekV4MTP | DSparkDraft:
-    """The bundled draft model for `cfg` (MTP, or DSpark for a config with dspark_* fields)
-    on the meta device: names and classes, no memory."""
-    import torch  # start-up time: see _stand_in
-    from dsv4.model.dspark import DSparkDraft
-    from dsv4.model.mtp import DeepSeekV4MTP
-
-    with torch.device("meta"):
-        return DSparkDraft(cfg) if cfg.is_dspark else DeepSeekV4MTP(cfg)
-
-
 @dataclass(frozen=True)
 class LayerMap:
     """The draft's quantisation layers and the native modules each is made of."""
@@ -122,7 +109,7 @@ def layer_map(plan: Plan) -> LayerMap:
     """From a forward plan: each planned tensor belongs to the draft layer whose module path
     prefixes its name, and is made of source tensors whose module is their name minus the
     last component (`mtp.0.attn.wq_a.scale` -> `mtp.0.attn.wq_a`)."""
-    layers = {layer.path: layer for layer in draft_layers(build_draft(plan.model_config))}
+    layers = {layer.path: layer for layer in draft_layers(build_draft_model(plan.model_config))}
     kinds: dict[str, LayerKind] = {}
     parts: dict[str, dict[str, None]] = {}  # insertion-ordered sets
     for t in plan.tensors:

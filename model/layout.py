@@ -53,22 +53,23 @@ def target_layout(cfg: ModelConfig) -> Layout:
 
 def build_target_layout(cfg: ModelConfig) -> Layout:
     """The layout read off the model on the meta device (what the cache holds)."""
-    import torch  # start-up time: only a cache miss pays for torch and the model
-    from dsv4.model.dtypes import SAFETENSORS_NAMES
+    from dsv4.model.dtypes import SAFETENSORS_NAMES  # start-up time: only a cache miss pays for torch
 
-
-    with torch.device("meta"):
-        model = build_draft_model(cfg)
+    model = build_draft_model(cfg)
     return {name: (SAFETENSORS_NAMES[t.dtype], tuple(t.shape)) for name, t in model.state_dict().items()}
 
 
 def build_draft_model(cfg: ModelConfig) -> nn.Module:
-    """The bundled draft model `cfg` describes, on the current default device: the DSpark
-    drafter (mapping/README.md#dspark-v4-flash-0731) for a DSpark config, else the MTP draft (mapping/README.md#xpu-mtp-layout)."""
+    """The bundled draft model `cfg` describes, on the meta device (names, shapes, dtypes and
+    module classes; no memory): the DSpark drafter (mapping/README.md#dspark-v4-flash-0731)
+    for a DSpark config, else the MTP draft (mapping/README.md#xpu-mtp-layout). The layout,
+    the strict loader and the quantisation names all read this one model."""
+    import torch  # start-up time: only what builds the model pays for torch
     from dsv4.model.dspark import DSparkDraft
     from dsv4.model.mtp import DeepSeekV4MTP
 
-    return DSparkDraft(cfg) if cfg.is_dspark else DeepSeekV4MTP(cfg)
+    with torch.device("meta"):
+        return DSparkDraft(cfg) if cfg.is_dspark else DeepSeekV4MTP(cfg)
 
 
 def cache_dir() -> Path:

@@ -59,8 +59,7 @@ def load_converted(path: str | Path, device: str | torch.device | None = None) -
     if not cfg.is_dspark:  # a DSpark stage missing or extra is a missing or unexpected key below
         with config_errors(str(config_path)):
             cfg.require_draft_blocks(draft_layers_present(cfg, weight_map))
-    with torch.device("meta"):
-        model = build_draft_model(cfg)
+    model = build_draft_model(cfg)
     expected = model.state_dict()
     for name in expected:
         if name not in weight_map:

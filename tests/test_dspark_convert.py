@@ -25,7 +25,7 @@ from dsv4.mapping import errors as mapping_errors
 from dsv4.mapping.table import TABLE_DIR, load_table, load_table_file
 from dsv4.model import errors as model_errors
 from dsv4.model.config import ModelConfig
-from dsv4.model.layout import target_layout
+from dsv4.model.layout import build_draft_model, target_layout
 from dsv4.model.presets import DSPARK_FIELDS, preset_config
 from inprocess import run_main
 from tensors import load_all
@@ -287,7 +287,7 @@ def test_check_finds_stages_that_disagree_with_the_config(xpu: Path, tmp_path: P
 
 
 def test_quantisation_layer_names_of_the_dspark_draft(cfg: ModelConfig) -> None:
-    names = {layer.name for layer in quant.draft_layers(quant.build_draft(cfg))}
+    names = {layer.name for layer in quant.draft_layers(build_draft_model(cfg))}
     assert "" not in names
     assert {"model.main_proj", "model.embed_tokens", "lm_head"} <= names
     for L in range(cfg.num_hidden_layers, cfg.num_hidden_layers + S):  # vLLM's layer prefix of stage s: N + s
