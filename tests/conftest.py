@@ -10,6 +10,7 @@ if not torch.cuda.is_available() and not (hasattr(torch, "xpu") and torch.xpu.is
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
+from dsv4.convert.pipeline import convert  # noqa: E402
 from dsv4.convert.synth import write_checkpoint  # noqa: E402
 
 
@@ -26,6 +27,16 @@ def layout_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tiny_native(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny instruct (FP4 experts) native checkpoint with all its main layers."""
     return write_checkpoint(tmp_path_factory.mktemp("tiny") / "native", preset="tiny", main_layers="all", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A tiny instruct native checkpoint without main layers, and its XPU conversion: the
+    model and smoke tests read both, neither writes."""
+    root = tmp_path_factory.mktemp("tiny-pair")
+    native = write_checkpoint(root / "native", preset="tiny", variant="instruct", seed=0)
+    convert(native, root / "converted")
+    return native, root / "converted"
 
 
 @pytest.fixture(scope="session")

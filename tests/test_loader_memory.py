@@ -10,8 +10,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from dsv4.convert.pipeline import convert
-from dsv4.convert.synth import write_checkpoint
 from dsv4.model import quantized as quant
 from dsv4.model import reference
 from dsv4.model.loader import load_converted
@@ -24,14 +22,6 @@ EXPERTS = L + "mtp_block.ffn.experts.routed_experts."
 BIG = ["model.embed_tokens.weight", L + "shared_head.head.weight", EXPERTS + "w13_weight", EXPERTS + "w2_weight"]
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads the process's mappings from Linux's /proc")
-
-
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    root = tmp_path_factory.mktemp("mem")
-    native = write_checkpoint(root / "native", preset="tiny", variant="instruct", seed=0)
-    convert(native, root / "converted")
-    return native, root / "converted"
 
 
 def file_maps() -> dict[str, list[tuple[int, int]]]:
@@ -55,8 +45,8 @@ def weight_map(root: Path) -> dict[str, str]:
     return json.loads((root / INDEX).read_text())["weight_map"]
 
 
-def test_on_the_cpu_every_loaded_weight_is_a_view_of_its_mapped_shard(pair):
-    converted = pair[1]
+def test_on_the_cpu_every_loaded_weight_is_a_view_of_its_mapped_shard(tiny_pair):
+    converted = tiny_pair[1]
     state = load_converted(converted, "cpu").state_dict()
     files, maps = weight_map(converted), file_maps()
     copied = [name for name, t in state.items() if not mapped_from(t, converted / files[name], maps)]
@@ -64,8 +54,8 @@ def test_on_the_cpu_every_loaded_weight_is_a_view_of_its_mapped_shard(pair):
     assert set(BIG) <= set(state), "the embedding, the head and the routed experts were checked"
 
 
-def test_the_reference_reads_the_native_shards_in_place(pair):
-    native = pair[0]
+def test_the_reference_reads_the_native_shards_in_place(tiny_pair):
+    native = tiny_pair[0]
     ref = NativeReference(native, "cpu")
     files, maps = weight_map(native), file_maps()
     copied = [name for name, t in ref.t.items() if not mapped_from(t, native / files[name], maps)]
@@ -73,9 +63,9 @@ def test_the_reference_reads_the_native_shards_in_place(pair):
     assert {"embed.weight", "head.weight", "mtp.0.ffn.experts.0.w1.weight"} <= set(ref.t)
 
 
-def test_a_write_to_a_loaded_weight_never_reaches_the_file(pair):
+def test_a_write_to_a_loaded_weight_never_reaches_the_file(tiny_pair):
     # the maps are private (copy-on-write): the user's checkpoint is never written through them
-    converted = pair[1]
+    converted = tiny_pair[1]
     shards = sorted(converted.glob("*.safetensors"))
     before = [hashlib.sha256(p.read_bytes()).hexdigest() for p in shards]
     model = load_converted(converted, "cpu")
@@ -101,8 +91,8 @@ class LargestFp32(TorchDispatchMode):
         return out
 
 
-def test_the_logits_need_no_fp32_copy_of_the_head(pair, monkeypatch):
-    native, converted = pair
+def test_the_logits_need_no_fp32_copy_of_the_head(tiny_pair, monkeypatch):
+    native, converted = tiny_pair
     model, ref = load_converted(converted, "cpu"), NativeReference(native, "cpu")
     head = model.state_dict()[L + "shared_head.head.weight"]
     g = torch.Generator().manual_seed(0)

@@ -4,27 +4,17 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 from click.testing import CliRunner
 from dsv4.convert.cli import cli
-from dsv4.convert.pipeline import convert
 from dsv4.convert.synth import write_checkpoint
 from dsv4.model.errors import SmokeCheckError
 
 
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    root = tmp_path_factory.mktemp("smoke")
-    native = write_checkpoint(root / "native", preset="tiny", variant="instruct", seed=0)
-    convert(native, root / "converted")
-    return native, root / "converted"
-
-
-def test_smoke_reports_shapes_timings_and_agreement_as_json(pair):
-    native, converted = pair
+def test_smoke_reports_shapes_timings_and_agreement_as_json(tiny_pair):
+    native, converted = tiny_pair
     result = CliRunner().invoke(cli, ["smoke", str(converted), "--device", "cpu", "--tokens", "12", "--native", str(native), "--json"])
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout[result.stdout.index("{") :])
@@ -38,26 +28,26 @@ def test_smoke_reports_shapes_timings_and_agreement_as_json(pair):
         assert report[stage] > 0
 
 
-def test_smoke_says_which_device_and_kernels_ran(pair):
-    _, converted = pair
+def test_smoke_says_which_device_and_kernels_ran(tiny_pair):
+    _, converted = tiny_pair
     result = CliRunner().invoke(cli, ["smoke", str(converted), "--device", "cpu", "--tokens", "3"])
     assert result.exit_code == 0, result.output
     assert f"smoke: {converted} on cpu, fused norms: " in result.output
     assert "hidden [3, 1024], logits [3, 512], all finite" in result.output
 
 
-def test_smoke_fails_when_the_reference_disagrees(pair, tmp_path):
+def test_smoke_fails_when_the_reference_disagrees(tiny_pair, tmp_path):
     # a reference from another seed is another model: agreement must fall below 1
     other = write_checkpoint(tmp_path / "other", preset="tiny", variant="instruct", seed=9)
-    result = CliRunner().invoke(cli, ["smoke", str(pair[1]), "--device", "cpu", "--tokens", "16", "--native", str(other)])
+    result = CliRunner().invoke(cli, ["smoke", str(tiny_pair[1]), "--device", "cpu", "--tokens", "16", "--native", str(other)])
     assert isinstance(result.exception, SmokeCheckError)
     assert "top-1 agreement with the reference" in str(result.exception)
 
 
-def test_a_bad_checkpoint_exits_with_the_load_error_code(pair, tmp_path):
+def test_a_bad_checkpoint_exits_with_the_load_error_code(tiny_pair, tmp_path):
     bad = tmp_path / "bad"
     bad.mkdir()
-    for f in pair[1].iterdir():
+    for f in tiny_pair[1].iterdir():
         (bad / f.name).write_bytes(f.read_bytes())
     index = json.loads((bad / "model.safetensors.index.json").read_text())
     del index["weight_map"]["model.layers.2.enorm.weight"]
@@ -78,10 +68,10 @@ def test_top1_agreement_forgives_near_ties_only():
     assert top1_agreement_up_to_ties(ref, ref) == 1.0
 
 
-def test_without_triton_the_command_says_so_in_one_line_of_its_own(pair):
+def test_without_triton_the_command_says_so_in_one_line_of_its_own(tiny_pair):
     """No Python warning with a source path: the notice is the command's own `warning:` line."""
     hide_triton = "import sys; sys.modules['triton'] = None; from dsv4.convert.cli import main; sys.argv[0] = 'convert-dsv4'; main()"
-    proc = subprocess.run([sys.executable, "-c", hide_triton, "smoke", str(pair[1]), "--device", "cpu", "--tokens", "2", "-q"], capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-c", hide_triton, "smoke", str(tiny_pair[1]), "--device", "cpu", "--tokens", "2", "-q"], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr == "warning: triton is not importable; running the torch reference instead\n"
     assert "torch fallback (triton is not importable)" in proc.stdout
