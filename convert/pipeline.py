@@ -235,19 +235,15 @@ def plan_source(inv: Inventory, reader: ByteReader, target: str, *, reverse: boo
         raise
 
 
-def _local_dir(source: str | Path) -> Path | None:
-    where = locate(source)
-    return where if isinstance(where, Path) else None
-
-
 def convert(source: str | Path, out: str | Path, *, target: str = "xpu", reverse: bool = False, overwrite: bool = False, wait: bool = False, max_shard_size: int = DEFAULT_MAX_SHARD, quiet: bool = True) -> ConversionResult:
     """Convert `source` (native checkpoint, or with reverse=True a converted one) into `out`.
 
     OUT is owned (checked safe, locked) before the source is planned and until the output
     is published; with `wait` a run finding OUT locked waits for the other run."""
     require_target(target)  # a bad name is refused before OUT is touched
-    with claim_output(out, source=_local_dir(source), wait=wait, on_wait=_waiting_notice(quiet)) as claim:
-        inv, reader = open_source(source)
+    where = locate(source)
+    with claim_output(out, source=where if isinstance(where, Path) else None, wait=wait, on_wait=_waiting_notice(quiet)) as claim:
+        inv, reader = open_source(where)
         plan = plan_source(inv, reader, target, reverse=reverse)
         try:
             return _write_output(plan, reader, claim, overwrite=overwrite, max_shard_size=max_shard_size, quiet=quiet)

@@ -7,14 +7,15 @@ from __future__ import annotations
 from pathlib import Path
 
 from dsv4.convert.inventory import Inventory, read_inventory
-from dsv4.convert.location import locate
+from dsv4.convert.location import HubSpec, locate
 from dsv4.convert.readers import ByteReader, LocalReader
 
 
-def open_source(source: str | Path) -> tuple[Inventory, ByteReader]:
+def open_source(source: str | Path | HubSpec) -> tuple[Inventory, ByteReader]:
     """Any source behind one open: a local checkpoint directory or a hub repository
-    (convert/location.py says which), as its inventory and a reader of its bytes."""
-    where = locate(source)
+    (convert/location.py says which, unless `source` is already located), as its inventory
+    and a reader of its bytes."""
+    where = source if isinstance(source, HubSpec) else locate(source)
     if isinstance(where, Path):
         return read_inventory(where), LocalReader(where)
     from dsv4.convert.hub import open_hub_source  # start-up time: only hub sources load the network client
