@@ -13,6 +13,7 @@ import json
 import sys
 import time
 from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -171,25 +172,33 @@ def _write_output(plan: Plan, reader: ByteReader, claim: OutputClaim, *, overwri
         raise claim.write_failed(exc) from None
     partial = claim.partial
 
+    shard_of = {t.name: name for tensors, name in zip(shards, names) for t in tensors}
     todo = sum(t.nbytes for s in shards for t in s if t.name not in journal)
     bar = progress_bar(plan.bytes_to_write, plan.bytes_to_write - todo, quiet)
     executor = Executor(reader, bar.update)
     try:
-        with open(claim.journal, "a") as jf:
+        with open(claim.journal, "a") as jf, ExitStack() as open_shards:
+            # every shard open at once: the executor reads the largest tensors first,
+            # whichever shard they go into
+            jobs: list[tuple[PlannedTensor, ShardWriter]] = []
+            writers: list[ShardWriter] = []
             for tensors, name in zip(shards, names):
                 specs = [TensorSpec(t.name, t.dtype, t.shape) for t in tensors]
-                with ShardWriter(partial / name, specs, {"format": "pt"}, resume=resumed) as writer:
-                    done = [journal[t.name] for t in tensors if t.name in journal]
-                    valid = still_valid(writer.path, done, writer.offsets) if writer.resumed else set()
-                    for t in tensors:
-                        if t.name in journal and t.name not in valid:
-                            del journal[t.name]
-                    for t, sha in executor.run([t for t in tensors if t.name not in journal], writer):
-                        entry = {"name": t.name, "file": name, "nbytes": t.nbytes, "sha256": sha}
-                        jf.write(json.dumps(entry, sort_keys=True) + "\n")
-                        jf.flush()
-                        journal[t.name] = entry
-                    writer.sync()
+                writer = open_shards.enter_context(ShardWriter(partial / name, specs, {"format": "pt"}, resume=resumed))
+                writers.append(writer)
+                done = [journal[t.name] for t in tensors if t.name in journal]
+                valid = still_valid(writer.path, done, writer.offsets) if writer.resumed else set()
+                for t in tensors:
+                    if t.name in journal and t.name not in valid:
+                        del journal[t.name]
+                jobs += [(t, writer) for t in tensors if t.name not in journal]
+            for t, sha in executor.run(jobs):
+                entry = {"name": t.name, "file": shard_of[t.name], "nbytes": t.nbytes, "sha256": sha}
+                jf.write(json.dumps(entry, sort_keys=True) + "\n")
+                jf.flush()
+                journal[t.name] = entry
+            for writer in writers:
+                writer.sync()
         # the journal is closed: nothing writes into the partial directory once it is OUT
         _verify(partial, shards, names, journal)
         _write_records(plan, config, partial, shards, names, journal, fingerprint)
