@@ -38,16 +38,6 @@ def _timed(device: torch.device, fn: Callable[[], R]) -> tuple[R, float]:
     return out, (time.perf_counter() - t0) * 1e3
 
 
-def _free(model: torch.nn.Module) -> None:
-    """Release a model's weights now rather than when the last reference goes: its parameters
-    are views of the mapped shards (model/loader.py), whose pages the forward made resident;
-    replacing them with empty tensors drops the maps (and a device copy) with them."""
-    for module in model.modules():
-        for name, param in list(module.named_parameters(recurse=False)):
-            setattr(module, name, torch.nn.Parameter(param.new_empty(0), requires_grad=False))
-    gc.collect()
-
-
 def run_smoke(
     out_dir: str | Path,
     device: str | None = None,
@@ -79,8 +69,10 @@ def run_smoke(
         raise SmokeCheckError(f"{where}: non-finite values in the draft's hidden states or logits", path=str(where))
 
     if reference_dir is not None:
-        _free(model)  # one side at a time: the model's pages go before the reference touches its own
+        # one side at a time: the model's mapped shards, with the pages its forward made
+        # resident, go before the reference maps the native ones (peak: the larger side)
         del model
+        gc.collect()
         with config_errors(f"{reference_dir}/config.json"):  # the reference reads the native config
             ref, report["reference_load_ms"] = _timed(dev, lambda: NativeReference(reference_dir, dev))
         h_ref, report["reference_forward_ms"] = _timed(dev, lambda: ref.forward(ids, positions, prev))
@@ -179,8 +171,10 @@ def run_dspark_smoke(
         raise SmokeCheckError(f"{out_dir}: non-finite values in the draft's hidden states or logits", path=str(out_dir))
 
     if reference_dir is not None:
-        _free(model)  # one side at a time: the model's pages go before the reference touches its own
+        # one side at a time: the model's mapped shards, with the pages its forward made
+        # resident, go before the reference maps the native ones (peak: the larger side)
         del model
+        gc.collect()
         with config_errors(f"{reference_dir}/config.json"):  # the reference reads the native config
             ref, report["reference_load_ms"] = _timed(dev, lambda: DSparkReference(reference_dir, dev))
         out, report["reference_draft_ms"] = _timed(dev, lambda: ref.forward(feats, ctx, anchor))
