@@ -221,7 +221,7 @@ def measure(kind: str, src: Path, dst: Path, files: list[Path], nbytes: int, tar
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--work", default="out/bench", type=Path)
-    ap.add_argument("--rounds", default=5, type=int)
+    ap.add_argument("--rounds", "--repeat", default=5, type=int, help="alternating rounds (--repeat: the earlier name, in BENCHMARKS.md's older commands)")
     ap.add_argument("--clean", action="store_true", help="Delete the source checkpoints afterwards too.")
     ap.add_argument("--profile", action="store_true", help="Profile one cold in-process conversion instead.")
     ap.add_argument("--variant", choices=["instruct", "dspark"], default="instruct", help="Flash's MTP slice, or V4-Flash-0731's DSpark drafter")
