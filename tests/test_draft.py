@@ -341,3 +341,17 @@ def test_the_full_size_0731_replica_plans_its_stages_with_the_confidence_head(tm
     assert (plan.table, len(plan.tensors), plan.bytes_to_write) == ("draft_dspark", 4_707, 12_980_961_820)
     assert plan.bytes_to_write - plan_conversion(inv, choose_table("xpu", inv)).bytes_to_write == 8_704
     assert plan.files_needed == [f"model-000{k:02d}-of-00048.safetensors" for k in (1, 45, 46, 47, 48)]
+
+
+def test_a_compressed_tensors_draft_keeps_native_names_and_check_resolves_them_through_the_xpu_table(tmp_path: Path) -> None:
+    """config.json keeps the source's native module names (the runtimes match them against
+    native names); check resolves every linear of the model the xpu table makes of it."""
+    pytest.importorskip("compressed_tensors")
+    from test_quant import REGEX, native_with
+
+    native = native_with(tmp_path, REGEX)
+    out = convert(native, tmp_path / "draft", target="draft").out
+    assert (out / "config.json").read_bytes() == (native / "config.json").read_bytes()
+    report = run_checks(out, fast=True)
+    quant = {r.name: r for r in report.results}["quant"]
+    assert report.exit_code == 0 and quant.status == "pass", quant.reason
