@@ -21,7 +21,7 @@ from dsv4.convert.pipeline import convert
 from dsv4.convert.plan import choose_table, plan_conversion
 from dsv4.convert.synth import write_checkpoint
 from dsv4.mapping import errors as mapping_errors
-from dsv4.convert.errors import UncoveredKeyError
+from dsv4.convert.errors import OutputExistsError, UncoveredKeyError
 from dsv4.mapping.table import TABLE_DIR, installed_targets, load_table, load_table_file
 from inprocess import run_main
 
@@ -355,3 +355,16 @@ def test_a_compressed_tensors_draft_keeps_native_names_and_check_resolves_them_t
     report = run_checks(out, fast=True)
     quant = {r.name: r for r in report.results}["quant"]
     assert report.exit_code == 0 and quant.status == "pass", quant.reason
+
+
+def test_a_changed_source_config_is_not_up_to_date(tiny_native: Path, tmp_path: Path) -> None:
+    """The draft's config.json is the source's: a rerun after the source's config.json
+    changed (same shards) must rewrite it, not call the output up to date."""
+    native = Path(shutil.copytree(tiny_native, tmp_path / "native"))
+    out = tmp_path / "d"
+    convert(native, out, target="draft")
+    (native / "config.json").write_bytes((native / "config.json").read_bytes().replace(b"\n}", b',\n  "_name_or_path": "edited"\n}'))
+    with pytest.raises(OutputExistsError):  # not up to date: replacing it takes --overwrite
+        convert(native, out, target="draft")
+    convert(native, out, target="draft", overwrite=True)
+    assert (out / "config.json").read_bytes() == (native / "config.json").read_bytes()
