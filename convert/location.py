@@ -11,9 +11,10 @@ that tells them apart, and the one reading of a repo id, for every command.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+import click
 from dsv4.convert.errors import RepoNotFound
 from dsv4.model.errors import SourceNotFoundError
 from huggingface_hub.errors import HFValidationError
@@ -29,6 +30,7 @@ class HubSpec:
     repo: str
     revision: str | None  # None: the repo's default branch
     explicit: bool = False  # written hf://...: not also a possible local path
+    token: str | None = field(default=None, repr=False, compare=False)  # --token; None: HF_TOKEN or the stored login
 
     @property
     def location(self) -> str:
@@ -50,9 +52,23 @@ def parse_hub_spec(spec: str) -> HubSpec:
     return HubSpec(repo, revision or None, explicit)
 
 
-def locate(source: str | Path) -> Path | HubSpec:
+def locate(source: str | Path | HubSpec, *, revision: str | None = None, token: str | None = None) -> Path | HubSpec:
     """The local directory `source` names, or the hub repository; SourceNotFoundError (19)
-    when it can only be a local path that does not exist."""
+    when it can only be a local path that does not exist. `revision` and `token` are the
+    hub options `--revision` and `--token` (as in the `hf` CLI): a revision given twice, by
+    option and by `@rev`, must be the same one, and neither option applies to a local
+    directory (click.UsageError, exit 2)."""
+    where = source if isinstance(source, HubSpec) else _locate(source)
+    if revision is None and token is None:
+        return where
+    if isinstance(where, Path):
+        raise click.UsageError(f"--revision and --token are for hub sources; {source} is a local directory")
+    if revision is not None and where.revision not in (None, revision):
+        raise click.UsageError(f"{source} names revision {where.revision!r} but --revision says {revision!r}; give one")
+    return replace(where, revision=revision or where.revision, token=token or where.token)
+
+
+def _locate(source: str | Path) -> Path | HubSpec:
     text = str(source)
     if text.startswith(HF_PREFIX):
         return parse_hub_spec(text)

@@ -21,7 +21,7 @@ from dsv4 import __version__
 from dsv4.convert.errors import WriteFailedError
 from dsv4.convert.execute import Executor, still_valid
 from dsv4.convert.inventory import Inventory, read_local_header
-from dsv4.convert.location import locate
+from dsv4.convert.location import HubSpec, locate
 from dsv4.convert.output import CONFIG, CONVERSION_RECORD, TOOL, OutputClaim, claim_output, read_record
 from dsv4.convert.plan import LAYOUT_RECORD, Direction, Plan, PlannedTensor, choose_table, plan_conversion, plan_reverse
 from dsv4.convert.quant_config import carried_quantization
@@ -235,7 +235,7 @@ def plan_source(inv: Inventory, reader: ByteReader, target: str, *, reverse: boo
         raise
 
 
-def convert(source: str | Path, out: str | Path, *, target: str = "xpu", reverse: bool = False, overwrite: bool = False, wait: bool = False, max_shard_size: int = DEFAULT_MAX_SHARD, quiet: bool = True) -> ConversionResult:
+def convert(source: str | Path | HubSpec, out: str | Path, *, target: str = "xpu", reverse: bool = False, overwrite: bool = False, wait: bool = False, max_shard_size: int = DEFAULT_MAX_SHARD, quiet: bool = True) -> ConversionResult:
     """Convert `source` (native checkpoint, or with reverse=True a converted one) into `out`.
 
     OUT is owned (checked safe, locked) before the source is planned and until the output

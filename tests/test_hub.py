@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from dspark_fixtures import write_half_dspark
 from dsv4.convert.errors import RepoNotFound
+from dsv4.convert.hub import SPECULATIVE_HEADER_BYTES
 from dsv4.convert.inventory import read_inventory
 from dsv4.convert.location import HubSpec, parse_hub_spec
 from dsv4.convert.pipeline import CONVERSION_RECORD, convert
@@ -22,7 +23,7 @@ from dsv4.convert.plan import plan_conversion
 from dsv4.convert.synth import write_checkpoint
 from dsv4.mapping.table import load_table
 from dsv4.model.checkpoint import INDEX_NAME
-from hubserver import FakeHub, Fault, hub_env, run_cli
+from hubserver import QUICK_RETRIES, FakeHub, Fault, hub_env, on, run_cli
 
 REPO = "org/tiny"
 COMPARED = ("config.json", INDEX_NAME)  # plus every shard; conversion.json names the source, so it differs
@@ -62,14 +63,20 @@ def test_hub_source_is_byte_identical_and_reads_only_planned_ranges(native: Path
     assert record["source"]["location"] == f"hub:{REPO}" and record["source"]["revision"] == commit
 
     # What the hub may serve: the planned tensor bytes (5% slack), every shard's header
-    # (8-byte length + JSON, all shards: the inventory checks them all), config.json and the index.
+    # (all shards: the inventory checks them all), config.json and the index. A header
+    # comes in one speculative read of the shard's first SPECULATIVE_HEADER_BYTES (the
+    # round trip costs the same for 100 kB as for 8 bytes), so that is each shard's allowance
+    # (changed from the header's own size when the speculative read came in).
     inv = read_inventory(native / "seed0")
     plan = plan_conversion(inv, load_table("xpu"))
     small = sum((native / "seed0" / f).stat().st_size for f in COMPARED)
+    headers = sum(min(SPECULATIVE_HEADER_BYTES, size) for size in inv.file_sizes.values())
     served = hub.bytes_served[REPO]
     assert json.loads(r.stdout)["bytes_read"] == plan.bytes_to_read
-    assert served <= 1.05 * plan.bytes_to_read + inv.header_bytes + small
-    assert served < 0.5 * sum(inv.file_sizes.values())  # far from the shards' total
+    assert served <= 1.05 * plan.bytes_to_read + headers + small
+    # far from the shards' total (header reads aside: on these tiny shards the speculative
+    # reads are 12% of all bytes, on Flash's 46 shards 0.003%)
+    assert served - headers < 0.5 * sum(inv.file_sizes.values())
     shard_gets = [q for q in hub.requests if q.route == "resolve" and q.method == "GET" and q.path.endswith(".safetensors")]
     assert shard_gets and all(q.range is not None for q in shard_gets)  # never a whole shard
     assert {q.revision for q in hub.requests if q.route == "resolve"} == {commit}  # pinned to the resolved commit
@@ -120,10 +127,13 @@ def test_a_range_that_keeps_coming_back_short_fails_with_one_line(native: Path, 
     hub.commit_dir(REPO, native / "seed0")
     hub.faults.append(Fault(_data_range, status=None, truncate_to=100, times=1000))
     out = tmp_path / "out"
-    r = run_cli("convert", REPO, str(out), "--quiet", env=hub_env(hub, tmp_path / "hf"))
+    r = run_cli("convert", REPO, str(out), "--quiet", env=hub_env(hub, tmp_path / "hf"), prelude=QUICK_RETRIES)
     assert r.returncode == 63, r.stderr  # DownloadError
-    line = r.stderr.strip()
-    assert "\n" not in line and f"hub:{REPO}/model-00005-of-00005.safetensors" in line and "got 100 of" in line
+    # The error is one line, the last; each retry's wait before it is one warning line of ours
+    # (changed from "stderr is one line" when the retries got their warnings, issue 18 item 2)
+    *waits, line = r.stderr.strip().splitlines()
+    assert f"hub:{REPO}/model-00005-of-00005.safetensors" in line and "got 100 of" in line
+    assert waits and all(w.startswith("warning: hub:org/tiny/") and "got 100 of" in w and "retry" in w for w in waits)
     assert not out.exists()
 
 
@@ -158,16 +168,17 @@ def test_hub_checks_like_the_local_reader(native: Path, hub: FakeHub, tmp_path: 
 
 
 def test_plan_reads_46_shard_headers_several_at_a_time(flash_sparse: Path, tmp_path: Path) -> None:
-    """Each shard header costs two round trips and Flash has 46 shards: one after another,
-    50 ms away, that is 4.6 s before planning starts (issue 13: the header phase <= 2 s).
-    Read several at a time, the plan is the one the local directory gives."""
+    """Flash has 46 shards: reading their headers one after another, 50 ms away, is 2.3 s
+    before planning starts (4.6 s at two round trips each; issue 13: the header phase <= 2 s).
+    Read several at a time, in one speculative read each (issue 20: the round trips are the
+    cost), the plan is the one the local directory gives."""
     with FakeHub(latency_s=0.05) as slow:
         commit = slow.commit_sparse_dir("org/flash", flash_sparse)
         r = run_cli("plan", "org/flash", "--json", env=hub_env(slow, tmp_path / "hf"))
         assert r.returncode == 0, r.stderr
         assert slow.max_ranges_in_flight >= 4
         shard_reads = [q.answered_at for q in slow.requests if q.route == "resolve" and q.path and q.path.endswith(".safetensors")]
-    assert len(shard_reads) == 2 * 46
+    assert len(shard_reads) == 46  # one read per header (was two: the length, then the JSON)
     # from the first shard request's arrival (one latency before its answer) to the last answer;
     # the bound is generous for a loaded machine and still under the 4.6 s of latency alone
     assert max(shard_reads) - min(shard_reads) + 0.05 <= 3.0
