@@ -195,8 +195,9 @@ def test_the_first_bad_shard_in_shard_order_is_the_one_reported(native: Path, hu
     files[early] = files[early][:8] + b"x" + files[early][9:]  # header JSON broken: exit 17
     files[late] = struct.pack("<Q", len(files[late])) + files[late][8:]  # header longer than the file: exit 12
     hub.commit(REPO, files)
-    # the early shard's header answers half a second after the late shard's failure
-    hub.faults.append(Fault(lambda m, repo, route, path, rng: path == early and rng is not None and rng[0] == 8, status=None, delay_s=0.5))
+    # the early shard's header answers half a second after the late shard's failure (its
+    # one header read starts at byte 0: was byte 8 when the length came in a read of its own)
+    hub.faults.append(Fault(lambda m, repo, route, path, rng: path == early and rng is not None and rng[0] == 0, status=None, delay_s=0.5))
     r = run_cli("plan", REPO, env=hub_env(hub, tmp_path / "hf"))
     assert r.returncode == 17, r.stderr  # MalformedHeaderError
     assert r.stderr.count("\n") == 1 and early in r.stderr and "not valid JSON" in r.stderr
