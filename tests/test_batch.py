@@ -215,7 +215,9 @@ def test_manifest_forms_and_outputs(tmp_path: Path) -> None:
         ('sources = ["org/a"]\n[output]\nname = "{nmae}"\n', "placeholders are"),
         ('sources = ["org/a@v1", "org/a@v2"]\n', "tell them apart in the template"),
         ('sources = ["org/a"]\n[output]\nrepo = "{name}"\n', "not a repo id"),
-        ('sources = ["org/a"]\n[options]\nmax_shard_size = "5GB"\n', "max_shard_size"),
+        # was "5GB", refused until issue 19 item 7: the manifest follows --max-shard-size's rule
+        ('sources = ["org/a"]\n[options]\nmax_shard_size = "infGB"\n', "max_shard_size"),
+        ('sources = ["org/a"]\n[options]\nmax_shard_size = 1.5\n', "max_shard_size"),
         ("sources = [", "not valid TOML"),
     ],
 )
@@ -225,6 +227,14 @@ def test_manifest_errors_name_file_and_key(tmp_path: Path, text: str, words: str
     with pytest.raises(ManifestError) as err:
         load_manifest(path)
     assert words in str(err.value) and str(path) in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(("value", "size"), [('"5GB"', 5 * 10**9), ('"2GiB"', 2 * 2**30), ("1_000_000", 1_000_000)])
+def test_manifest_max_shard_size_follows_the_options_rule(tmp_path: Path, value: str, size: int) -> None:
+    """options.max_shard_size takes what --max-shard-size takes (convert/sizes.py), as README says."""
+    path = tmp_path / "m.toml"
+    path.write_text(f'sources = ["org/a"]\n[options]\nmax_shard_size = {value}\n')
+    assert load_manifest(path).max_shard_size == size
 
 
 def test_push_without_a_target_repo_template_is_refused_before_any_work(tmp_path: Path) -> None:
