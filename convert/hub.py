@@ -32,14 +32,13 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import TypeVar
 
 import httpx2
 from dsv4.convert.errors import DownloadError, HubError, RepoNotFound, RevisionNotFound
-from dsv4.convert.inventory import Inventory, TensorSource, merge_shards, parse_header, read_inventory, tensors_from_header
+from dsv4.convert.inventory import Inventory, TensorSource, merge_shards, parse_header, tensors_from_header
 from dsv4.convert.location import HubSpec, parse_hub_spec
 from dsv4.convert.readers import LocalReader
 from dsv4.model.checkpoint import INDEX_NAME, SINGLE_FILE, load_index
@@ -236,16 +235,26 @@ class HubReader:
 
 
 class CachedHubReader(LocalReader):
-    """A hub commit read from huggingface_hub's cache (HF_HUB_OFFLINE): local reads, and the
-    fingerprint of the same commit read from the hub, so either way the output is the same
-    and a later online run finds it up to date."""
+    """A hub commit read from huggingface_hub's cache (HF_HUB_OFFLINE): a snapshot folder
+    whose files are the cache's links to its blobs. Local reads, and the fingerprint of the
+    same commit read from the hub, so either way the output is the same and a later online
+    run finds it up to date."""
+
+    header_reads = 4  # local files: a few threads overlap the parsing with the reads
 
     def __init__(self, snapshot: Path, hub: HubSpec, commit: str):
         super().__init__(snapshot)
         self.location, self.commit = hub.location, commit
+        self.sizes = {p.name: p.stat().st_size for p in snapshot.iterdir() if p.is_file()}
+
+    def fetch(self, file: str, offset: int, n: int) -> bytes:
+        """Bytes [offset, offset + n) of `file` (fewer where it ends first), as HubReader.fetch."""
+        with open(self.root / file, "rb") as f:
+            f.seek(offset)
+            return f.read(n)
 
     def fingerprint(self, files: list[str]) -> dict[str, object]:
-        return {"location": self.location, "revision": self.commit, "files": {f: (self.root / f).stat().st_size for f in files}}
+        return {"location": self.location, "revision": self.commit, "files": {f: self.sizes[f] for f in files}}
 
 
 def _model_info(hub: HubSpec, *, files_metadata: bool = False) -> tuple[str, ModelInfo]:
@@ -305,33 +314,35 @@ def _read_shard_header(reader: HubReader, file: str) -> tuple[dict[str, TensorSo
     return tensors_from_header(header, file, data_start, size), data_start
 
 
-def _open_cached(hub: HubSpec) -> tuple[Inventory, CachedHubReader]:
-    """HF_HUB_OFFLINE: the pinned revision from huggingface_hub's cache, all of its files."""
-    what = f"{hub.location}@{hub.revision or 'default branch'}"
+def _cached(hub: HubSpec) -> tuple[str, CachedHubReader]:
+    """HF_HUB_OFFLINE: the commit the cache pins `hub.revision` to, and a reader of its snapshot."""
     config = try_to_load_from_cache(hub.repo, "config.json", revision=hub.revision)
     if not isinstance(config, str):
+        what = f"{hub.location}@{hub.revision or 'default branch'}"
         raise HubError(f"{what}: HF_HUB_OFFLINE is set and huggingface_hub's cache has no config.json of it; download the repository first (`hf download {hub.repo}`) or unset HF_HUB_OFFLINE", path=what)
-    snapshot = Path(config).parent  # .../snapshots/<commit>/
-    commit = snapshot.name
-    inv = read_inventory(snapshot)  # a shard missing from the cache: MissingShardError naming it
-    return replace(inv, location=hub.location, revision=commit), CachedHubReader(snapshot, hub, commit)
+    snapshot = Path(config).parent  # .../snapshots/<commit>/, its files linked to the cache's blobs
+    return snapshot.name, CachedHubReader(snapshot, hub, snapshot.name)
 
 
 def open_hub_source(spec: str | HubSpec) -> tuple[Inventory, HubReader | CachedHubReader]:
     """Inventory of hub repo `org/name[@revision]` from its headers, and a reader pinned to
     the resolved commit. Applies the same checks as the local reader."""
     hub = parse_hub_spec(spec) if isinstance(spec, str) else spec
+    reader: HubReader | CachedHubReader
     if constants.HF_HUB_OFFLINE:
-        return _open_cached(hub)
-    try:
-        commit, info = _model_info(hub, files_metadata=True)
-    except HubError as exc:
-        if hub.explicit:
-            raise
-        # a bare org/name may also have been meant as a local path: say both readings
-        raise type(exc)(f"{hub.repo}: no such local directory, and as a hub repository: {exc}") from None
-    names = {s.rfilename for s in info.siblings or []}
-    sizes = {s.rfilename: s.size for s in info.siblings or [] if s.size is not None}  # a mirror may leave sizes out
+        commit, reader = _cached(hub)
+        names = set(reader.sizes)
+    else:
+        try:
+            commit, info = _model_info(hub, files_metadata=True)
+        except HubError as exc:
+            if hub.explicit:
+                raise
+            # a bare org/name may also have been meant as a local path: say both readings
+            raise type(exc)(f"{hub.repo}: no such local directory, and as a hub repository: {exc}") from None
+        names = {s.rfilename for s in info.siblings or []}
+        sizes = {s.rfilename: s.size for s in info.siblings or [] if s.size is not None}  # a mirror may leave sizes out
+        reader = HubReader(hub, commit, sizes)
 
     config_where = f"{hub.location}/config.json@{commit[:12]}"
     if "config.json" not in names:
@@ -351,7 +362,6 @@ def open_hub_source(spec: str | HubSpec) -> tuple[Inventory, HubReader | CachedH
         if file not in names:
             raise MissingShardError(f"{hub.location}/{file}@{commit[:12]}: shard named in {INDEX_NAME} is not in the repository")
 
-    reader = HubReader(hub, commit, {f: sizes[f] for f in files if f in sizes})
     try:
         # Latency-bound (Flash: 46 shards), so several shards at a time. map yields in shard
         # order: the first shard in that order that fails is the error reported, as when
@@ -363,4 +373,4 @@ def open_hub_source(spec: str | HubSpec) -> tuple[Inventory, HubReader | CachedH
     except BaseException:
         reader.close()
         raise
-    return Inventory(hub.location, config, tensors, dict(reader.sizes), header_bytes, revision=commit), reader
+    return Inventory(hub.location, config, tensors, {f: reader.sizes[f] for f in files}, header_bytes, revision=commit), reader

@@ -593,9 +593,9 @@ def hub_env(hub: FakeHub, hf_home: Path, **extra: str) -> dict[str, str]:
 QUICK_RETRIES = "import dsv4.convert.hub as hub; hub.BACKOFF_S = hub.BACKOFF_MAX_S = 0.05\n"
 
 
-def run_cli(*args: str, env: dict[str, str], prelude: str = "") -> subprocess.CompletedProcess[str]:
+def run_cli(*args: str, env: dict[str, str], prelude: str = "", timeout: float = 300) -> subprocess.CompletedProcess[str]:
     """`convert-dsv4 ARGS` in a fresh interpreter: huggingface_hub reads HF_ENDPOINT and
     the rest of its settings once, at import, so each run needs its own process. `prelude`:
     Python run first (QUICK_RETRIES)."""
     cmd = [sys.executable, "-c", f"{prelude}from dsv4.convert.cli import main; main()", *args]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)

@@ -214,3 +214,129 @@ def test_parse_spec_accepts_repo_ids_with_revisions(spec: str) -> None:
 def test_parse_spec_refuses_what_is_not_a_repo_id(spec: str) -> None:
     with pytest.raises(RepoNotFound, match="org/name"):
         parse_hub_spec(spec)
+
+
+# --- issue 18 item 2: transient failures retried on every request kind; stalls time out --------
+SHARD = "model-00005-of-00005.safetensors"
+
+
+@pytest.mark.parametrize(
+    ("name", "fault"),
+    [
+        ("503 on model info", Fault(on("info"), status=503)),
+        ("503 on config.json", Fault(on("resolve", "config.json"), status=503)),
+        ("reset on the index", Fault(on("resolve", INDEX_NAME), reset=True)),
+        ("503 on the first shard header", Fault(on("resolve", "model-00001-of-00005.safetensors", ranged=True), status=503)),
+        ("reset on a tensor range", Fault(_data_range, reset=True)),
+        ("stall on a tensor range", Fault(_data_range, stall=True)),
+        ("429 with Retry-After: 1", Fault(on("info"), status=429, headers={"Retry-After": "1"})),
+    ],
+)
+def test_a_transient_failure_anywhere_is_retried_with_one_warning_of_ours(native: Path, hub: FakeHub, tmp_path: Path, name: str, fault: Fault) -> None:
+    hub.commit_dir(REPO, native / "seed0")
+    hub.faults.append(fault)
+    r = run_cli("convert", REPO, str(tmp_path / "out"), env=hub_env(hub, tmp_path / "hf", HF_HUB_DOWNLOAD_TIMEOUT="1"))
+    assert r.returncode == 0, r.stderr
+    same_output(native / "seed0-converted", tmp_path / "out")
+    assert fault.times == 0  # it fired
+    lines = r.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"warning: hub:{REPO}") and "retry 1 of 5" in lines[0], r.stderr
+    assert "://" not in r.stderr and "huggingface_hub" not in r.stderr  # no URL, no log line of theirs
+    if "Retry-After" in fault.headers:
+        assert "in 1 s" in lines[0] and "rate limited" in lines[0]
+
+
+def test_a_hub_that_never_answers_fails_with_one_line_after_the_retries(native: Path, hub: FakeHub, tmp_path: Path) -> None:
+    hub.commit_dir(REPO, native / "seed0")
+    hub.faults.append(Fault(on("info"), stall=True, times=100))
+    r = run_cli("plan", REPO, env=hub_env(hub, tmp_path / "hf", HF_HUB_DOWNLOAD_TIMEOUT="1"), prelude=QUICK_RETRIES)
+    assert r.returncode == 60, r.stderr  # HubError
+    *waits, line = r.stderr.strip().splitlines()
+    assert line.startswith("error: ") and f"hub:{REPO}@default branch: no answer within 1 s" in line and "on each of 6 attempts" in line
+    assert len(waits) == 5 and all(w.startswith("warning: ") for w in waits)
+    assert len([q for q in hub.requests if q.route == "info"]) == 6
+
+
+def test_a_retry_after_beyond_the_cap_fails_at_once_naming_the_wait(native: Path, hub: FakeHub, tmp_path: Path) -> None:
+    hub.commit_dir(REPO, native / "seed0")
+    hub.faults.append(Fault(_data_range, status=429, headers={"Retry-After": "3600"}))
+    out = tmp_path / "out"
+    r = run_cli("convert", REPO, str(out), env=hub_env(hub, tmp_path / "hf"), timeout=60)
+    assert r.returncode == 63, r.stderr  # DownloadError: a tensor range
+    assert r.stderr.count("\n") == 1 and "HTTP 429 (rate limited)" in r.stderr and "3600 s" in r.stderr and "300 s" in r.stderr
+    assert not out.exists()
+
+
+# --- issue 18 item 3: a ranged answer is checked against the request ---------------------------
+def test_a_range_from_another_offset_is_retried_and_never_written(native: Path, hub: FakeHub, tmp_path: Path) -> None:
+    hub.commit_dir(REPO, native / "seed0")
+    hub.faults.append(Fault(_data_range, status=None, shift=4096))  # Content-Range tells the truth
+    r = run_cli("convert", REPO, str(tmp_path / "out"), env=hub_env(hub, tmp_path / "hf"))
+    assert r.returncode == 0, r.stderr
+    same_output(native / "seed0-converted", tmp_path / "out")
+    assert "the hub sent bytes" in r.stderr and "retry 1 of 5" in r.stderr
+
+
+def test_a_range_that_always_comes_from_another_offset_is_refused_naming_file_and_range(native: Path, hub: FakeHub, tmp_path: Path) -> None:
+    hub.commit_dir(REPO, native / "seed0")
+    hub.faults.append(Fault(_data_range, status=None, shift=4096, times=10_000))
+    out = tmp_path / "out"
+    r = run_cli("convert", REPO, str(out), "-q", env=hub_env(hub, tmp_path / "hf"), prelude=QUICK_RETRIES)
+    assert r.returncode == 63, r.stderr
+    line = r.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"error: hub:{REPO}/{SHARD}@") and "the hub sent bytes" in line and "for the range" in line
+    assert not out.exists()
+
+
+# --- issue 18 item 7 (hub): a mirror without sizes, a full HF_HOME ------------------------------
+def test_a_mirror_that_leaves_sizes_out_of_model_info_converts(native: Path, tmp_path: Path) -> None:
+    with FakeHub(sizes_in_info=False) as mirror:
+        mirror.commit_dir(REPO, native / "seed0")
+        r = run_cli("convert", REPO, str(tmp_path / "out"), env=hub_env(mirror, tmp_path / "hf"))
+    assert r.returncode == 0, r.stderr
+    same_output(native / "seed0-converted", tmp_path / "out")
+    assert json.loads((tmp_path / "out" / CONVERSION_RECORD).read_text())["source"]["files"] == {SHARD: (native / "seed0" / SHARD).stat().st_size} | {
+        f: (native / "seed0" / f).stat().st_size for f in json.loads((tmp_path / "out" / CONVERSION_RECORD).read_text())["source"]["files"]
+    }
+
+
+def test_a_full_hf_home_prints_no_python_warning(native: Path, hub: FakeHub, tmp_path: Path) -> None:
+    hub.commit_dir(REPO, native / "seed0")
+    full = "import shutil; shutil.disk_usage = lambda path: shutil._ntuple_diskusage(10**12, 10**12, 0)\n"
+    r = run_cli("convert", REPO, str(tmp_path / "out"), env=hub_env(hub, tmp_path / "hf"), prelude=full)
+    assert r.returncode == 0, r.stderr
+    assert r.stderr == ""  # nothing is written under HF_HOME: no disk-space warning, no source path
+
+
+# --- issue 19 item 7: --revision, --token, HF_HUB_OFFLINE from the cache ------------------------
+def test_revision_and_token_options_mean_what_they_mean_to_hf(native: Path, tmp_path: Path) -> None:
+    secret = "hf_aTokenThatMustNeverBePrinted0000"
+    with FakeHub() as hub:
+        old = hub.commit_dir(REPO, native / "seed0")
+        hub.commit_dir(REPO, native / "seed1")
+        env = hub_env(hub, tmp_path / "hf")
+        r = run_cli("convert", REPO, str(tmp_path / "old"), "--revision", old, "--token", secret, env=env)
+        assert r.returncode == 0, r.stderr
+        same_output(native / "seed0-converted", tmp_path / "old")
+        assert all(q.authorized for q in hub.requests) and {q.revision for q in hub.requests if q.route == "resolve"} == {old}
+        r = run_cli("plan", f"{REPO}@main", "--revision", old, "--token", secret, env=env)
+        assert r.returncode == 2 and r.stderr.count("\n") == 1 and "--revision" in r.stderr, r.stderr
+        r = run_cli("plan", str(native / "seed0"), "--revision", old, env=env)
+        assert r.returncode == 2 and "local directory" in r.stderr, r.stderr
+        assert secret not in "".join(p.read_text(errors="replace") for p in tmp_path.rglob("*") if p.is_file())
+
+
+def test_offline_mode_converts_from_the_cache_when_the_pinned_files_are_there(native: Path, hub: FakeHub, tmp_path: Path) -> None:
+    from huggingface_hub import snapshot_download
+
+    commit = hub.commit_dir(REPO, native / "seed0")
+    snapshot_download(REPO, cache_dir=tmp_path / "hf" / "hub", endpoint=hub.url)  # what `hf download` leaves
+    hub.reset_counters()
+    env = hub_env(hub, tmp_path / "hf", HF_HUB_OFFLINE="1")
+    r = run_cli("convert", REPO, str(tmp_path / "out"), env=env)
+    assert r.returncode == 0, r.stderr
+    same_output(native / "seed0-converted", tmp_path / "out")
+    assert hub.requests == []
+    assert json.loads((tmp_path / "out" / CONVERSION_RECORD).read_text())["source"]["revision"] == commit
+    r = run_cli("convert", REPO, str(tmp_path / "out"), env=hub_env(hub, tmp_path / "hf2"))  # online, another cache
+    assert r.returncode == 0 and "already up to date" in r.stdout, r.stderr  # the same source, either way
