@@ -138,9 +138,10 @@ def _gb(n: int) -> str:
 @click.option("--dry-run", is_flag=True, help="Print the plan and stop (same as `plan`).")
 @revision_option
 @token_option
+@click.option("--verify-source", is_flag=True, help="Hub source: download each shard the output uses whole, once, and check it against the sha256 and size the hub publishes (README: what is checked without it).")
 @quiet_option
 @json_option
-def convert_command(source: str, out: str, target: str, reverse: bool, overwrite: bool, wait: bool, max_shard_size: int, dry_run: bool, revision: str | None, token: str | None, quiet: bool, as_json: bool) -> None:
+def convert_command(source: str, out: str, target: str, reverse: bool, overwrite: bool, wait: bool, max_shard_size: int, dry_run: bool, revision: str | None, token: str | None, verify_source: bool, quiet: bool, as_json: bool) -> None:
     """Convert SOURCE (a native checkpoint directory, or hub repo [hf://]org/name[@revision]) into OUT.
 
     Reads only the byte ranges the plan needs, writes shards header-first with bounded
@@ -150,7 +151,7 @@ def convert_command(source: str, out: str, target: str, reverse: bool, overwrite
     from dsv4.convert.location import locate
     from dsv4.convert.pipeline import convert  # start-up time (see the module's docstring)
 
-    where = locate(source, revision=revision, token=token)
+    where = locate(source, revision=revision, token=token, verify_files=verify_source)
     if dry_run:
         _print_plan(_plan(where, target, reverse)[0], as_json, quiet, full=False)
         return

@@ -25,13 +25,18 @@ own log lines (full URLs) are silenced.
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import os
 import re
+import struct
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import TypeVar
@@ -45,6 +50,7 @@ from dsv4.model.checkpoint import INDEX_NAME, SINGLE_FILE, load_index
 from dsv4.model.config import config_errors, parse_config
 from dsv4.model.errors import DSV4Error, MissingConfigError, MissingShardError, TruncatedShardError
 from huggingface_hub import HfApi, ModelInfo, constants, hf_hub_url, try_to_load_from_cache
+from huggingface_hub.hf_api import RepoSibling
 from huggingface_hub.errors import (
     EntryNotFoundError,
     GatedRepoError,
@@ -69,6 +75,7 @@ TIMEOUT_S = float(constants.HF_HUB_DOWNLOAD_TIMEOUT)  # connect and read, each r
 # First read of a shard, its header whole in one round trip: Flash's headers are 176 kB
 # (69,187 tensors in 46 shards), a 256 KiB read costs the same round trip as 8 bytes.
 SPECULATIVE_HEADER_BYTES = 256 * 1024
+VERIFY_CHUNK_BYTES = 16 * 2**20  # --verify-source: one ranged read of a whole-file download
 CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)$")
 
 
@@ -157,6 +164,28 @@ def _get(url: str, headers: dict[str, str]) -> httpx2.Response:
     return response
 
 
+@dataclass(frozen=True)
+class Published:
+    """The digest model info gives for a file: an LFS file's sha256, else its git blob id
+    (sha1 of "blob SIZE\\0" and the content)."""
+
+    kind: str  # "sha256" or "git blob id"
+    digest: str
+
+    def hasher(self, size: int) -> hashlib._Hash:
+        if self.kind == "sha256":
+            return hashlib.sha256()
+        h = hashlib.sha1()
+        h.update(b"blob %d\0" % size)
+        return h
+
+    @classmethod
+    def of(cls, sibling: RepoSibling) -> Published | None:
+        if sibling.lfs is not None:
+            return cls("sha256", sibling.lfs.sha256)
+        return cls("git blob id", sibling.blob_id) if sibling.blob_id else None
+
+
 class HubReader:
     """ByteReader over one hub commit: each read is one ranged GET, checked (module docstring).
 
@@ -170,14 +199,20 @@ class HubReader:
     parallel_reads = 8
     header_reads = 16
 
-    def __init__(self, hub: HubSpec, commit: str, sizes: dict[str, int]):
+    def __init__(self, hub: HubSpec, commit: str, sizes: dict[str, int], published: dict[str, Published] | None = None):
+        """`published`: with --verify-source, each file's digest as model info gives it."""
         self.location = hub.location
         self.repo = hub.repo
         self.commit = commit
         self.sizes = sizes
         self.bytes_read = 0
+        self.header_sha256: dict[str, str] = {}  # of each shard's header bytes as the inventory parsed them
+        self.published = published
         self._headers = build_hf_headers(token=hub.token)
         self._lock = threading.Lock()
+        self._verify_lock = threading.Lock()
+        self._verified: dict[str, int] = {}  # file -> descriptor of its verified local copy
+        self._spill: tempfile.TemporaryDirectory[str] | None = None
 
     def _where(self, file: str) -> str:
         return f"{self.location}/{file}@{self.commit[:12]}"
@@ -220,18 +255,62 @@ class HubReader:
         return with_retries(f"{self._where(file)}: bytes {offset}..{offset + n}", partial(self._ranged, file, offset, n), DownloadError)
 
     def read_into(self, file: str, offset: int, buf: memoryview) -> None:
-        data = self.fetch(file, offset, len(buf))
+        if self.published is not None:
+            fd = self._verified_copy(file)
+            data = os.pread(fd, len(buf), offset)
+        else:
+            data = self.fetch(file, offset, len(buf))
         if len(data) != len(buf):
             raise TruncatedShardError(f"{self._where(file)}: ends at byte {offset + len(data)}, before the planned range {offset}..{offset + len(buf)}", path=self._where(file))
         buf[:] = data
         with self._lock:  # called from several reader threads
             self.bytes_read += len(buf)
 
+    def _verified_copy(self, file: str) -> int:
+        """--verify-source: `file` downloaded whole, once, in checked ranged reads of
+        VERIFY_CHUNK_BYTES hashed as they arrive into a temporary copy, and checked against
+        the digest the hub publishes and against the header the plan was made from; the
+        planned ranges are then read from that copy. One file at a time: one chunk in memory."""
+        with self._verify_lock:
+            fd = self._verified.get(file)
+            if fd is not None:
+                return fd
+            published = (self.published or {}).get(file)
+            if published is None:
+                raise DownloadError(f"{self._where(file)}: the hub publishes no sha256 or git id for this file, so --verify-source cannot check it", path=self._where(file))
+            if self._spill is None:
+                self._spill = tempfile.TemporaryDirectory(prefix="dsv4-verify-")
+            copy, size = Path(self._spill.name) / file, self.sizes[file]
+            digest = published.hasher(size)
+            with open(copy, "wb") as out:
+                for offset in range(0, size, VERIFY_CHUNK_BYTES):
+                    chunk = self.fetch(file, offset, min(VERIFY_CHUNK_BYTES, size - offset))
+                    digest.update(chunk)
+                    out.write(chunk)
+            if digest.hexdigest() != published.digest:
+                raise DownloadError(f"{self._where(file)}: the {size:,} bytes downloaded do not match the {published.kind} the hub publishes ({published.digest[:16]}...): refused, nothing written from it", path=self._where(file))
+            fd = os.open(copy, os.O_RDONLY)
+            if (header := self.header_sha256.get(file)) is not None:
+                n = struct.unpack("<Q", os.pread(fd, 8, 0))[0]
+                if hashlib.sha256(os.pread(fd, 8 + n, 0)).hexdigest() != header:
+                    os.close(fd)
+                    raise DownloadError(f"{self._where(file)}: the header the plan was made from differs from the verified file's: refused", path=self._where(file))
+            self._verified[file] = fd
+            return fd
+
     def fingerprint(self, files: list[str]) -> dict[str, object]:
         return {"location": self.location, "revision": self.commit, "files": {f: self.sizes[f] for f in files}}
 
     def close(self) -> None:
-        pass  # the HTTP session is huggingface_hub's, shared and closed at exit
+        """The verified copies are deleted; the HTTP session is huggingface_hub's, shared
+        and closed at exit."""
+        with self._verify_lock:
+            for fd in self._verified.values():
+                os.close(fd)
+            self._verified.clear()
+            if self._spill is not None:
+                self._spill.cleanup()
+                self._spill = None
 
 
 class CachedHubReader(LocalReader):
@@ -290,10 +369,19 @@ def download(hub: HubSpec, commit: str, file: str, fallback: type[HubError] = Hu
     return with_retries(f"{hub.location}/{file}@{commit[:12]}", attempt, fallback)
 
 
-def _small_file(hub: HubSpec, commit: str, file: str) -> bytes:
-    """A file model info listed: it is there."""
-    data = download(hub, commit, file)
+def _small_file(reader: HubReader | CachedHubReader, hub: HubSpec, file: str) -> bytes:
+    """A file model info listed (so it is there), checked with --verify-source."""
+    data = download(hub, reader.commit, file)
     assert data is not None  # missing_ok is off: a missing file raised
+    published = reader.published if isinstance(reader, HubReader) else None
+    if published is not None:
+        where = f"{hub.location}/{file}@{reader.commit[:12]}"
+        if file not in published:
+            raise DownloadError(f"{where}: the hub publishes no sha256 or git id for this file, so --verify-source cannot check it", path=where)
+        digest = published[file].hasher(len(data))
+        digest.update(data)
+        if digest.hexdigest() != published[file].digest:
+            raise DownloadError(f"{where}: the {len(data):,} bytes downloaded do not match the {published[file].kind} the hub publishes: refused", path=where)
     return data
 
 
@@ -306,11 +394,16 @@ def _read_shard_header(reader: HubReader, file: str) -> tuple[dict[str, TensorSo
     if size is None:
         raise DownloadError(f"{reader.location}/{file}@{reader.commit[:12]}: the hub gives no size for this file (neither model info nor Content-Range)", path=file)
 
+    raw: list[bytes] = []
+
     def rest(n: int) -> bytes:
         have = first[8 : 8 + n]
-        return have if len(have) == n else have + reader.fetch(file, len(first), 8 + n - len(first))
+        raw.append(have if len(have) == n else have + reader.fetch(file, len(first), 8 + n - len(first)))
+        return raw[0]
 
     header, data_start = parse_header(first[:8], rest, file, size)
+    if isinstance(reader, HubReader):  # what --verify-source compares the verified file with
+        reader.header_sha256[file] = hashlib.sha256(first[:8] + raw[0]).hexdigest()
     return tensors_from_header(header, file, data_start, size), data_start
 
 
@@ -330,6 +423,8 @@ def open_hub_source(spec: str | HubSpec) -> tuple[Inventory, HubReader | CachedH
     hub = parse_hub_spec(spec) if isinstance(spec, str) else spec
     reader: HubReader | CachedHubReader
     if constants.HF_HUB_OFFLINE:
+        if hub.verify_files:
+            raise HubError(f"{hub.location}: --verify-source checks files against the digests the hub publishes, and HF_HUB_OFFLINE is set", path=hub.location)
         commit, reader = _cached(hub)
         names = set(reader.sizes)
     else:
@@ -342,17 +437,18 @@ def open_hub_source(spec: str | HubSpec) -> tuple[Inventory, HubReader | CachedH
             raise type(exc)(f"{hub.repo}: no such local directory, and as a hub repository: {exc}") from None
         names = {s.rfilename for s in info.siblings or []}
         sizes = {s.rfilename: s.size for s in info.siblings or [] if s.size is not None}  # a mirror may leave sizes out
-        reader = HubReader(hub, commit, sizes)
+        published = {s.rfilename: p for s in info.siblings or [] if (p := Published.of(s)) is not None} if hub.verify_files else None
+        reader = HubReader(hub, commit, sizes, published)
 
     config_where = f"{hub.location}/config.json@{commit[:12]}"
     if "config.json" not in names:
         raise MissingConfigError(f"{config_where}: no config.json in the repository", path=str(config_where))
-    raw_config = _small_file(hub, commit, "config.json")
+    raw_config = _small_file(reader, hub, "config.json")
     with config_errors(config_where):
         config = parse_config(raw_config)
     weight_map: dict[str, str] | None
     if INDEX_NAME in names:
-        weight_map = load_index(_small_file(hub, commit, INDEX_NAME), INDEX_NAME)
+        weight_map = load_index(_small_file(reader, hub, INDEX_NAME), INDEX_NAME)
         files = sorted(set(weight_map.values()))
     elif SINGLE_FILE in names:
         weight_map, files = None, [SINGLE_FILE]

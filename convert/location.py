@@ -31,6 +31,7 @@ class HubSpec:
     revision: str | None  # None: the repo's default branch
     explicit: bool = False  # written hf://...: not also a possible local path
     token: str | None = field(default=None, repr=False, compare=False)  # --token; None: HF_TOKEN or the stored login
+    verify_files: bool = False  # --verify-source: check whole files against the hub's sha256 (convert/hub.py)
 
     @property
     def location(self) -> str:
@@ -52,20 +53,20 @@ def parse_hub_spec(spec: str) -> HubSpec:
     return HubSpec(repo, revision or None, explicit)
 
 
-def locate(source: str | Path | HubSpec, *, revision: str | None = None, token: str | None = None) -> Path | HubSpec:
+def locate(source: str | Path | HubSpec, *, revision: str | None = None, token: str | None = None, verify_files: bool = False) -> Path | HubSpec:
     """The local directory `source` names, or the hub repository; SourceNotFoundError (19)
-    when it can only be a local path that does not exist. `revision` and `token` are the
-    hub options `--revision` and `--token` (as in the `hf` CLI): a revision given twice, by
-    option and by `@rev`, must be the same one, and neither option applies to a local
-    directory (click.UsageError, exit 2)."""
+    when it can only be a local path that does not exist. `revision`, `token` and
+    `verify_files` are the hub options `--revision` and `--token` (as in the `hf` CLI) and
+    `--verify-source`: a revision given twice, by option and by `@rev`, must be the same
+    one, and none of them applies to a local directory (click.UsageError, exit 2)."""
     where = source if isinstance(source, HubSpec) else _locate(source)
-    if revision is None and token is None:
+    if revision is None and token is None and not verify_files:
         return where
     if isinstance(where, Path):
-        raise click.UsageError(f"--revision and --token are for hub sources; {source} is a local directory")
+        raise click.UsageError(f"--revision, --token and --verify-source are for hub sources; {source} is a local directory")
     if revision is not None and where.revision not in (None, revision):
         raise click.UsageError(f"{source} names revision {where.revision!r} but --revision says {revision!r}; give one")
-    return replace(where, revision=revision or where.revision, token=token or where.token)
+    return replace(where, revision=revision or where.revision, token=token or where.token, verify_files=verify_files or where.verify_files)
 
 
 def _locate(source: str | Path) -> Path | HubSpec:

@@ -340,3 +340,36 @@ def test_offline_mode_converts_from_the_cache_when_the_pinned_files_are_there(na
     assert json.loads((tmp_path / "out" / CONVERSION_RECORD).read_text())["source"]["revision"] == commit
     r = run_cli("convert", REPO, str(tmp_path / "out"), env=hub_env(hub, tmp_path / "hf2"))  # online, another cache
     assert r.returncode == 0 and "already up to date" in r.stdout, r.stderr  # the same source, either way
+
+
+# --- issue 18 item 3: --verify-source ------------------------------------------------------------
+def _whole_file_chunk(method: str, repo: str | None, route: str, path: str | None, rng: tuple[int, int] | None) -> bool:
+    # --verify-source's download of the MTP shard (its chunk from byte 0, longer than a header read)
+    return route == "resolve" and path == SHARD and rng is not None and rng[0] == 0 and rng[1] > SPECULATIVE_HEADER_BYTES
+
+
+def test_verify_source_checks_whole_files_against_the_hubs_sha256_reading_each_once(native: Path, hub: FakeHub, tmp_path: Path) -> None:
+    hub.commit_dir(REPO, native / "seed0")
+    r = run_cli("convert", REPO, str(tmp_path / "out"), "--verify-source", env=hub_env(hub, tmp_path / "hf"))
+    assert r.returncode == 0, r.stderr
+    same_output(native / "seed0-converted", tmp_path / "out")
+    plan = plan_conversion(read_inventory(native / "seed0"), load_table("xpu"))
+    for file in plan.files_needed:  # each file the output uses came whole, once, after its header read
+        reads = [q.range for q in hub.requests if q.route == "resolve" and q.path == file]
+        size = (native / "seed0" / file).stat().st_size
+        assert sum(b - a for a, b in reads[1:]) == size and reads[1][0] == 0, (file, reads)
+
+
+def test_a_flipped_byte_is_caught_only_by_verify_source(native: Path, hub: FakeHub, tmp_path: Path) -> None:
+    """README: without --verify-source the tensor bytes themselves are not checked."""
+    hub.commit_dir(REPO, native / "seed0")
+    env = hub_env(hub, tmp_path / "hf")
+    hub.faults.append(Fault(_whole_file_chunk, status=None, flip=SPECULATIVE_HEADER_BYTES + 1000))
+    r = run_cli("convert", REPO, str(tmp_path / "verified"), "--verify-source", env=env)
+    assert r.returncode == 63, r.stderr  # DownloadError
+    assert r.stderr.count("\n") == 1 and f"hub:{REPO}/{SHARD}@" in r.stderr and "do not match the sha256 the hub publishes" in r.stderr
+    assert not (tmp_path / "verified").exists() and hub.faults[0].times == 0
+
+    hub.faults.append(Fault(_data_range, status=None, flip=10))
+    r = run_cli("convert", REPO, str(tmp_path / "unverified"), env=env)
+    assert r.returncode == 0 and hub.faults[1].times == 0, r.stderr  # not verified: what README says
