@@ -17,8 +17,6 @@ from pathlib import Path
 import click
 from dsv4.convert.errors import RepoNotFound
 from dsv4.model.errors import SourceNotFoundError
-from huggingface_hub.errors import HFValidationError
-from huggingface_hub.utils import validate_repo_id
 
 HF_PREFIX = "hf://"  # the hub's URL scheme in huggingface_hub's file system (HfFileSystem)
 HUB_SCHEME = "hub:"  # how records and messages name a hub location: hub:org/name
@@ -41,6 +39,10 @@ class HubSpec:
 def parse_hub_spec(spec: str) -> HubSpec:
     """`org/name`, `org/name@revision` (a branch, tag or commit; may contain '/'), either
     optionally written `hf://...`; anything else is refused (RepoNotFound)."""
+    # start-up time: huggingface_hub.utils brings its HTTP stack, which a local source never needs
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
     explicit = spec.startswith(HF_PREFIX)
     repo, at, revision = spec.removeprefix(HF_PREFIX).partition("@")
     try:

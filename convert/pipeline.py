@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dsv4 import __version__
 from dsv4.convert.errors import WriteFailedError
@@ -32,7 +32,9 @@ from dsv4.mapping.table import require_target
 from dsv4.model import strictjson
 from dsv4.model.checkpoint import INDEX_NAME
 from dsv4.model.strictjson import write_record
-from huggingface_hub.utils import tqdm
+
+if TYPE_CHECKING:
+    from huggingface_hub.utils import tqdm
 
 DEFAULT_MAX_SHARD = 5 * 10**9
 
@@ -147,6 +149,8 @@ def progress_bar(total: int, done: int, quiet: bool) -> tqdm:
     """The bar over the output stream (tensors in write order); `done`: bytes an earlier run
     finished. Drawn only on a terminal, and not when HF_HUB_DISABLE_PROGRESS_BARS is set
     (huggingface_hub's tqdm). The kill tests wrap this function (tests/crashing_cli.py)."""
+    from huggingface_hub.utils import tqdm  # start-up time: brings the HTTP stack, which `plan` never needs
+
     return tqdm(total=total, initial=done, unit="B", unit_scale=True, unit_divisor=1024, desc="convert", disable=True if quiet else None)
 
 
