@@ -17,7 +17,7 @@ from dsv4.convert.batch import Source, load_manifest, run_check, select_shard, s
 from dsv4.convert.errors import ConfigCheckError, ManifestError
 from dsv4.convert.pipeline import CONVERSION_RECORD, convert
 from dsv4.convert.synth import write_checkpoint
-from hubserver import FakeHub, hub_env, run_cli
+from hubserver import FakeHub, Fault, hub_env, on, run_cli
 
 TOKEN = "hf_fakeTokenThatMustNeverBeWritten1234"
 REPOS = ("org/alpha", "org/beta", "org/gamma")  # gamma starts broken (a half DSpark checkpoint: exit 35)
@@ -269,3 +269,16 @@ def test_run_check_uses_the_checker_where_installed(monkeypatch: pytest.MonkeyPa
 
     monkeypatch.setitem(sys.modules, "dsv4.convert.check", None)  # not installed
     assert run_check(tmp_path) == "unavailable"
+
+
+def test_a_push_whose_answer_is_lost_lands_once(native: Path, hub: FakeHub, tmp_path: Path) -> None:
+    """issue 18 item 8: the commit lands, its answer never comes; huggingface_hub retries the
+    request. One commit must land, and the batch must report it as pushed."""
+    manifest = write_manifest(tmp_path / "batch.toml", repo_template="dest/{name}-{target}", sources=REPOS[:1])
+    hub.faults.append(Fault(on("commit"), reset=True, after=True))
+    r = run_cli("batch", str(manifest), "--push", env=hub_env(hub, tmp_path / "hf", HF_TOKEN=TOKEN))
+    assert r.returncode == 0, r.stderr
+    assert hub.faults[0].times == 0  # the answer was lost
+    assert len(hub.pushed) == 1  # was 2: the retried request made a second, identical commit
+    rep = report_of(tmp_path / "out" / "batch-report.json")
+    assert rep["converted"][0]["pushed"]["commit"] == hub.pushed[0]["oid"] == hub.repos["dest/alpha-xpu"].refs["main"]
