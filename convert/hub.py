@@ -135,8 +135,8 @@ def hub_errors(what: str, fallback: type[HubError] = HubError) -> Iterator[None]
 
 def with_retries(what: str, attempt: Callable[[], T], fallback: type[HubError] = HubError) -> T:
     """`attempt()`, retried on transient failures (module docstring), as one-line errors about `what`."""
-    backoff = BACKOFF_S
-    for retry in range(RETRIES + 1):
+    backoff, retry = BACKOFF_S, 0
+    while True:
         try:
             return attempt()
         except DSV4Error:
@@ -152,10 +152,10 @@ def with_retries(what: str, attempt: Callable[[], T], fallback: type[HubError] =
             if problem.retry_after > RETRY_AFTER_CAP_S:
                 raise fallback(f"{what}: {problem.reason}: the hub asks to wait {problem.retry_after} s, longer than the {RETRY_AFTER_CAP_S} s this tool waits; try again later", path=str(what))
             wait = float(problem.retry_after)
-        log.warning(f"{what}: {problem.reason}; retry {retry + 1} of {RETRIES} in {wait:g} s")
+        retry += 1
+        log.warning(f"{what}: {problem.reason}; retry {retry} of {RETRIES} in {wait:g} s")
         time.sleep(wait)
         backoff = min(BACKOFF_MAX_S, backoff * 2)
-    raise AssertionError("unreachable")
 
 
 def _get(url: str, headers: dict[str, str]) -> httpx2.Response:
