@@ -151,7 +151,8 @@ def convert_command(source: str, out: str, target: str, reverse: bool, overwrite
     from dsv4.convert.location import locate
     from dsv4.convert.pipeline import convert  # start-up time (see the module's docstring)
 
-    where = locate(source, revision=revision, token=token, verify_files=verify_source)
+    # the hub options are checked against SOURCE here; without them convert() locates it
+    where = locate(source, revision=revision, token=token, verify_files=verify_source) if revision or token or verify_source else source
     if dry_run:
         _print_plan(_plan(where, target, reverse)[0], as_json, quiet, full=False)
         return
