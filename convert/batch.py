@@ -33,8 +33,8 @@ from dsv4.convert.output import CONVERSION_RECORD, read_record
 from dsv4.convert.pipeline import DEFAULT_MAX_SHARD, plan_source, run_plan
 from dsv4.convert.sizes import shard_size
 from dsv4.mapping.table import Table, installed_targets, load_table, tables_of_target
-from dsv4.model.errors import DSV4Error
 from dsv4.model import strictjson
+from dsv4.model.errors import DSV4Error
 from dsv4.model.strictjson import write_record
 from huggingface_hub import HfApi
 from huggingface_hub.errors import HFValidationError
