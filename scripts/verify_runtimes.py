@@ -1,0 +1,497 @@
+"""Run vLLM 0.33.0's and SGLang 0.5.23's own draft loaders, cut out of their wheels, on CPU.
+
+    .venv/bin/python scripts/verify_runtimes.py DRAFT --expected XPU_OUT [--wheels DIR] [--json]
+
+DRAFT is the directory fed to the loaders (a `--target draft` output, or anything else to
+see what the runtimes make of it); XPU_OUT is the `--target xpu` output of the same native
+checkpoint: its tensors are the runtime's parameters (names, and the bytes each must end
+up holding). The wheels (`pip download --no-deps vllm==0.33.0 sglang==0.5.23`) are cached
+in --wheels (default ~/.cache/dsv4-convert/wheels); only the few .py files named below are
+read from them, never imported as packages.
+
+"Cut out": the named functions and methods are taken from the wheel's source file with
+`ast` and compiled under that file's name (tracebacks point into the wheel, with its line
+numbers), then run with their collaborators stubbed:
+
+* the model object: `config` is DRAFT's config.json as attributes (what vLLM's hf_config
+  holds for these fields); `named_parameters()` yields one `RecordingParam` per tensor of
+  XPU_OUT (= the bundled model's layout, which `check` verifies, = vLLM's XPU in-memory
+  names, mapping/README.md); `model.layers` holds stand-ins whose MoE says it is not a
+  mega-MoE (`use_mega_moe` / `use_native_mega_moe` False: the default FusedMoE path, so the
+  experts map under `ffn.experts.routed_experts`) and has no fused shared experts;
+* every parameter's `weight_loader` records (tensor fed, shard id, expert id, bytes) and
+  returns True; assembling the shards (stacked shards in id order along dim 0; experts in
+  id order, w13 = w1 then w3) stands in for vLLM's MergedColumnParallel/FusedMoE loaders
+  at tensor-parallel size 1;
+* vLLM's logger, `default_weight_loader` (a recording loader), tensor-parallel world size
+  1, sequence parallelism off, `quant_config.weight_block_size` from config.json's
+  `quantization_config` (what a native FP8 target has).
+
+Cut out and run as written (file: name): see VLLM_CUTS and SGLANG_CUTS below.
+
+Pass rule per loader: no error; no fed tensor skipped except those the xpu table says the
+runtime's draft has no place for (its [copy] sources embed.weight and head.weight, which
+every runtime takes from the target, and its [skip] rules on `mtp.*` names: the DSpark
+confidence head, which vLLM's XPU class drops on purpose, xpu/dspark.py:406-407); every
+parameter except the shared ones (the table's [copy] targets, replaced by the target's
+after loading) hit, each holding exactly the bytes of XPU_OUT's tensor.
+Exit 0 when every loader passes, 1 otherwise, 2 on a usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import re
+import subprocess
+import sys
+import types
+import zipfile
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from dsv4.mapping.table import Table, expand, load_table
+from dsv4.model.checkpoint import local_weight_map
+
+WHEELS = {"vllm": "vllm==0.33.0", "sglang": "sglang==0.5.23"}
+DEFAULT_WHEELS = Path.home() / ".cache" / "dsv4-convert" / "wheels"
+V4 = "vllm/models/deepseek_v4/"
+# What every vLLM loader run below needs besides its own class: the expert mapping, the
+# spec-layer test and the completeness switch, each the wheel's own code.
+VLLM_COMMON = {
+    "vllm/model_executor/models/utils.py": ["get_spec_layer_idx_from_weight_name"],
+    "vllm/model_executor/layers/fused_moe/layer.py": ["fused_moe_make_expert_params_mapping"],
+    "vllm/model_executor/layers/fused_moe/routed_experts.py": [
+        "RoutedExperts.make_expert_params_mapping",
+        "RoutedExperts.build_expert_params_mapping",
+    ],
+    "vllm/distributed/eplb/eplb_state.py": ["EplbState.build_initial_global_physical_to_logical_map"],
+    "vllm/utils/math_utils.py": ["cdiv"],
+}
+# platform -> (file, the names cut out of it) for the draft model class; the entry's class
+# is the one whose load_weights runs.
+VLLM_CUTS: dict[str, dict[str, Any]] = {
+    "vllm-xpu-mtp": {
+        "class": "DeepSeekV4MTP",
+        "cuts": {
+            V4 + "xpu/mtp.py": ["_EXPERT_SCALE_RE", "DeepSeekV4MTP.load_weights",
+                                "DeepSeekV4MTP.finalize_mega_moe_weights",
+                                "DeepSeekV4MTP._rewrite_spec_layer_name"],
+            V4 + "xpu/model.py": ["make_deepseek_v4_expert_params_mapping"],
+        },
+    },
+    "vllm-nvidia-mtp": {
+        "class": "DeepSeekV4MTP",
+        "cuts": {
+            V4 + "nvidia/mtp.py": ["_EXPERT_SCALE_RE", "DeepSeekV4MTP.load_weights",
+                                   "DeepSeekV4MTP._to_spec_layer_name",
+                                   "DeepSeekV4MTP._rewrite_spec_layer_name"],
+            V4 + "nvidia/model.py": ["make_deepseek_v4_expert_params_mapping",
+                                     "DeepseekV4Model._pad_shared_expert_weight"],
+        },
+    },
+    "vllm-amd-mtp": {
+        "class": "DeepSeekV4MTP",
+        "cuts": {
+            V4 + "amd/mtp.py": ["_EXPERT_SCALE_RE", "DeepSeekV4MTP.load_weights",
+                                "DeepSeekV4MTP._rewrite_spec_layer_name"],
+        },
+    },
+    "vllm-xpu-dspark": {
+        "class": "DSparkDeepseekV4ForCausalLM",
+        "cuts": {
+            V4 + "xpu/dspark.py": ["_EXPERT_SCALE_RE", "DSparkDeepseekV4ForCausalLM.load_weights",
+                                   "DSparkDeepseekV4ForCausalLM._finalize_moe",
+                                   "DSparkDeepseekV4ForCausalLM._remap_dspark_name"],
+            V4 + "xpu/model.py": ["make_deepseek_v4_expert_params_mapping"],
+        },
+    },
+}
+SGLANG_CUTS: dict[str, dict[str, Any]] = {}
+
+
+class UsageError(Exception):
+    """A missing directory or wheel: exit 2 with one line."""
+
+
+# --- the wheels -----------------------------------------------------------------------
+
+
+def wheel_path(cache: Path, package: str) -> Path:
+    """The cached wheel of `package` (WHEELS' pin), downloaded with pip on first use."""
+    pin = WHEELS[package]
+    version = pin.split("==")[1]
+    found = sorted(cache.glob(f"{package}-{version}-*.whl"))
+    if not found:
+        cache.mkdir(parents=True, exist_ok=True)
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", pin, "-d", str(cache)]
+        if subprocess.run(cmd, check=False).returncode != 0:
+            raise UsageError(f"{cache}: pip download --no-deps {pin} failed")
+        found = sorted(cache.glob(f"{package}-{version}-*.whl"))
+    if not found:
+        raise UsageError(f"{cache}: no {package}-{version} wheel after pip download")
+    return found[0]
+
+
+@dataclass
+class Wheel:
+    path: Path
+
+    def source(self, member: str) -> str:
+        with zipfile.ZipFile(self.path) as zf:
+            return zf.read(member).decode()
+
+
+# --- cutting functions out of a source file --------------------------------------------
+
+
+def cut(source: str, filename: str, names: Iterable[str], namespace: dict[str, Any]) -> None:
+    """Compile the top-level functions, assignments and class methods `names` ("f", "X",
+    "Class.method") of `source` into `namespace`, keeping the file's line numbers.
+
+    A class is rebuilt with only the methods named and no bases (its collaborators come
+    from the stand-in it is mixed with), so nothing else of the file runs.
+    """
+    tree = ast.parse(source, filename)
+    wanted = list(names)
+    by_class: dict[str, list[str]] = {}
+    top: list[str] = []
+    for name in wanted:
+        owner, _, member = name.partition(".")
+        (by_class.setdefault(owner, []).append(member) if member else top.append(name))
+    body: list[ast.stmt] = []
+    found: set[str] = set()
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name in top:
+            body.append(node)
+            found.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            hit = [t.id for t in targets if isinstance(t, ast.Name) and t.id in top]
+            if hit:
+                body.append(node)
+                found.update(hit)
+        elif isinstance(node, ast.ClassDef) and node.name in by_class:
+            methods = [m for m in node.body
+                       if isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef)) and m.name in by_class[node.name]]
+            found.update(f"{node.name}.{m.name}" for m in methods)
+            cls = ast.ClassDef(name=node.name, bases=[], keywords=[], body=methods or [ast.Pass()],
+                               decorator_list=[], type_params=[])
+            ast.copy_location(cls, node)
+            body.append(cls)
+    missing = [n for n in wanted if n not in found]
+    if missing:
+        raise UsageError(f"{filename}: not found in the wheel: {', '.join(missing)}")
+    module = ast.Module(body=body, type_ignores=[])
+    ast.fix_missing_locations(module)
+    exec(compile(module, filename, "exec"), namespace)  # noqa: S102 - the pinned wheel's own code
+
+
+# --- the stand-ins -----------------------------------------------------------------------
+
+
+@dataclass
+class Record:
+    tensor: str
+    shard: Any
+    expert: int | None
+    data: torch.Tensor
+
+
+@dataclass
+class Recorder:
+    """Which fed tensor each weight_loader call came from, and what it was given."""
+
+    current: str = ""
+    records: dict[str, list[Record]] = field(default_factory=dict)
+    touched: set[str] = field(default_factory=set)
+
+    def load(self, param: RecordingParam, loaded: torch.Tensor, *args: Any, **kwargs: Any) -> bool:
+        shard = kwargs.get("shard_id", args[-1] if args and not kwargs else None)
+        self.records.setdefault(param.name, []).append(
+            Record(self.current, shard, kwargs.get("expert_id"), loaded))
+        self.touched.add(self.current)
+        return True
+
+
+class RecordingParam:
+    """A parameter stand-in: its name and a weight_loader that records."""
+
+    def __init__(self, name: str, recorder: Recorder) -> None:
+        self.name = name
+        self.weight_loader = recorder.load
+
+
+def attrs(obj: Any) -> Any:
+    """A JSON value with attribute access for objects (as transformers' config gives)."""
+    if isinstance(obj, dict):
+        return types.SimpleNamespace(**{k: attrs(v) for k, v in obj.items()})
+    if isinstance(obj, list):
+        return [attrs(v) for v in obj]
+    return obj
+
+
+def stand_in_layer() -> Any:
+    moe = types.SimpleNamespace(
+        use_mega_moe=False, use_native_mega_moe=False, finalize_mega_moe_weights=lambda: None,
+        experts=types.SimpleNamespace(has_fused_shared_experts=False))
+    return types.SimpleNamespace(ffn=moe, mtp_block=types.SimpleNamespace(ffn=moe))
+
+
+class _Logger:
+    def __getattr__(self, _name: str) -> Callable[..., None]:
+        return lambda *a, **k: None
+
+
+# --- reading the directories -------------------------------------------------------------
+
+
+def read_tensors(root: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of a checkpoint directory, in the index's order (as vLLM iterates)."""
+    weight_map, _ = local_weight_map(root)
+    by_shard: dict[str, list[str]] = {}
+    for name, shard in weight_map.items():
+        by_shard.setdefault(shard, []).append(name)
+    for shard in sorted(by_shard):
+        with safe_open(root / shard, framework="pt") as f:
+            for name in sorted(by_shard[shard]):
+                yield name, f.get_tensor(name)
+
+
+def raw(t: torch.Tensor) -> bytes:
+    t = t.contiguous()
+    return t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+
+
+# --- one run -----------------------------------------------------------------------------
+
+
+@dataclass
+class Report:
+    loader: str
+    fed: int = 0
+    hit: dict[str, str] = field(default_factory=dict)  # parameter -> the tensors it got
+    skipped: list[str] = field(default_factory=list)  # fed, never reached a weight_loader
+    errors: list[str] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)  # non-shared parameters not hit
+    unequal: list[str] = field(default_factory=list)  # hit, bytes differ from XPU_OUT
+    dropped: list[str] = field(default_factory=list)  # skipped, and the table says so
+
+    @property
+    def passed(self) -> bool:
+        return not (self.errors or self.skipped or self.missing or self.unequal)
+
+    def summary(self) -> dict[str, Any]:
+        return {"loader": self.loader, "passed": self.passed, "fed": self.fed,
+                "parameters_hit": len(self.hit), "skipped_as_the_table_says": self.dropped,
+                "skipped": self.skipped, "errors": self.errors, "missing": self.missing,
+                "bytes_unequal": self.unequal, "hit": self.hit}
+
+
+def assemble(records: list[Record]) -> bytes:
+    """The bytes a parameter holds after its weight_loader calls, at tensor-parallel size 1."""
+    if any(r.expert is not None for r in records):
+        order = {"w1": 0, "w3": 1, "w2": 0}
+        return b"".join(raw(r.data) for r in sorted(records, key=lambda r: (r.expert, order[r.shard])))
+    if len(records) > 1:
+        return b"".join(raw(r.data) for r in sorted(records, key=lambda r: r.shard))
+    return raw(records[0].data)
+
+
+def duplicate_shards(records: list[Record]) -> list[str]:
+    seen: set[tuple[Any, Any]] = set()
+    dup = []
+    for r in records:
+        key = (r.expert, r.shard)
+        if key in seen:
+            dup.append(f"{r.tensor} (shard {r.shard}, expert {r.expert})")
+        seen.add(key)
+    return dup
+
+
+def run_loader(name: str, load: Callable[[Iterable[tuple[str, torch.Tensor]], bool], Any],
+               recorder: Recorder, draft: Path, expected: dict[str, torch.Tensor],
+               droppable: Callable[[str], bool], shared_params: set[str]) -> Report:
+    """Feed every tensor of `draft` to `load(weights, completeness_check)`; on an exception,
+    record it against the tensor being loaded and go on with the rest (a fresh call, its
+    completeness check off: only the first call's is the runtime's)."""
+    report = Report(name)
+    tensors = list(read_tensors(draft))
+    report.fed = len(tensors)
+    position = 0
+
+    def feed() -> Iterator[tuple[str, torch.Tensor]]:
+        nonlocal position
+        while position < len(tensors):
+            tname, tensor = tensors[position]
+            recorder.current = tname
+            position += 1
+            yield tname, tensor
+        recorder.current = ""
+
+    first = True
+    while first or position < len(tensors):
+        try:
+            load(feed(), first)
+        except Exception as exc:  # noqa: BLE001 - the runtime's error is the finding
+            where = recorder.current or "(after the last tensor)"
+            report.errors.append(f"{where}: {type(exc).__name__}: {exc}")
+        first = False
+    for tname, _ in tensors:
+        if tname in recorder.touched:
+            continue
+        (report.dropped if droppable(tname) else report.skipped).append(tname)
+    errored = {e.split(":", 1)[0] for e in report.errors}
+    report.skipped = [t for t in report.skipped if t not in errored]
+    for pname, records in sorted(recorder.records.items()):
+        report.hit[pname] = ", ".join(sorted({r.tensor for r in records}))
+        dup = duplicate_shards(records)
+        if dup:
+            report.errors.append(f"{pname}: loaded twice from {', '.join(dup)}")
+        elif pname not in shared_params and (pname not in expected or assemble(records) != raw(expected[pname])):
+            report.unequal.append(pname)
+    report.missing = sorted(set(expected) - shared_params - set(recorder.records))
+    return report
+
+
+# --- vLLM --------------------------------------------------------------------------------
+
+
+def vllm_namespace(wheel: Wheel, files: dict[str, list[str]], recorder: Recorder,
+                   completeness: list[bool]) -> dict[str, Any]:
+    """The module globals the cut-out code runs in: the wheel's functions, the stubs."""
+    import typing
+    from collections.abc import Callable as _Callable
+
+    ns: dict[str, Any] = {
+        "__name__": "cut_out_vllm", "re": re, "torch": torch, "typing": typing, "Callable": _Callable,
+        "logger": _Logger(), "default_weight_loader": recorder.load,
+        "is_mtp_completeness_check_enabled": lambda: completeness[0],
+        "get_tensor_model_parallel_world_size": lambda: 1,
+    }
+    for member, names in {**VLLM_COMMON, **files}.items():
+        cut(wheel.source(member), f"{wheel.path.name}/{member}", names, ns)
+    return ns
+
+
+def vllm_model(ns: dict[str, Any], cls_name: str, config: dict[str, Any], params: Iterable[str],
+               recorder: Recorder) -> Any:
+    """The cut-out class mixed with a stand-in holding what its load_weights reads."""
+    cfg = attrs(config)
+    quant = attrs(config.get("quantization_config") or {})
+
+    class StandIn:
+        def named_parameters(self) -> Iterator[tuple[str, RecordingParam]]:
+            for p in params:
+                yield p, RecordingParam(p, recorder)
+
+    model = type(cls_name, (ns[cls_name], StandIn), {})()
+    model.config = cfg
+    model.quant_config = quant
+    if cls_name == "DSparkDeepseekV4ForCausalLM":
+        stages = len(config["dspark_target_layer_ids"])
+        model.model = types.SimpleNamespace(layers=[stand_in_layer() for _ in range(stages)])
+    else:
+        start, n = config["num_hidden_layers"], config["num_nextn_predict_layers"]
+        model.model = types.SimpleNamespace(
+            layers={str(start + i): stand_in_layer() for i in range(n)},
+            mtp_start_layer_idx=start, num_mtp_layers=n)
+        # nvidia/mtp.py:308-310, with sequence parallelism off (one GPU)
+        model.pad_shared_expert = getattr(quant, "weight_block_size", None) is not None
+    return model
+
+
+def verify_vllm(wheel: Wheel, loader: str, draft: Path, expected_dir: Path) -> Report:
+    spec = VLLM_CUTS[loader]
+    config = json.loads((draft / "config.json").read_text())
+    expected = dict(read_tensors(expected_dir))
+    droppable, shared_params = table_facts(load_table("xpu_dspark" if loader.endswith("dspark") else "xpu"), config)
+    recorder = Recorder()
+    completeness = [True]
+    ns = vllm_namespace(wheel, spec["cuts"], recorder, completeness)
+    model = vllm_model(ns, spec["class"], config, expected, recorder)
+
+    def load(weights: Iterable[tuple[str, torch.Tensor]], first: bool) -> Any:
+        completeness[0] = first
+        return model.load_weights(weights)
+
+    return run_loader(loader, load, recorder, draft, expected, droppable, shared_params)
+
+
+def table_facts(table: Table, config: dict[str, Any]) -> tuple[Callable[[str], bool], set[str]]:
+    """From the xpu table: which fed names the runtime may drop (the [copy] sources and the
+    [skip] rules on the draft's own mtp.* names) and the shared parameters (the [copy]
+    targets, {L} bound to each MTP layer num_hidden_layers + i)."""
+    copies = [r for r in table.rules if r.op == "copy"]
+    allowed = [rx for r in table.rules
+               if r.op == "copy" or (r.op == "skip" and r.sources[0].startswith("mtp."))
+               for rx in r.source_regexes]
+    layers = range(config["num_hidden_layers"], config["num_hidden_layers"] + config.get("num_nextn_predict_layers", 1))
+    shared = {expand(r.target, {"L": n}) for r in copies for n in layers}
+    return (lambda name: any(rx.match(name) for rx in allowed)), shared
+
+
+# --- the command -------------------------------------------------------------------------
+
+
+def verify(draft: Path, expected: Path, wheels: Path, loaders: list[str] | None = None) -> list[Report]:
+    """Every applicable loader's report on `draft` (MTP loaders for an MTP config, the DSpark
+    loader for a config with dspark_* fields)."""
+    for d in (draft, expected):
+        if not (d / "config.json").is_file():
+            raise UsageError(f"{d}: no config.json")
+    is_dspark = "dspark_target_layer_ids" in json.loads((draft / "config.json").read_text())
+    chosen = loaders or [n for n in VLLM_CUTS if n.endswith("dspark") == is_dspark]
+    reports = []
+    vllm = Wheel(wheel_path(wheels, "vllm"))
+    for name in chosen:
+        reports.append(verify_vllm(vllm, name, draft, expected))
+    return reports
+
+
+def table_lines(reports: list[Report]) -> list[str]:
+    lines = ["| loader | tensors fed | parameters hit | skipped as the table says | other skips | errors | params missing | bytes unequal | pass |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in reports:
+        lines.append(f"| {r.loader} | {r.fed} | {len(r.hit)} | {len(r.dropped)} | {len(r.skipped)} | "
+                     f"{len(r.errors)} | {len(r.missing)} | {len(r.unequal)} | {'yes' if r.passed else 'NO'} |")
+    for r in reports:
+        for e in r.errors[:3]:
+            lines.append(f"{r.loader}: error: {e}")
+        if r.skipped:
+            lines.append(f"{r.loader}: skipped {len(r.skipped)}, e.g. {', '.join(r.skipped[:3])}")
+        if r.missing:
+            lines.append(f"{r.loader}: missing {len(r.missing)}, e.g. {', '.join(r.missing[:3])}")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("draft", type=Path, help="the directory fed to the runtimes' loaders")
+    ap.add_argument("--expected", type=Path, required=True,
+                    help="the --target xpu output of the same native checkpoint (parameters and their bytes)")
+    ap.add_argument("--wheels", type=Path, default=DEFAULT_WHEELS, help=f"wheel cache (default {DEFAULT_WHEELS})")
+    ap.add_argument("--loader", action="append", choices=sorted(VLLM_CUTS) + sorted(SGLANG_CUTS),
+                    help="run only this loader (repeatable; default: every one for the drafter)")
+    ap.add_argument("--json", action="store_true", help="every report as JSON, per tensor")
+    args = ap.parse_args(argv)
+    try:
+        reports = verify(args.draft, args.expected, args.wheels, args.loader)
+    except UsageError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps([r.summary() for r in reports], indent=1))
+    else:
+        print("\n".join(table_lines(reports)))
+    return 0 if all(r.passed for r in reports) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
