@@ -133,26 +133,37 @@ needs_wheels = pytest.mark.skipif(not _wheels_present(), reason=f"vllm 0.33.0 an
 
 @pytest.fixture(scope="module")
 def tiny_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Per drafter: the tiny native checkpoint, its --target draft and --target xpu outputs."""
     root = tmp_path_factory.mktemp("runtimes")
-    native = write_checkpoint(root / "native", preset="tiny", seed=0)
-    convert(native, root / "xpu")
-    convert(root / "xpu", root / "reverse", reverse=True)  # native names: mtp.0.*, embed, head
-    return {"native": native, "xpu": root / "xpu", "reverse": root / "reverse"}
+    dirs = {}
+    for variant, preset in (("instruct", "tiny"), ("dspark", "tiny")):
+        native = write_checkpoint(root / variant / "native", preset=preset, variant=variant, seed=0)
+        convert(native, root / variant / "draft", target="draft")
+        convert(native, root / variant / "xpu", target="xpu")
+        dirs.update({f"{variant}/native": native, f"{variant}/draft": root / variant / "draft", f"{variant}/xpu": root / variant / "xpu"})
+    return dirs
 
 
 @needs_wheels
-def test_every_runtime_loads_the_native_names_whole(tiny_dirs: dict[str, Path]) -> None:
-    reports = vr.verify(tiny_dirs["reverse"], tiny_dirs["xpu"], tiny_dirs["native"], WHEELS)
-    assert [r.loader for r in reports] == ["vllm-xpu-mtp", "vllm-nvidia-mtp", "vllm-amd-mtp", "sglang-nextn"]
+@pytest.mark.parametrize(("variant", "loaders", "hit"), [
+    ("instruct", ["vllm-xpu-mtp", "vllm-nvidia-mtp", "vllm-amd-mtp", "sglang-nextn"], 39),  # 41 less embedding and head
+    ("dspark", ["vllm-xpu-dspark", "sglang-dspark"], 96),  # 98 less embedding and head
+])
+def test_every_runtime_loads_a_draft_directory_whole(tiny_dirs: dict[str, Path], variant: str, loaders: list[str], hit: int) -> None:
+    reports = vr.verify(tiny_dirs[f"{variant}/draft"], tiny_dirs[f"{variant}/xpu"], tiny_dirs[f"{variant}/native"], WHEELS)
+    assert [r.loader for r in reports] == loaders
     for r in reports:
         assert r.passed, r.summary()
-        assert r.dropped == ["embed.weight", "head.weight"]
-    assert len(reports[0].hit) == 39  # 41 parameters less the shared embedding and head
+        assert {"embed.weight", "head.weight"} <= set(r.dropped)
+    assert len(reports[0].hit) == hit
 
 
 @needs_wheels
-def test_no_runtime_loads_the_xpu_layout(tiny_dirs: dict[str, Path]) -> None:
-    reports = vr.verify(tiny_dirs["xpu"], tiny_dirs["xpu"], tiny_dirs["native"], WHEELS)
+@pytest.mark.parametrize("variant", ["instruct", "dspark"])
+def test_no_runtime_loads_the_xpu_layout(tiny_dirs: dict[str, Path], variant: str) -> None:
+    reports = vr.verify(tiny_dirs[f"{variant}/xpu"], tiny_dirs[f"{variant}/xpu"], tiny_dirs[f"{variant}/native"], WHEELS)
     assert not any(r.passed for r in reports)
-    # vLLM prefixes a second mtp_block. (xpu/mtp.py:504-506)
-    assert any("KeyError: 'model.layers.2.mtp_block.mtp_block." in e for e in reports[0].errors)
+    if variant == "instruct":  # vLLM prefixes a second mtp_block. (xpu/mtp.py:504-506)
+        assert any("KeyError: 'model.layers.2.mtp_block.mtp_block." in e for e in reports[0].errors)
+    else:  # vLLM's DSpark loader takes only mtp.* names, silently (xpu/dspark.py:401-403)
+        assert len(reports[0].hit) == 0 and len(reports[0].skipped) == 98
