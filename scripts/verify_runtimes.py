@@ -1,41 +1,54 @@
 """Run vLLM 0.33.0's and SGLang 0.5.23's own draft loaders, cut out of their wheels, on CPU.
 
-    .venv/bin/python scripts/verify_runtimes.py DRAFT --expected XPU_OUT [--wheels DIR] [--json]
+    .venv/bin/python scripts/verify_runtimes.py DRAFT --expected XPU_OUT --native NATIVE \
+        [--wheels DIR] [--loader NAME ...] [--json]
 
 DRAFT is the directory fed to the loaders (a `--target draft` output, or anything else to
-see what the runtimes make of it); XPU_OUT is the `--target xpu` output of the same native
-checkpoint: its tensors are the runtime's parameters (names, and the bytes each must end
-up holding). The wheels (`pip download --no-deps vllm==0.33.0 sglang==0.5.23`) are cached
-in --wheels (default ~/.cache/dsv4-convert/wheels); only the few .py files named below are
-read from them, never imported as packages.
+see what the runtimes make of it); XPU_OUT is the `--target xpu` output of NATIVE, the
+native checkpoint DRAFT comes from. The wheels (`pip download --no-deps vllm==0.33.0`,
+`sglang==0.5.23`) are cached in --wheels (default ~/.cache/dsv4-convert/wheels) and
+downloaded on first use; only the few .py files named in VLLM_COMMON, VLLM_CUTS,
+SGLANG_COMMON and SGLANG_CUTS are read from them, never imported as packages. The loaders
+run: vLLM DeepSeekV4MTP.load_weights of xpu/, nvidia/ and amd/ mtp.py for an MTP config,
+vLLM xpu DSparkDeepseekV4ForCausalLM.load_weights for a config with dspark_* fields;
+SGLang DeepseekV4ForCausalLMNextN.load_weights (which is DeepseekV4ForCausalLM.load_weights
+with is_nextn=True) and DeepseekV4ForCausalLMDSpark.load_weights.
 
-"Cut out": the named functions and methods are taken from the wheel's source file with
-`ast` and compiled under that file's name (tracebacks point into the wheel, with its line
-numbers), then run with their collaborators stubbed:
+"Cut out": each named function, assignment or method is taken from the wheel's source
+file with `ast` and compiled under that file's name (tracebacks point into the wheel, with
+its line numbers); the runtime's own name mapping, filtering, expert mapping and checks
+run as written. What is stubbed:
 
-* the model object: `config` is DRAFT's config.json as attributes (what vLLM's hf_config
-  holds for these fields); `named_parameters()` yields one `RecordingParam` per tensor of
-  XPU_OUT (= the bundled model's layout, which `check` verifies, = vLLM's XPU in-memory
-  names, mapping/README.md); `model.layers` holds stand-ins whose MoE says it is not a
-  mega-MoE (`use_mega_moe` / `use_native_mega_moe` False: the default FusedMoE path, so the
-  experts map under `ffn.experts.routed_experts`) and has no fused shared experts;
-* every parameter's `weight_loader` records (tensor fed, shard id, expert id, bytes) and
-  returns True; assembling the shards (stacked shards in id order along dim 0; experts in
-  id order, w13 = w1 then w3) stands in for vLLM's MergedColumnParallel/FusedMoE loaders
-  at tensor-parallel size 1;
-* vLLM's logger, `default_weight_loader` (a recording loader), tensor-parallel world size
-  1, sequence parallelism off, `quant_config.weight_block_size` from config.json's
-  `quantization_config` (what a native FP8 target has).
+* the model object. `config`: DRAFT's config.json as attributes (what hf_config holds for
+  these fields); `model.layers`: stand-ins whose MoE is not a mega-MoE (`use_mega_moe`,
+  `use_native_mega_moe` False: the default FusedMoE path, experts under
+  `ffn.experts.routed_experts`) and has no fused shared experts; SGLang: no vision tower, no
+  fused shared experts, one pipeline stage, confidence head enabled (its default: ragged
+  verify not STATIC), `wo_a_fp8` as deepseek_v4.py:280-287 computes it for the config.
+* the parameters. vLLM: one `RecordingParam` per tensor of XPU_OUT (the bundled model's
+  layout, which `check` verifies against the model; vLLM's XPU in-memory names,
+  mapping/README.md). SGLang (whose parameter names this project has no model of): the
+  names SGLang's own loader asks for when it loads NATIVE (how SGLang serves the
+  in-checkpoint draft today), its params_dict accepting any name but a per-expert one
+  (SGLang's FusedMoE registers only fused experts.w13_/w2_ parameters); DRAFT then runs
+  against exactly those names.
+* every `weight_loader` (and `default_weight_loader`) records (tensor fed, shard id,
+  expert id, bytes) and returns True; the shards are assembled as vLLM's and SGLang's
+  MergedColumnParallel/FusedMoE loaders do at tensor-parallel size 1 (stacked shards in id
+  order along dim 0; experts in id order, w13 = w1 then w3).
+* collaborators: loggers (SGLang's warnings are kept and count as errors), tensor-parallel
+  world size 1, sequence parallelism off, async loading off (SGLang loads inline), the
+  env flags at their defaults (SGLANG_OPT_FUSE_WQA_WKV on), `quant_config` from
+  config.json's `quantization_config`; SGLang's `_dequant_fp8` (it needs einops) passes
+  the FP8 weight on unchanged, in both its runs, while the wo_a pairing around it runs.
 
-Cut out and run as written (file: name): see VLLM_CUTS and SGLANG_CUTS below.
-
-Pass rule per loader: no error; no fed tensor skipped except those the xpu table says the
-runtime's draft has no place for (its [copy] sources embed.weight and head.weight, which
-every runtime takes from the target, and its [skip] rules on `mtp.*` names: the DSpark
-confidence head, which vLLM's XPU class drops on purpose, xpu/dspark.py:406-407); every
-parameter except the shared ones (the table's [copy] targets, replaced by the target's
-after loading) hit, each holding exactly the bytes of XPU_OUT's tensor.
-Exit 0 when every loader passes, 1 otherwise, 2 on a usage error.
+Pass rule per loader: no error (nor SGLang warning); no fed tensor skipped except those the
+runtime's draft has no place for (vLLM: the xpu table's [copy] sources embed.weight and
+head.weight, taken from the target at run time, and its [skip] rules on `mtp.*` names, the
+DSpark confidence head that vLLM's XPU class drops on purpose, xpu/dspark.py:406-407;
+SGLang: what it skips in NATIVE too); every parameter except the shared ones (vLLM: the
+table's [copy] targets) hit, holding exactly XPU_OUT's bytes (SGLang: the bytes the NATIVE
+run put there). Exit 0 when every loader passes, 1 otherwise, 2 on a usage error.
 """
 
 from __future__ import annotations
@@ -62,6 +75,7 @@ from safetensors import safe_open
 
 from dsv4.mapping.table import Table, expand, load_table
 from dsv4.model.checkpoint import local_weight_map
+from dsv4.model.errors import DSV4Error
 
 WHEELS = {"vllm": "vllm==0.33.0", "sglang": "sglang==0.5.23"}
 DEFAULT_WHEELS = Path.home() / ".cache" / "dsv4-convert" / "wheels"
@@ -675,7 +689,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     try:
         reports = verify(args.draft, args.expected, args.native, args.wheels, args.loader)
-    except UsageError as exc:
+    except (UsageError, DSV4Error) as exc:  # a missing wheel or directory, an unreadable checkpoint
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if args.json:
