@@ -48,6 +48,8 @@ from dsv4.convert.errors import (
     IndexCheckError,
     MissingTensorsError,
     NativeParityError,
+    QuantCarryError,
+    QuantSchemeError,
     ServeMismatchError,
     SizeCheckError,
     SmokeFailedError,
@@ -61,7 +63,7 @@ from dsv4.convert.inventory import Inventory, TensorSource, merge_shards, read_l
 from dsv4.convert.quant_config import check_draft_quantization
 from dsv4.convert.report import CheckReport, CheckResult
 from dsv4.mapping.errors import TableError
-from dsv4.mapping.table import load_table
+from dsv4.mapping.table import installed_tables, load_table
 from dsv4.model import strictjson
 from dsv4.model.checkpoint import INDEX_NAME, load_index
 from dsv4.model.config import ConfigError, ModelConfig, parse_config
@@ -101,6 +103,7 @@ class _Context:
     cfg: ModelConfig | None = None
     record: ConversionRecord | None = None  # conversion.json
     target: str | None = None  # the layout the checkpoint is in (the config check's finding)
+    checksum_error: str | None = None  # a malformed sha256 in conversion.json (the checksums check's finding)
     smoke_report: dict[str, Any] | None = None
     passed: set[str] = field(default_factory=set)
     serve_with: Path | None = None  # the target model's directory or config.json (--serve-with)
@@ -233,16 +236,22 @@ def check_readable(ctx: _Context, details: dict[str, Any]) -> str:
 # --- sizes and checksums -----------------------------------------------------------------
 def _conversion_record(ctx: _Context) -> ConversionRecord:
     """conversion.json through the one strict reader (model/record.py): a malformed tensor
-    checksum is the checksums' finding (74), anything else the sizes check's (73)."""
+    checksum is the checksums check's finding (74), anything else the sizes check's (73)."""
     path = ctx.root / CONVERSION_RECORD
     try:
-        return ConversionRecord.read(ctx.root)
+        record = ConversionRecord.read(ctx.root, sha256=False)
     except FileNotFoundError:
         raise SizeCheckError(f"{path}: missing (the converter writes every tensor's file, size and sha256 there)", path=str(path)) from None
     except OSError as exc:
         raise SizeCheckError(f"{path}: unreadable ({_first_line(exc)})", path=str(path)) from None
     except RecordError as exc:
-        raise (ChecksumMismatchError if exc.sha256 else SizeCheckError)(str(exc), path=str(path)) from None
+        raise SizeCheckError(str(exc), path=str(path)) from None
+    ctx.checksum_error = None
+    try:  # the checksums check reports a malformed sha256 (and --fast skips it)
+        ConversionRecord.read(ctx.root)
+    except (OSError, RecordError) as exc:
+        ctx.checksum_error = str(exc)
+    return record
 
 
 def _is_int(value: Any) -> bool:
@@ -298,6 +307,8 @@ def check_checksums(ctx: _Context, details: dict[str, Any]) -> str:
         raise _Skipped(f"--fast: {len(inv.tensors)} tensors not hashed (sizes, names and files still checked)")
     if ctx.record is None:
         raise _Skipped(f"needs {CONVERSION_RECORD} with every tensor (sizes check failed)")
+    if ctx.checksum_error is not None:
+        raise ChecksumMismatchError(ctx.checksum_error, path=str(ctx.where(CONVERSION_RECORD)))
     listed = ctx.record.tensors  # each sha256 well-formed: the record's reader checked it
     wrong = sorted(n for n, h in ctx.hashes.items() if listed[n].sha256 != h)
     details.update(hashed=len(ctx.hashes), differ=wrong, unreadable=sorted(ctx.unreadable))
@@ -338,24 +349,23 @@ def _weight_of_scale(name: str, target: str) -> str | None:
     return name.removesuffix("_scale_inv") if name.endswith("_scale_inv") else None
 
 
-def _recorded_layout(ctx: _Context, where: str) -> tuple[str, str, str]:
-    """(table, table version, layout) the checkpoint was converted with: config.json's
-    layout record for a renamed layout (xpu), which conversion.json must agree with;
-    conversion.json alone for a draft directory, whose config.json is the source's."""
+def _recorded_layout(ctx: _Context, where: str) -> tuple[str, str, str, str]:
+    """(table, table version, layout, the field naming the table) the checkpoint was
+    converted with: config.json's layout record for a renamed layout (xpu; conversion.json
+    must agree, check_config says), conversion.json alone for a draft directory, whose config.json is the source's."""
     assert ctx.config is not None
     try:
         layout_record = LayoutRecord.of(ctx.config, where)
     except RecordError as exc:
-        raise ConfigCheckError(str(exc), path=str(where)) from None
+        installed = f" (installed: {', '.join(installed_tables())})" if exc.field == f"{LAYOUT_RECORD}.table" else ""
+        raise ConfigCheckError(f"{exc}{installed}", path=str(where)) from None
     conv = ctx.record
     if layout_record is None:
         if conv is None or conv.has_layout_record:
             said = "" if conv is not None else f", and no readable {CONVERSION_RECORD} names the layout"
             raise ConfigCheckError(f"{where}: no {LAYOUT_RECORD} record with layout, table, table_version, tool_version{said}: not a checkpoint this converter wrote", path=str(where))
-        return conv.table, conv.table_version, conv.target
-    if conv is not None and (conv.table, conv.target) != (layout_record.table, layout_record.layout):
-        raise ConfigCheckError(f"{where}: {LAYOUT_RECORD} says table {layout_record.table!r} / layout {layout_record.layout!r}, {CONVERSION_RECORD} says {conv.table!r} / {conv.target!r}", path=str(where))
-    return layout_record.table, layout_record.table_version, layout_record.layout
+        return conv.table, conv.table_version, conv.target, f"{CONVERSION_RECORD} table"
+    return layout_record.table, layout_record.table_version, layout_record.layout, f"{LAYOUT_RECORD}.table"
 
 
 def check_config(ctx: _Context, details: dict[str, Any]) -> str:
@@ -364,17 +374,19 @@ def check_config(ctx: _Context, details: dict[str, Any]) -> str:
         raise ConfigCheckError(f"{where}: {ctx.config_error}", path=str(where))
     inv = ctx.need_inventory()
     config, cfg = ctx.config, ctx.cfg
-    table_name, table_version, target = _recorded_layout(ctx, where)
+    table_name, table_version, target, field = _recorded_layout(ctx, where)
     try:
         table = load_table(table_name)
     except TableError as exc:
-        raise ConfigCheckError(f"{where}: the conversion's table {table_name!r} is not a table this tool has ({_first_line(exc)})", path=str(where)) from None
+        raise ConfigCheckError(f"{where}: {field} {table_name!r} is not a table this tool has ({_first_line(exc)})", path=str(where)) from None
     if (target, table_version) != (table.target, table.version):
         raise ConfigCheckError(f"{where}: converted to layout {target!r} with table {table_name} v{table_version}, but this tool's table {table.name} is v{table.version} for layout {table.target!r}: reconvert", path=str(where))
+    if ctx.record is not None and (ctx.record.table, ctx.record.target) != (table_name, target):
+        raise ConfigCheckError(f"{where}: {LAYOUT_RECORD} says table {table_name!r} / layout {target!r}, {CONVERSION_RECORD} says {ctx.record.table!r} / {ctx.record.target!r}", path=str(where))
 
     drafter = "dspark" if cfg.is_dspark else "mtp"
     if table.drafter != drafter:
-        raise ConfigCheckError(f"{where}: the conversion's table {table_name!r} maps {table.drafter} drafters, but config.json describes a{'' if cfg.is_dspark else 'n'} {drafter} drafter{' (dspark_* fields)' if cfg.is_dspark else ' (no dspark_* fields)'}", path=str(where))
+        raise ConfigCheckError(f"{where}: {field} {table_name!r} maps {table.drafter} drafters, but config.json describes a{'' if cfg.is_dspark else 'n'} {drafter} drafter{' (dspark_* fields)' if cfg.is_dspark else ' (no dspark_* fields)'}", path=str(where))
     draft = target == DRAFT_TARGET
     if draft:  # native names: MTP block or DSpark stage mtp.{n}
         present = {int(m.group(1)) for name in inv.tensors if (m := NATIVE_BLOCK.match(name))}
@@ -422,7 +434,10 @@ def check_config(ctx: _Context, details: dict[str, Any]) -> str:
                 raise ConfigCheckError(f"{where}: no {key}: vLLM 0.33.0 and SGLang 0.5.23 pick the draft model class from it", path=str(where))
         if not (isinstance(config["architectures"], list) and config["architectures"] and isinstance(config["architectures"][0], str)):
             raise ConfigCheckError(f"{where}: architectures is {_brief(config['architectures'])}, not a list of class names", path=str(where))
-    if ctx.record is not None and ctx.record.config_fields:  # the fields runtimes read, as the conversion wrote them
+    # a draft directory's config.json is the runtimes' (the source's, unchanged): the fields
+    # they read must be those the conversion wrote (an xpu output's config is the bundled
+    # model's, checked against the tensors above and by quant)
+    if draft and ctx.record is not None and ctx.record.config_fields:
         for key in RUNTIME_CONFIG_FIELDS:
             was, now = ctx.record.config_fields.get(key, ABSENT), config.get(key, ABSENT)
             if was != now:
@@ -474,7 +489,20 @@ def check_layout(ctx: _Context, details: dict[str, Any]) -> str:
 def check_quant(ctx: _Context, details: dict[str, Any]) -> str:
     cfg = ctx.need_config()
     assert ctx.config is not None  # a parsed cfg implies a parsed config.json
-    summary = check_draft_quantization(build_draft_model(cfg), ctx.config, ctx.where("config.json"))
+    config = ctx.config
+    if _layout_target(ctx) == DRAFT_TARGET:
+        # native module names: the quantisation layer names are those of the xpu conversion
+        # of this directory, whose config.json the converter rewrites (convert/quant_config.py)
+        from dsv4.convert.inmemory import xpu_plan
+        from dsv4.convert.pipeline import output_config
+
+        try:
+            config = output_config(xpu_plan(ctx.root))
+        except QuantCarryError as exc:  # the xpu conversion would refuse this quantization_config
+            raise QuantSchemeError(str(exc)) from None
+        except DSV4Error as exc:
+            raise _Skipped(f"needs the xpu plan of this draft directory: {_first_line(exc)}") from None
+    summary = check_draft_quantization(build_draft_model(cfg), config, ctx.where("config.json"))
     if summary.library_missing:
         raise _Skipped(summary.reason)
     details.update(layers=summary.layers, schemes_checked=summary.schemes_checked)
@@ -487,12 +515,14 @@ def check_smoke(ctx: _Context, details: dict[str, Any]) -> str:
         raise _Skipped("not requested (--smoke or --native)")
     if "layout" not in ctx.passed:
         raise _Skipped("needs the target layout (layout check failed): a strict load would fail")
+    from dsv4.convert.inmemory import model_loader
     from dsv4.model.smoke import run_dspark_smoke, run_smoke  # imports the reference and kernels: only here
 
     dspark = ctx.need_config().is_dspark
     try:
+        load = model_loader(ctx.root)  # a draft directory (native names): the xpu plan, in memory
         # DSpark: one draft block from a context of `tokens` random target features
-        report = run_dspark_smoke(ctx.root, ctx.device, ctx.tokens, reference_dir=ctx.native) if dspark else run_smoke(ctx.root, ctx.device, ctx.tokens, ctx.native)
+        report = run_dspark_smoke(ctx.root, ctx.device, ctx.tokens, reference_dir=ctx.native, load=load) if dspark else run_smoke(ctx.root, ctx.device, ctx.tokens, ctx.native, load=load)
     except Exception as exc:  # a failed load or forward, whatever raised it, is this check's finding
         said = _first_line(exc)
         raise SmokeFailedError(said if str(ctx.root) in said else f"{ctx.root}: {said}") from None

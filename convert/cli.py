@@ -193,7 +193,7 @@ def _print_plan(plan: Plan, as_json: bool, quiet: bool, *, full: bool, header_by
         echo_json(data)
         return
     s = plan.summary()
-    click.echo(f"{s['direction']} plan: {s['source']} -> {s['target']} (table {s['table']})" + (f": {s['tensors_out']} tensors, {_gb(s['bytes_to_read'])} to read" if quiet else ""))
+    click.echo(f"{s['direction']} plan: {s['source']} -> {s['target']} (table {s['table']} v{s['table_version']})" + (f": {s['tensors_out']} tensors, {_gb(s['bytes_to_read'])} to read" if quiet else ""))
     if quiet:
         return
     click.echo(f"  draft layout:         {DRAFTER_NAMES[s['drafter']]}")
@@ -263,21 +263,23 @@ def check_command(directory: Path, native: Path | None, smoke: bool, fast: bool,
 def smoke_command(out: Path, device: str | None, tokens: int, native: Path | None, min_top1: float, features: Path | None, anchor: int | None, position: int, seed: int, quiet: bool, as_json: bool) -> None:
     """Load converted checkpoint OUT into the bundled draft model and run one draft step
     (MTP: one step on TOKENS tokens; DSpark: one block drafted from a context)."""
+    from dsv4.convert.inmemory import model_loader
     from dsv4.model.errors import SmokeCheckError
     from dsv4.model.loader import converted_config  # start-up time: torch and the kernels
     from dsv4.model.smoke import run_dspark_smoke, run_smoke
 
     dspark = converted_config(out).is_dspark
+    load = model_loader(out)  # a draft directory (native names): the xpu plan, in memory
     if not dspark and (features is not None or anchor is not None or position):
         raise click.UsageError("--features, --anchor and --position are for a DSpark checkpoint; OUT is an MTP one")
     if dspark:
         try:
-            report = run_dspark_smoke(out, device, tokens, features, anchor, position, native, seed)
+            report = run_dspark_smoke(out, device, tokens, features, anchor, position, native, seed, load=load)
         except ValueError as exc:  # an anchor outside the vocabulary
             raise click.UsageError(str(exc)) from None
         agreement = report.get("draft_token_agreement")
     else:
-        report = run_smoke(out, device, tokens, native, seed)
+        report = run_smoke(out, device, tokens, native, seed, load=load)
         agreement = report.get("top1_agreement_up_to_ties")
     if as_json:
         echo_json(report)

@@ -236,7 +236,7 @@ def _write_records(plan: Plan, config: dict[str, Any] | bytes, partial: Path, sh
         runtime_class=plan.runtime_class,
         config=plan.config_kind if plan.direction == "forward" else "record",
         skipped=len(plan.skipped),
-        config_fields=runtime_config_fields(plan.config),
+        config_fields=runtime_config_fields(strictjson.loads(config) if isinstance(config, bytes) else config),  # as written
     ).write(partial)
 
 

@@ -169,10 +169,12 @@ class ConversionRecord:
         strictjson.write_record(directory / CONVERSION_RECORD, self.to_json())
 
     @classmethod
-    def from_json(cls, value: Any, where: str) -> ConversionRecord:
+    def from_json(cls, value: Any, where: str, *, sha256: bool = True) -> ConversionRecord:
         """The record `value` (parsed JSON) holds, or RecordError naming the first field
         that is not what this tool writes. Tensor entries are checked first (file, nbytes,
-        then sha256), the fields `check` reports on."""
+        then sha256), the fields `check` reports on; with sha256=False a checksum is not
+        looked at (`check` reports a malformed one in its checksums check, and --fast
+        skips that)."""
         if not isinstance(value, dict) or not isinstance(value.get("tensors"), dict):
             raise RecordError(where, "tensors", "has no 'tensors' object")
         tensors: dict[str, TensorEntry] = {}
@@ -186,10 +188,10 @@ class ConversionRecord:
                 raise RecordError(where, f"{at}.nbytes", f"{at}.nbytes is {_brief(entry.get('nbytes'))}, not a byte count")
         for name, entry in value["tensors"].items():
             sha = entry.get("sha256")
-            if not (isinstance(sha, str) and SHA256.fullmatch(sha)):
+            if not (isinstance(sha, str) and SHA256.fullmatch(sha)) and sha256:
                 at = f"tensors[{name!r}].sha256"
                 raise RecordError(where, at, f"{at} is {_brief(sha)}, not 64 lowercase hex digits", sha256=True)
-            tensors[name] = TensorEntry(entry["file"], entry["nbytes"], sha)
+            tensors[name] = TensorEntry(entry["file"], entry["nbytes"], sha if isinstance(sha, str) else "")
         if value.get("tool") != TOOL:
             raise RecordError(where, "tool", f"tool is {_brief(value.get('tool'))}, not {TOOL!r}")
         strings = {}
@@ -212,15 +214,15 @@ class ConversionRecord:
                    strings["drafter"], strings["runtime"], strings["runtime_class"], strings["config"], skipped, fields)
 
     @classmethod
-    def read(cls, directory: Path) -> ConversionRecord:
-        """DIRECTORY/conversion.json, read strictly: FileNotFoundError when absent, OSError
-        when unreadable (a FIFO, too large), RecordError for anything malformed."""
+    def read(cls, directory: Path, *, sha256: bool = True) -> ConversionRecord:
+        """DIRECTORY/conversion.json, read strictly (from_json): FileNotFoundError when
+        absent, OSError when unreadable (a FIFO, too large), RecordError for anything malformed."""
         path = directory / CONVERSION_RECORD
         try:
             value = strictjson.loads(strictjson.read_record_bytes(path))
         except strictjson.StrictJSONError as exc:
             raise RecordError(str(path), "", f"not strict JSON ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None
-        return cls.from_json(value, str(path))
+        return cls.from_json(value, str(path), sha256=sha256)
 
     @classmethod
     def find(cls, directory: Path) -> ConversionRecord | None:
@@ -263,8 +265,11 @@ class LayoutRecord:
         if value is None:
             return None
         keys = ("layout", "table", "table_version", "tool_version")
-        if not isinstance(value, dict) or not all(isinstance(value.get(k), str) for k in keys):
+        if not isinstance(value, dict) or not all(k in value for k in keys):
             raise RecordError(where, LAYOUT_RECORD, f"no {LAYOUT_RECORD} record with {', '.join(keys)}: not a checkpoint this converter wrote")
+        for k in keys:
+            if not isinstance(value[k], str):
+                raise RecordError(where, f"{LAYOUT_RECORD}.{k}", f"{LAYOUT_RECORD}.{k} is {_brief(value[k])}, not a string")
         note = value.get("quantization_config")
         if note is not None and not (isinstance(note, dict) and isinstance(note.get("source"), dict)):
             raise RecordError(where, f"{LAYOUT_RECORD}.quantization_config", f"{LAYOUT_RECORD}.quantization_config is {_brief(note)}, not a note holding the source's config")
