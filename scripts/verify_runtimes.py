@@ -67,6 +67,7 @@ import types
 import zipfile
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -80,8 +81,8 @@ from dsv4.model.errors import DSV4Error
 WHEELS = {"vllm": "vllm==0.33.0", "sglang": "sglang==0.5.23"}
 DEFAULT_WHEELS = Path.home() / ".cache" / "dsv4-convert" / "wheels"
 V4 = "vllm/models/deepseek_v4/"
-# What every vLLM loader run below needs besides its own class: the expert mapping, the
-# spec-layer test and the completeness switch, each the wheel's own code.
+# What every vLLM loader run below needs besides its own class, each the wheel's own code:
+# the expert mapping and the spec-layer test.
 VLLM_COMMON = {
     "vllm/model_executor/models/utils.py": ["get_spec_layer_idx_from_weight_name"],
     "vllm/model_executor/layers/fused_moe/layer.py": ["fused_moe_make_expert_params_mapping"],
@@ -186,9 +187,12 @@ def wheel_path(cache: Path, package: str) -> Path:
 class Wheel:
     path: Path
 
+    @cached_property
+    def _zip(self) -> zipfile.ZipFile:  # read the (336 MB) wheel's directory once
+        return zipfile.ZipFile(self.path)
+
     def source(self, member: str) -> str:
-        with zipfile.ZipFile(self.path) as zf:
-            return zf.read(member).decode()
+        return self._zip.read(member).decode()
 
 
 # --- cutting functions out of a source file --------------------------------------------
@@ -651,11 +655,12 @@ def verify(draft: Path, expected: Path, native: Path, wheels: Path, loaders: lis
     is_dspark = "dspark_target_layer_ids" in json.loads((draft / "config.json").read_text())
     chosen = loaders or [n for n in [*VLLM_CUTS, *SGLANG_CUTS] if n.endswith("dspark") == is_dspark]
     reports = []
+    opened: dict[str, Wheel] = {}
     for name in chosen:
-        if name in VLLM_CUTS:
-            reports.append(verify_vllm(Wheel(wheel_path(wheels, "vllm")), name, draft, expected))
-        else:
-            reports.append(verify_sglang(Wheel(wheel_path(wheels, "sglang")), name, draft, native))
+        package = "vllm" if name in VLLM_CUTS else "sglang"
+        wheel = opened.setdefault(package, Wheel(wheel_path(wheels, package)))
+        verify_one = verify_vllm if package == "vllm" else verify_sglang
+        reports.append(verify_one(wheel, name, draft, expected if package == "vllm" else native))
     return reports
 
 
