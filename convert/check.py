@@ -1,4 +1,5 @@
-"""`convert-dsv4 check DIR`: verify a converted checkpoint, one named check at a time.
+"""`convert-dsv4 check DIR`: verify a converted checkpoint (`--target xpu`) or a draft
+directory (`--target draft`), one named check at a time.
 
 Each check passes, fails with its own exit code (convert/exit_codes.py, 71..85) and a
 one-line reason naming the file and tensor, or is skipped with the reason why (not
@@ -16,12 +17,17 @@ The checks, in order (a later one may need an earlier one's result):
   readable   every tensor reads through safetensors, in bounded row blocks
   sizes      the index's total_size and conversion.json's files and sizes match the shards
   checksums  every tensor's sha256 matches conversion.json (skipped with --fast)
-  config     config.json records the conversion (layout, table) and agrees with the
-             tensors: MTP blocks present, expert_dtype, FP8 block size vs scale shapes
-  layout     names, shapes and dtypes equal target_layout(config): the model's own layout
+  config     the records name the conversion (config.json's layout record for xpu,
+             conversion.json for a draft directory) and config.json agrees with the
+             tensors: MTP blocks or stages present, expert_dtype, FP8 block size vs scale
+             shapes; for a draft directory also architectures/model_type present, the
+             experts, and every runtime-read field as the conversion wrote it
+  layout     names, shapes and dtypes equal layout_of(target, config): the model's own
+             layout (xpu), or the native draft directory's (draft)
   quant      every linear has a quantisation layer name and resolves to one scheme
   smoke      strict load into the bundled model and a few-token forward (--smoke); for a
-             DSpark checkpoint one draft block from a few random target features
+             DSpark checkpoint one draft block from a few random target features; a draft
+             directory is mapped in memory by the xpu table first (convert/inmemory.py)
   native     numerical parity with the reference on the native checkpoint (--native);
              for DSpark also the draft tokens
 """

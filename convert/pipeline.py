@@ -100,6 +100,8 @@ def _fingerprint(plan: Plan, reader: ByteReader, shards: list[list[PlannedTensor
         "table_version": plan.table_version,
         "source": {**reader.fingerprint(plan.files_needed), "revision": plan.revision},
         "plan_sha256": hashlib.sha256(json.dumps(layout).encode()).hexdigest(),
+        # the output's config.json is made from it (a draft directory's is it, byte for byte)
+        "config_sha256": sha256_hex(plan.config_bytes),
     }
 
 

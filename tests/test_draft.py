@@ -21,7 +21,7 @@ from dsv4.convert.pipeline import convert
 from dsv4.convert.plan import choose_table, plan_conversion
 from dsv4.convert.synth import write_checkpoint
 from dsv4.mapping import errors as mapping_errors
-from dsv4.convert.errors import UncoveredKeyError
+from dsv4.convert.errors import OutputExistsError, UncoveredKeyError
 from dsv4.mapping.table import TABLE_DIR, installed_targets, load_table, load_table_file
 from inprocess import run_main
 
@@ -301,3 +301,70 @@ def test_keep_in_an_include_needs_equal_source_and_target_prefixes(tmp_path: Pat
     bad.write_text(text.replace('source = "mtp.{i}."\ntarget = "mtp.{i}."', 'source = "mtp.{i}."\ntarget = "model.layers.{L}."'))
     with pytest.raises(mapping_errors.TableError, match="a kept tensor keeps its name"):
         load_table_file(bad)
+
+
+# --- from the hub -------------------------------------------------------------------------------
+def test_a_hub_source_gives_the_same_draft_directory_as_the_local_one(natives: dict[str, Path], drafts: dict[str, Path], tmp_path: Path) -> None:
+    from hubserver import FakeHub, hub_env, run_cli
+
+    with FakeHub() as hub:
+        commit = hub.commit_dir("org/dspark", natives["dspark"])
+        out = tmp_path / "out"
+        r = run_cli("convert", "org/dspark", str(out), "--target", "draft", "--json", env=hub_env(hub, tmp_path / "hf"))
+        assert r.returncode == 0, r.stderr
+    for name in ("config.json", INDEX, SHARD):
+        assert (out / name).read_bytes() == (drafts["dspark"] / name).read_bytes(), name
+    record = json.loads((out / "conversion.json").read_text())
+    assert (record["source"]["location"], record["source"]["revision"]) == ("hub:org/dspark", commit)
+    assert json.loads(r.stdout)["bytes_read"] == sum(len(d) for _, _, d in raw_tensors(out).values())
+
+
+# --- full size ----------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_the_full_size_flash_replica_plans_to_the_runtimes_1577_tensors(flash_sparse: Path) -> None:
+    """Flash's 1,575 mtp.0.* tensors plus embed and head: the bytes of the xpu conversion
+    (every op moves bytes), read from the embed shard, the head shard and the MTP shard."""
+    inv = read_inventory(flash_sparse)
+    plan = plan_conversion(inv, choose_table("draft", inv))
+    assert (plan.table, len(plan.tensors), plan.bytes_to_write, len(plan.skipped)) == ("draft", 1_577, 5_711_911_276, 67_610)
+    assert plan.files_needed == ["model-00001-of-00046.safetensors", "model-00045-of-00046.safetensors", "model-00046-of-00046.safetensors"]
+    assert plan.bytes_to_write == plan_conversion(inv, choose_table("xpu", inv)).bytes_to_write
+
+
+@pytest.mark.slow
+def test_the_full_size_0731_replica_plans_its_stages_with_the_confidence_head(tmp_path: Path) -> None:
+    """The xpu DSpark layout's 12,980,953,116 bytes plus the 8,704-byte confidence head the
+    xpu table skips (bf16 [1, 4096 + 256])."""
+    ckpt = write_checkpoint(tmp_path / "0731", preset="flash", variant="dspark", main_layers="all", sparse=True)
+    inv = read_inventory(ckpt)
+    plan = plan_conversion(inv, choose_table("draft", inv))
+    assert (plan.table, len(plan.tensors), plan.bytes_to_write) == ("draft_dspark", 4_707, 12_980_961_820)
+    assert plan.bytes_to_write - plan_conversion(inv, choose_table("xpu", inv)).bytes_to_write == 8_704
+    assert plan.files_needed == [f"model-000{k:02d}-of-00048.safetensors" for k in (1, 45, 46, 47, 48)]
+
+
+def test_a_compressed_tensors_draft_keeps_native_names_and_check_resolves_them_through_the_xpu_table(tmp_path: Path) -> None:
+    """config.json keeps the source's native module names (the runtimes match them against
+    native names); check resolves every linear of the model the xpu table makes of it."""
+    pytest.importorskip("compressed_tensors")
+    from test_quant import REGEX, native_with
+
+    native = native_with(tmp_path, REGEX)
+    out = convert(native, tmp_path / "draft", target="draft").out
+    assert (out / "config.json").read_bytes() == (native / "config.json").read_bytes()
+    report = run_checks(out, fast=True)
+    quant = {r.name: r for r in report.results}["quant"]
+    assert report.exit_code == 0 and quant.status == "pass", quant.reason
+
+
+def test_a_changed_source_config_is_not_up_to_date(tiny_native: Path, tmp_path: Path) -> None:
+    """The draft's config.json is the source's: a rerun after the source's config.json
+    changed (same shards) must rewrite it, not call the output up to date."""
+    native = Path(shutil.copytree(tiny_native, tmp_path / "native"))
+    out = tmp_path / "d"
+    convert(native, out, target="draft")
+    (native / "config.json").write_bytes((native / "config.json").read_bytes().replace(b"\n}", b',\n  "_name_or_path": "edited"\n}'))
+    with pytest.raises(OutputExistsError):  # not up to date: replacing it takes --overwrite
+        convert(native, out, target="draft")
+    convert(native, out, target="draft", overwrite=True)
+    assert (out / "config.json").read_bytes() == (native / "config.json").read_bytes()
