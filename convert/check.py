@@ -1,13 +1,13 @@
 """`convert-dsv4 check DIR`: verify a converted checkpoint (`--target xpu`) or a draft
 directory (`--target draft`), one named check at a time.
 
-Each check passes, fails with its own exit code (convert/exit_codes.py, 71..85) and a
+Each check passes, fails with its own exit code (convert/exit_codes.py, 71..86) and a
 one-line reason naming the file and tensor, or is skipped with the reason why (not
 requested, or a check it builds on failed). `run_checks` returns the whole report
 (convert/report.py: text, JSON, JUnit) for the command (convert/cli.py) and for library
 callers (the batch job).
 
-Why one module of ~530 lines: the nine checks share one context (what the earlier checks
+Why one module of ~650 lines: the ten checks share one context (what the earlier checks
 found: the inventory, the config, the hashes) and run in a fixed order from one table
 (CHECKS); split into files, each file would need that context and the order from another.
 
@@ -30,6 +30,9 @@ The checks, in order (a later one may need an earlier one's result):
              directory is mapped in memory by the xpu table first (convert/inmemory.py)
   native     numerical parity with the reference on the native checkpoint (--native);
              for DSpark also the draft tokens
+  serve      a draft directory against the target it is to be served beside
+             (--serve-with): vLLM builds the draft's layers from the target's config and
+             quantisation, so those fields must be the draft's own
 """
 
 from __future__ import annotations
