@@ -29,12 +29,12 @@ from dsv4.convert.errors import HubError, ManifestError, PushError, RepoNotFound
 from dsv4.convert.exit_codes import exit_code
 from dsv4.convert.hub import download, hub_errors, open_hub_source, resolve_commit
 from dsv4.convert.location import HUB_SCHEME, HubSpec, parse_hub_spec
-from dsv4.convert.output import CONVERSION_RECORD, read_record
 from dsv4.convert.pipeline import DEFAULT_MAX_SHARD, plan_source, run_plan
 from dsv4.convert.sizes import shard_size
 from dsv4.mapping.table import Table, installed_targets, load_table, tables_of_target
 from dsv4.model import strictjson
 from dsv4.model.errors import DSV4Error
+from dsv4.model.record import CONVERSION_RECORD, ConversionRecord, RecordError
 from dsv4.model.strictjson import write_record
 from huggingface_hub import HfApi
 from huggingface_hub.errors import HFValidationError
@@ -216,26 +216,26 @@ def select_shard(sources: Sequence[Source], num_shards: int, shard_index: int) -
     return [s for k, s in enumerate(sorted(sources, key=lambda s: s.key)) if k % num_shards == shard_index]
 
 
-def records(record: Any, location: str, commit: str, tables: Mapping[str, Table]) -> bool:
+def records(record: ConversionRecord | None, location: str, commit: str, tables: Mapping[str, Table]) -> bool:
     """Whether a conversion.json records a forward conversion of this commit with one of
     `tables` (by name) at its current version. One commit always takes the same table (the
     one for the drafter it holds), so the record's table is the one it would take again."""
-    if not isinstance(record, dict) or not isinstance(record.get("source"), dict):
+    if record is None:
         return False
-    source = record["source"]
-    table = tables.get(record.get("table")) if isinstance(record.get("table"), str) else None
+    table = tables.get(record.table)
     return (
-        source.get("location") == location
-        and source.get("revision") == commit
-        and record.get("direction") == "forward"
+        record.source.location == location
+        and record.source.revision == commit
+        and record.direction == "forward"
         and table is not None
-        and record.get("table_version") == table.version
+        and record.table_version == table.version
     )
 
 
-def pushed_record(repo: str) -> tuple[str | None, Any]:
+def pushed_record(repo: str) -> tuple[str | None, ConversionRecord | None]:
     """(head commit, conversion.json there) of `repo`'s default branch; (None, None) when the
-    repo does not exist yet, (head, None) when it has no conversion.json."""
+    repo does not exist yet, (head, None) when it has no conversion.json or what is there is
+    no record of this tool (model/record.py reads it strictly)."""
     hub = HubSpec(repo, None, explicit=True)
     try:
         head = resolve_commit(hub)
@@ -245,9 +245,9 @@ def pushed_record(repo: str) -> tuple[str | None, Any]:
         raise PushError(str(exc), path=f"{HUB_SCHEME}{repo}") from None
     raw = download(hub, head, CONVERSION_RECORD, PushError, missing_ok=True)
     try:
-        return head, None if raw is None else strictjson.loads(raw)
-    except strictjson.StrictJSONError:
-        return head, None  # records nothing, as read_record says of a local one
+        return head, None if raw is None else ConversionRecord.from_json(strictjson.loads(raw), f"{HUB_SCHEME}{repo}/{CONVERSION_RECORD}")
+    except (strictjson.StrictJSONError, RecordError):
+        return head, None  # records nothing, as ConversionRecord.find says of a local one
 
 
 def push(out: Path, repo: str, message: str, description: str, private: bool | None, head: str | None) -> str:
@@ -314,18 +314,18 @@ class _Job:
         head, pushed = pushed_record(target) if target else (None, None)
         if target and records(pushed, self.hub.location, commit, tables):
             return "skipped", {"reason": f"{HUB_SCHEME}{target} already records {_what(pushed)}"}
-        local = read_record(src.output / CONVERSION_RECORD)
+        local = ConversionRecord.find(src.output)
         if records(local, self.hub.location, commit, tables):
             if not target:
                 return "skipped", {"reason": f"{src.output} already records {_what(local)}"}
-            conversion, table = "reused", tables[local["table"]]
+            conversion, table = "reused", tables[local.table]
         else:
             inv, reader = open_hub_source(HubSpec(src.repo, commit, explicit=True))
             self.fetched = inv.header_bytes
             plan = plan_source(inv, reader, self.manifest.target)
             try:
                 # replacing is safe only over an earlier conversion (it has a conversion.json), never over anything else
-                result = run_plan(plan, reader, src.output, overwrite=local is not None, max_shard_size=self.manifest.max_shard_size)
+                result = run_plan(plan, reader, src.output, overwrite=(src.output / CONVERSION_RECORD).exists(), max_shard_size=self.manifest.max_shard_size)
             finally:
                 self.fetched = inv.header_bytes + reader.bytes_read
             conversion, table = result.status, tables[plan.table]
@@ -337,9 +337,9 @@ class _Job:
         return "converted", entry
 
 
-def _what(record: dict[str, Any]) -> str:
+def _what(record: ConversionRecord) -> str:
     """A conversion record that `records` accepted, as a skip reason names it."""
-    return f"source commit {record['source']['revision'][:12]} with table {record['table']} v{record['table_version']}"
+    return f"source commit {(record.source.revision or '')[:12]} with table {record.table} v{record.table_version}"
 
 
 def _write_report(path: Path, report: dict[str, Any]) -> None:

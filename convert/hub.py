@@ -469,4 +469,4 @@ def open_hub_source(spec: str | HubSpec) -> tuple[Inventory, HubReader | CachedH
     except BaseException:
         reader.close()
         raise
-    return Inventory(hub.location, config, tensors, {f: reader.sizes[f] for f in files}, header_bytes, revision=commit), reader
+    return Inventory(hub.location, config, tensors, {f: reader.sizes[f] for f in files}, header_bytes, revision=commit, config_bytes=raw_config), reader
