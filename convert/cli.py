@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 from dsv4 import __version__
-from dsv4.convert.exit_codes import INTERNAL_ERROR, INTERRUPTED, exit_code
+from dsv4.convert import interrupts
+from dsv4.convert.exit_codes import INTERNAL_ERROR, exit_code
 from dsv4.convert.sizes import shard_size
 from dsv4.mapping.table import installed_targets
 from dsv4.model.errors import DSV4Error
@@ -426,14 +427,29 @@ def main() -> None:
     """The entry point: every outcome is an exit code and at most one line on stderr.
 
     The tool's own errors carry their documented code; click's usage errors exit 2; Ctrl-C
-    exits 130. Anything else is a bug or an unclassified OS error: one line and exit 1, never a
-    traceback (unless DSV4_TRACEBACK=1)."""
+    exits 130 and SIGTERM 143, with the one line `interrupted` whenever the signal lands
+    (convert/interrupts.py). Anything else is a bug or an unclassified OS error: one line
+    and exit 1, never a traceback (unless DSV4_TRACEBACK=1)."""
     # numpy is no dependency of this tool; torch warns at import when it is absent
     warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
     _log_to_stderr()
+    interrupts.install()
     try:
-        cli(prog_name="convert-dsv4", standalone_mode=False)
+        _run_command()
+    except (click.exceptions.Abort, KeyboardInterrupt, interrupts.Interrupted) as exc:  # click turns Ctrl-C into Abort
+        interrupts.exit_interrupted(exc)
+    if interrupts.received() is not None:  # a signal the command swallowed (in a __del__): it still ends interrupted
+        interrupts.exit_interrupted()
+
+
+def _run_command() -> None:
+    """The command, its errors turned into their line and code (SystemExit); an interruption,
+    or an error a signal caused, is raised as Interrupted for main()."""
+    try:
+        with interrupts.running():
+            cli(prog_name="convert-dsv4", standalone_mode=False)
     except DSV4Error as exc:
+        interrupts.raise_if_interrupted()  # the error is what a signal left behind
         click.echo(f"error: {_escape_newlines(str(exc))}", err=True)
         sys.exit(exit_code(exc))
     except click.exceptions.Exit as exc:
@@ -448,13 +464,13 @@ def main() -> None:
     except click.ClickException as exc:
         exc.show()
         sys.exit(exc.exit_code)
-    except (click.exceptions.Abort, KeyboardInterrupt):  # click turns Ctrl-C into Abort
-        click.echo("interrupted", err=True)
-        sys.exit(INTERRUPTED)
+    except click.exceptions.Abort:  # click's form of a KeyboardInterrupt: main() ends it as interrupted
+        raise
     except BrokenPipeError:  # stdout closed early (`... --json | head`): nothing left to say
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's flush cannot fail again
         sys.exit(1)
     except Exception as exc:
+        interrupts.raise_if_interrupted()
         if os.environ.get(TRACEBACK_ENV) == "1":
             raise
         if isinstance(exc, OSError):
