@@ -264,6 +264,10 @@ class OutputClaim:
                 _remove(self.partial)
             self.partial.mkdir()
             write_record(state, fingerprint)
+        else:  # a kill inside write_record leaves its hidden temporary file: never published
+            for entry in self.partial.iterdir():
+                if entry.name.startswith("."):
+                    _remove(entry)
         return resumed
 
     def publish(self) -> None:
