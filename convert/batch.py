@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from dsv4 import __version__
+from dsv4.convert import interrupts
 from dsv4.convert.errors import ManifestError, PushError, WriteFailedError
 from dsv4.convert.exit_codes import exit_code
 from dsv4.convert.hub import hub_errors, open_hub_source, resolve_commit
@@ -373,6 +374,7 @@ def run_batch(
         try:
             outcome, entry = job.run()
         except Exception as exc:  # one repo's failure, whatever it is, must not stop the others
+            interrupts.raise_if_interrupted()  # but a signal stops them all, whatever error it caused
             outcome = "failed"
             code = exit_code(exc)
             reason = str(exc) if isinstance(exc, DSV4Error) else f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
