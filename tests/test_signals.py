@@ -7,13 +7,17 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+from dsv4.convert import check
 from dsv4.convert.pipeline import convert
+from inprocess import run_main
 
 # A test-only launcher (as in test_output_concurrency.py): one Python that has imported
 # the tool and run a conversion and a check once forks each round's command, which runs
@@ -30,7 +34,9 @@ torch.set_num_threads(1)
 from dsv4.convert import interrupts
 from dsv4.convert.check import run_checks
 from dsv4.convert.entry import main
+from dsv4.convert import check
 from dsv4.convert.pipeline import convert
+from inprocess import run_main
 from dsv4.convert.writer import ShardWriter
 
 spec = json.loads(sys.argv[1])
@@ -163,3 +169,22 @@ sys.exit(main())
 """
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert (done.returncode, done.stdout, done.stderr) == (INTERRUPTED[signum], "", "interrupted\n")
+
+
+def test_an_interruption_a_library_wrapped_in_its_own_error_is_no_finding_of_check(tiny_pair: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    read = check._read_tensor
+    signalled = []
+
+    def read_interrupted(*args: object) -> None:
+        if signalled:
+            return read(*args)
+        signalled.append(True)
+        try:
+            os.kill(os.getpid(), signal.SIGINT)  # one Ctrl-C while safetensors reads
+            time.sleep(1)
+        except BaseException as exc:  # as a Rust extension may report it: an Exception of its own
+            raise RuntimeError("read interrupted") from exc
+
+    monkeypatch.setattr(check, "_read_tensor", read_interrupted)
+    code, _, err = run_main(monkeypatch, capsys, "check", tiny_pair[1], "-q")
+    assert (code, err) == (130, "interrupted\n")  # not 72, "tensor ... unreadable"
