@@ -181,25 +181,35 @@ def load_manifest(path: str | Path, out_dir: str | Path | None = None) -> Manife
 
 
 def shard_from_env(num_shards: int | None, shard_index: int | None, env: Mapping[str, str] = os.environ) -> tuple[int, int]:
-    """(N, K): the options where given, else a Slurm array task ((SLURM_ARRAY_TASK_ID -
-    SLURM_ARRAY_TASK_MIN) / SLURM_ARRAY_TASK_STEP, of SLURM_ARRAY_TASK_COUNT) or a Kubernetes
-    indexed Job (JOB_COMPLETION_INDEX, with N from --num-shards / DSV4_NUM_SHARDS), else (1, 0)."""
+    """(N, K): the options where given (N also from DSV4_NUM_SHARDS), else a Slurm array task
+    ((SLURM_ARRAY_TASK_ID - SLURM_ARRAY_TASK_MIN) / SLURM_ARRAY_TASK_STEP, of
+    SLURM_ARRAY_TASK_COUNT) or a Kubernetes indexed Job (JOB_COMPLETION_INDEX, with N from
+    --num-shards / DSV4_NUM_SHARDS), else (1, 0). A variable that is set but unusable is a
+    ValueError naming it."""
 
-    def number(var: str) -> int:
+    def number(var: str, *, least: int) -> int:
         try:
-            return int(env[var])
+            value = int(env[var])
         except ValueError:
-            raise ValueError(f"{var}={env[var]!r} is not an integer") from None
+            value = None
+        if value is None or value < least:
+            raise ValueError(f"{var}={env[var]!r} is not {'a positive' if least == 1 else 'a non-negative'} integer")
+        return value
 
+    if num_shards is None and NUM_SHARDS_ENV in env:
+        num_shards = number(NUM_SHARDS_ENV, least=1)
     if shard_index is None:
         if "SLURM_ARRAY_TASK_ID" in env:
-            low = number("SLURM_ARRAY_TASK_MIN") if "SLURM_ARRAY_TASK_MIN" in env else 0
-            step = number("SLURM_ARRAY_TASK_STEP") if "SLURM_ARRAY_TASK_STEP" in env else 1
-            shard_index = (number("SLURM_ARRAY_TASK_ID") - low) // step
+            task = number("SLURM_ARRAY_TASK_ID", least=0)
+            low = number("SLURM_ARRAY_TASK_MIN", least=0) if "SLURM_ARRAY_TASK_MIN" in env else 0
+            step = number("SLURM_ARRAY_TASK_STEP", least=1) if "SLURM_ARRAY_TASK_STEP" in env else 1
+            if task < low or (task - low) % step:
+                raise ValueError(f"SLURM_ARRAY_TASK_ID={task} is not in the array SLURM_ARRAY_TASK_MIN={low}, SLURM_ARRAY_TASK_STEP={step} describe")
+            shard_index = (task - low) // step
             if num_shards is None and "SLURM_ARRAY_TASK_COUNT" in env:
-                num_shards = number("SLURM_ARRAY_TASK_COUNT")
+                num_shards = number("SLURM_ARRAY_TASK_COUNT", least=1)
         elif "JOB_COMPLETION_INDEX" in env:
-            shard_index = number("JOB_COMPLETION_INDEX")
+            shard_index = number("JOB_COMPLETION_INDEX", least=0)
             if num_shards is None:
                 raise ValueError(f"JOB_COMPLETION_INDEX is set but not the number of shards: pass --num-shards or set {NUM_SHARDS_ENV} to the Job's completions")
         elif num_shards not in (None, 1):

@@ -352,7 +352,7 @@ def synth_command(out: Path, preset: str | None, config_path: Path | None, varia
 @click.argument("manifest", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.option("--out-dir", type=click.Path(file_okay=False, path_type=Path), help="Root of the local outputs (default: the manifest's output.dir).")
 @click.option("--push", "push_to_hub", is_flag=True, help="Upload each output to the manifest's output.repo (HF_TOKEN or `hf auth login` with write access).")
-@click.option("--num-shards", type=click.IntRange(min=1), envvar="DSV4_NUM_SHARDS", help="Split the manifest into N shards [env DSV4_NUM_SHARDS; default: SLURM_ARRAY_TASK_COUNT, else 1].")
+@click.option("--num-shards", type=click.IntRange(min=1), help="Split the manifest into N shards [env DSV4_NUM_SHARDS; default: SLURM_ARRAY_TASK_COUNT, else 1].")
 @click.option("--shard-index", type=click.IntRange(min=0), help="This run's shard, 0..N-1 [default: the Slurm array task's place in its array, or JOB_COMPLETION_INDEX].")
 @click.option("--report", "report_path", type=click.Path(dir_okay=False, path_type=Path), help="JSON report [default: OUT_DIR/batch-report[-K-of-N].json].")
 @quiet_option

@@ -18,6 +18,7 @@ from dsv4.convert.errors import ConfigCheckError, ManifestError
 from dsv4.convert.pipeline import CONVERSION_RECORD, convert
 from dsv4.convert.synth import write_checkpoint
 from hubserver import FakeHub, hub_env, run_cli
+from inprocess import run_main
 
 TOKEN = "hf_fakeTokenThatMustNeverBeWritten1234"
 REPOS = ("org/alpha", "org/beta", "org/gamma")  # gamma starts broken (a half DSpark checkpoint: exit 35)
@@ -170,6 +171,7 @@ def test_select_shard_partitions_deterministically(count: int) -> None:
         ((None, None), {"SLURM_ARRAY_TASK_ID": "5", "SLURM_ARRAY_TASK_MIN": "4", "SLURM_ARRAY_TASK_COUNT": "3"}, (3, 1)),
         ((None, None), {"SLURM_ARRAY_TASK_ID": "7", "SLURM_ARRAY_TASK_MIN": "1", "SLURM_ARRAY_TASK_STEP": "3", "SLURM_ARRAY_TASK_COUNT": "4"}, (4, 2)),
         ((3, None), {"JOB_COMPLETION_INDEX": "2"}, (3, 2)),
+        ((None, None), {"JOB_COMPLETION_INDEX": "1", "DSV4_NUM_SHARDS": "2"}, (2, 1)),
     ],
 )
 def test_shard_from_env(options: tuple[int | None, int | None], env: dict[str, str], expected: tuple[int, int]) -> None:
@@ -183,11 +185,25 @@ def test_shard_from_env(options: tuple[int | None, int | None], env: dict[str, s
         ((2, None), {}, "--shard-index"),
         ((None, None), {"SLURM_ARRAY_TASK_ID": "x", "SLURM_ARRAY_TASK_COUNT": "2"}, "SLURM_ARRAY_TASK_ID"),
         ((2, 2), {}, "outside 0..1"),
+        # a variable set to what cannot split the manifest: named, never a ZeroDivisionError
+        ((None, None), {"SLURM_ARRAY_TASK_ID": "1", "SLURM_ARRAY_TASK_STEP": "0", "SLURM_ARRAY_TASK_COUNT": "2"}, "SLURM_ARRAY_TASK_STEP='0' is not a positive integer"),
+        ((None, None), {"SLURM_ARRAY_TASK_ID": "0", "SLURM_ARRAY_TASK_COUNT": "0"}, "SLURM_ARRAY_TASK_COUNT='0' is not a positive integer"),
+        ((None, None), {"SLURM_ARRAY_TASK_ID": "2", "SLURM_ARRAY_TASK_MIN": "1", "SLURM_ARRAY_TASK_STEP": "2", "SLURM_ARRAY_TASK_COUNT": "2"}, "SLURM_ARRAY_TASK_ID=2 is not in the array"),
+        ((None, None), {"JOB_COMPLETION_INDEX": "0", "DSV4_NUM_SHARDS": "abc"}, "DSV4_NUM_SHARDS='abc' is not a positive integer"),
+        ((None, None), {"JOB_COMPLETION_INDEX": "-1", "DSV4_NUM_SHARDS": "2"}, "JOB_COMPLETION_INDEX='-1' is not a non-negative integer"),
     ],
 )
 def test_shard_from_env_refuses_what_it_cannot_split_on(options: tuple[int | None, int | None], env: dict[str, str], words: str) -> None:
     with pytest.raises(ValueError, match=words):
         shard_from_env(*options, env=env)
+
+
+@pytest.mark.parametrize(("var", "value"), [("DSV4_NUM_SHARDS", "abc"), ("DSV4_NUM_SHARDS", "0")])
+def test_the_batch_command_names_the_variable_it_cannot_use(var: str, value: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv(var, value)
+    monkeypatch.setenv("JOB_COMPLETION_INDEX", "0")
+    code, _, err = run_main(monkeypatch, capsys, "batch", write_manifest(tmp_path / "batch.toml"))
+    assert code == 2 and err.startswith(f"error: {var}={value!r} is not a positive integer") and err.count("\n") == 1
 
 
 def test_manifest_forms_and_outputs(tmp_path: Path) -> None:
