@@ -23,7 +23,8 @@ from dsv4.convert import interrupts
 from dsv4.convert.exit_codes import INTERNAL_ERROR, exit_code
 from dsv4.convert.sizes import shard_size
 from dsv4.mapping.table import installed_targets
-from dsv4.model.errors import DSV4Error
+from dsv4.model.errors import DSV4Error, OutOfMemoryError
+from dsv4.model.memory import refuse_unless_torch_fits
 from dsv4.model.presets import PRESETS
 
 if TYPE_CHECKING:
@@ -78,6 +79,7 @@ class Device(click.ParamType):
     def convert(self, value: object, param: click.Parameter | None, ctx: click.Context | None) -> str | None:
         if value is None or value == "auto":
             return None
+        refuse_unless_torch_fits(f"--device {value}")
         import torch  # only commands that run the model take a device, and they import torch anyway
 
         try:
@@ -231,6 +233,7 @@ def check_command(directory: Path, native: Path | None, smoke: bool, fast: bool,
                 84 smoke  85 native parity
                 42 the --junit file could not be written (after the report is printed)
     """
+    refuse_unless_torch_fits("check")
     from dsv4.convert.check import run_checks  # start-up time
     from dsv4.convert.report import write_junit
 
@@ -263,6 +266,7 @@ def check_command(directory: Path, native: Path | None, smoke: bool, fast: bool,
 def smoke_command(out: Path, device: str | None, tokens: int, native: Path | None, min_top1: float, features: Path | None, anchor: int | None, position: int, seed: int, quiet: bool, as_json: bool) -> None:
     """Load converted checkpoint OUT into the bundled draft model and run one draft step
     (MTP: one step on TOKENS tokens; DSpark: one block drafted from a context)."""
+    refuse_unless_torch_fits("smoke")
     from dsv4.model.errors import SmokeCheckError
     from dsv4.model.loader import converted_config  # start-up time: torch and the kernels
     from dsv4.model.smoke import run_dspark_smoke, run_smoke
@@ -332,6 +336,7 @@ def _main_layers_arg(ctx: click.Context, param: click.Parameter, value: str) -> 
 @json_option
 def synth_command(out: Path, preset: str | None, config_path: Path | None, variant: str, main_layers: int | str, seed: int, sparse: bool, quiet: bool, as_json: bool) -> None:
     """Write a synthetic native DeepSeek V4 checkpoint to OUT."""
+    refuse_unless_torch_fits("synth")
     from dsv4.convert.synth import synthesize  # start-up time: torch
 
     if preset and config_path:
@@ -466,6 +471,9 @@ def _run_command() -> None:
         sys.exit(exc.exit_code)
     except click.exceptions.Abort:  # click's form of a KeyboardInterrupt: main() ends it as interrupted
         raise
+    except MemoryError:  # an allocation failed: the memory limit, not a bug
+        click.echo("error: not enough memory: an allocation failed; raise the memory limit", err=True)
+        sys.exit(exit_code(OutOfMemoryError("")))
     except BrokenPipeError:  # stdout closed early (`... --json | head`): nothing left to say
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's flush cannot fail again
         sys.exit(1)

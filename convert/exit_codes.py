@@ -23,6 +23,7 @@ TERMINATED = SIGNAL_EXIT_CODES[signal.SIGTERM]  # 143, SIGTERM (CI runners, Slur
 
 EXIT_CODES: dict[type[BaseException], int] = {
     model.DSV4Error: 1,
+    model.OutOfMemoryError: 3,
     # 10-19 reading the source checkpoint
     model.CheckpointError: 10,
     model.MissingShardError: 11,

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 from dsv4 import __version__
 from dsv4.model.config import ModelConfig
+from dsv4.model.memory import refuse_unless_torch_fits
 from dsv4.model.native import Layout
 from dsv4.model.strictjson import StrictJSONError, json_bytes, loads, read_record_bytes, write_record
 
@@ -81,6 +82,7 @@ def build_draft_model(cfg: ModelConfig) -> nn.Module:
     module classes; no memory): the DSpark drafter (mapping/README.md#dspark-v4-flash-0731)
     for a DSpark config, else the MTP draft (mapping/README.md#xpu-mtp-layout). The layout,
     the strict loader and the quantisation names all read this one model."""
+    refuse_unless_torch_fits("building the draft model's layout")
     import torch  # start-up time: only what builds the model pays for torch
     from dsv4.model.dspark import DSparkDraft
     from dsv4.model.mtp import DeepSeekV4MTP
