@@ -19,6 +19,7 @@ import string
 import time
 import tomllib
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -30,7 +31,7 @@ from dsv4.convert.errors import ManifestError, PushError, WriteFailedError
 from dsv4.convert.exit_codes import exit_code
 from dsv4.convert.hub import hub_errors, open_hub_source, resolve_commit
 from dsv4.convert.location import HUB_SCHEME, HubSpec, parse_hub_spec
-from dsv4.convert.output import CONVERSION_RECORD, read_record
+from dsv4.convert.output import CONVERSION_RECORD, hold_lock, read_record
 from dsv4.convert.pipeline import DEFAULT_MAX_SHARD, plan_source, run_plan
 from dsv4.convert.sizes import shard_size
 from dsv4.mapping.table import Table, installed_targets, load_table, tables_of_target
@@ -341,6 +342,18 @@ def _write_report(path: Path, report: dict[str, Any]) -> None:
         raise WriteFailedError(f"{path}: cannot write the batch report ({why})", path=str(path)) from None
 
 
+def _own_report(path: Path, stack: ExitStack) -> None:
+    """Hold the report file's lock (`.NAME.lock` beside it) until `stack` closes: a second
+    run that would write the same report (same manifest and out-dir, or the same --report)
+    is refused at once (47, naming the first run) instead of overwriting its report."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        stack.enter_context(hold_lock(path, path.parent / f".{path.name}.lock", path.parent / f".{path.name}.lock.owner", instead="pass --report FILE to write this run's report elsewhere"))
+    except OSError as exc:
+        why = f"{path.parent} is not a directory" if isinstance(exc, FileExistsError) else exc.strerror or str(exc)
+        raise WriteFailedError(f"{path}: cannot write the batch report ({why})", path=str(path)) from None
+
+
 def default_report_path(manifest: Manifest, num_shards: int, shard_index: int) -> Path:
     name = "batch-report.json" if num_shards == 1 else f"batch-report-{shard_index}-of-{num_shards}.json"
     return manifest.out_dir / name
@@ -378,25 +391,27 @@ def run_batch(
         "bytes_fetched": 0,
         "seconds": 0.0,
     }
-    for n, src in enumerate(mine, 1):
-        job = _Job(src, manifest, tables, push_to_hub)
-        t0 = time.monotonic()
-        try:
-            outcome, entry = job.run()
-        except Exception as exc:  # one repo's failure, whatever it is, must not stop the others
-            interrupts.raise_if_interrupted()  # but a signal stops them all, whatever error it caused
-            outcome = "failed"
-            code = exit_code(exc)
-            reason = str(exc) if isinstance(exc, DSV4Error) else f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
-            entry = {"reason": reason, "error": type(exc).__name__, "exit_code": code, **(exc.fields() if isinstance(exc, DSV4Error) else {})}
-        entry = {"repo": src.repo, "revision": src.revision, "commit": job.commit, "output": str(src.output), **entry, "bytes_fetched": job.fetched, "seconds": round(time.monotonic() - t0, 3)}
-        report[outcome].append(entry)
-        report["bytes_fetched"] += job.fetched
+    with ExitStack() as stack:
+        _own_report(report_path, stack)  # before anything is converted: one run per report file
+        for n, src in enumerate(mine, 1):
+            job = _Job(src, manifest, tables, push_to_hub)
+            t0 = time.monotonic()
+            try:
+                outcome, entry = job.run()
+            except Exception as exc:  # one repo's failure, whatever it is, must not stop the others
+                interrupts.raise_if_interrupted()  # but a signal stops them all, whatever error it caused
+                outcome = "failed"
+                code = exit_code(exc)
+                reason = str(exc) if isinstance(exc, DSV4Error) else f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
+                entry = {"reason": reason, "error": type(exc).__name__, "exit_code": code, **(exc.fields() if isinstance(exc, DSV4Error) else {})}
+            entry = {"repo": src.repo, "revision": src.revision, "commit": job.commit, "output": str(src.output), **entry, "bytes_fetched": job.fetched, "seconds": round(time.monotonic() - t0, 3)}
+            report[outcome].append(entry)
+            report["bytes_fetched"] += job.fetched
+            report["seconds"] = round(time.monotonic() - start, 3)
+            _write_report(report_path, report)
+            detail = entry.get("reason") or f"{entry['conversion']} -> {src.output} ({job.fetched:,} bytes fetched, {entry['seconds']:.1f} s)"
+            if echo is not None:
+                echo(f"[{n}/{len(mine)}] {src.key}: {outcome}: {detail}")
         report["seconds"] = round(time.monotonic() - start, 3)
         _write_report(report_path, report)
-        detail = entry.get("reason") or f"{entry['conversion']} -> {src.output} ({job.fetched:,} bytes fetched, {entry['seconds']:.1f} s)"
-        if echo is not None:
-            echo(f"[{n}/{len(mine)}] {src.key}: {outcome}: {detail}")
-    report["seconds"] = round(time.monotonic() - start, 3)
-    _write_report(report_path, report)
     return report

@@ -141,6 +141,42 @@ def _describe(owner: Any) -> str | None:
     return f"pid {pid} on host {host}, running since {since}"
 
 
+@contextmanager
+def hold_lock(what: Path, lock_path: Path, owner_path: Path, *, wait: bool = False, on_wait: Callable[[str], object] | None = None, instead: str = "pass --wait to wait for it") -> Iterator[tuple[int, int]]:
+    """Own `what` for the block through the lock file `lock_path` (filelock: flock), with an
+    owner record (pid, host, start) at `owner_path` so a refused run can name the owner.
+    Held by another run: OutputLockedError (47) naming it and saying what to do `instead`,
+    or with `wait` wait for it. Yields the lock file's (device, inode), by which the holder
+    can tell later that the file at `lock_path` is still the one it locked."""
+    lock = FileLock(lock_path)
+    deadline = time.monotonic() + OWNER_GRACE_SECONDS
+    while True:
+        try:
+            lock.acquire(timeout=0)
+            break
+        except Timeout:
+            holder = _describe(read_record(owner_path))
+            if holder is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+                continue
+            holder = holder or f"whose owner record {owner_path.name} is missing"
+            if not wait:
+                raise OutputLockedError(f"{what}: locked by another run ({holder}); nothing was changed; {instead}", path=str(what)) from None
+            if on_wait is not None:
+                on_wait(f"{what}: waiting for another run ({holder}) to release it")
+            lock.acquire()
+            break
+    try:
+        info = os.stat(lock_path)
+        write_record(owner_path, {"pid": os.getpid(), "host": socket.gethostname(), "since": datetime.now(UTC).isoformat(timespec="seconds")})
+        yield (info.st_dev, info.st_ino)
+    finally:
+        try:
+            owner_path.unlink(missing_ok=True)  # before the release: the next holder's record is never removed
+        finally:
+            lock.release()
+
+
 class OutputClaim:
     """OUT, owned by this run: its lock is held and leftovers of killed runs are gone.
 
@@ -160,34 +196,8 @@ class OutputClaim:
     # --- taking and releasing OUT ---------------------------------------------------------
     @contextmanager
     def _locked(self, wait: bool, on_wait: Callable[[str], object] | None) -> Iterator[None]:
-        lock = FileLock(self.lock_path)
-        deadline = time.monotonic() + OWNER_GRACE_SECONDS
-        while True:
-            try:
-                lock.acquire(timeout=0)
-                break
-            except Timeout:
-                holder = _describe(read_record(self.owner_path))
-                if holder is None and time.monotonic() < deadline:
-                    time.sleep(0.05)
-                    continue
-                holder = holder or f"whose owner record {self.owner_path.name} is missing"
-                if not wait:
-                    raise OutputLockedError(f"{self.out}: locked by another run ({holder}); nothing was changed; pass --wait to wait for it", path=str(self.out)) from None
-                if on_wait is not None:
-                    on_wait(f"{self.out}: waiting for another run ({holder}) to release it")
-                lock.acquire()
-                break
-        try:
-            info = os.stat(self.lock_path)
-            self._lock_file = (info.st_dev, info.st_ino)
-            write_record(self.owner_path, {"pid": os.getpid(), "host": socket.gethostname(), "since": datetime.now(UTC).isoformat(timespec="seconds")})
+        with hold_lock(self.out, self.lock_path, self.owner_path, wait=wait, on_wait=on_wait) as self._lock_file:
             yield
-        finally:
-            try:
-                self.owner_path.unlink(missing_ok=True)  # before the release: the next holder's record is never removed
-            finally:
-                lock.release()
 
     def ensure_owner(self) -> None:
         """Raise OutputLockedError (47) unless the lock file at OUT's lock path is still the

@@ -275,3 +275,35 @@ def test_run_check_uses_the_checker_where_installed(monkeypatch: pytest.MonkeyPa
 
     monkeypatch.setitem(sys.modules, "dsv4.convert.check", None)  # not installed
     assert run_check(tmp_path) == "unavailable"
+
+
+def test_a_second_run_on_the_same_report_is_refused_and_the_first_runs_report_is_kept(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    import os
+    import socket
+    import threading
+
+    from dsv4.convert.output import hold_lock
+
+    manifest = write_manifest(tmp_path / "batch.toml")
+    report = tmp_path / "out" / "batch-report.json"
+    report.parent.mkdir()
+    report.write_text('{"the first run": "its report"}\n')
+    taken, done = threading.Event(), threading.Event()
+
+    def first_run() -> None:  # holds the report as a batch run on this manifest and out-dir does
+        with hold_lock(report, report.parent / ".batch-report.json.lock", report.parent / ".batch-report.json.lock.owner"):
+            taken.set()
+            done.wait()
+
+    thread = threading.Thread(target=first_run)
+    thread.start()
+    assert taken.wait(30)
+    try:
+        code, _, err = run_main(monkeypatch, capsys, "batch", manifest)
+    finally:
+        done.set()
+        thread.join()
+    assert code == 47
+    assert err == f"error: {report}: locked by another run (pid {os.getpid()} on host {socket.gethostname()}, running since " + err.split("running since ")[1]
+    assert err.endswith("); nothing was changed; pass --report FILE to write this run's report elsewhere\n")
+    assert report.read_text() == '{"the first run": "its report"}\n' and not (tmp_path / "out" / "alpha-xpu").exists()
