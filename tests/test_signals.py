@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -142,7 +143,7 @@ def test_sigint_and_sigterm_at_random_moments_end_in_one_line_or_a_completed_run
             assert (code, err) == (0, ""), where
             completed += 1
         if code == 0 or r["late"]:  # the command finished: its result line is there
-            assert out.startswith(("converted", "resumed")) if r["kind"] == "convert" else out == f"{r['args'][1]}: OK: 7 passed, 0 failed, 2 skipped\n", where
+            assert out.startswith(("converted", "resumed")) if r["kind"] == "convert" else re.fullmatch(rf"{re.escape(r['args'][1])}: OK: \d+ passed, 0 failed, \d+ skipped\n", out), where
         if r["kind"] == "convert":  # the launcher's rerun resumed or found OUT up to date
             assert files(Path(r["target"])) == files(reference), where
             assert sorted(p.name for p in Path(r["target"]).parent.iterdir() if p.name.startswith(".")) == [".out.lock"], where
