@@ -35,9 +35,7 @@ torch.set_num_threads(1)
 from dsv4.convert import interrupts
 from dsv4.convert.check import run_checks
 from dsv4.convert.entry import main
-from dsv4.convert import check
 from dsv4.convert.pipeline import convert
-from inprocess import run_main
 from dsv4.convert.writer import ShardWriter
 
 spec = json.loads(sys.argv[1])
