@@ -56,9 +56,11 @@ took = {
 }
 interrupts.install()
 
+SIGNALS = {signal.SIGINT, signal.SIGTERM}
 def child(args, out, err, late):
     for fd, log in ((1, out), (2, err)):
         os.dup2(os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)  # a signal sent already lands now, its line in the log
     sys.argv = ["convert-dsv4", *args]
     code = 0
     try:
@@ -82,9 +84,11 @@ def child(args, out, err, late):
 rng = random.Random(spec["seed"])
 results = []
 for r in spec["rounds"]:
+    signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)  # until the child's output goes to its logs
     pid = os.fork()
     if pid == 0:
         child(r["args"], r["out"], r["err"], r.get("late"))
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)
     sent = []
     if not r.get("late"):
         time.sleep(rng.uniform(0, 1.2 * took[r["kind"]]))
