@@ -125,15 +125,20 @@ def fsync_dir(path: str | Path) -> None:
 
 
 def temp_path(path: Path) -> Path:
-    """The temporary file write_record fills beside `path` before renaming it over `path`
+    """The temporary file write_bytes fills beside `path` before renaming it over `path`
     (random, so two writers never share one). Its name is the longest one the writer
     creates: a caller checking the file system's name limit checks this one."""
     return path.parent / f".{path.name}.{secrets.token_hex(4)}.tmp"
 
 
 def write_record(path: str | Path, obj: Any) -> None:
-    """Write record `path` durably: a temporary file beside it, fsynced, renamed over it,
-    and the directory fsynced. A reader sees the old record or the new one, never half of
+    """Write record `path` durably (write_bytes) in the one serialisation (json_bytes)."""
+    write_bytes(path, json_bytes(obj))
+
+
+def write_bytes(path: str | Path, data: bytes) -> None:
+    """Write file `path` durably: a temporary file beside it, fsynced, renamed over it,
+    and the directory fsynced. A reader sees the old file or the new one, never half of
     one, and once this returns a crash of the machine keeps the new one. The file gets the
     mode any new file gets (0666 less the umask, as `cp` and the shards do): a service
     account that may read the shards may read the records. OSError as raised."""
@@ -143,7 +148,7 @@ def write_record(path: str | Path, obj: Any) -> None:
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(json_bytes(obj))
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
