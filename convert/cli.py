@@ -453,39 +453,39 @@ def main() -> None:
 def _run_command() -> None:
     """The command, its errors turned into their line and code (SystemExit); an interruption,
     or an error a signal caused, is raised as Interrupted for main()."""
-    try:
-        with interrupts.running():
+    with interrupts.running():  # errors are printed inside: a signal then still ends as `interrupted`
+        try:
             cli(prog_name="convert-dsv4", standalone_mode=False)
-    except DSV4Error as exc:
-        interrupts.raise_if_interrupted()  # the error is what a signal left behind
-        click.echo(f"error: {_escape_newlines(str(exc))}", err=True)
-        sys.exit(exit_code(exc))
-    except click.exceptions.Exit as exc:
-        sys.exit(exc.exit_code)
-    except click.UsageError as exc:  # one line like every other error, not click's usage block
-        if isinstance(exc, getattr(click.exceptions, "NoArgsIsHelpError", ())):  # click >= 8.2: no arguments means help
+        except DSV4Error as exc:
+            interrupts.raise_if_interrupted()  # the error is what a signal left behind
+            click.echo(f"error: {_escape_newlines(str(exc))}", err=True)
+            sys.exit(exit_code(exc))
+        except click.exceptions.Exit as exc:
+            sys.exit(exc.exit_code)
+        except click.UsageError as exc:  # one line like every other error, not click's usage block
+            if isinstance(exc, getattr(click.exceptions, "NoArgsIsHelpError", ())):  # click >= 8.2: no arguments means help
+                exc.show()
+                sys.exit(exc.exit_code)
+            hint = f" (see: {exc.ctx.command_path} --help)" if exc.ctx is not None else ""
+            click.echo(f"error: {_escape_newlines(exc.format_message())}{hint}", err=True)
+            sys.exit(exc.exit_code)
+        except click.ClickException as exc:
             exc.show()
             sys.exit(exc.exit_code)
-        hint = f" (see: {exc.ctx.command_path} --help)" if exc.ctx is not None else ""
-        click.echo(f"error: {_escape_newlines(exc.format_message())}{hint}", err=True)
-        sys.exit(exc.exit_code)
-    except click.ClickException as exc:
-        exc.show()
-        sys.exit(exc.exit_code)
-    except click.exceptions.Abort:  # click's form of a KeyboardInterrupt: main() ends it as interrupted
-        raise
-    except MemoryError:  # an allocation failed: the memory limit, not a bug
-        click.echo("error: not enough memory: an allocation failed; raise the memory limit", err=True)
-        sys.exit(exit_code(OutOfMemoryError("")))
-    except BrokenPipeError:  # stdout closed early (`... --json | head`): nothing left to say
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's flush cannot fail again
-        sys.exit(1)
-    except Exception as exc:
-        interrupts.raise_if_interrupted()
-        if os.environ.get(TRACEBACK_ENV) == "1":
+        except click.exceptions.Abort:  # click's form of a KeyboardInterrupt: main() ends it as interrupted
             raise
-        if isinstance(exc, OSError):
-            click.echo(_os_error(exc), err=True)
-        else:
-            click.echo(f"internal error: {type(exc).__name__}: {_one_line(exc)} (please report this bug with the command that caused it; {TRACEBACK_ENV}=1 shows the traceback)", err=True)
-        sys.exit(INTERNAL_ERROR)
+        except MemoryError:  # an allocation failed: the memory limit, not a bug
+            click.echo("error: not enough memory: an allocation failed; raise the memory limit", err=True)
+            sys.exit(exit_code(OutOfMemoryError("")))
+        except BrokenPipeError:  # stdout closed early (`... --json | head`): nothing left to say
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's flush cannot fail again
+            sys.exit(1)
+        except Exception as exc:
+            interrupts.raise_if_interrupted()
+            if os.environ.get(TRACEBACK_ENV) == "1":
+                raise
+            if isinstance(exc, OSError):
+                click.echo(_os_error(exc), err=True)
+            else:
+                click.echo(f"internal error: {type(exc).__name__}: {_one_line(exc)} (please report this bug with the command that caused it; {TRACEBACK_ENV}=1 shows the traceback)", err=True)
+            sys.exit(INTERNAL_ERROR)

@@ -96,8 +96,9 @@ def received() -> int | None:
 
 def raise_if_interrupted() -> None:
     """For a broad `except`: an error that a signal caused (a library wrapping the
-    interruption into its own exception) is the interruption, not a finding."""
-    if _State.received is not None:
+    interruption into its own exception) is the interruption, not a finding. Only while a
+    command runs: a library caller in a process whose command ended is not affected."""
+    if _State.running and _State.received is not None:
         raise Interrupted(_State.received)
 
 
