@@ -15,13 +15,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dsv4 import __version__
 from dsv4.convert.errors import SourceChangedError, WriteFailedError
 from dsv4.convert.execute import Executor, still_valid
 from dsv4.convert.inventory import Inventory, read_local_header
-from dsv4.convert.location import locate
+from dsv4.convert.location import HubSpec, locate
 from dsv4.convert.output import CONFIG, OutputClaim, claim_output, read_record
 from dsv4.convert.plan import Direction, Plan, PlannedTensor, choose_table, plan_conversion, plan_reverse
 from dsv4.convert.quant_config import carried_quantization
@@ -33,7 +33,9 @@ from dsv4.model import strictjson
 from dsv4.model.checkpoint import INDEX_NAME
 from dsv4.model.record import CONVERSION_RECORD, LAYOUT_RECORD, ConversionRecord, LayoutRecord, SourceRecord, TensorEntry, fingerprint_digest, runtime_config_fields, sha256_hex
 from dsv4.model.strictjson import write_bytes, write_record
-from huggingface_hub.utils import tqdm
+
+if TYPE_CHECKING:
+    from huggingface_hub.utils import tqdm
 
 DEFAULT_MAX_SHARD = 5 * 10**9
 
@@ -153,6 +155,8 @@ def progress_bar(total: int, done: int, quiet: bool) -> tqdm:
     """The bar over the output stream (tensors in write order); `done`: bytes an earlier run
     finished. Drawn only on a terminal, and not when HF_HUB_DISABLE_PROGRESS_BARS is set
     (huggingface_hub's tqdm). The kill tests wrap this function (tests/crashing_cli.py)."""
+    from huggingface_hub.utils import tqdm  # start-up time: brings the HTTP stack, which `plan` never needs
+
     return tqdm(total=total, initial=done, unit="B", unit_scale=True, unit_divisor=1024, desc="convert", disable=True if quiet else None)
 
 
@@ -260,7 +264,7 @@ def plan_source(inv: Inventory, reader: ByteReader, target: str, *, reverse: boo
         raise
 
 
-def convert(source: str | Path, out: str | Path, *, target: str = "xpu", reverse: bool = False, overwrite: bool = False, wait: bool = False, max_shard_size: int = DEFAULT_MAX_SHARD, quiet: bool = True) -> ConversionResult:
+def convert(source: str | Path | HubSpec, out: str | Path, *, target: str = "xpu", reverse: bool = False, overwrite: bool = False, wait: bool = False, max_shard_size: int = DEFAULT_MAX_SHARD, quiet: bool = True) -> ConversionResult:
     """Convert `source` (native checkpoint, or with reverse=True a converted one) into `out`.
 
     OUT is owned (checked safe, locked) before the source is planned and until the output
