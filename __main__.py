@@ -1,3 +1,3 @@
-from dsv4.convert.cli import main
+from dsv4.convert.entry import main
 
 main()

@@ -19,16 +19,19 @@ import string
 import time
 import tomllib
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from dsv4 import __version__
+from dsv4.convert import interrupts
 from dsv4.convert.errors import HubError, ManifestError, PushError, RepoNotFound, WriteFailedError
 from dsv4.convert.exit_codes import exit_code
 from dsv4.convert.hub import download, hub_errors, open_hub_source, resolve_commit
 from dsv4.convert.location import HUB_SCHEME, HubSpec, parse_hub_spec
+from dsv4.convert.output import hold_lock
 from dsv4.convert.pipeline import DEFAULT_MAX_SHARD, plan_source, run_plan
 from dsv4.convert.sizes import shard_size
 from dsv4.mapping.table import Table, installed_targets, load_table, tables_of_target
@@ -179,25 +182,35 @@ def load_manifest(path: str | Path, out_dir: str | Path | None = None) -> Manife
 
 
 def shard_from_env(num_shards: int | None, shard_index: int | None, env: Mapping[str, str] = os.environ) -> tuple[int, int]:
-    """(N, K): the options where given, else a Slurm array task ((SLURM_ARRAY_TASK_ID -
-    SLURM_ARRAY_TASK_MIN) / SLURM_ARRAY_TASK_STEP, of SLURM_ARRAY_TASK_COUNT) or a Kubernetes
-    indexed Job (JOB_COMPLETION_INDEX, with N from --num-shards / DSV4_NUM_SHARDS), else (1, 0)."""
+    """(N, K): the options where given (N also from DSV4_NUM_SHARDS), else a Slurm array task
+    ((SLURM_ARRAY_TASK_ID - SLURM_ARRAY_TASK_MIN) / SLURM_ARRAY_TASK_STEP, of
+    SLURM_ARRAY_TASK_COUNT) or a Kubernetes indexed Job (JOB_COMPLETION_INDEX, with N from
+    --num-shards / DSV4_NUM_SHARDS), else (1, 0). A variable that is set but unusable is a
+    ValueError naming it."""
 
-    def number(var: str) -> int:
+    def number(var: str, *, least: int) -> int:
         try:
-            return int(env[var])
+            value = int(env[var])
         except ValueError:
-            raise ValueError(f"{var}={env[var]!r} is not an integer") from None
+            value = None
+        if value is None or value < least:
+            raise ValueError(f"{var}={env[var]!r} is not {'a positive' if least == 1 else 'a non-negative'} integer")
+        return value
 
+    if num_shards is None and NUM_SHARDS_ENV in env:
+        num_shards = number(NUM_SHARDS_ENV, least=1)
     if shard_index is None:
         if "SLURM_ARRAY_TASK_ID" in env:
-            low = number("SLURM_ARRAY_TASK_MIN") if "SLURM_ARRAY_TASK_MIN" in env else 0
-            step = number("SLURM_ARRAY_TASK_STEP") if "SLURM_ARRAY_TASK_STEP" in env else 1
-            shard_index = (number("SLURM_ARRAY_TASK_ID") - low) // step
+            task = number("SLURM_ARRAY_TASK_ID", least=0)
+            low = number("SLURM_ARRAY_TASK_MIN", least=0) if "SLURM_ARRAY_TASK_MIN" in env else 0
+            step = number("SLURM_ARRAY_TASK_STEP", least=1) if "SLURM_ARRAY_TASK_STEP" in env else 1
+            if task < low or (task - low) % step:
+                raise ValueError(f"SLURM_ARRAY_TASK_ID={task} is not in the array SLURM_ARRAY_TASK_MIN={low}, SLURM_ARRAY_TASK_STEP={step} describe")
+            shard_index = (task - low) // step
             if num_shards is None and "SLURM_ARRAY_TASK_COUNT" in env:
-                num_shards = number("SLURM_ARRAY_TASK_COUNT")
+                num_shards = number("SLURM_ARRAY_TASK_COUNT", least=1)
         elif "JOB_COMPLETION_INDEX" in env:
-            shard_index = number("JOB_COMPLETION_INDEX")
+            shard_index = number("JOB_COMPLETION_INDEX", least=0)
             if num_shards is None:
                 raise ValueError(f"JOB_COMPLETION_INDEX is set but not the number of shards: pass --num-shards or set {NUM_SHARDS_ENV} to the Job's completions")
         elif num_shards not in (None, 1):
@@ -353,6 +366,18 @@ def _write_report(path: Path, report: dict[str, Any]) -> None:
         raise WriteFailedError(f"{path}: cannot write the batch report ({why})", path=str(path)) from None
 
 
+def _own_report(path: Path, stack: ExitStack) -> None:
+    """Hold the report file's lock (`.NAME.lock` beside it) until `stack` closes: a second
+    run that would write the same report (same manifest and out-dir, or the same --report)
+    is refused at once (47, naming the first run) instead of overwriting its report."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        stack.enter_context(hold_lock(path, path.parent / f".{path.name}.lock", path.parent / f".{path.name}.lock.owner", instead="pass --report FILE to write this run's report elsewhere"))
+    except OSError as exc:
+        why = f"{path.parent} is not a directory" if isinstance(exc, FileExistsError) else exc.strerror or str(exc)
+        raise WriteFailedError(f"{path}: cannot write the batch report ({why})", path=str(path)) from None
+
+
 def default_report_path(manifest: Manifest, num_shards: int, shard_index: int) -> Path:
     name = "batch-report.json" if num_shards == 1 else f"batch-report-{shard_index}-of-{num_shards}.json"
     return manifest.out_dir / name
@@ -390,24 +415,27 @@ def run_batch(
         "bytes_fetched": 0,
         "seconds": 0.0,
     }
-    for n, src in enumerate(mine, 1):
-        job = _Job(src, manifest, tables, push_to_hub)
-        t0 = time.monotonic()
-        try:
-            outcome, entry = job.run()
-        except Exception as exc:  # one repo's failure, whatever it is, must not stop the others
-            outcome = "failed"
-            code = exit_code(exc)
-            reason = str(exc) if isinstance(exc, DSV4Error) else f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
-            entry = {"reason": reason, "error": type(exc).__name__, "exit_code": code, **(exc.fields() if isinstance(exc, DSV4Error) else {})}
-        entry = {"repo": src.repo, "revision": src.revision, "commit": job.commit, "output": str(src.output), **entry, "bytes_fetched": job.fetched, "seconds": round(time.monotonic() - t0, 3)}
-        report[outcome].append(entry)
-        report["bytes_fetched"] += job.fetched
+    with ExitStack() as stack:
+        _own_report(report_path, stack)  # before anything is converted: one run per report file
+        for n, src in enumerate(mine, 1):
+            job = _Job(src, manifest, tables, push_to_hub)
+            t0 = time.monotonic()
+            try:
+                outcome, entry = job.run()
+            except Exception as exc:  # one repo's failure, whatever it is, must not stop the others
+                interrupts.raise_if_interrupted()  # but a signal stops them all, whatever error it caused
+                outcome = "failed"
+                code = exit_code(exc)
+                reason = str(exc) if isinstance(exc, DSV4Error) else f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
+                entry = {"reason": reason, "error": type(exc).__name__, "exit_code": code, **(exc.fields() if isinstance(exc, DSV4Error) else {})}
+            entry = {"repo": src.repo, "revision": src.revision, "commit": job.commit, "output": str(src.output), **entry, "bytes_fetched": job.fetched, "seconds": round(time.monotonic() - t0, 3)}
+            report[outcome].append(entry)
+            report["bytes_fetched"] += job.fetched
+            report["seconds"] = round(time.monotonic() - start, 3)
+            _write_report(report_path, report)
+            detail = entry.get("reason") or f"{entry['conversion']} -> {src.output} ({job.fetched:,} bytes fetched, {entry['seconds']:.1f} s)"
+            if echo is not None:
+                echo(f"[{n}/{len(mine)}] {src.key}: {outcome}: {detail}")
         report["seconds"] = round(time.monotonic() - start, 3)
         _write_report(report_path, report)
-        detail = entry.get("reason") or f"{entry['conversion']} -> {src.output} ({job.fetched:,} bytes fetched, {entry['seconds']:.1f} s)"
-        if echo is not None:
-            echo(f"[{n}/{len(mine)}] {src.key}: {outcome}: {detail}")
-    report["seconds"] = round(time.monotonic() - start, 3)
-    _write_report(report_path, report)
     return report

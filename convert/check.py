@@ -50,6 +50,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from dsv4.convert import interrupts
 from dsv4.convert.errors import (
     CheckError,
     ChecksumMismatchError,
@@ -222,12 +223,14 @@ def check_readable(ctx: _Context, details: dict[str, Any]) -> str:
                     digest = None if ctx.fast else hashlib.sha256()
                     try:
                         _read_tensor(ctx.root / file, fd, src, digest)
-                    except Exception as exc:  # any failure to read is this check's finding
+                    except Exception as exc:  # any failure to read is this check's finding,
+                        interrupts.raise_if_interrupted()  # unless a signal caused it: a cancelled run never blames the checkpoint
                         failed[src.name] = f"{file}: tensor {src.name}: {_first_line(exc)}"
                         continue
                     if digest is not None:
                         ctx.hashes[src.name] = digest.hexdigest()
         except Exception as exc:  # safetensors refusing the whole file
+            interrupts.raise_if_interrupted()
             for src in tensors:
                 failed.setdefault(src.name, f"{file}: {_first_line(exc)}")
         finally:
@@ -533,6 +536,7 @@ def check_smoke(ctx: _Context, details: dict[str, Any]) -> str:
         # DSpark: one draft block from a context of `tokens` random target features
         report = run_dspark_smoke(ctx.root, ctx.device, ctx.tokens, reference_dir=ctx.native, load=load) if dspark else run_smoke(ctx.root, ctx.device, ctx.tokens, ctx.native, load=load)
     except Exception as exc:  # a failed load or forward, whatever raised it, is this check's finding
+        interrupts.raise_if_interrupted()
         said = _first_line(exc)
         raise SmokeFailedError(said if str(ctx.root) in said else f"{ctx.root}: {said}") from None
     ctx.smoke_report = report

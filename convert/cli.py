@@ -19,10 +19,12 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 from dsv4 import __version__
-from dsv4.convert.exit_codes import INTERNAL_ERROR, INTERRUPTED, exit_code
+from dsv4.convert import interrupts
+from dsv4.convert.exit_codes import INTERNAL_ERROR, exit_code
 from dsv4.convert.sizes import shard_size
 from dsv4.mapping.table import installed_targets
-from dsv4.model.errors import DSV4Error
+from dsv4.model.errors import DSV4Error, OutOfMemoryError
+from dsv4.model.memory import refuse_unless_torch_fits
 from dsv4.model.presets import PRESETS
 
 if TYPE_CHECKING:
@@ -78,6 +80,7 @@ class Device(click.ParamType):
     def convert(self, value: object, param: click.Parameter | None, ctx: click.Context | None) -> str | None:
         if value is None or value == "auto":
             return None
+        refuse_unless_torch_fits(f"--device {value}")
         import torch  # only commands that run the model take a device, and they import torch anyway
 
         try:
@@ -245,6 +248,7 @@ def check_command(directory: Path, native: Path | None, smoke: bool, fast: bool,
                 84 smoke  85 native parity  86 --serve-with: the target builds the draft otherwise
                 42 the --junit file could not be written (after the report is printed)
     """
+    refuse_unless_torch_fits("check")
     from dsv4.convert.check import run_checks  # start-up time
     from dsv4.convert.report import write_junit
 
@@ -277,6 +281,7 @@ def check_command(directory: Path, native: Path | None, smoke: bool, fast: bool,
 def smoke_command(out: Path, device: str | None, tokens: int, native: Path | None, min_top1: float, features: Path | None, anchor: int | None, position: int, seed: int, quiet: bool, as_json: bool) -> None:
     """Load converted checkpoint OUT into the bundled draft model and run one draft step
     (MTP: one step on TOKENS tokens; DSpark: one block drafted from a context)."""
+    refuse_unless_torch_fits("smoke")
     from dsv4.convert.inmemory import model_loader
     from dsv4.model.errors import SmokeCheckError
     from dsv4.model.loader import converted_config  # start-up time: torch and the kernels
@@ -348,6 +353,7 @@ def _main_layers_arg(ctx: click.Context, param: click.Parameter, value: str) -> 
 @json_option
 def synth_command(out: Path, preset: str | None, config_path: Path | None, variant: str, main_layers: int | str, seed: int, sparse: bool, quiet: bool, as_json: bool) -> None:
     """Write a synthetic native DeepSeek V4 checkpoint to OUT."""
+    refuse_unless_torch_fits("synth")
     from dsv4.convert.synth import synthesize  # start-up time: torch
 
     if preset and config_path:
@@ -368,7 +374,7 @@ def synth_command(out: Path, preset: str | None, config_path: Path | None, varia
 @click.argument("manifest", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.option("--out-dir", type=click.Path(file_okay=False, path_type=Path), help="Root of the local outputs (default: the manifest's output.dir).")
 @click.option("--push", "push_to_hub", is_flag=True, help="Upload each output to the manifest's output.repo (HF_TOKEN or `hf auth login` with write access).")
-@click.option("--num-shards", type=click.IntRange(min=1), envvar="DSV4_NUM_SHARDS", help="Split the manifest into N shards [env DSV4_NUM_SHARDS; default: SLURM_ARRAY_TASK_COUNT, else 1].")
+@click.option("--num-shards", type=click.IntRange(min=1), help="Split the manifest into N shards [env DSV4_NUM_SHARDS; default: SLURM_ARRAY_TASK_COUNT, else 1].")
 @click.option("--shard-index", type=click.IntRange(min=0), help="This run's shard, 0..N-1 [default: the Slurm array task's place in its array, or JOB_COMPLETION_INDEX].")
 @click.option("--report", "report_path", type=click.Path(dir_okay=False, path_type=Path), help="JSON report [default: OUT_DIR/batch-report[-K-of-N].json].")
 @quiet_option
@@ -443,39 +449,57 @@ def main() -> None:
     """The entry point: every outcome is an exit code and at most one line on stderr.
 
     The tool's own errors carry their documented code; click's usage errors exit 2; Ctrl-C
-    exits 130. Anything else is a bug or an unclassified OS error: one line and exit 1, never a
-    traceback (unless DSV4_TRACEBACK=1)."""
+    exits 130 and SIGTERM 143, with the one line `interrupted` whenever the signal lands
+    (convert/interrupts.py). Anything else is a bug or an unclassified OS error: one line
+    and exit 1, never a traceback (unless DSV4_TRACEBACK=1)."""
     # numpy is no dependency of this tool; torch warns at import when it is absent
     warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
     _log_to_stderr()
+    interrupts.install()
     try:
-        cli(prog_name="convert-dsv4", standalone_mode=False)
-    except DSV4Error as exc:
-        click.echo(f"error: {_escape_newlines(str(exc))}", err=True)
-        sys.exit(exit_code(exc))
-    except click.exceptions.Exit as exc:
-        sys.exit(exc.exit_code)
-    except click.UsageError as exc:  # one line like every other error, not click's usage block
-        if isinstance(exc, getattr(click.exceptions, "NoArgsIsHelpError", ())):  # click >= 8.2: no arguments means help
+        _run_command()
+    except (click.exceptions.Abort, KeyboardInterrupt, interrupts.Interrupted) as exc:  # click turns Ctrl-C into Abort
+        interrupts.exit_interrupted(exc)
+    if interrupts.received() is not None:  # a signal the command swallowed (in a __del__): it still ends interrupted
+        interrupts.exit_interrupted()
+
+
+def _run_command() -> None:
+    """The command, its errors turned into their line and code (SystemExit); an interruption,
+    or an error a signal caused, is raised as Interrupted for main()."""
+    with interrupts.running():  # errors are printed inside: a signal then still ends as `interrupted`
+        try:
+            cli(prog_name="convert-dsv4", standalone_mode=False)
+        except DSV4Error as exc:
+            interrupts.raise_if_interrupted()  # the error is what a signal left behind
+            click.echo(f"error: {_escape_newlines(str(exc))}", err=True)
+            sys.exit(exit_code(exc))
+        except click.exceptions.Exit as exc:
+            sys.exit(exc.exit_code)
+        except click.UsageError as exc:  # one line like every other error, not click's usage block
+            if isinstance(exc, getattr(click.exceptions, "NoArgsIsHelpError", ())):  # click >= 8.2: no arguments means help
+                exc.show()
+                sys.exit(exc.exit_code)
+            hint = f" (see: {exc.ctx.command_path} --help)" if exc.ctx is not None else ""
+            click.echo(f"error: {_escape_newlines(exc.format_message())}{hint}", err=True)
+            sys.exit(exc.exit_code)
+        except click.ClickException as exc:
             exc.show()
             sys.exit(exc.exit_code)
-        hint = f" (see: {exc.ctx.command_path} --help)" if exc.ctx is not None else ""
-        click.echo(f"error: {_escape_newlines(exc.format_message())}{hint}", err=True)
-        sys.exit(exc.exit_code)
-    except click.ClickException as exc:
-        exc.show()
-        sys.exit(exc.exit_code)
-    except (click.exceptions.Abort, KeyboardInterrupt):  # click turns Ctrl-C into Abort
-        click.echo("interrupted", err=True)
-        sys.exit(INTERRUPTED)
-    except BrokenPipeError:  # stdout closed early (`... --json | head`): nothing left to say
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's flush cannot fail again
-        sys.exit(1)
-    except Exception as exc:
-        if os.environ.get(TRACEBACK_ENV) == "1":
+        except click.exceptions.Abort:  # click's form of a KeyboardInterrupt: main() ends it as interrupted
             raise
-        if isinstance(exc, OSError):
-            click.echo(_os_error(exc), err=True)
-        else:
-            click.echo(f"internal error: {type(exc).__name__}: {_one_line(exc)} (please report this bug with the command that caused it; {TRACEBACK_ENV}=1 shows the traceback)", err=True)
-        sys.exit(INTERNAL_ERROR)
+        except MemoryError:  # an allocation failed: the memory limit, not a bug
+            click.echo("error: not enough memory: an allocation failed; raise the memory limit", err=True)
+            sys.exit(exit_code(OutOfMemoryError("")))
+        except BrokenPipeError:  # stdout closed early (`... --json | head`): nothing left to say
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's flush cannot fail again
+            sys.exit(1)
+        except Exception as exc:
+            interrupts.raise_if_interrupted()
+            if os.environ.get(TRACEBACK_ENV) == "1":
+                raise
+            if isinstance(exc, OSError):
+                click.echo(_os_error(exc), err=True)
+            else:
+                click.echo(f"internal error: {type(exc).__name__}: {_one_line(exc)} (please report this bug with the command that caused it; {TRACEBACK_ENV}=1 shows the traceback)", err=True)
+            sys.exit(INTERNAL_ERROR)

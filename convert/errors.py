@@ -28,6 +28,11 @@ class DuplicateTargetError(PlanError):
     pass
 
 
+class SourceChangedError(PlanError):
+    """A source file changed (rewritten, replaced, resized) between planning and publishing:
+    the plan no longer describes it, so the output is not published."""
+
+
 class QuantCarryError(PlanError):
     """The source quantization_config cannot be carried to the draft's layer names unchanged."""
 

@@ -6,7 +6,10 @@ An error without a row of its own takes its nearest listed ancestor's code."""
 
 from __future__ import annotations
 
+import signal
+
 from dsv4.convert import errors as convert
+from dsv4.convert.interrupts import EXIT_CODES as SIGNAL_EXIT_CODES
 from dsv4.mapping import errors as mapping
 from dsv4.model import errors as model
 from dsv4.model.config import ConfigError, ConfigFieldError, UnsupportedConfig
@@ -14,10 +17,13 @@ from dsv4.model.config import ConfigError, ConfigFieldError, UnsupportedConfig
 OK = 0
 INTERNAL_ERROR = 1  # a bug, or an OS error no part of the tool classified
 USAGE = 2  # click's usage errors
-INTERRUPTED = 130
+# a signal ended the command (convert/interrupts.py keeps them: it must load before anything else)
+INTERRUPTED = SIGNAL_EXIT_CODES[signal.SIGINT]  # 130, Ctrl-C
+TERMINATED = SIGNAL_EXIT_CODES[signal.SIGTERM]  # 143, SIGTERM (CI runners, Slurm, Kubernetes)
 
 EXIT_CODES: dict[type[BaseException], int] = {
     model.DSV4Error: 1,
+    model.OutOfMemoryError: 3,
     # 10-19 reading the source checkpoint
     model.CheckpointError: 10,
     model.MissingShardError: 11,
@@ -39,7 +45,7 @@ EXIT_CODES: dict[type[BaseException], int] = {
     mapping.DuplicateTargetRuleError: 23,
     mapping.DeadRuleError: 24,
     mapping.UnknownTargetError: 25,
-    # 30-35 planning
+    # 30-36 planning
     convert.PlanError: 30,
     convert.UncoveredKeyError: 31,
     convert.MissingSourceError: 32,
@@ -47,6 +53,7 @@ EXIT_CODES: dict[type[BaseException], int] = {
     convert.DuplicateTargetError: 34,
     model.UnsupportedLayoutError: 35,
     UnsupportedConfig: 35,
+    convert.SourceChangedError: 36,
     # 40-48 the output directory
     convert.OutputError: 40,
     convert.OutputExistsError: 41,

@@ -30,7 +30,7 @@ from typing import Any
 from dsv4.convert.errors import OutputExistsError, OutputInSourceError, OutputIsSourceError, OutputLockedError, OutputParentError, OverwriteRefusedError, SourceInOutputError, WriteFailedError
 from dsv4.model.checkpoint import INDEX_NAME
 from dsv4.model.record import CONVERSION_RECORD, LAYOUT_RECORD, TOOL, ConversionRecord, LayoutRecord, RecordError
-from dsv4.model.strictjson import StrictJSONError, fsync_dir, json_bytes, loads, read_record_bytes, write_record
+from dsv4.model.strictjson import StrictJSONError, fsync_dir, json_bytes, loads, read_record_bytes, temp_path, write_record
 from filelock import FileLock, Timeout
 
 CONFIG = "config.json"
@@ -43,6 +43,7 @@ PARTIAL, LOCK, OWNER, OLD = "partial", "lock", "lock.owner", "old-"
 # A run that just took the lock writes its owner record a moment later; a refused run
 # looks this long for that record before it says the owner is unknown.
 OWNER_GRACE_SECONDS = 2.0
+NAME_MAX = 255  # bytes per file name, where the file system does not say (Linux's ext4, xfs, btrfs)
 
 
 def read_record(path: Path) -> dict[str, Any] | None:
@@ -93,6 +94,22 @@ def resolve_output(out: Path, source: Path | None) -> Path:
     return real
 
 
+def _refuse_names_too_long(out: Path, real: Path) -> None:
+    """Refuse, before anything is created, an OUT whose hidden siblings' names (longer than
+    OUT's own) exceed the file system's limit on a name: one would fail midway."""
+    ancestor = real.parent
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    try:
+        limit = os.pathconf(ancestor, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        limit = NAME_MAX
+    names = [real.name, *(_sibling(real, s).name for s in (PARTIAL, LOCK, f"{OLD}{os.getpid()}")), temp_path(_sibling(real, OWNER)).name]
+    longest = max(names, key=lambda n: len(os.fsencode(n)))
+    if len(os.fsencode(longest)) > limit:
+        raise WriteFailedError(f"{out}: the name is too long: this run writes {longest!r} beside it, {len(os.fsencode(longest))} bytes, and {ancestor}'s file system allows {limit} bytes per name; nothing was changed: choose a name {len(os.fsencode(longest)) - limit} bytes shorter", path=str(out))
+
+
 def _sibling(real: Path, suffix: str) -> Path:
     return real.parent / f".{real.name}.{suffix}"
 
@@ -122,6 +139,42 @@ def _describe(owner: Any) -> str | None:
     return f"pid {pid} on host {host}, running since {since}"
 
 
+@contextmanager
+def hold_lock(what: Path, lock_path: Path, owner_path: Path, *, wait: bool = False, on_wait: Callable[[str], object] | None = None, instead: str = "pass --wait to wait for it") -> Iterator[tuple[int, int]]:
+    """Own `what` for the block through the lock file `lock_path` (filelock: flock), with an
+    owner record (pid, host, start) at `owner_path` so a refused run can name the owner.
+    Held by another run: OutputLockedError (47) naming it and saying what to do `instead`,
+    or with `wait` wait for it. Yields the lock file's (device, inode), by which the holder
+    can tell later that the file at `lock_path` is still the one it locked."""
+    lock = FileLock(lock_path)
+    deadline = time.monotonic() + OWNER_GRACE_SECONDS
+    while True:
+        try:
+            lock.acquire(timeout=0)
+            break
+        except Timeout:
+            holder = _describe(read_record(owner_path))
+            if holder is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+                continue
+            holder = holder or f"whose owner record {owner_path.name} is missing"
+            if not wait:
+                raise OutputLockedError(f"{what}: locked by another run ({holder}); nothing was changed; {instead}", path=str(what)) from None
+            if on_wait is not None:
+                on_wait(f"{what}: waiting for another run ({holder}) to release it")
+            lock.acquire()
+            break
+    try:
+        info = os.stat(lock_path)
+        write_record(owner_path, {"pid": os.getpid(), "host": socket.gethostname(), "since": datetime.now(UTC).isoformat(timespec="seconds")})
+        yield (info.st_dev, info.st_ino)
+    finally:
+        try:
+            owner_path.unlink(missing_ok=True)  # before the release: the next holder's record is never removed
+        finally:
+            lock.release()
+
+
 class OutputClaim:
     """OUT, owned by this run: its lock is held and leftovers of killed runs are gone.
 
@@ -136,36 +189,30 @@ class OutputClaim:
         self.journal = self.partial / JOURNAL
         self._aside: Path | None = None  # the previous output, while it is being replaced
         self.published = False
+        self._lock_file: tuple[int, int] | None = None  # device and inode of the lock file we hold
 
     # --- taking and releasing OUT ---------------------------------------------------------
     @contextmanager
     def _locked(self, wait: bool, on_wait: Callable[[str], object] | None) -> Iterator[None]:
-        lock = FileLock(self.lock_path)
-        deadline = time.monotonic() + OWNER_GRACE_SECONDS
-        while True:
-            try:
-                lock.acquire(timeout=0)
-                break
-            except Timeout:
-                holder = _describe(read_record(self.owner_path))
-                if holder is None and time.monotonic() < deadline:
-                    time.sleep(0.05)
-                    continue
-                holder = holder or f"whose owner record {self.owner_path.name} is missing"
-                if not wait:
-                    raise OutputLockedError(f"{self.out}: locked by another run ({holder}); nothing was changed; pass --wait to wait for it", path=str(self.out)) from None
-                if on_wait is not None:
-                    on_wait(f"{self.out}: waiting for another run ({holder}) to release it")
-                lock.acquire()
-                break
-        try:
-            write_record(self.owner_path, {"pid": os.getpid(), "host": socket.gethostname(), "since": datetime.now(UTC).isoformat(timespec="seconds")})
+        with hold_lock(self.out, self.lock_path, self.owner_path, wait=wait, on_wait=on_wait) as self._lock_file:
             yield
-        finally:
-            try:
-                self.owner_path.unlink(missing_ok=True)  # before the release: the next holder's record is never removed
-            finally:
-                lock.release()
+
+    def ensure_owner(self) -> None:
+        """Raise OutputLockedError (47) unless the lock file at OUT's lock path is still the
+        one this run locked. Removed by hand (or replaced), it no longer keeps another run
+        out: that run may own OUT now, so this one must not write on or publish."""
+        try:
+            info = os.stat(self.lock_path)
+            now: tuple[int, int] | None = (info.st_dev, info.st_ino)
+        except FileNotFoundError:
+            now = None
+        if now != self._lock_file:
+            raise OutputLockedError(f"{self.out}: its lock file {self.lock_path} was {'removed' if now is None else 'replaced'} while this run held it, so another run may own OUT; this run stopped without publishing", path=str(self.out))
+
+    def discard_partial(self) -> None:
+        """Remove the partial directory and its resume state: its work must not be resumed."""
+        if os.path.lexists(self.partial):
+            _remove(self.partial)
 
     def _clean_leftovers(self) -> None:
         """Remove what killed runs left beside OUT: previous outputs caught between the two
@@ -231,11 +278,17 @@ class OutputClaim:
                 _remove(self.partial)
             self.partial.mkdir()
             write_record(state, fingerprint)
+        else:  # a kill inside write_record leaves its hidden temporary file: never published
+            for entry in self.partial.iterdir():
+                if entry.name.startswith("."):
+                    _remove(entry)
         return resumed
 
     def publish(self) -> None:
         """Turn the complete partial directory into OUT: one rename, or with a previous
-        output two (OUT aside, partial into place) and the removal of the previous one."""
+        output two (OUT aside, partial into place) and the removal of the previous one.
+        Only while this run's lock file is still in place (`ensure_owner`)."""
+        self.ensure_owner()
         (self.partial / JOURNAL).unlink(missing_ok=True)
         (self.partial / STATE).unlink(missing_ok=True)
         fsync_dir(self.partial)
@@ -283,6 +336,7 @@ def claim_output(out: str | Path, *, source: Path | None = None, wait: bool = Fa
     out = Path(out)
     try:
         claim = OutputClaim(out, resolve_output(out, source))
+        _refuse_names_too_long(out, claim.path)
     except OSError as exc:
         raise WriteFailedError(f"{exc.filename or out}: {exc.strerror or exc}; nothing was changed", path=str(exc.filename or out)) from None
     try:

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dsv4 import __version__
-from dsv4.convert.errors import WriteFailedError
+from dsv4.convert.errors import SourceChangedError, WriteFailedError
 from dsv4.convert.execute import Executor, still_valid
 from dsv4.convert.inventory import Inventory, read_local_header
 from dsv4.convert.location import HubSpec, locate
@@ -193,6 +193,7 @@ def _write_output(plan: Plan, reader: ByteReader, claim: OutputClaim, *, overwri
             jobs: list[tuple[PlannedTensor, ShardWriter]] = []
             writers: list[ShardWriter] = []
             for tensors, name in zip(shards, names):
+                claim.ensure_owner()  # never open a shard in a partial directory another run may own now
                 specs = [TensorSpec(t.name, t.dtype, t.shape) for t in tensors]
                 writer = open_shards.enter_context(ShardWriter(partial / name, specs, {"format": "pt"}, resume=resumed))
                 writers.append(writer)
@@ -212,7 +213,12 @@ def _write_output(plan: Plan, reader: ByteReader, claim: OutputClaim, *, overwri
         # the journal is closed: nothing writes into the partial directory once it is OUT
         _verify(partial, shards, names, journal)
         _write_records(plan, config, partial, shards, names, journal, fingerprint, _published_source(plan, reader))
+        if isinstance(reader, LocalReader):  # a hub source is pinned to its commit
+            reader.verify_unchanged([CONFIG, INDEX_NAME, *plan.files_needed])
         claim.publish()
+    except SourceChangedError:
+        claim.discard_partial()  # its tensors may hold bytes of either version: a rerun starts over
+        raise
     except OSError as exc:
         raise claim.write_failed(exc) from None
     finally:

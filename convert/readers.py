@@ -14,6 +14,7 @@ import threading
 from pathlib import Path
 from typing import Protocol
 
+from dsv4.convert.errors import SourceChangedError
 from dsv4.model.errors import MissingShardError, TruncatedShardError
 
 
@@ -30,6 +31,13 @@ class ByteReader(Protocol):
     def close(self) -> None: ...
 
 
+def _identity(info: os.stat_result) -> tuple[int, int, int, int, int]:
+    """What changes when a file is rewritten, in place or by a rename over it: device and
+    inode, size, modification time, and the inode's change time (which no user can set
+    back, unlike the modification time)."""
+    return (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns)
+
+
 # Direct I/O wants the file offset, the length and the buffer's address aligned to the
 # device's logical block: 4096 covers every block size Linux file systems use (512, 4096).
 DIRECT_ALIGN = 4096
@@ -42,7 +50,11 @@ class LocalReader:
     copy fewer than a read through the page cache (where the CPU copies every byte once
     more), no page-cache churn, and the disk kept busy by several requests at once
     (`parallel_reads`) instead of the kernel's read-ahead behind one reader. A file system
-    without direct I/O (EINVAL) is read through the page cache, as `read_into` does."""
+    without direct I/O (EINVAL) is read through the page cache, as `read_into` does.
+
+    It notes every file's identity when it is made, before the inventory reads a header, so
+    `verify_unchanged` can tell, before an output is published, that a file it read was
+    rewritten meanwhile."""
 
     parallel_reads = 4  # direct reads in flight: no kernel read-ahead queues more for us
 
@@ -53,6 +65,12 @@ class LocalReader:
         self._direct_fds: dict[str, int | None] = {}  # None: this file system refused O_DIRECT at open
         self._buffered: set[str] = set()  # files whose file system refused a direct read
         self._lock = threading.Lock()  # guards the fd tables and bytes_read (several reader threads)
+        self._identities: dict[str, tuple[int, int, int, int, int]] = {}
+        try:
+            with os.scandir(self.root) as entries:
+                self._identities = {e.name: _identity(e.stat()) for e in entries if e.is_file()}
+        except OSError:
+            pass  # a directory we may not list (mode 0111): files are noted when fingerprinted
 
     def _open(self, file: str, flags: int) -> int:
         try:
@@ -124,7 +142,28 @@ class LocalReader:
 
     def fingerprint(self, files: list[str]) -> dict[str, object]:
         stats = {f: (self.root / f).stat() for f in files}
+        for f, info in stats.items():
+            self._identities.setdefault(f, _identity(info))
         return {"location": str(self.root.resolve()), "files": {f: s.st_size for f, s in stats.items()}, "mtime_ns": {f: s.st_mtime_ns for f, s in stats.items()}}
+
+    def verify_unchanged(self, files: list[str]) -> None:
+        """Raise SourceChangedError (one line naming the file) when one of `files` is not
+        the file it was when this reader was made: another size, modification or change
+        time, or another inode (replaced), whether read through its path or our open fd."""
+        for file in files:
+            noted = self._identities.get(file)
+            if noted is None:
+                continue  # not there when planned (a single-file checkpoint has no index)
+            path = self.root / file
+            try:
+                now = [_identity(os.stat(path))]
+            except FileNotFoundError:
+                now = []
+            now += [_identity(os.fstat(fd)) for fd in (self._fds.get(file), self._direct_fds.get(file)) if fd is not None]
+            changed = next((n for n in now if n != noted), None)
+            if not now or changed is not None:
+                what = "was removed" if not now else _what_changed(noted, changed)
+                raise SourceChangedError(f"{path}: the source file {what} during the conversion; nothing was published: rerun once the source no longer changes", path=str(path))
 
     def close(self) -> None:
         with self._lock:
@@ -134,3 +173,13 @@ class LocalReader:
             self._fds.clear()
             self._direct_fds.clear()
             self._buffered.clear()
+
+
+def _what_changed(then: tuple[int, int, int, int, int], now: tuple[int, int, int, int, int]) -> str:
+    if then[:2] != now[:2]:
+        return "was replaced by another file"
+    if then[2] != now[2]:
+        return f"changed size from {then[2]:,} to {now[2]:,} bytes"
+    if then[3] != now[3]:
+        return "was rewritten (its modification time changed)"
+    return "changed status (its change time moved: rewritten with its old modification time, or its mode or owner changed)"

@@ -17,7 +17,8 @@ def open_source(source: str | Path | HubSpec) -> tuple[Inventory, ByteReader]:
     and a reader of its bytes."""
     where = source if isinstance(source, HubSpec) else locate(source)
     if isinstance(where, Path):
-        return read_inventory(where), LocalReader(where)
+        reader = LocalReader(where)  # first: it notes each file before a header is read
+        return read_inventory(where), reader
     from dsv4.convert.hub import open_hub_source  # start-up time: only hub sources load the network client
 
     return open_hub_source(where)

@@ -24,6 +24,11 @@ class DSV4Error(Exception):
         return {k: v for k, v in named.items() if isinstance(v, str)}
 
 
+class OutOfMemoryError(DSV4Error):
+    """The memory the command needs is not there (an address-space limit too small to load
+    torch, or an allocation that failed)."""
+
+
 # --- reading a checkpoint's files: the inventory of a source, the index, the loader -----
 class CheckpointError(DSV4Error):
     """A checkpoint directory's files are missing or malformed."""

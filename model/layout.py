@@ -15,6 +15,17 @@ $XDG_CACHE_HOME/dsv4-convert (~/.cache/dsv4-convert), keyed by everything it is 
 function of: the tool version, the bytes of the model's code and the whole config. A
 cache entry that is missing, unreadable, malformed or for another key is ignored and
 rebuilt; a cache directory that cannot be written only costs the rebuild.
+
+Why the cache is safe to trust: an entry is read only if it is a regular file of bounded
+size (strictjson.read_record_bytes: a FIFO or a device cannot hang or flood a command),
+and only if it carries the sha256 of its own key and layout, written with it: an entry
+torn, truncated, bit-flipped or edited in any field (one shape changed) does not match
+its digest and is rebuilt from the model, so it can never make a good checkpoint fail
+`convert` (33) or `check` (78). What the digest does not stop is someone who rewrites an
+entry and its digest on purpose; the cache lives in the user's own directory, and whoever
+may write there may as well edit the installed code, so that is no weaker than the tool
+itself. The alternative, a hand-written copy of the layout as pure data, would be a second
+statement of what the model already states, the very drift the layout exists to prevent.
 """
 
 from __future__ import annotations
@@ -32,8 +43,9 @@ from typing import TYPE_CHECKING, Any
 from dsv4 import __version__
 from dsv4.model.config import ModelConfig
 from dsv4.model import native
+from dsv4.model.memory import refuse_unless_torch_fits
 from dsv4.model.native import Layout
-from dsv4.model.strictjson import StrictJSONError, loads, write_record
+from dsv4.model.strictjson import StrictJSONError, json_bytes, loads, read_record_bytes, write_record
 
 if TYPE_CHECKING:
     from torch import nn
@@ -42,7 +54,7 @@ PACKAGE = Path(__file__).resolve().parent.parent
 # the code the model's parameters are a function of: the model package (the native
 # format and the dtype names live in it too)
 MODEL_CODE = ("model",)
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2  # 2: entries carry the sha256 of their key and layout
 TARGET_LAYER = re.compile(r"model\.layers\.(\d+)\.")  # a target-layout layer's number L
 
 
@@ -59,12 +71,18 @@ def layout_of(target: str, cfg: ModelConfig) -> Layout:
 def target_layout(cfg: ModelConfig) -> Layout:
     """name -> (safetensors dtype, shape) of every parameter of the draft model for `cfg`."""
     key = _cache_key(cfg)
-    path = cache_dir() / f"layout-{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]}.json"
+    path = cache_entry(cfg)
     layout = _read_cached(path, key)
     if layout is None:
         layout = build_target_layout(cfg)
         _write_cached(path, key, layout)
     return layout
+
+
+def cache_entry(cfg: ModelConfig) -> Path:
+    """The cache file that holds (or will hold) the layout for `cfg`."""
+    key = _cache_key(cfg)
+    return cache_dir() / f"layout-{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]}.json"
 
 
 def build_target_layout(cfg: ModelConfig) -> Layout:
@@ -80,6 +98,7 @@ def build_draft_model(cfg: ModelConfig) -> nn.Module:
     module classes; no memory): the DSpark drafter (mapping/README.md#dspark-v4-flash-0731)
     for a DSpark config, else the MTP draft (mapping/README.md#xpu-mtp-layout). The layout,
     the strict loader and the quantisation names all read this one model."""
+    refuse_unless_torch_fits("building the draft model's layout")
     import torch  # start-up time: only what builds the model pays for torch
     from dsv4.model.dspark import DSparkDraft
     from dsv4.model.mtp import DeepSeekV4MTP
@@ -109,10 +128,15 @@ def _cache_key(cfg: ModelConfig) -> dict[str, Any]:
     return {"format": CACHE_FORMAT, "tool_version": __version__, "model_code": model_code_sha256(), "config": config}
 
 
+def _digest(key: dict[str, Any], layout: Any) -> str:
+    """The sha256 an entry carries: over its key and layout, as the record writer serialises them."""
+    return hashlib.sha256(json_bytes({"key": key, "layout": layout})).hexdigest()
+
+
 def _read_cached(path: Path, key: dict[str, Any]) -> Layout | None:
     try:
-        entry = loads(path.read_text())
-        if entry["key"] != key:
+        entry = loads(read_record_bytes(path))  # a regular file of bounded size, or OSError
+        if entry["key"] != key or entry["sha256"] != _digest(entry["key"], entry["layout"]):
             return None
         layout = {}
         for name, (dtype, shape) in entry["layout"].items():
@@ -121,13 +145,14 @@ def _read_cached(path: Path, key: dict[str, Any]) -> Layout | None:
             layout[name] = (dtype, tuple(shape))
         return layout or None
     except (OSError, UnicodeDecodeError, StrictJSONError, KeyError, TypeError, ValueError, AttributeError):
-        return None  # absent or corrupt: rebuilt (and rewritten) by the caller
+        return None  # absent, not a regular file, corrupt or edited: rebuilt (and rewritten) by the caller
 
 
 def _write_cached(path: Path, key: dict[str, Any], layout: Layout) -> None:
+    entry = {k: [d, list(sh)] for k, (d, sh) in layout.items()}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        write_record(path, {"key": key, "layout": {k: [d, list(sh)] for k, (d, sh) in layout.items()}})
+        write_record(path, {"key": key, "layout": entry, "sha256": _digest(key, entry)})
     except OSError:
         pass  # a read-only or full cache directory: the next run rebuilds the layout
 

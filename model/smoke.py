@@ -99,7 +99,7 @@ def read_target_features(path: str | Path, cfg: ModelConfig) -> torch.Tensor:
     """The target features of a DSpark smoke from safetensors file `path`: tensors `h_{l}` for
     l in dspark_target_layer_ids, each [T_ctx, H] (the same T_ctx), as [T_ctx, T*H] bf16.
     Other tensors in the file are not read. LoadError (MissingKeyError, ShapeMismatchError,
-    DtypeMismatchError) naming the file and the tensor otherwise."""
+    DtypeMismatchError; a non-finite value) naming the file and the tensor otherwise."""
     ids = cfg.dspark_target_layer_ids
     assert ids is not None
     per_layer: list[torch.Tensor] = []
@@ -118,7 +118,10 @@ def read_target_features(path: str | Path, cfg: ModelConfig) -> torch.Tensor:
                     raise ShapeMismatchError(f"{path}: tensor {name} has shape {list(shape)}, expected {want}", path=str(path), tensor=name)
                 if t.dtype not in FEATURE_DTYPES:
                     raise DtypeMismatchError(f"{path}: tensor {name} has dtype {t.dtype}, expected a float (bf16, f16 or f32)", path=str(path), tensor=name)
-                per_layer.append(t.to(torch.bfloat16))
+                t = t.to(torch.bfloat16)
+                if not bool(torch.isfinite(t).all()):  # else the draft's output is non-finite and the checkpoint blamed
+                    raise LoadError(f"{path}: tensor {name} holds {int((~torch.isfinite(t)).sum()):,} non-finite value(s) (NaN or Inf, in bf16): target features are finite", path=str(path), tensor=name)
+                per_layer.append(t)
     except (SafetensorError, OSError) as exc:
         raise LoadError(f"{path}: not a readable safetensors file ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})", path=str(path)) from None
     return target_features(per_layer)

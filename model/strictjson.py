@@ -13,8 +13,8 @@ from __future__ import annotations
 import errno
 import json
 import os
+import secrets
 import stat
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -124,6 +124,13 @@ def fsync_dir(path: str | Path) -> None:
         os.close(fd)
 
 
+def temp_path(path: Path) -> Path:
+    """The temporary file write_bytes fills beside `path` before renaming it over `path`
+    (random, so two writers never share one). Its name is the longest one the writer
+    creates: a caller checking the file system's name limit checks this one."""
+    return path.parent / f".{path.name}.{secrets.token_hex(4)}.tmp"
+
+
 def write_record(path: str | Path, obj: Any) -> None:
     """Write record `path` durably (write_bytes) in the one serialisation (json_bytes)."""
     write_bytes(path, json_bytes(obj))
@@ -132,9 +139,13 @@ def write_record(path: str | Path, obj: Any) -> None:
 def write_bytes(path: str | Path, data: bytes) -> None:
     """Write file `path` durably: a temporary file beside it, fsynced, renamed over it,
     and the directory fsynced. A reader sees the old file or the new one, never half of
-    one, and once this returns a crash of the machine keeps the new one. OSError as raised."""
+    one, and once this returns a crash of the machine keeps the new one. The file gets the
+    mode any new file gets (0666 less the umask, as `cp` and the shards do): a service
+    account that may read the shards may read the records. OSError as raised."""
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    tmp = temp_path(path)
+    # O_EXCL: a new file of our own (never another writer's, never a planted link)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
@@ -142,6 +153,6 @@ def write_bytes(path: str | Path, data: bytes) -> None:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
     fsync_dir(path.parent)

@@ -18,6 +18,7 @@ from dsv4.convert.errors import ConfigCheckError, ManifestError
 from dsv4.convert.pipeline import CONVERSION_RECORD, convert
 from dsv4.convert.synth import write_checkpoint
 from hubserver import FakeHub, Fault, hub_env, on, run_cli
+from inprocess import run_main
 
 TOKEN = "hf_fakeTokenThatMustNeverBeWritten1234"
 REPOS = ("org/alpha", "org/beta", "org/gamma")  # gamma starts broken (a half DSpark checkpoint: exit 35)
@@ -170,6 +171,7 @@ def test_select_shard_partitions_deterministically(count: int) -> None:
         ((None, None), {"SLURM_ARRAY_TASK_ID": "5", "SLURM_ARRAY_TASK_MIN": "4", "SLURM_ARRAY_TASK_COUNT": "3"}, (3, 1)),
         ((None, None), {"SLURM_ARRAY_TASK_ID": "7", "SLURM_ARRAY_TASK_MIN": "1", "SLURM_ARRAY_TASK_STEP": "3", "SLURM_ARRAY_TASK_COUNT": "4"}, (4, 2)),
         ((3, None), {"JOB_COMPLETION_INDEX": "2"}, (3, 2)),
+        ((None, None), {"JOB_COMPLETION_INDEX": "1", "DSV4_NUM_SHARDS": "2"}, (2, 1)),
     ],
 )
 def test_shard_from_env(options: tuple[int | None, int | None], env: dict[str, str], expected: tuple[int, int]) -> None:
@@ -183,11 +185,25 @@ def test_shard_from_env(options: tuple[int | None, int | None], env: dict[str, s
         ((2, None), {}, "--shard-index"),
         ((None, None), {"SLURM_ARRAY_TASK_ID": "x", "SLURM_ARRAY_TASK_COUNT": "2"}, "SLURM_ARRAY_TASK_ID"),
         ((2, 2), {}, "outside 0..1"),
+        # a variable set to what cannot split the manifest: named, never a ZeroDivisionError
+        ((None, None), {"SLURM_ARRAY_TASK_ID": "1", "SLURM_ARRAY_TASK_STEP": "0", "SLURM_ARRAY_TASK_COUNT": "2"}, "SLURM_ARRAY_TASK_STEP='0' is not a positive integer"),
+        ((None, None), {"SLURM_ARRAY_TASK_ID": "0", "SLURM_ARRAY_TASK_COUNT": "0"}, "SLURM_ARRAY_TASK_COUNT='0' is not a positive integer"),
+        ((None, None), {"SLURM_ARRAY_TASK_ID": "2", "SLURM_ARRAY_TASK_MIN": "1", "SLURM_ARRAY_TASK_STEP": "2", "SLURM_ARRAY_TASK_COUNT": "2"}, "SLURM_ARRAY_TASK_ID=2 is not in the array"),
+        ((None, None), {"JOB_COMPLETION_INDEX": "0", "DSV4_NUM_SHARDS": "abc"}, "DSV4_NUM_SHARDS='abc' is not a positive integer"),
+        ((None, None), {"JOB_COMPLETION_INDEX": "-1", "DSV4_NUM_SHARDS": "2"}, "JOB_COMPLETION_INDEX='-1' is not a non-negative integer"),
     ],
 )
 def test_shard_from_env_refuses_what_it_cannot_split_on(options: tuple[int | None, int | None], env: dict[str, str], words: str) -> None:
     with pytest.raises(ValueError, match=words):
         shard_from_env(*options, env=env)
+
+
+@pytest.mark.parametrize(("var", "value"), [("DSV4_NUM_SHARDS", "abc"), ("DSV4_NUM_SHARDS", "0")])
+def test_the_batch_command_names_the_variable_it_cannot_use(var: str, value: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv(var, value)
+    monkeypatch.setenv("JOB_COMPLETION_INDEX", "0")
+    code, _, err = run_main(monkeypatch, capsys, "batch", write_manifest(tmp_path / "batch.toml"))
+    assert code == 2 and err.startswith(f"error: {var}={value!r} is not a positive integer") and err.count("\n") == 1
 
 
 def test_manifest_forms_and_outputs(tmp_path: Path) -> None:
@@ -269,6 +285,38 @@ def test_run_check_uses_the_checker_where_installed(monkeypatch: pytest.MonkeyPa
 
     monkeypatch.setitem(sys.modules, "dsv4.convert.check", None)  # not installed
     assert run_check(tmp_path) == "unavailable"
+
+
+def test_a_second_run_on_the_same_report_is_refused_and_the_first_runs_report_is_kept(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    import os
+    import socket
+    import threading
+
+    from dsv4.convert.output import hold_lock
+
+    manifest = write_manifest(tmp_path / "batch.toml")
+    report = tmp_path / "out" / "batch-report.json"
+    report.parent.mkdir()
+    report.write_text('{"the first run": "its report"}\n')
+    taken, done = threading.Event(), threading.Event()
+
+    def first_run() -> None:  # holds the report as a batch run on this manifest and out-dir does
+        with hold_lock(report, report.parent / ".batch-report.json.lock", report.parent / ".batch-report.json.lock.owner"):
+            taken.set()
+            done.wait()
+
+    thread = threading.Thread(target=first_run)
+    thread.start()
+    assert taken.wait(30)
+    try:
+        code, _, err = run_main(monkeypatch, capsys, "batch", manifest)
+    finally:
+        done.set()
+        thread.join()
+    assert code == 47
+    assert err == f"error: {report}: locked by another run (pid {os.getpid()} on host {socket.gethostname()}, running since " + err.split("running since ")[1]
+    assert err.endswith("); nothing was changed; pass --report FILE to write this run's report elsewhere\n")
+    assert report.read_text() == '{"the first run": "its report"}\n' and not (tmp_path / "out" / "alpha-xpu").exists()
 
 
 def test_a_push_whose_answer_is_lost_lands_once(native: Path, hub: FakeHub, tmp_path: Path) -> None:

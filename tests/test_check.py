@@ -278,3 +278,16 @@ def test_the_process_exits_with_the_check_code_and_a_one_line_reason(out: Path) 
     assert "FAIL layout" in proc.stdout
     errors = proc.stderr.strip().splitlines()
     assert len(errors) == 1 and errors[0].startswith("error: ") and "norm_gate" in errors[0]
+
+
+def test_check_under_an_address_space_limit_too_small_for_torch_is_one_line(tiny_pair: tuple[Path, Path]) -> None:
+    import resource
+
+    limit = 512 << 20  # a batch job's memory cap (ulimit -v 512M): torch's libraries alone do not fit
+
+    def capped() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
+    done = subprocess.run([sys.executable, "-c", "from dsv4.convert.entry import main; main()", "check", str(tiny_pair[1])], capture_output=True, text=True, timeout=120, preexec_fn=capped)
+    assert done.returncode == 3, done.stderr  # not OpenBLAS's exit(1) inside torch's import
+    assert done.stderr.startswith("error: check: not enough memory: the address-space limit (ulimit -v) is 512 MiB") and done.stderr.count("\n") == 1

@@ -407,6 +407,9 @@ def test_smoke_reads_the_target_features_from_a_file(tiny_dspark, tmp_path):
         ({"h_0": torch.zeros(4, 256), "h_1": torch.zeros(4, 256), "h_2": torch.zeros(5, 256)}, ShapeMismatchError, r"tensor h_2 has shape \[5, 256\], expected \[4, 256\]"),
         ({"h_0": torch.zeros(4, 128), "h_1": torch.zeros(4, 256), "h_2": torch.zeros(4, 256)}, ShapeMismatchError, r"tensor h_0 has shape \[4, 128\], expected \[T_ctx >= 1, 256\]"),
         ({"h_0": torch.zeros(4, 256, dtype=torch.int32), "h_1": torch.zeros(4, 256), "h_2": torch.zeros(4, 256)}, DtypeMismatchError, r"tensor h_0 has dtype torch\.int32"),
+        # non-finite features would make the draft's output non-finite, blamed on the checkpoint
+        ({"h_0": torch.zeros(4, 256), "h_1": torch.zeros(4, 256).index_fill_(1, torch.tensor([3]), float("nan")), "h_2": torch.zeros(4, 256)}, LoadError, r"tensor h_1 holds 4 non-finite value\(s\) \(NaN or Inf, in bf16\)"),
+        ({"h_0": torch.zeros(4, 256), "h_1": torch.zeros(4, 256), "h_2": torch.full((4, 256), float("-inf"))}, LoadError, r"tensor h_2 holds 1,024 non-finite value\(s\)"),
     ],
 )
 def test_malformed_target_features_are_refused_naming_the_file_and_tensor(tmp_path, tensors, error, message):
@@ -445,6 +448,14 @@ def test_the_smoke_command_fails_when_another_model_drafts_other_tokens(tiny_dsp
     report = json.loads(out)
     assert report["draft_token_agreement"] < 1.0
     assert code == 55 and err.startswith(f"error: {converted}: draft-token agreement with the reference") and err.count("\n") == 1
+
+
+def test_the_smoke_command_blames_non_finite_features_on_the_features_file(tiny_dspark, tmp_path, monkeypatch, capsys):
+    converted = tiny_dspark[0][1]
+    path = tmp_path / "features.safetensors"
+    save_file({"h_0": torch.zeros(4, 256), "h_1": torch.full((4, 256), float("nan")), "h_2": torch.zeros(4, 256)}, path)
+    code, _, err = run_main(monkeypatch, capsys, "smoke", converted, "--device", "cpu", "--features", path)
+    assert (code, err) == (50, f"error: {path}: tensor h_1 holds 1,024 non-finite value(s) (NaN or Inf, in bf16): target features are finite\n")
 
 
 def test_dspark_options_on_an_mtp_output_are_a_usage_error(tiny_native, tmp_path, monkeypatch, capsys):

@@ -1,5 +1,6 @@
 """Start-up and the data path: a conversion and a plan import no torch (the target layout
-comes from a cache keyed by the model's code and config; a bad entry is rebuilt), every
+comes from a cache keyed by the model's code and config; a bad entry, one that does not
+match its digest or is no regular file, is rebuilt), every
 tensor keeps one sha256 over its bytes in order whatever the chunking and the number of
 hasher lanes, and the zero test sees every byte."""
 
@@ -8,9 +9,11 @@ from __future__ import annotations
 import hashlib
 import json
 import mmap
+import os
 import struct
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -20,6 +23,7 @@ from dsv4.model.checkpoint import INDEX_NAME
 from dsv4.model.config import ModelConfig
 from dsv4.model.dtypes import ITEMSIZE, TORCH_DTYPES
 from dsv4.model.presets import preset_config
+from inprocess import run_main
 
 # Imports a whole conversion (or plan) in a child process and reports which heavy modules
 # it loaded; the child inherits the session's layout cache.
@@ -98,6 +102,42 @@ def test_a_bad_layout_cache_entry_is_ignored_and_rebuilt(layout_cache: Path, dam
     entry.write_bytes(damage(entry.read_text()).encode("utf-8", "surrogateescape"))
     assert layout.target_layout(c) == good
     assert json.loads(entry.read_text())["layout"]  # rewritten whole
+
+
+def test_an_edited_layout_cache_entry_cannot_fail_a_good_checkpoint(tiny_native: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    run = partial(run_main, monkeypatch, capsys)
+    c = ModelConfig.from_dict(json.loads((tiny_native / "config.json").read_text()))
+    good = layout.target_layout(c)
+    entry = layout.cache_entry(c)
+    edited = json.loads(entry.read_text())
+    name = sorted(edited["layout"])[0]
+    edited["layout"][name][1][0] += 1  # one shape changed; the entry still parses, its key still matches
+    entry.write_text(json.dumps(edited))
+    assert run(tiny_native, tmp_path / "out", "-q")[0] == 0  # not 33: the plan's layout is the model's
+    entry.write_text(json.dumps(edited))
+    assert run("check", tmp_path / "out", "-q")[0] == 0  # not 78
+    assert layout.target_layout(c) == good
+    assert json.loads(entry.read_text())["layout"][name][1] == list(good[name][1])  # rewritten from the model
+
+
+FIFO_READER = """
+import json, sys
+from dsv4.model import layout
+from dsv4.model.config import ModelConfig
+from dsv4.model.presets import preset_config
+print(len(layout.target_layout(ModelConfig.from_dict(json.loads(sys.argv[1])))))
+"""
+
+
+def test_a_layout_cache_entry_that_is_a_fifo_is_rebuilt_without_waiting(tmp_path: Path) -> None:
+    raw = {**preset_config("tiny", "instruct"), "vocab_size": preset_config("tiny", "instruct")["vocab_size"] + 16}
+    entry = layout.cache_entry(ModelConfig.from_dict(raw))
+    entry.parent.mkdir(parents=True, exist_ok=True)
+    entry.unlink(missing_ok=True)
+    os.mkfifo(entry)  # a reader that opened it plainly would wait for a writer forever
+    done = subprocess.run([sys.executable, "-c", FIFO_READER, json.dumps(raw)], capture_output=True, text=True, timeout=120)
+    assert (done.returncode, done.stdout.strip()) == (0, str(len(layout.build_target_layout(ModelConfig.from_dict(raw))))), done.stderr
+    assert entry.is_file()  # the FIFO was replaced by a good entry
 
 
 def test_an_unwritable_cache_costs_only_the_rebuild(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

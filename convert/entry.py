@@ -1,0 +1,17 @@
+"""The program's entry point, `convert-dsv4` and `python -m dsv4`: Ctrl-C and SIGTERM are
+handled (convert/interrupts.py) before the seconds of imports the command line needs, so
+a signal that lands while they load ends as one `interrupted` line, never a traceback."""
+
+from __future__ import annotations
+
+from dsv4.convert import interrupts
+
+
+def main() -> None:
+    interrupts.install()
+    try:
+        with interrupts.running():
+            from dsv4.convert.cli import main as run_command  # start-up time: click, the tables, the model's names
+    except (interrupts.Interrupted, KeyboardInterrupt) as exc:
+        interrupts.exit_interrupted(exc)
+    run_command()
