@@ -46,11 +46,12 @@ def at_first_write(monkeypatch: pytest.MonkeyPatch, action: Callable[[], None]) 
 
     def hooked(total: int, done: int, quiet: bool):  # noqa: ANN202  (tqdm's type)
         bar = make_bar(total, done, quiet)
-        update = bar.update
+        update, pending = bar.update, [action]
 
         def first(n: int = 1) -> None:
-            bar.update = update
-            action()
+            # the executor holds this function, not the attribute: fire once by a flag
+            while pending:
+                pending.pop()()
             update(n)
 
         bar.update = first
