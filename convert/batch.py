@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from dsv4 import __version__
+from dsv4.convert.card import model_card, with_card
 from dsv4.convert.errors import ManifestError, PushError, WriteFailedError
 from dsv4.convert.exit_codes import exit_code
 from dsv4.convert.hub import hub_errors, open_hub_source, resolve_commit
@@ -46,7 +47,8 @@ PLACEHOLDERS = ("org", "name", "target", "revision")
 DEFAULT_DIR = "converted"
 DEFAULT_NAME = "{name}-{target}"
 # Shards of an older conversion whose names the new one does not reuse are deleted from the
-# target repo in the same commit; anything else there (a model card) is left alone.
+# target repo in the same commit; anything else there is left alone, but README.md is replaced
+# by the card of the conversion pushed (convert/card.py).
 STALE_SHARDS = ["model-*-of-*.safetensors"]
 NUM_SHARDS_ENV = "DSV4_NUM_SHARDS"
 
@@ -244,8 +246,9 @@ def pushed_record(repo: str) -> ConversionRecord | None:
     return ConversionRecord.find(Path(path).parent)  # the snapshot folder holding conversion.json
 
 
-def push(out: Path, repo: str, message: str, description: str, private: bool | None) -> str:
-    """Upload `out` to `repo` (created if missing); returns the commit.
+def push(out: Path, repo: str, message: str, description: str, private: bool | None, card: str) -> str:
+    """Upload `out` to `repo` (created if missing), with README.md = `card` in the same
+    commit (convert/card.py); returns the commit.
 
     upload_folder is huggingface_hub 2.x's resumable uploader (it replaced
     upload_large_folder): Xet uploads streamed while the folder is scanned, adaptive
@@ -257,7 +260,8 @@ def push(out: Path, repo: str, message: str, description: str, private: bool | N
     api = HfApi()
     with hub_errors(f"{HUB_SCHEME}{repo}", PushError):
         api.create_repo(repo, private=private, exist_ok=True)
-        info = api.upload_folder(repo_id=repo, folder_path=out, commit_message=message, commit_description=description, delete_patterns=STALE_SHARDS)
+        with with_card(out, card) as folder:
+            info = api.upload_folder(repo_id=repo, folder_path=folder, commit_message=message, commit_description=description, delete_patterns=STALE_SHARDS)
     return info.oid
 
 
@@ -310,7 +314,8 @@ class _Job:
         if target:
             message = f"Convert {src.repo}@{commit[:12]} with table {table.name} v{table.version}"
             description = f"Source: {src.repo} commit {commit}\nTable: {table.name} v{table.version} (target {table.target})\nTool: dsv4-convert {__version__}"
-            entry["pushed"] = {"repo": target, "commit": push(src.output, target, message, description, self.manifest.private)}
+            card = model_card(target, src.repo, commit, table)
+            entry["pushed"] = {"repo": target, "commit": push(src.output, target, message, description, self.manifest.private, card)}
         return "converted", entry
 
 
