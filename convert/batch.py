@@ -4,8 +4,9 @@ Each source is first resolved to its commit (one metadata request). A source who
 already records that commit and the table's version is skipped before any of its files is
 read: the local output's conversion.json decides, or with --push the target repo's. Other
 sources are converted (reading only the planned byte ranges), checked with
-`convert-dsv4 check` (dsv4.convert.check) where it is installed, and with --push uploaded. A failing
-repository is reported and the others go on; every run writes a JSON report.
+`convert-dsv4 check` (dsv4.convert.check) where it is installed, and with --push uploaded
+with a model card (convert/card.py) in the same commit. A failing repository is reported
+and the others go on; every run writes a JSON report.
 
 Scale-out: the manifest's sources are sorted by id and shard K of N takes every N-th one
 from K, so array tasks split the work the same way on every machine without talking to
