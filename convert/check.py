@@ -1,13 +1,13 @@
 """`convert-dsv4 check DIR`: verify a converted checkpoint (`--target xpu`) or a draft
 directory (`--target draft`), one named check at a time.
 
-Each check passes, fails with its own exit code (convert/exit_codes.py, 71..85) and a
+Each check passes, fails with its own exit code (convert/exit_codes.py, 71..86) and a
 one-line reason naming the file and tensor, or is skipped with the reason why (not
 requested, or a check it builds on failed). `run_checks` returns the whole report
 (convert/report.py: text, JSON, JUnit) for the command (convert/cli.py) and for library
 callers (the batch job).
 
-Why one module of ~530 lines: the nine checks share one context (what the earlier checks
+Why one module of ~650 lines: the ten checks share one context (what the earlier checks
 found: the inventory, the config, the hashes) and run in a fixed order from one table
 (CHECKS); split into files, each file would need that context and the order from another.
 
@@ -30,6 +30,9 @@ The checks, in order (a later one may need an earlier one's result):
              directory is mapped in memory by the xpu table first (convert/inmemory.py)
   native     numerical parity with the reference on the native checkpoint (--native);
              for DSpark also the draft tokens
+  serve      a draft directory against the target it is to be served beside
+             (--serve-with): vLLM builds the draft's layers from the target's config and
+             quantisation, so those fields must be the draft's own
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ import os
 import re
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -56,6 +59,7 @@ from dsv4.convert.errors import (
     NativeParityError,
     QuantCarryError,
     QuantSchemeError,
+    ServeMismatchError,
     SizeCheckError,
     SmokeFailedError,
     TensorDtypeError,
@@ -111,6 +115,7 @@ class _Context:
     checksum_error: str | None = None  # a malformed sha256 in conversion.json (the checksums check's finding)
     smoke_report: dict[str, Any] | None = None
     passed: set[str] = field(default_factory=set)
+    serve_with: Path | None = None  # the target model's directory or config.json (--serve-with)
 
     def where(self, file: str) -> str:
         return str(self.root / file)
@@ -559,6 +564,42 @@ def check_native(ctx: _Context, details: dict[str, Any]) -> str:
     return f"agrees with the reference on {ctx.native}: {said}"
 
 
+# --- serve --------------------------------------------------------------------------------
+# vLLM 0.33.0 builds a draft's layers from the TARGET's config and quantisation config
+# (model_loader/utils.py:93-101 with the target's vllm_config; xpu/mtp.py:76, 89, 97, 176-178;
+# speculative.py:1564-1566 gives a V4 DSpark draft the target's quantisation method): every
+# field the layers are built from must be the draft's own. NOTES.md, "Serving a draft".
+def _serve_fields() -> tuple[str, ...]:
+    model_fields = sorted({f.name for f in fields(ModelConfig)} - set(RUNTIME_CONFIG_FIELDS))
+    return (*RUNTIME_CONFIG_FIELDS, *model_fields)
+
+
+def check_serve(ctx: _Context, details: dict[str, Any]) -> str:
+    if ctx.serve_with is None:
+        raise _Skipped("not requested (--serve-with TARGET)")
+    if ctx.config is None:
+        raise _Skipped(f"needs the draft's config.json: {ctx.config_error}")
+    if _layout_target(ctx) != DRAFT_TARGET:
+        raise _Skipped(f"only a --target {DRAFT_TARGET} output is served beside a target model (this one is {_layout_target(ctx)!r})")
+    where = ctx.serve_with / "config.json" if ctx.serve_with.is_dir() else ctx.serve_with
+    try:
+        target = parse_config(where.read_bytes())
+    except (OSError, ConfigError) as exc:
+        raise ServeMismatchError(f"{where}: cannot read the target's config: {_first_line(exc)}", path=str(where)) from None
+    for key in _serve_fields():
+        mine, theirs = ctx.config.get(key, ABSENT), target.get(key, ABSENT)
+        if isinstance(mine, dict) and isinstance(theirs, dict):  # name the first sub-field that differs
+            sub = next((k for k in sorted(mine.keys() | theirs.keys()) if mine.get(k, ABSENT) != theirs.get(k, ABSENT)), None)
+            key, mine, theirs = (f"{key}.{sub}", mine.get(sub, ABSENT), theirs.get(sub, ABSENT)) if sub else (key, mine, theirs)
+        if mine != theirs:
+            details.update(field=key)
+            raise ServeMismatchError(
+                f"{where}: {key} is {_brief(theirs)}, the draft's is {_brief(mine)}: vLLM 0.33.0 builds the draft's layers from the "
+                "target's config and quantisation, so this draft would not load beside it (serve it beside the checkpoint it was converted from)",
+                path=str(where), field=key)
+    return f"{where}: the {len(_serve_fields())} config fields vLLM builds the draft's layers from (quantization_config included) are the draft's own"
+
+
 # each check returns its one-line reason and may fill `details` (kept on failure too)
 CHECKS: tuple[tuple[str, Callable[[_Context, dict[str, Any]], str]], ...] = (
     ("index", check_index),
@@ -570,6 +611,7 @@ CHECKS: tuple[tuple[str, Callable[[_Context, dict[str, Any]], str]], ...] = (
     ("quant", check_quant),
     ("smoke", check_smoke),
     ("native", check_native),
+    ("serve", check_serve),
 )
 
 
@@ -598,11 +640,15 @@ def run_checks(
     tokens: int = SMOKE_TOKENS,
     min_top1: float = NATIVE_MIN_TOP1,
     max_rel_diff: float = NATIVE_MAX_REL_DIFF,
+    serve_with: str | Path | None = None,
 ) -> CheckReport:
     """Run every check on the converted checkpoint at `path` and return the report (never
     raises for a failed check; `report.raise_for_failure()` does). `native` (the checkpoint
-    it was converted from) implies the smoke run, which then also runs the reference."""
-    ctx = _Context(Path(path), fast, smoke, Path(native) if native is not None else None, device, tokens, min_top1, max_rel_diff)
+    it was converted from) implies the smoke run, which then also runs the reference.
+    `serve_with` (the target model's directory or config.json) checks that a draft
+    directory would load beside it in vLLM."""
+    ctx = _Context(Path(path), fast, smoke, Path(native) if native is not None else None, device, tokens, min_top1, max_rel_diff,
+                   serve_with=Path(serve_with) if serve_with is not None else None)
     _load_config(ctx)
     results = []
     for name, check in CHECKS:

@@ -216,9 +216,10 @@ def _print_plan(plan: Plan, as_json: bool, quiet: bool, *, full: bool, header_by
 @click.option("--fast", is_flag=True, help="Skip hashing the tensor data against conversion.json (says so in the report).")
 @device_option
 @click.option("--junit", type=click.Path(dir_okay=False, path_type=Path), help="Also write the report as JUnit XML to this file (its folder is created), one test case per check.")
+@click.option("--serve-with", type=click.Path(exists=True, path_type=Path), help="A draft directory: the target model (its directory or config.json) it is to be served beside; fails when vLLM would build the draft's layers differently (another quantisation, another architecture).")
 @quiet_option
 @json_option
-def check_command(directory: Path, native: Path | None, smoke: bool, fast: bool, device: str | None, junit: Path | None, quiet: bool, as_json: bool) -> None:
+def check_command(directory: Path, native: Path | None, smoke: bool, fast: bool, device: str | None, junit: Path | None, serve_with: Path | None, quiet: bool, as_json: bool) -> None:
     """Verify converted checkpoint DIRECTORY; exit with the first failed check's code.
 
     --native implies --smoke.
@@ -227,13 +228,13 @@ def check_command(directory: Path, native: Path | None, smoke: bool, fast: bool,
     exit codes: 71 index/headers  72 unreadable tensor  73 sizes  74 checksum
                 75 config vs tensors  76 missing  77 unexpected  78 shape  79 dtype
                 80 quantisation scheme  81 empty quantisation name (vLLM #44817)
-                84 smoke  85 native parity
+                84 smoke  85 native parity  86 --serve-with: the target builds the draft otherwise
                 42 the --junit file could not be written (after the report is printed)
     """
     from dsv4.convert.check import run_checks  # start-up time
     from dsv4.convert.report import write_junit
 
-    report = run_checks(directory, native=native, smoke=smoke, fast=fast, device=device)
+    report = run_checks(directory, native=native, smoke=smoke, fast=fast, device=device, serve_with=serve_with)
     if as_json:
         echo_json(report.to_json())
     else:
