@@ -85,6 +85,7 @@ that `convert-dsv4 check` and `convert-dsv4 smoke` run on this directory alone.
 ```bash
 hf download {repo} --local-dir draft
 convert-dsv4 check draft
+convert-dsv4 check draft --serve-with TARGET_DIR   # the target's local copy: exit 86 if vLLM would build the draft otherwise
 ```
 """
 
