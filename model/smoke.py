@@ -4,6 +4,7 @@ drafted block, model/README.md#dspark-forward: `run_dspark_smoke`)."""
 
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -73,6 +74,10 @@ def run_smoke(
         raise SmokeCheckError(f"{where}: non-finite values in the draft's hidden states or logits", path=str(where))
 
     if reference_dir is not None:
+        # one side at a time: the model's mapped shards, with the pages its forward made
+        # resident, go before the reference maps the native ones (peak: the larger side)
+        del model
+        gc.collect()
         with config_errors(f"{reference_dir}/config.json"):  # the reference reads the native config
             ref, report["reference_load_ms"] = _timed(dev, lambda: NativeReference(reference_dir, dev))
         h_ref, report["reference_forward_ms"] = _timed(dev, lambda: ref.forward(ids, positions, prev))
@@ -172,6 +177,10 @@ def run_dspark_smoke(
         raise SmokeCheckError(f"{out_dir}: non-finite values in the draft's hidden states or logits", path=str(out_dir))
 
     if reference_dir is not None:
+        # one side at a time: the model's mapped shards, with the pages its forward made
+        # resident, go before the reference maps the native ones (peak: the larger side)
+        del model
+        gc.collect()
         with config_errors(f"{reference_dir}/config.json"):  # the reference reads the native config
             ref, report["reference_load_ms"] = _timed(dev, lambda: DSparkReference(reference_dir, dev))
         out, report["reference_draft_ms"] = _timed(dev, lambda: ref.forward(feats, ctx, anchor))
