@@ -4,8 +4,9 @@ Each source is first resolved to its commit (one metadata request). A source who
 already records that commit and the table's version is skipped before any of its files is
 read: the local output's conversion.json decides, or with --push the target repo's. Other
 sources are converted (reading only the planned byte ranges), checked with
-`convert-dsv4 check` (dsv4.convert.check) where it is installed, and with --push uploaded. A failing
-repository is reported and the others go on; every run writes a JSON report.
+`convert-dsv4 check` (dsv4.convert.check) where it is installed, and with --push uploaded
+with a model card (convert/card.py) in the same commit. A failing repository is reported
+and the others go on; every run writes a JSON report.
 
 Scale-out: the manifest's sources are sorted by id and shard K of N takes every N-th one
 from K, so array tasks split the work the same way on every machine without talking to
@@ -27,6 +28,7 @@ from typing import Any
 
 from dsv4 import __version__
 from dsv4.convert import interrupts
+from dsv4.convert.card import model_card, with_card
 from dsv4.convert.errors import HubError, ManifestError, PushError, RepoNotFound, WriteFailedError
 from dsv4.convert.exit_codes import exit_code
 from dsv4.convert.hub import download, hub_errors, open_hub_source, resolve_commit
@@ -50,7 +52,8 @@ PLACEHOLDERS = ("org", "name", "target", "revision")
 DEFAULT_DIR = "converted"
 DEFAULT_NAME = "{name}-{target}"
 # Shards of an older conversion whose names the new one does not reuse are deleted from the
-# target repo in the same commit; anything else there (a model card) is left alone.
+# target repo in the same commit; anything else there is left alone, but README.md is replaced
+# by the card of the conversion pushed (convert/card.py).
 STALE_SHARDS = ["model-*-of-*.safetensors"]
 NUM_SHARDS_ENV = "DSV4_NUM_SHARDS"
 
@@ -263,9 +266,10 @@ def pushed_record(repo: str) -> tuple[str | None, ConversionRecord | None]:
         return head, None  # records nothing, as ConversionRecord.find says of a local one
 
 
-def push(out: Path, repo: str, message: str, description: str, private: bool | None, head: str | None) -> str:
+def push(out: Path, repo: str, message: str, description: str, private: bool | None, head: str | None, card: str) -> str:
     """Upload `out` to `repo` (created if missing) as one commit on top of `head`, the
-    repo's head when its record was read; returns the commit.
+    repo's head when its record was read, with README.md = `card` (convert/card.py) in the
+    same commit; returns the commit.
 
     upload_folder is huggingface_hub 2.x's resumable uploader (it replaced
     upload_large_folder): Xet uploads streamed while the folder is scanned, adaptive
@@ -287,8 +291,8 @@ def push(out: Path, repo: str, message: str, description: str, private: bool | N
             api.create_repo(repo, private=private, exist_ok=True)
             head = resolve_commit(HubSpec(repo, None, explicit=True))
     try:
-        with hub_errors(where, PushError):
-            return api.upload_folder(repo_id=repo, folder_path=out, commit_message=message, commit_description=description, delete_patterns=STALE_SHARDS, parent_commit=head).oid
+        with hub_errors(where, PushError), with_card(out, card) as folder:
+            return api.upload_folder(repo_id=repo, folder_path=folder, commit_message=message, commit_description=description, delete_patterns=STALE_SHARDS, parent_commit=head).oid
     except PushError:
         now = HubSpec(repo, None, explicit=True)
         landed = resolve_commit(now)
@@ -346,7 +350,8 @@ class _Job:
         if target:
             message = f"Convert {src.repo}@{commit[:12]} with table {table.name} v{table.version}"
             description = f"Source: {src.repo} commit {commit}\nTable: {table.name} v{table.version} (target {table.target})\nTool: dsv4-convert {__version__}"
-            entry["pushed"] = {"repo": target, "commit": push(src.output, target, message, description, self.manifest.private, head)}
+            card = model_card(target, src.repo, commit, table)
+            entry["pushed"] = {"repo": target, "commit": push(src.output, target, message, description, self.manifest.private, head, card)}
         return "converted", entry
 
 

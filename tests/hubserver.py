@@ -5,8 +5,10 @@ huggingface_hub 2.x speaks, so the product code runs unchanged with HF_ENDPOINT 
 it: repo info (`/api/models/{repo}[/revision/{rev}]`), tree listings, paths-info, file
 resolution with HEAD, Range, ETag and X-Repo-Commit (`/{repo}/resolve/{rev}/{path}`), and
 the write side of `HfApi.create_repo` / `upload_folder` (`/api/repos/create`, `preupload`,
-`commit`). Every repository keeps all its commits, so a test can move `main` and still
-read an older commit by hash.
+`commit`, and `/api/validate-yaml`, which huggingface_hub calls before it uploads a
+README.md: the card's front matter must be a YAML mapping whose `tags` are strings). Every
+repository keeps all its commits, so a test can move `main` and still read an older commit
+by hash.
 
 What tests observe: `bytes_served[repo]` (file-content bytes sent from `resolve`, the only
 route that carries checkpoint data), `requests` (one `Request` per call, with its status and
@@ -46,6 +48,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
+
+import yaml
 
 MAX_BODY = 512 * 1024 * 1024  # largest request body accepted (an inline-base64 commit)
 MAX_CONNECTIONS = 32  # handler threads alive at once; more wait in the listen queue
@@ -122,7 +126,7 @@ class Repo:
 class Request:
     method: str
     repo: str | None
-    route: str  # "info", "tree", "paths-info", "resolve", "create", "preupload", "commit", "unknown"
+    route: str  # "info", "tree", "paths-info", "resolve", "create", "preupload", "commit", "validate-yaml", "unknown"
     revision: str | None  # as the client named it: a branch or a commit
     path: str | None  # file path inside the repo, for resolve
     range: tuple[int, int] | None  # [start, end) asked for
@@ -390,6 +394,8 @@ class _Handler(BaseHTTPRequestHandler):
                     return self._commit(repo, rest[1])
             if parts == ["api", "repos", "create"] and self.command == "POST":
                 return self._create()
+            if parts == ["api", "validate-yaml"] and self.command == "POST":
+                return self._validate_yaml()
             if len(parts) >= 5 and parts[2] == "resolve" and self.command in ("GET", "HEAD"):
                 self._rev = parts[3]
                 return self._resolve_file("/".join(parts[:2]), parts[3], "/".join(parts[4:]))
@@ -542,6 +548,26 @@ class _Handler(BaseHTTPRequestHandler):
         self.hub.repos[repo].private = payload.get("visibility") == "private"
         self._log(repo, "create", 200)
         self._json(200, {"url": f"{self.hub.url}/{repo}", "name": repo})
+
+    def _validate_yaml(self) -> None:
+        """The hub's model-card metadata check, as far as these tests need it: the front
+        matter between the leading `---` lines is a YAML mapping and its tags are strings."""
+        content = json.loads(self._body())["content"]
+        match = re.match(r"---\n(.*?)\n---\n", content, re.DOTALL)
+        try:
+            meta = yaml.safe_load(match.group(1)) if match else {}
+        except yaml.YAMLError as exc:
+            meta, problem = None, f"not YAML: {exc}"
+        else:
+            tags = meta.get("tags", []) if isinstance(meta, dict) else None
+            problem = "the metadata is not a mapping" if not isinstance(meta, dict) else None
+            if problem is None and not (isinstance(tags, list) and all(isinstance(t, str) for t in tags)):
+                problem = '"tags" must be an array of strings'
+        if problem is not None:
+            self._log(None, "validate-yaml", 400)
+            return self._json(400, {"errors": [{"message": problem}]}, {"X-Error-Message": problem})
+        self._log(None, "validate-yaml", 200)
+        self._json(200, {"errors": [], "warnings": []})
 
     def _preupload(self, repo: str, revision: str) -> None:
         payload = json.loads(self._body())

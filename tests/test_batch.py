@@ -1,6 +1,8 @@
 """`convert-dsv4 batch` (convert/batch.py) against a local fake hub: failures isolated and
 reported, reruns idempotent without fetching, a fixed repo picked up, pushes made once
-through huggingface_hub, shards covering the manifest exactly once, the token kept secret."""
+through huggingface_hub, shards covering the manifest exactly once, the token kept secret;
+`target = "draft"` for both drafters, and the model card (convert/card.py) every push
+carries: ready-to-serve for a draft directory, who reads it for the xpu layout."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from dsv4.convert.batch import Source, load_manifest, run_check, select_shard, s
 from dsv4.convert.errors import ConfigCheckError, ManifestError
 from dsv4.convert.pipeline import CONVERSION_RECORD, convert
 from dsv4.convert.synth import write_checkpoint
+from huggingface_hub import ModelCard
 from hubserver import FakeHub, Fault, hub_env, on, run_cli
 from inprocess import run_main
 
@@ -43,9 +46,9 @@ def hub(native: Path) -> Iterator[FakeHub]:
         yield h
 
 
-def write_manifest(path: Path, *, repo_template: str | None = None, sources: tuple[str, ...] = REPOS, check: bool = False) -> Path:
+def write_manifest(path: Path, *, repo_template: str | None = None, sources: tuple[str, ...] = REPOS, check: bool = False, target: str = "xpu") -> Path:
     output = 'dir = "out"\nname = "{name}-{target}"\n' + (f'repo = "{repo_template}"\n' if repo_template else "")
-    path.write_text(f'target = "xpu"\nsources = {json.dumps(list(sources))}\n\n[output]\n{output}\n[options]\ncheck = {str(check).lower()}\n')
+    path.write_text(f'target = "{target}"\nsources = {json.dumps(list(sources))}\n\n[output]\n{output}\n[options]\ncheck = {str(check).lower()}\n')
     return path
 
 
@@ -120,6 +123,11 @@ def test_push_uploads_through_the_hub_once_and_never_writes_the_token(native: Pa
     shard = "model-00001-of-00001.safetensors"
     assert hub.files("dest/alpha-xpu")[shard] == (native / "alpha-converted" / shard).read_bytes()
     assert all(q.authorized for q in hub.requests if q.route in ("create", "preupload", "commit") and q.status == 200)
+    # an xpu repo's card says what reads it: no runtime loads this layout from disk
+    card = ModelCard(hub.files("dest/alpha-xpu")["README.md"].decode())
+    assert (card.data.base_model, card.data.library_name) == ("org/alpha", None) and "target-xpu" in card.data.tags
+    assert "`convert-dsv4 check`" in card.text and "No runtime loads this layout from disk" in card.text and "--target draft" in card.text
+    assert "vllm serve" not in card.text and not (tmp_path / "out" / "alpha-xpu" / "README.md").exists()
 
     # the skip must come from the target repo's record: the local outputs are gone
     for name in ("alpha", "beta"):
@@ -330,3 +338,79 @@ def test_a_push_whose_answer_is_lost_lands_once(native: Path, hub: FakeHub, tmp_
     assert len(hub.pushed) == 1  # was 2: the retried request made a second, identical commit
     rep = report_of(tmp_path / "out" / "batch-report.json")
     assert rep["converted"][0]["pushed"]["commit"] == hub.pushed[0]["oid"] == hub.repos["dest/alpha-xpu"].refs["main"]
+
+
+DRAFTERS = {"org/mtp": "draft", "org/spark": "draft_dspark"}  # source repo -> the table its drafter takes
+
+
+@pytest.fixture(scope="module")
+def drafters(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A tiny MTP checkpoint and a tiny DSpark (0731) one, and each one's local --target draft."""
+    root = tmp_path_factory.mktemp("drafters")
+    natives = {
+        "mtp": write_checkpoint(root / "mtp", preset="tiny", main_layers="all", seed=3),
+        "spark": write_checkpoint(root / "spark", preset="tiny", variant="dspark", main_layers="all", seed=4),
+    }
+    for name, native in natives.items():
+        convert(native, root / f"{name}-draft-local", target="draft")
+    return {**natives, **{f"{n}-draft-local": root / f"{n}-draft-local" for n in natives}}
+
+
+@pytest.fixture
+def drafter_hub(drafters: dict[str, Path]) -> Iterator[FakeHub]:
+    with FakeHub(token=TOKEN) as h:
+        for repo in DRAFTERS:
+            h.commit_dir(repo, drafters[repo.split("/")[1]])
+        yield h
+
+
+def test_batch_target_draft_converts_each_drafter_once_and_names_its_table(drafters: dict[str, Path], drafter_hub: FakeHub, tmp_path: Path) -> None:
+    manifest = write_manifest(tmp_path / "batch.toml", sources=tuple(DRAFTERS), check=True, target="draft")
+    report = tmp_path / "out" / "batch-report.json"
+    env = hub_env(drafter_hub, tmp_path / "hf")
+
+    r = run_cli("batch", str(manifest), env=env)
+    assert r.returncode == 0, r.stderr
+    rep = report_of(report)
+    assert rep["target"] == "draft" and rep["tables"] == {"draft": "1", "draft_dspark": "1"}
+    assert [(e["repo"], e["table"]) for e in rep["converted"]] == list(DRAFTERS.items())
+    assert all(e["check"] not in ("disabled", "unavailable") for e in rep["converted"])  # check passed on each draft directory
+    for repo in DRAFTERS:
+        name = repo.split("/")[1]
+        out, local = tmp_path / "out" / f"{name}-draft", drafters[f"{name}-draft-local"]
+        assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in local.iterdir())
+        for f in ("config.json", "model.safetensors.index.json", "model-00001-of-00001.safetensors"):
+            assert (out / f).read_bytes() == (local / f).read_bytes(), f  # the same directory as `convert --target draft`
+
+    drafter_hub.reset_counters()
+    r = run_cli("batch", str(manifest), env=env)
+    assert r.returncode == 0, r.stderr
+    rep = report_of(report)
+    assert rep["converted"] == [] and [e["repo"] for e in rep["skipped"]] == list(DRAFTERS)
+    for e, table in zip(rep["skipped"], DRAFTERS.values(), strict=True):
+        assert "already records source commit" in e["reason"] and f"table {table} v1" in e["reason"]
+    assert all(source_bytes(drafter_hub, repo) == 0 for repo in DRAFTERS)
+
+
+def test_push_of_a_draft_publishes_a_ready_to_serve_card_in_the_same_commit(drafter_hub: FakeHub, tmp_path: Path) -> None:
+    manifest = write_manifest(tmp_path / "batch.toml", repo_template="dest/{name}-{target}", sources=tuple(DRAFTERS), target="draft")
+    r = run_cli("batch", str(manifest), "--push", env=hub_env(drafter_hub, tmp_path / "hf", HF_TOKEN=TOKEN))
+    assert r.returncode == 0, r.stderr
+    converted = {e["repo"]: e for e in report_of(tmp_path / "out" / "batch-report.json")["converted"]}
+    method = {"org/mtp": ('{"method":"mtp","model":"dest/mtp-draft","num_speculative_tokens":1}', "NEXTN"), "org/spark": ('{"method":"dspark","model":"dest/spark-draft"}', "DSPARK")}
+    for source, table in DRAFTERS.items():
+        name, entry = source.split("/")[1], converted[source]
+        dest, commit = f"dest/{name}-draft", entry["commit"]
+        (pushed,) = [p for p in drafter_hub.pushed if p["repo"] == dest]
+        assert {"README.md", "conversion.json", "config.json", "model-00001-of-00001.safetensors"} <= set(pushed["files"])  # one commit
+        assert entry["pushed"]["commit"] == pushed["oid"]
+        assert not (tmp_path / "out" / f"{name}-draft" / "README.md").exists()  # the local OUT stays the converter's output
+
+        card = ModelCard(drafter_hub.files(dest)["README.md"].decode())
+        drafter = "dspark" if table == "draft_dspark" else "mtp"
+        assert (card.data.base_model, card.data.library_name) == (source, "vllm")
+        assert {"deepseek_v4", drafter, "speculative-decoding", "draft-model"} <= set(card.data.tags)
+        speculative_config, algorithm = method[source]
+        assert f"vllm serve {source} --speculative-config '{speculative_config}'" in card.text
+        assert f"python -m sglang.launch_server --model-path {source} --speculative-algorithm {algorithm} --speculative-draft-model-path {dest}" in card.text
+        assert f"at commit `{commit}`" in card.text and f"table `{table}` version 1" in card.text
