@@ -23,6 +23,7 @@ from dsv4.convert.exit_codes import INTERNAL_ERROR, INTERRUPTED, exit_code
 from dsv4.convert.sizes import shard_size
 from dsv4.mapping.table import installed_targets
 from dsv4.model.errors import DSV4Error
+from dsv4.model.parity import MIN_TOP1, SMOKE_TOKENS
 from dsv4.model.presets import PRESETS
 
 if TYPE_CHECKING:
@@ -250,9 +251,9 @@ def check_command(directory: Path, native: Path | None, smoke: bool, fast: bool,
 @cli.command("smoke")
 @click.argument("out", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @device_option
-@click.option("--tokens", type=click.IntRange(min=1), default=8, show_default=True, help="Tokens in the draft step (DSpark: context tokens of random target features).")
+@click.option("--tokens", type=click.IntRange(min=1), default=SMOKE_TOKENS, show_default=True, help="Tokens in the draft step (DSpark: context tokens of random target features).")
 @native_option
-@click.option("--min-top1", type=click.FloatRange(0, 1), default=1.0, show_default=True, help="With --native: fail when top-1 agreement with the reference is lower (MTP: a disagreement on a near-tie, within 1% of max|logit| in the reference, counts as agreeing; DSpark: the share of the block's draft tokens equal to the reference's).")
+@click.option("--min-top1", type=click.FloatRange(0, 1), default=MIN_TOP1, show_default=True, help="With --native: fail when top-1 agreement with the reference is lower (a disagreement on a near-tie, within 1% of max|logit| in the reference, counts as agreeing; DSpark: each draft position given the reference's previous token). `check --native` applies the same rule.")
 @click.option("--features", type=click.Path(exists=True, dir_okay=False, path_type=Path), help="DSpark: a safetensors file of target features h_<l> [T_ctx, H] for each of dspark_target_layer_ids (default: random, seeded).")
 @click.option("--anchor", type=click.IntRange(min=0), help="DSpark: the anchor token (the last accepted one; default: random, seeded).")
 @click.option("--position", type=click.IntRange(min=0), default=0, show_default=True, help="DSpark: the position of the context's first token.")
@@ -264,6 +265,7 @@ def smoke_command(out: Path, device: str | None, tokens: int, native: Path | Non
     (MTP: one step on TOKENS tokens; DSpark: one block drafted from a context)."""
     from dsv4.model.errors import SmokeCheckError
     from dsv4.model.loader import converted_config  # start-up time: torch and the kernels
+    from dsv4.model.parity import parity_verdict
     from dsv4.model.smoke import run_dspark_smoke, run_smoke
 
     dspark = converted_config(out).is_dspark
@@ -274,17 +276,15 @@ def smoke_command(out: Path, device: str | None, tokens: int, native: Path | Non
             report = run_dspark_smoke(out, device, tokens, features, anchor, position, native, seed)
         except ValueError as exc:  # an anchor outside the vocabulary
             raise click.UsageError(str(exc)) from None
-        agreement = report.get("draft_token_agreement")
     else:
         report = run_smoke(out, device, tokens, native, seed)
-        agreement = report.get("top1_agreement_up_to_ties")
+    verdict = parity_verdict(report, min_top1) if native is not None else None  # the rule of `check --native`
     if as_json:
         echo_json(report)
     else:
         _print_smoke(report, native, quiet)
-    if native is not None and agreement < min_top1:
-        what = f"draft-token agreement with the reference {agreement:.3f}" if dspark else f"top-1 agreement with the reference {agreement:.3f} (near-ties counted as agreeing)"
-        raise SmokeCheckError(f"{out}: {what} is below {min_top1}", path=str(out))
+    if verdict is not None and not verdict[0]:
+        raise SmokeCheckError(f"{out}: differs from the reference on {native}: {verdict[1]}", path=str(out))
 
 
 def _print_smoke(report: dict[str, Any], native: Path | None, quiet: bool) -> None:
@@ -305,9 +305,11 @@ def _print_smoke(report: dict[str, Any], native: Path | None, quiet: bool) -> No
     diffs = (f"  vs reference {native}: hidden max|diff| {report['hidden_max_abs_diff']:.4g} (max|h| {report['hidden_max_abs']:.4g}), "
              f"logits max|diff| {report['logits_max_abs_diff']:.4g} (max {report['logits_max_abs']:.4g}), ")
     if dspark:
-        click.echo(diffs + f"reference draft tokens {report['reference_draft_tokens']}, agreement {report['draft_token_agreement']:.3f} (equal up to position {report['draft_tokens_agree_to']})")
-    else:
-        click.echo(diffs + f"top-1 agreement {report['top1_agreement']:.3f} ({report['top1_agreement_up_to_ties']:.3f} counting near-ties)")
+        diffs += f"reference draft tokens {report['reference_draft_tokens']}, agreement {report['draft_token_agreement']:.3f} (equal up to position {report['draft_tokens_agree_to']}), "
+    click.echo(diffs + f"top-1 agreement {report['top1_agreement']:.3f} ({report['top1_agreement_up_to_ties']:.3f} counting near-ties)")
+    for d in report["routing_disagreements"]:
+        kind = "a near-tie" if d["near_tie"] else "NOT a near-tie"
+        click.echo(f"  routing differs at MoE call {d['call']}, token {d['token']}: margin {d['margin']:.4g}, tolerance {d['tolerance']:.4g} ({kind})")
 
 
 def _main_layers_arg(ctx: click.Context, param: click.Parameter, value: str) -> int | str:
