@@ -132,7 +132,7 @@ def _gb(n: int) -> str:
 @click.option("--overwrite", is_flag=True, help="Replace OUT if it is a previous output of this tool (anything else is refused).")
 @click.option("--wait", is_flag=True, help="If another run holds OUT, wait for it to finish instead of exiting with code 47.")
 @click.option("--max-shard-size", type=ShardSize(), default="5GB", show_default=True, help="Largest output shard: bytes, or with a unit (K, M, G, T = 1000^n; KiB, MiB, GiB, TiB = 1024^n).")
-@click.option("--dry-run", is_flag=True, help="Print the plan and stop (same as `plan`).")
+@click.option("--dry-run", is_flag=True, help="Check SOURCE and OUT as the run would (the same refusals and exit codes), print the plan as `plan` does and what would become of OUT (--json: `plan --json` plus \"output\" and \"would\"), and stop; nothing is written.")
 @quiet_option
 @json_option
 def convert_command(source: str, out: str, target: str, reverse: bool, overwrite: bool, wait: bool, max_shard_size: int, dry_run: bool, quiet: bool, as_json: bool) -> None:
@@ -142,10 +142,15 @@ def convert_command(source: str, out: str, target: str, reverse: bool, overwrite
     memory in a hidden partial directory, and resumes there if interrupted. OUT appears
     only when complete and verified; rerunning on an up-to-date OUT does nothing.
     """
-    from dsv4.convert.pipeline import convert  # start-up time (see the module's docstring)
+    from dsv4.convert.pipeline import convert, dry_run as preview  # start-up time (see the module's docstring)
 
     if dry_run:
-        _print_plan(_plan(source, target, reverse)[0], as_json, quiet, full=False)
+        plan, would, header_bytes = preview(source, out, target=target, reverse=reverse, overwrite=overwrite, max_shard_size=max_shard_size)
+        if as_json:
+            echo_json(plan.to_json() | {"header_bytes_read": header_bytes, "output": out, "would": would})
+            return
+        _print_plan(plan, False, quiet, full=True, header_bytes=header_bytes)
+        click.echo(f"dry run: {out} {DRY_RUN_OUTCOMES[would]}; nothing was written")
         return
     result = convert(source, out, target=target, reverse=reverse, overwrite=overwrite, wait=wait, max_shard_size=max_shard_size, quiet=quiet or as_json)
     if as_json:
@@ -154,6 +159,9 @@ def convert_command(source: str, out: str, target: str, reverse: bool, overwrite
         click.echo(f"{out}: already up to date (same source, table {result.plan.table} v{result.plan.table_version}); nothing to do")
     else:
         click.echo(f"{result.status} {result.tensors} tensors into {out}: read {_gb(result.bytes_read)}, wrote {_gb(result.bytes_written)} in {result.seconds:.1f} s")
+
+
+DRY_RUN_OUTCOMES = {"up-to-date": "is already up to date: the run would do nothing", "create": "would be created", "replace": "would be replaced (--overwrite)"}
 
 
 @cli.command("plan")

@@ -10,19 +10,20 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from dsv4 import __version__
 from dsv4.convert.errors import WriteFailedError
 from dsv4.convert.execute import Executor, still_valid
 from dsv4.convert.inventory import Inventory, read_local_header
 from dsv4.convert.location import locate
-from dsv4.convert.output import CONFIG, CONVERSION_RECORD, TOOL, OutputClaim, claim_output, read_record
+from dsv4.convert.output import CONFIG, CONVERSION_RECORD, TOOL, OutputClaim, claim_output, read_record, resolve_output
 from dsv4.convert.plan import LAYOUT_RECORD, Direction, Plan, PlannedTensor, choose_table, plan_conversion, plan_reverse
 from dsv4.convert.quant_config import carried_quantization
 from dsv4.convert.readers import ByteReader, LocalReader
@@ -249,3 +250,32 @@ def convert(source: str | Path, out: str | Path, *, target: str = "xpu", reverse
             return _write_output(plan, reader, claim, overwrite=overwrite, max_shard_size=max_shard_size, quiet=quiet)
         finally:
             reader.close()
+
+
+class DryRun(NamedTuple):
+    plan: Plan
+    would: str  # what would become of OUT: "up-to-date", "create" or "replace"
+    header_bytes: int  # read from the source to plan
+
+
+def dry_run(source: str | Path, out: str | Path, *, target: str = "xpu", reverse: bool = False, overwrite: bool = False, max_shard_size: int = DEFAULT_MAX_SHARD) -> DryRun:
+    """What `convert` with these arguments would do, refusals included, without writing,
+    locking or deleting anything: the same checks in the same order (target, OUT's safety
+    43-46, the source and its plan, a quantisation config that cannot be carried, an OUT
+    that is not empty 41 or not replaceable 48). Another run holding OUT's lock is not looked for."""
+    require_target(target)
+    where = locate(source)
+    claim = OutputClaim(Path(out), resolve_output(Path(out), where if isinstance(where, Path) else None))
+    inv, reader = open_source(where)
+    plan = plan_source(inv, reader, target, reverse=reverse)
+    try:
+        output_config(plan)
+        shards = shard_layout(plan, max_shard_size)
+        fingerprint = _fingerprint(plan, reader, shards)
+    finally:
+        reader.close()
+    record = read_record(claim.path / CONVERSION_RECORD) if claim.path.is_dir() else None
+    if isinstance(record, dict) and record.get("fingerprint") == fingerprint and not overwrite:
+        return DryRun(plan, "up-to-date", inv.header_bytes)
+    claim.refuse_unless_replaceable(overwrite)
+    return DryRun(plan, "replace" if os.path.lexists(claim.path) and any(claim.path.iterdir()) else "create", inv.header_bytes)
