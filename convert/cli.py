@@ -8,6 +8,7 @@ Options that several commands share are defined once below, with one name, defau
 
 from __future__ import annotations
 
+import difflib
 import json
 import logging
 import os
@@ -34,10 +35,15 @@ JSON_DIGITS = 6  # significant digits of a float in --json output
 
 
 class _Commands(click.Group):
-    """`convert-dsv4 IN OUT ...` means `convert-dsv4 convert IN OUT ...`."""
+    """`convert-dsv4 IN OUT ...` means `convert-dsv4 convert IN OUT ...`, unless IN is
+    neither an existing path nor a hub id (no `/`) and looks like a mistyped command."""
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
         if args and not args[0].startswith("-") and args[0] not in self.commands:
+            first = args[0]
+            close = difflib.get_close_matches(first, self.commands, n=1)
+            if close and "/" not in first and not os.path.lexists(first):
+                ctx.fail(f"No such command {first!r}. Did you mean {close[0]!r}?")
             args = ["convert", *args]
         return super().parse_args(ctx, args)
 
@@ -241,7 +247,9 @@ def check_command(directory: Path, native: Path | None, smoke: bool, fast: bool,
     """
     from dsv4.convert.check import run_checks  # start-up time
     from dsv4.convert.report import write_junit
+    from dsv4.model.checkpoint import refuse_full_native
 
+    refuse_full_native(directory, "check")
     report = run_checks(directory, native=native, smoke=smoke, fast=fast, device=device)
     if as_json:
         echo_json(report.to_json())
