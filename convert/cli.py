@@ -438,6 +438,9 @@ def _log_to_stderr() -> None:
     logger.handlers[:] = [handler]
     logger.setLevel(logging.INFO)
     logger.propagate = False
+    # every command that runs the model says in its result which path computed the fused
+    # norms ("fused norms: torch fallback (...)"): the kernels' notice would repeat it
+    logging.getLogger("dsv4.model.kernels").setLevel(logging.ERROR)
 
 
 def main() -> None:

@@ -3,9 +3,10 @@
 # convert it to the XPU MTP layout, check it, and smoke-test it on the best device present
 # (xpu > cuda > cpu) against the independent reference on the native checkpoint.
 set -euo pipefail
+# DIR is relative to where the user ran this; the default out/demo to the repository
+work="$(realpath -m "${1:-$(dirname "$0")/../out/demo}")"
 cd "$(dirname "$0")/.."
 scripts/bootstrap.sh
-work="${1:-out/demo}"
 run=(.venv/bin/convert-dsv4)
 # synth refuses a directory that is not empty: a rerun keeps the checkpoint the first run wrote
 [ -e "$work/native/config.json" ] || "${run[@]}" synth "$work/native" --preset tiny --main-layers all --seed 0
