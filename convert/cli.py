@@ -22,7 +22,7 @@ import click
 from dsv4 import __version__
 from dsv4.convert.exit_codes import INTERNAL_ERROR, INTERRUPTED, exit_code
 from dsv4.convert.sizes import shard_size
-from dsv4.mapping.table import installed_targets
+from dsv4.mapping.table import installed_targets, table_headers
 from dsv4.model.errors import DSV4Error
 from dsv4.model.parity import MIN_TOP1, SMOKE_TOKENS
 from dsv4.model.presets import PRESETS
@@ -48,8 +48,16 @@ class _Commands(click.Group):
         return super().parse_args(ctx, args)
 
 
+def _version_message() -> str:
+    """`--version`: the tool's version and, per target, the runtime its layouts are those of."""
+    runtimes = {}
+    for head in table_headers().values():
+        runtimes.setdefault(head.target, set()).add(head.runtime)
+    return "%(prog)s %(version)s (" + "; ".join(f"target {t}: {', '.join(sorted(r))}" for t, r in sorted(runtimes.items())) + ")"
+
+
 @click.group(cls=_Commands, context_settings={"help_option_names": ["-h", "--help"]})
-@click.version_option(__version__, prog_name="convert-dsv4")
+@click.version_option(__version__, prog_name="convert-dsv4", message=_version_message())
 def cli() -> None:
     """Convert a native DeepSeek V4 checkpoint's draft layers into vLLM's XPU draft layout.
 
@@ -60,6 +68,7 @@ def cli() -> None:
       convert-dsv4 smoke OUT               load it into the bundled model and run a forward
       convert-dsv4 synth OUT --preset tiny write a synthetic native checkpoint
       convert-dsv4 batch MANIFEST          convert many hub repositories
+      convert-dsv4 targets                 the installed targets and their tables
     """
 
 
@@ -195,8 +204,8 @@ def _plan(source: str, target: str, reverse: bool) -> tuple[Plan, int]:
 
 # how `plan` names the layout it chose (convert/plan.py choose_table)
 DRAFTER_NAMES = {
-    "mtp": "MTP (no dspark_* fields in config.json): vLLM DeepSeekV4MTP",
-    "dspark": "DSpark (dspark_* fields and mtp.0.main_proj.weight): vLLM DSparkDeepseekV4ForCausalLM",
+    "mtp": "MTP (no dspark_* fields in config.json)",
+    "dspark": "DSpark (dspark_* fields and mtp.0.main_proj.weight)",
 }
 
 
@@ -211,7 +220,7 @@ def _print_plan(plan: Plan, as_json: bool, quiet: bool, *, full: bool, header_by
     click.echo(f"{s['direction']} plan: {s['source']} -> {s['target']} (table {s['table']})" + (f": {s['tensors_out']} tensors, {_gb(s['bytes_to_read'])} to read" if quiet else ""))
     if quiet:
         return
-    click.echo(f"  draft layout:         {DRAFTER_NAMES[s['drafter']]}")
+    click.echo(f"  draft layout:         {DRAFTER_NAMES[s['drafter']]}: {s['runtime']} {s['runtime_class']}")
     click.echo(f"  tensors out:          {s['tensors_out']}")
     click.echo(f"  source keys consumed: {s['source_keys_consumed']}")
     click.echo(f"  source keys skipped:  {s['source_keys_skipped']}")
@@ -399,6 +408,21 @@ def batch_command(manifest: Path, out_dir: Path | None, push_to_hub: bool, num_s
         click.echo(f"shard {k}/{n}: {done}; {report['bytes_fetched']:,} bytes fetched in {report['seconds']:.1f} s; report {path}")
     if counts["failed"]:
         raise BatchFailedError(f"{manifest}: {counts['failed']} of {counts['planned']} repositories failed; reasons in {path}", path=str(path))
+
+
+@cli.command("targets")
+@quiet_option
+@json_option
+def targets_command(quiet: bool, as_json: bool) -> None:
+    """List the installed targets (--target) and their tables: the drafter each maps, its
+    version, and the runtime and runtime class whose layout it writes."""
+    rows = [{"target": h.target, "table": name, "drafter": h.drafter, "table_version": h.version, "runtime": h.runtime, "runtime_class": h.runtime_class}
+            for name, h in sorted(table_headers().items(), key=lambda item: (item[1].target, item[0]))]
+    if as_json:
+        echo_json(rows)
+        return
+    for r in rows:
+        click.echo(f"{r['target']:8} {r['table']:12} drafter {r['drafter']:7} v{r['table_version']:4} {r['runtime']} {r['runtime_class']}")
 
 
 # Developers set DSV4_TRACEBACK=1 to see the traceback the last-resort handler hides.

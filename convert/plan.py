@@ -18,7 +18,7 @@ from dsv4.convert.errors import DuplicateTargetError, LayoutMismatchError, Missi
 from dsv4.convert.inventory import Inventory, TensorSource
 from dsv4.mapping.errors import TableError
 from dsv4.mapping.probe import draft_bindings, stage_binding
-from dsv4.mapping.table import PINNED, Rule, Table, expand, load_table, placeholders, table_name_for
+from dsv4.mapping.table import PINNED, Rule, Table, expand, load_table, placeholders, table_headers, table_name_for
 from dsv4.model import native
 from dsv4.model.checkpoint import is_full_native
 from dsv4.model.config import ModelConfig, config_errors
@@ -96,6 +96,8 @@ class Plan:
             "revision": self.revision,
             "table": f"{self.table} v{self.table_version}",
             "target": self.target,
+            "runtime": table_headers()[self.table].runtime,
+            "runtime_class": table_headers()[self.table].runtime_class,
             "drafter": self.drafter,
             "tensors_out": len(self.tensors),
             "source_keys_consumed": sum(len({p.source for p in t.pieces}) for t in self.tensors),
