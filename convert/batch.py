@@ -370,6 +370,8 @@ def run_batch(
         "seconds": 0.0,
     }
     for n, src in enumerate(mine, 1):
+        if echo is not None:  # a conversion takes minutes: say which repo is under way
+            echo(f"[{n}/{len(mine)}] {src.key}: starting")
         job = _Job(src, manifest, tables, push_to_hub)
         t0 = time.monotonic()
         try:

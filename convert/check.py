@@ -56,6 +56,7 @@ from dsv4.convert.errors import (
 )
 from dsv4.convert.exit_codes import exit_code
 from dsv4.convert.inventory import Inventory, TensorSource, merge_shards, read_local_shards
+from dsv4.convert import progress
 from dsv4.convert.pipeline import CONVERSION_RECORD
 from dsv4.convert.plan import LAYOUT_RECORD
 from dsv4.convert.quant_config import check_draft_quantization
@@ -503,14 +504,18 @@ def run_checks(
     tokens: int = SMOKE_TOKENS,
     min_top1: float = MIN_TOP1,
     max_rel_diff: float = MAX_REL_DIFF,
+    quiet: bool = True,
 ) -> CheckReport:
     """Run every check on the converted checkpoint at `path` and return the report (never
     raises for a failed check; `report.raise_for_failure()` does). `native` (the checkpoint
-    it was converted from) implies the smoke run, which then also runs the reference."""
+    it was converted from) implies the smoke run, which then also runs the reference.
+    Unless `quiet`, a bar over the checks (convert/progress.py's rule)."""
     ctx = _Context(Path(path), fast, smoke, Path(native) if native is not None else None, device, tokens, min_top1, max_rel_diff)
     _load_config(ctx)
     results = []
+    bar = progress.bar(len(CHECKS), "check", "check", quiet)
     for name, check in CHECKS:
+        bar.set_postfix_str(name)
         start = time.monotonic()
         details: dict[str, Any] = {}
         try:
@@ -523,4 +528,6 @@ def run_checks(
         result.details = details
         result.seconds = time.monotonic() - start
         results.append(result)
+        bar.update()
+    bar.close()
     return CheckReport(str(ctx.root), results)

@@ -259,7 +259,7 @@ def check_command(directory: Path, native: Path | None, smoke: bool, fast: bool,
     from dsv4.model.checkpoint import refuse_full_native
 
     refuse_full_native(directory, "check")
-    report = run_checks(directory, native=native, smoke=smoke, fast=fast, device=device)
+    report = run_checks(directory, native=native, smoke=smoke, fast=fast, device=device, quiet=quiet or as_json)
     if as_json:
         echo_json(report.to_json())
     else:
@@ -288,12 +288,14 @@ def check_command(directory: Path, native: Path | None, smoke: bool, fast: bool,
 def smoke_command(out: Path, device: str | None, tokens: int, native: Path | None, min_top1: float, features: Path | None, anchor: int | None, position: int, seed: int, quiet: bool, as_json: bool) -> None:
     """Load converted checkpoint OUT into the bundled draft model and run one draft step
     (MTP: one step on TOKENS tokens; DSpark: one block drafted from a context)."""
+    from dsv4.convert import progress
     from dsv4.model.errors import SmokeCheckError
     from dsv4.model.loader import converted_config  # start-up time: torch and the kernels
     from dsv4.model.parity import parity_verdict
     from dsv4.model.smoke import run_dspark_smoke, run_smoke
 
     dspark = converted_config(out).is_dspark
+    progress.step(f"smoke: loading {out} into the bundled model and drafting" + (" (then the reference on the native checkpoint)" if native is not None else ""), quiet or as_json)
     if not dspark and (features is not None or anchor is not None or position):
         raise click.UsageError("--features, --anchor and --position are for a DSpark checkpoint; OUT is an MTP one")
     if dspark:
@@ -363,7 +365,7 @@ def synth_command(out: Path, preset: str | None, config_path: Path | None, varia
     if preset and config_path:
         raise click.UsageError("--preset and --config are alternatives; give one")
     try:
-        summary = synthesize(out, preset=preset, config_path=config_path, variant=variant, main_layers=main_layers, seed=seed, sparse=sparse)
+        summary = synthesize(out, preset=preset, config_path=config_path, variant=variant, main_layers=main_layers, seed=seed, sparse=sparse, quiet=quiet or as_json)
     except ValueError as exc:  # a preset or layer count the synthesiser does not have
         raise click.UsageError(str(exc)) from exc
     if as_json:

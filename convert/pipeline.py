@@ -20,6 +20,7 @@ from typing import Any, NamedTuple
 
 from dsv4 import __version__
 from dsv4.convert.errors import WriteFailedError
+from dsv4.convert import progress
 from dsv4.convert.execute import Executor, still_valid
 from dsv4.convert.inventory import Inventory, read_local_header
 from dsv4.convert.location import locate
@@ -148,7 +149,7 @@ def progress_bar(total: int, done: int, quiet: bool) -> tqdm:
     """The bar over the output stream (tensors in write order); `done`: bytes an earlier run
     finished. Drawn only on a terminal, and not when HF_HUB_DISABLE_PROGRESS_BARS is set
     (huggingface_hub's tqdm). The kill tests wrap this function (tests/crashing_cli.py)."""
-    return tqdm(total=total, initial=done, unit="B", unit_scale=True, unit_divisor=1024, desc="convert", disable=True if quiet else None)
+    return progress.bar(total, "convert", "B", quiet, initial=done)
 
 
 def _write_output(plan: Plan, reader: ByteReader, claim: OutputClaim, *, overwrite: bool, max_shard_size: int, quiet: bool) -> ConversionResult:
