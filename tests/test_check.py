@@ -21,6 +21,7 @@ from dsv4.convert.cli import cli
 from dsv4.convert.exit_codes import exit_code
 from dsv4.convert.pipeline import convert
 from dsv4.convert.synth import write_checkpoint
+from inprocess import run_main
 from safetensors.torch import load_file, save_file
 
 CHECKS = ["index", "readable", "sizes", "checksums", "config", "layout", "quant", "smoke", "native"]
@@ -276,3 +277,20 @@ def test_the_process_exits_with_the_check_code_and_a_one_line_reason(out: Path) 
     assert "FAIL layout" in proc.stdout
     errors = proc.stderr.strip().splitlines()
     assert len(errors) == 1 and errors[0].startswith("error: ") and "norm_gate" in errors[0]
+
+
+def test_check_native_and_smoke_native_give_one_verdict(out: Path, natives: dict[str, Path], monkeypatch, capsys) -> None:
+    # the routed experts stacked in reverse order (a converter stacking them wrongly): the
+    # routing is the reference's, the outputs are not. One pass rule (dsv4.model.parity),
+    # one message; check keeps its code 85, smoke its 55; the same default token count.
+    def swap_experts(t: dict[str, torch.Tensor]) -> None:
+        for name in [n for n in t if ".routed_experts." in n]:
+            t[name] = t[name].flip(0).contiguous()  # every expert takes another one's weights
+
+    edit_tensors(out, swap_experts)
+    report = run_checks(out, native=natives["instruct"])
+    assert (report.failures[0].name, report.exit_code) == ("native", 85)
+    code, _, err = run_main(monkeypatch, capsys, "smoke", out, "--device", "cpu", "--native", natives["instruct"])
+    assert code == 55
+    verdict = err.removeprefix("error: ").rstrip("\n")
+    assert verdict == report.failures[0].reason and verdict.startswith(f"{out}: differs from the reference on {natives['instruct']}: ")
