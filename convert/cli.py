@@ -460,13 +460,13 @@ def _log_to_stderr() -> None:
     line each on stderr, `warning: ...`, never a Python warning with a source path."""
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(_NoticeFormatter())
+    # every command that runs the model says in its result which path computed the fused
+    # norms ("fused norms: torch fallback (...)"): the kernels' notice would repeat it
+    handler.addFilter(lambda record: record.name != "dsv4.model.kernels")
     logger = logging.getLogger("dsv4")
     logger.handlers[:] = [handler]
     logger.setLevel(logging.INFO)
     logger.propagate = False
-    # every command that runs the model says in its result which path computed the fused
-    # norms ("fused norms: torch fallback (...)"): the kernels' notice would repeat it
-    logging.getLogger("dsv4.model.kernels").setLevel(logging.ERROR)
 
 
 def main() -> None:
