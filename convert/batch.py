@@ -29,11 +29,11 @@ from dsv4.convert.errors import ManifestError, PushError, WriteFailedError
 from dsv4.convert.exit_codes import exit_code
 from dsv4.convert.hub import hub_errors, open_hub_source, resolve_commit
 from dsv4.convert.location import HF_PREFIX, HUB_SCHEME, HubSpec, parse_hub_spec
-from dsv4.convert.output import CONVERSION_RECORD, read_record
 from dsv4.convert.pipeline import DEFAULT_MAX_SHARD, plan_source, run_plan
 from dsv4.convert.sizes import shard_size
 from dsv4.mapping.table import Table, installed_targets, load_table, tables_of_target
 from dsv4.model.errors import DSV4Error
+from dsv4.model.record import CONVERSION_RECORD, ConversionRecord
 from dsv4.model.strictjson import write_record
 from huggingface_hub import HfApi, hf_hub_download
 from huggingface_hub.errors import EntryNotFoundError, HFValidationError, RepositoryNotFoundError, RevisionNotFoundError
@@ -219,31 +219,31 @@ def select_shard(sources: Sequence[Source], num_shards: int, shard_index: int) -
     return [s for k, s in enumerate(sorted(sources, key=lambda s: s.key)) if k % num_shards == shard_index]
 
 
-def records(record: Any, location: str, commit: str, tables: Mapping[str, Table]) -> bool:
+def records(record: ConversionRecord | None, location: str, commit: str, tables: Mapping[str, Table]) -> bool:
     """Whether a conversion.json records a forward conversion of this commit with one of
     `tables` (by name) at its current version. One commit always takes the same table (the
     one for the drafter it holds), so the record's table is the one it would take again."""
-    if not isinstance(record, dict) or not isinstance(record.get("source"), dict):
+    if record is None:
         return False
-    source = record["source"]
-    table = tables.get(record.get("table")) if isinstance(record.get("table"), str) else None
+    table = tables.get(record.table)
     return (
-        source.get("location") == location
-        and source.get("revision") == commit
-        and record.get("direction") == "forward"
+        record.source.location == location
+        and record.source.revision == commit
+        and record.direction == "forward"
         and table is not None
-        and record.get("table_version") == table.version
+        and record.table_version == table.version
     )
 
 
-def pushed_record(repo: str) -> Any:
-    """The conversion.json on `repo`'s default branch; None when nothing was pushed there yet."""
+def pushed_record(repo: str) -> ConversionRecord | None:
+    """The conversion.json on `repo`'s default branch; None when nothing was pushed there
+    yet, or what is there is no record of this tool (model/record.py reads it strictly)."""
     with hub_errors(f"{HUB_SCHEME}{repo}/{CONVERSION_RECORD}", PushError):
         try:
             path = hf_hub_download(repo, CONVERSION_RECORD)
         except (RepositoryNotFoundError, RevisionNotFoundError, EntryNotFoundError):
             return None
-    return read_record(Path(path))
+    return ConversionRecord.find(Path(path).parent)  # the snapshot folder holding conversion.json
 
 
 def push(out: Path, repo: str, message: str, description: str, private: bool | None) -> str:
@@ -293,18 +293,18 @@ class _Job:
         pushed = pushed_record(target) if target else None
         if target and records(pushed, self.hub.location, commit, tables):
             return "skipped", {"reason": f"{HUB_SCHEME}{target} already records {_what(pushed)}"}
-        local = read_record(src.output / CONVERSION_RECORD)
+        local = ConversionRecord.find(src.output)
         if records(local, self.hub.location, commit, tables):
             if not target:
                 return "skipped", {"reason": f"{src.output} already records {_what(local)}"}
-            conversion, table = "reused", tables[local["table"]]
+            conversion, table = "reused", tables[local.table]
         else:
             inv, reader = open_hub_source(f"{src.repo}@{commit}")
             self.fetched = inv.header_bytes
             plan = plan_source(inv, reader, self.manifest.target)
             try:
                 # replacing is safe only over an earlier conversion (it has a conversion.json), never over anything else
-                result = run_plan(plan, reader, src.output, overwrite=local is not None, max_shard_size=self.manifest.max_shard_size)
+                result = run_plan(plan, reader, src.output, overwrite=(src.output / CONVERSION_RECORD).exists(), max_shard_size=self.manifest.max_shard_size)
             finally:
                 self.fetched = inv.header_bytes + reader.bytes_read
             conversion, table = result.status, tables[plan.table]
@@ -316,9 +316,9 @@ class _Job:
         return "converted", entry
 
 
-def _what(record: dict[str, Any]) -> str:
+def _what(record: ConversionRecord) -> str:
     """A conversion record that `records` accepted, as a skip reason names it."""
-    return f"source commit {record['source']['revision'][:12]} with table {record['table']} v{record['table_version']}"
+    return f"source commit {(record.source.revision or '')[:12]} with table {record.table} v{record.table_version}"
 
 
 def _write_report(path: Path, report: dict[str, Any]) -> None:

@@ -1,12 +1,13 @@
-"""`convert-dsv4 check DIR`: verify a converted checkpoint, one named check at a time.
+"""`convert-dsv4 check DIR`: verify a converted checkpoint (`--target xpu`) or a draft
+directory (`--target draft`), one named check at a time.
 
-Each check passes, fails with its own exit code (convert/exit_codes.py, 71..85) and a
+Each check passes, fails with its own exit code (convert/exit_codes.py, 71..86) and a
 one-line reason naming the file and tensor, or is skipped with the reason why (not
 requested, or a check it builds on failed). `run_checks` returns the whole report
 (convert/report.py: text, JSON, JUnit) for the command (convert/cli.py) and for library
 callers (the batch job).
 
-Why one module of ~530 lines: the nine checks share one context (what the earlier checks
+Why one module of ~650 lines: the ten checks share one context (what the earlier checks
 found: the inventory, the config, the hashes) and run in a fixed order from one table
 (CHECKS); split into files, each file would need that context and the order from another.
 
@@ -16,14 +17,22 @@ The checks, in order (a later one may need an earlier one's result):
   readable   every tensor reads through safetensors, in bounded row blocks
   sizes      the index's total_size and conversion.json's files and sizes match the shards
   checksums  every tensor's sha256 matches conversion.json (skipped with --fast)
-  config     config.json records the conversion (layout, table) and agrees with the
-             tensors: MTP blocks present, expert_dtype, FP8 block size vs scale shapes
-  layout     names, shapes and dtypes equal target_layout(config): the model's own layout
+  config     the records name the conversion (config.json's layout record for xpu,
+             conversion.json for a draft directory) and config.json agrees with the
+             tensors: MTP blocks or stages present, expert_dtype, FP8 block size vs scale
+             shapes; for a draft directory also architectures/model_type present, the
+             experts, and every runtime-read field as the conversion wrote it
+  layout     names, shapes and dtypes equal layout_of(target, config): the model's own
+             layout (xpu), or the native draft directory's (draft)
   quant      every linear has a quantisation layer name and resolves to one scheme
   smoke      strict load into the bundled model and a few-token forward (--smoke); for a
-             DSpark checkpoint one draft block from a few random target features
+             DSpark checkpoint one draft block from a few random target features; a draft
+             directory is mapped in memory by the xpu table first (convert/inmemory.py)
   native     numerical parity with the reference on the native checkpoint (--native);
              for DSpark also the draft tokens
+  serve      a draft directory against the target it is to be served beside
+             (--serve-with): vLLM builds the draft's layers from the target's config and
+             quantisation, so those fields must be the draft's own
 """
 
 from __future__ import annotations
@@ -34,7 +43,7 @@ import os
 import re
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -47,6 +56,9 @@ from dsv4.convert.errors import (
     IndexCheckError,
     MissingTensorsError,
     NativeParityError,
+    QuantCarryError,
+    QuantSchemeError,
+    ServeMismatchError,
     SizeCheckError,
     SmokeFailedError,
     TensorDtypeError,
@@ -57,24 +69,22 @@ from dsv4.convert.errors import (
 from dsv4.convert.exit_codes import exit_code
 from dsv4.convert.inventory import Inventory, TensorSource, merge_shards, read_local_shards
 from dsv4.convert import progress
-from dsv4.convert.pipeline import CONVERSION_RECORD
-from dsv4.convert.plan import LAYOUT_RECORD
 from dsv4.convert.quant_config import check_draft_quantization
 from dsv4.convert.report import CheckReport, CheckResult
 from dsv4.mapping.errors import TableError
-from dsv4.mapping.table import load_table
+from dsv4.mapping.table import installed_tables, load_table
 from dsv4.model import strictjson
 from dsv4.model.checkpoint import INDEX_NAME, load_index
 from dsv4.model.config import ConfigError, ModelConfig, parse_config
 from dsv4.model.dtypes import tensor_bytes
 from dsv4.model.errors import DSV4Error
-from dsv4.model.layout import build_draft_model, target_layout
+from dsv4.model.layout import DRAFT_TARGET, build_draft_model, layout_of
 from dsv4.model.parity import MAX_REL_DIFF, MIN_TOP1, SMOKE_TOKENS, parity_verdict
+from dsv4.model.record import CONVERSION_RECORD, LAYOUT_RECORD, RUNTIME_CONFIG_FIELDS, ConversionRecord, LayoutRecord, RecordError
 from safetensors import safe_open
 
 READ_BLOCK = 64 << 20  # bytes per read of one tensor: bounded memory at any tensor size
 LIST_AT_MOST = 3  # names quoted in a one-line reason; the JSON details list all of them
-SHA256 = re.compile(r"[0-9a-f]{64}")  # hashlib's hexdigest, as the converter records it
 
 class _Skipped(Exception):
     """A check that did not run, and why."""
@@ -98,9 +108,12 @@ class _Context:
     hashes: dict[str, str] = field(default_factory=dict)
     unreadable: set[str] = field(default_factory=set)
     cfg: ModelConfig | None = None
-    record: dict[str, Any] | None = None  # conversion.json
+    record: ConversionRecord | None = None  # conversion.json
+    target: str | None = None  # the layout the checkpoint is in (the config check's finding)
+    checksum_error: str | None = None  # a malformed sha256 in conversion.json (the checksums check's finding)
     smoke_report: dict[str, Any] | None = None
     passed: set[str] = field(default_factory=set)
+    serve_with: Path | None = None  # the target model's directory or config.json (--serve-with)
 
     def where(self, file: str) -> str:
         return str(self.root / file)
@@ -228,25 +241,23 @@ def check_readable(ctx: _Context, details: dict[str, Any]) -> str:
 
 
 # --- sizes and checksums -----------------------------------------------------------------
-def _conversion_record(ctx: _Context) -> dict[str, Any]:
-    """conversion.json, parsed strictly, with every tensor entry holding a file name and a
-    byte count (the sizes check's fields; the checksums check reads each sha256)."""
+def _conversion_record(ctx: _Context) -> ConversionRecord:
+    """conversion.json through the one strict reader (model/record.py): a malformed tensor
+    checksum is the checksums check's finding (74), anything else the sizes check's (73)."""
     path = ctx.root / CONVERSION_RECORD
     try:
-        record = strictjson.loads(strictjson.read_record_bytes(path))
+        record = ConversionRecord.read(ctx.root, sha256=False)
     except FileNotFoundError:
         raise SizeCheckError(f"{path}: missing (the converter writes every tensor's file, size and sha256 there)", path=str(path)) from None
-    except (OSError, strictjson.StrictJSONError) as exc:
+    except OSError as exc:
         raise SizeCheckError(f"{path}: unreadable ({_first_line(exc)})", path=str(path)) from None
-    if not isinstance(record, dict) or not isinstance(record.get("tensors"), dict):
-        raise SizeCheckError(f"{path}: has no 'tensors' object", path=str(path))
-    for name, entry in record["tensors"].items():
-        if not isinstance(entry, dict):
-            raise SizeCheckError(f"{path}: tensors[{name!r}] is {_brief(entry)}, not an object with file, nbytes and sha256", path=str(path))
-        if not isinstance(entry.get("file"), str):
-            raise SizeCheckError(f"{path}: tensors[{name!r}].file is {_brief(entry.get('file'))}, not a file name", path=str(path))
-        if not _is_int(entry.get("nbytes")):
-            raise SizeCheckError(f"{path}: tensors[{name!r}].nbytes is {_brief(entry.get('nbytes'))}, not a byte count", path=str(path))
+    except RecordError as exc:
+        raise SizeCheckError(str(exc), path=str(path)) from None
+    ctx.checksum_error = None
+    try:  # the checksums check reports a malformed sha256 (and --fast skips it)
+        ConversionRecord.read(ctx.root)
+    except (OSError, RecordError) as exc:
+        ctx.checksum_error = str(exc)
     return record
 
 
@@ -281,7 +292,7 @@ def check_sizes(ctx: _Context, details: dict[str, Any]) -> str:
     if not _is_int(declared) or declared != total:
         raise SizeCheckError(f"{ctx.where(INDEX_NAME)}: metadata.total_size is {_brief(declared)} but the {len(inv.tensors)} tensors hold {total:,} bytes", path=str(ctx.where(INDEX_NAME)))
     record = _conversion_record(ctx)
-    listed = record["tensors"]
+    listed = record.tensors
     missing = sorted(set(inv.tensors) - set(listed))
     if missing:
         raise SizeCheckError(f"{ctx.where(CONVERSION_RECORD)}: does not list {len(missing)} tensor(s) the shards hold: {_short(missing)}", path=str(ctx.where(CONVERSION_RECORD)))
@@ -290,8 +301,8 @@ def check_sizes(ctx: _Context, details: dict[str, Any]) -> str:
         raise SizeCheckError(f"{ctx.where(CONVERSION_RECORD)}: lists {len(extra)} tensor(s) no shard holds: {_short([repr(n) for n in extra])}", path=str(ctx.where(CONVERSION_RECORD)))
     for name, src in sorted(inv.tensors.items()):
         entry = listed[name]
-        if entry["file"] != src.file or entry["nbytes"] != src.nbytes:
-            raise SizeCheckError(f"{ctx.where(CONVERSION_RECORD)}: tensor {name}: recorded as {entry['nbytes']!r} bytes in {entry['file']!r}, but it is {src.nbytes:,} bytes in {src.file}", path=str(ctx.where(CONVERSION_RECORD)), tensor=name)
+        if entry.file != src.file or entry.nbytes != src.nbytes:
+            raise SizeCheckError(f"{ctx.where(CONVERSION_RECORD)}: tensor {name}: recorded as {entry.nbytes!r} bytes in {entry.file!r}, but it is {src.nbytes:,} bytes in {src.file}", path=str(ctx.where(CONVERSION_RECORD)), tensor=name)
     ctx.record = record
     details["total_size"] = total
     return f"total_size {total:,} bytes = the tensors' sum; {CONVERSION_RECORD} lists the same {len(listed)} tensors, files and sizes"
@@ -303,12 +314,10 @@ def check_checksums(ctx: _Context, details: dict[str, Any]) -> str:
         raise _Skipped(f"--fast: {len(inv.tensors)} tensors not hashed (sizes, names and files still checked)")
     if ctx.record is None:
         raise _Skipped(f"needs {CONVERSION_RECORD} with every tensor (sizes check failed)")
-    listed = ctx.record["tensors"]
-    malformed = sorted(n for n in ctx.hashes if not (isinstance(listed[n].get("sha256"), str) and SHA256.fullmatch(listed[n]["sha256"])))
-    if malformed:
-        name = malformed[0]
-        raise ChecksumMismatchError(f"{ctx.where(CONVERSION_RECORD)}: tensors[{name!r}].sha256 is {_brief(listed[name].get('sha256'))}, not 64 lowercase hex digits" + (f" ({len(malformed)} such tensors: {_short(malformed)})" if len(malformed) > 1 else ""))
-    wrong = sorted(n for n, h in ctx.hashes.items() if listed[n]["sha256"] != h)
+    if ctx.checksum_error is not None:
+        raise ChecksumMismatchError(ctx.checksum_error, path=str(ctx.where(CONVERSION_RECORD)))
+    listed = ctx.record.tensors  # each sha256 well-formed: the record's reader checked it
+    wrong = sorted(n for n, h in ctx.hashes.items() if listed[n].sha256 != h)
     details.update(hashed=len(ctx.hashes), differ=wrong, unreadable=sorted(ctx.unreadable))
     if wrong:
         first = inv.tensors[wrong[0]]
@@ -319,12 +328,19 @@ def check_checksums(ctx: _Context, details: dict[str, Any]) -> str:
 
 # --- config ------------------------------------------------------------------------------
 EXPERT = re.compile(r"\.ffn\.experts\.routed_experts\.(w13|w2)_(weight|weight_scale|weight_scale_inv)\Z")
+NATIVE_EXPERT = re.compile(r"mtp\.\d+\.ffn\.experts\.(\d+)\.w[123]\.(weight|scale)\Z")
 LAYER = re.compile(r"model\.layers\.(\d+)\.")
+NATIVE_BLOCK = re.compile(r"mtp\.(\d+)\.")
+ABSENT = "(absent)"
 
 
 def _expert_dtype_of(name: str, dtype: str) -> str | None:
-    """The expert_dtype a routed-expert tensor implies (mapping/README.md#mtp-parameters): FP4 experts are uint8
-    weights with `_weight_scale`; FP8 experts are e4m3 weights with `_weight_scale_inv`."""
+    """The expert_dtype a routed-expert tensor implies (mapping/README.md#mtp-parameters): FP4
+    experts are uint8 weights with `_weight_scale` (native: I8 packed weights), FP8 experts
+    e4m3 weights with `_weight_scale_inv` (native: F8_E4M3 weights)."""
+    native = NATIVE_EXPERT.match(name)
+    if native is not None:
+        return {"I8": "fp4", "F8_E4M3": "fp8"}.get(dtype, f"unknown ({dtype})") if native.group(2) == "weight" else None
     m = EXPERT.search(name)
     if m is None:
         return None
@@ -333,42 +349,76 @@ def _expert_dtype_of(name: str, dtype: str) -> str | None:
     return "fp4" if m.group(2) == "weight_scale" else "fp8"
 
 
+def _weight_of_scale(name: str, target: str) -> str | None:
+    """The weight an FP8 block scale belongs to, in the layout's names."""
+    if target == DRAFT_TARGET:
+        return name.removesuffix(".scale") + ".weight" if name.endswith(".scale") else None
+    return name.removesuffix("_scale_inv") if name.endswith("_scale_inv") else None
+
+
+def _recorded_layout(ctx: _Context, where: str) -> tuple[str, str, str, str]:
+    """(table, table version, layout, the field naming the table) the checkpoint was
+    converted with: config.json's layout record for a renamed layout (xpu; conversion.json
+    must agree, check_config says), conversion.json alone for a draft directory, whose config.json is the source's."""
+    assert ctx.config is not None
+    try:
+        layout_record = LayoutRecord.of(ctx.config, where)
+    except RecordError as exc:
+        installed = f" (installed: {', '.join(installed_tables())})" if exc.field == f"{LAYOUT_RECORD}.table" else ""
+        raise ConfigCheckError(f"{exc}{installed}", path=str(where)) from None
+    conv = ctx.record
+    if layout_record is None:
+        if conv is None or conv.has_layout_record:
+            said = "" if conv is not None else f", and no readable {CONVERSION_RECORD} names the layout"
+            raise ConfigCheckError(f"{where}: no {LAYOUT_RECORD} record with layout, table, table_version, tool_version{said}: not a checkpoint this converter wrote", path=str(where))
+        return conv.table, conv.table_version, conv.target, f"{CONVERSION_RECORD} table"
+    return layout_record.table, layout_record.table_version, layout_record.layout, f"{LAYOUT_RECORD}.table"
+
+
 def check_config(ctx: _Context, details: dict[str, Any]) -> str:
     where = ctx.where("config.json")
     if ctx.config is None or ctx.cfg is None:
         raise ConfigCheckError(f"{where}: {ctx.config_error}", path=str(where))
     inv = ctx.need_inventory()
     config, cfg = ctx.config, ctx.cfg
-    record = config.get(LAYOUT_RECORD)
-    keys = ("layout", "table", "table_version", "tool_version")
-    if not isinstance(record, dict) or any(k not in record for k in keys):
-        raise ConfigCheckError(f"{where}: no {LAYOUT_RECORD} record with {', '.join(keys)}: not a checkpoint this converter wrote", path=str(where))
+    table_name, table_version, target, field = _recorded_layout(ctx, where)
     try:
-        table = load_table(record["table"])
+        table = load_table(table_name)
     except TableError as exc:
-        raise ConfigCheckError(f"{where}: {LAYOUT_RECORD}.table {record['table']!r} is not a table this tool has ({_first_line(exc)})", path=str(where)) from None
-    if (record["layout"], record["table_version"]) != (table.target, table.version):
-        raise ConfigCheckError(f"{where}: converted to layout {record['layout']!r} with table {record['table']} v{record['table_version']}, but this tool's table {table.name} is v{table.version} for layout {table.target!r}: reconvert", path=str(where))
-    if ctx.record is not None and (ctx.record.get("table"), ctx.record.get("target")) != (record["table"], record["layout"]):
-        raise ConfigCheckError(f"{where}: {LAYOUT_RECORD} says table {record['table']!r} / layout {record['layout']!r}, {CONVERSION_RECORD} says {ctx.record.get('table')!r} / {ctx.record.get('target')!r}", path=str(where))
+        raise ConfigCheckError(f"{where}: {field} {table_name!r} is not a table this tool has ({_first_line(exc)})", path=str(where)) from None
+    if (target, table_version) != (table.target, table.version):
+        raise ConfigCheckError(f"{where}: converted to layout {target!r} with table {table_name} v{table_version}, but this tool's table {table.name} is v{table.version} for layout {table.target!r}: reconvert", path=str(where))
+    if ctx.record is not None and (ctx.record.table, ctx.record.target) != (table_name, target):
+        raise ConfigCheckError(f"{where}: {LAYOUT_RECORD} says table {table_name!r} / layout {target!r}, {CONVERSION_RECORD} says {ctx.record.table!r} / {ctx.record.target!r}", path=str(where))
 
     drafter = "dspark" if cfg.is_dspark else "mtp"
     if table.drafter != drafter:
-        raise ConfigCheckError(f"{where}: {LAYOUT_RECORD}.table {record['table']!r} maps {table.drafter} drafters, but config.json describes a{'' if cfg.is_dspark else 'n'} {drafter} drafter{' (dspark_* fields)' if cfg.is_dspark else ' (no dspark_* fields)'}", path=str(where))
-    present = {int(m.group(1)) for name in inv.tensors if (m := LAYER.match(name))}
-    if cfg.is_dspark:  # the stages are an nn.ModuleList: model.layers.{s}, s < S
-        expected_layers = set(range(cfg.dspark_stages))
-        meaning = f"dspark_target_layer_ids ({len(cfg.dspark_target_layer_ids or ())} entries) means DSpark stage layer(s) {sorted(expected_layers)}"
+        raise ConfigCheckError(f"{where}: {field} {table_name!r} maps {table.drafter} drafters, but config.json describes a{'' if cfg.is_dspark else 'n'} {drafter} drafter{' (dspark_* fields)' if cfg.is_dspark else ' (no dspark_* fields)'}", path=str(where))
+    draft = target == DRAFT_TARGET
+    if draft:  # native names: MTP block or DSpark stage mtp.{n}
+        present = {int(m.group(1)) for name in inv.tensors if (m := NATIVE_BLOCK.match(name))}
+        expected_layers = set(range(cfg.dspark_stages if cfg.is_dspark else cfg.num_nextn_predict_layers))
+        meaning = f"dspark_target_layer_ids ({len(cfg.dspark_target_layer_ids or ())} entries) means DSpark stage(s) mtp.{sorted(expected_layers)}" if cfg.is_dspark else f"num_nextn_predict_layers = {cfg.num_nextn_predict_layers} means MTP block(s) mtp.{sorted(expected_layers)}"
+        held = f"mtp.{sorted(present)}"
     else:
-        expected_layers = {cfg.mtp_layer_index(i) for i in range(cfg.num_nextn_predict_layers)}
-        meaning = f"num_nextn_predict_layers = {cfg.num_nextn_predict_layers} and num_hidden_layers = {cfg.num_hidden_layers} mean MTP layer(s) {sorted(expected_layers)}"
+        present = {int(m.group(1)) for name in inv.tensors if (m := LAYER.match(name))}
+        if cfg.is_dspark:  # the stages are an nn.ModuleList: model.layers.{s}, s < S
+            expected_layers = set(range(cfg.dspark_stages))
+            meaning = f"dspark_target_layer_ids ({len(cfg.dspark_target_layer_ids or ())} entries) means DSpark stage layer(s) {sorted(expected_layers)}"
+        else:
+            expected_layers = {cfg.mtp_layer_index(i) for i in range(cfg.num_nextn_predict_layers)}
+            meaning = f"num_nextn_predict_layers = {cfg.num_nextn_predict_layers} and num_hidden_layers = {cfg.num_hidden_layers} mean MTP layer(s) {sorted(expected_layers)}"
+        held = f"layer(s) {sorted(present)}"
     if present != expected_layers:
-        raise ConfigCheckError(f"{where}: {meaning}, but the tensors hold layer(s) {sorted(present)}", path=str(where))
+        raise ConfigCheckError(f"{where}: {meaning}, but the tensors hold {held}", path=str(where))
 
     for name, src in sorted(inv.tensors.items()):
         implied = _expert_dtype_of(name, src.dtype)
         if implied is not None and implied != cfg.expert_dtype:
             raise ConfigCheckError(f"{where}: expert_dtype is {cfg.expert_dtype!r} but {src.file}: tensor {name} ({src.dtype}) holds {implied} experts", path=str(where), tensor=name)
+    experts = {int(m.group(1)) for name in inv.tensors if (m := NATIVE_EXPERT.match(name))}
+    if draft and experts != set(range(cfg.n_routed_experts)):
+        raise ConfigCheckError(f"{where}: n_routed_experts = {cfg.n_routed_experts}, but the tensors hold routed experts {min(experts, default=None)}..{max(experts, default=None)} ({len(experts)})", path=str(where))
 
     # an object or absent, its weight_block_size two integers in range: the config loader
     # (ctx.cfg) has checked both; only an FP8 config that names no block size is left
@@ -378,23 +428,50 @@ def check_config(ctx: _Context, details: dict[str, Any]) -> str:
         if "weight_block_size" not in quant:
             raise ConfigCheckError(f"{where}: quantization_config.weight_block_size is None, not two positive integers", path=str(where))
         block = list(cfg.weight_block_size)
-        layout = target_layout(cfg)
+        layout = layout_of(target, cfg)
         for name, src in sorted(inv.tensors.items()):
-            weight = inv.tensors.get(name.removesuffix("_scale_inv"))
-            if not name.endswith("_scale_inv") or weight is None or weight.dtype != "F8_E4M3" or name not in layout or weight.name not in layout:
+            weight = inv.tensors.get(_weight_of_scale(name, target) or "")
+            if weight is None or weight.dtype != "F8_E4M3" or name not in layout or weight.name not in layout:
                 continue
             if weight.shape == layout[weight.name][1] and src.shape != layout[name][1]:
                 raise ConfigCheckError(f"{where}: quantization_config.weight_block_size {block} gives {name} the shape {list(layout[name][1])}, but {src.file} holds {list(src.shape)} for {weight.name} {list(weight.shape)}", path=str(where))
+    if draft:  # vLLM reads architectures[0] and model_type before anything else (shared/spec/05 §5.2)
+        for key in ("architectures", "model_type"):
+            if key not in config:
+                raise ConfigCheckError(f"{where}: no {key}: vLLM 0.33.0 and SGLang 0.5.23 pick the draft model class from it", path=str(where))
+        if not (isinstance(config["architectures"], list) and config["architectures"] and isinstance(config["architectures"][0], str)):
+            raise ConfigCheckError(f"{where}: architectures is {_brief(config['architectures'])}, not a list of class names", path=str(where))
+    # a draft directory's config.json is the runtimes' (the source's, unchanged): the fields
+    # they read must be those the conversion wrote (an xpu output's config is the bundled
+    # model's, checked against the tensors above and by quant)
+    if draft and ctx.record is not None and ctx.record.config_fields:
+        for key in RUNTIME_CONFIG_FIELDS:
+            was, now = ctx.record.config_fields.get(key, ABSENT), config.get(key, ABSENT)
+            if was != now:
+                raise ConfigCheckError(f"{where}: {key} is {_brief(now)}, but the conversion wrote {_brief(was)} ({CONVERSION_RECORD} config_fields; the runtimes read it)", path=str(where))
     what = f"FP8 blocks {block}" if block else f"{quant.get('quant_method')} quantisation (names: see quant)" if isinstance(quant, dict) else "no quantization_config"
-    details.update(layout=record["layout"], table=record["table"], table_version=record["table_version"], drafter=drafter, mtp_layers=sorted(present))
-    layers = f"DSpark stage layer(s) {sorted(present)}" if cfg.is_dspark else f"MTP layer(s) {sorted(present)}"
-    return f"converted to {record['layout']!r} with table {record['table']} v{record['table_version']}; {layers}; expert_dtype {cfg.expert_dtype}; {what} agree with the tensors"
+    details.update(layout=target, table=table_name, table_version=table_version, drafter=drafter, mtp_layers=sorted(present))
+    ctx.target = target
+    layers = (f"DSpark stage(s) mtp.{sorted(present)}" if cfg.is_dspark else f"MTP block(s) mtp.{sorted(present)}") if draft else f"DSpark stage layer(s) {sorted(present)}" if cfg.is_dspark else f"MTP layer(s) {sorted(present)}"
+    return f"converted to {target!r} with table {table_name} v{table_version}; {layers}; expert_dtype {cfg.expert_dtype}; {what} agree with the tensors"
 
 
 # --- layout ------------------------------------------------------------------------------
+def _layout_target(ctx: _Context) -> str:
+    """The layout to hold the tensors against: the config check's finding, else what the
+    records say (config.json's layout record, else conversion.json), else xpu."""
+    if ctx.target is not None:
+        return ctx.target
+    try:
+        return _recorded_layout(ctx, ctx.where("config.json"))[2]
+    except ConfigCheckError:
+        return ctx.record.target if ctx.record is not None else "xpu"
+
+
 def check_layout(ctx: _Context, details: dict[str, Any]) -> str:
     inv, cfg = ctx.need_inventory(), ctx.need_config()
-    want = target_layout(cfg)
+    target = _layout_target(ctx)
+    want = layout_of(target, cfg)
     missing = sorted(set(want) - set(inv.tensors))
     unexpected = sorted(set(inv.tensors) - set(want))
     both = sorted(set(want) & set(inv.tensors))
@@ -411,15 +488,28 @@ def check_layout(ctx: _Context, details: dict[str, Any]) -> str:
     if dtype:
         findings.append((TensorDtypeError, f"{len(dtype)} of the wrong dtype: {_short(dtype)}"))
     if findings:
-        raise findings[0][0](f"{ctx.where(INDEX_NAME)}: not the {cfg.expert_dtype} target layout: " + "; ".join(text for _, text in findings))
-    return f"all {len(want)} tensors of the target layout present with their shapes and dtypes, nothing else"
+        raise findings[0][0](f"{ctx.where(INDEX_NAME)}: not the {cfg.expert_dtype} {target} layout: " + "; ".join(text for _, text in findings))
+    return f"all {len(want)} tensors of the {target} layout present with their shapes and dtypes, nothing else"
 
 
 # --- quantisation ------------------------------------------------------------------------
 def check_quant(ctx: _Context, details: dict[str, Any]) -> str:
     cfg = ctx.need_config()
     assert ctx.config is not None  # a parsed cfg implies a parsed config.json
-    summary = check_draft_quantization(build_draft_model(cfg), ctx.config, ctx.where("config.json"))
+    config = ctx.config
+    if _layout_target(ctx) == DRAFT_TARGET:
+        # native module names: the quantisation layer names are those of the xpu conversion
+        # of this directory, whose config.json the converter rewrites (convert/quant_config.py)
+        from dsv4.convert.inmemory import xpu_plan
+        from dsv4.convert.pipeline import output_config
+
+        try:
+            config = output_config(xpu_plan(ctx.root))
+        except QuantCarryError as exc:  # the xpu conversion would refuse this quantization_config
+            raise QuantSchemeError(str(exc)) from None
+        except DSV4Error as exc:
+            raise _Skipped(f"needs the xpu plan of this draft directory: {_first_line(exc)}") from None
+    summary = check_draft_quantization(build_draft_model(cfg), config, ctx.where("config.json"))
     if summary.library_missing:
         raise _Skipped(summary.reason)
     details.update(layers=summary.layers, schemes_checked=summary.schemes_checked)
@@ -432,12 +522,14 @@ def check_smoke(ctx: _Context, details: dict[str, Any]) -> str:
         raise _Skipped("not requested (--smoke or --native)")
     if "layout" not in ctx.passed:
         raise _Skipped("needs the target layout (layout check failed): a strict load would fail")
+    from dsv4.convert.inmemory import model_loader
     from dsv4.model.smoke import run_dspark_smoke, run_smoke  # imports the reference and kernels: only here
 
     dspark = ctx.need_config().is_dspark
     try:
+        load = model_loader(ctx.root)  # a draft directory (native names): the xpu plan, in memory
         # DSpark: one draft block from a context of `tokens` random target features
-        report = run_dspark_smoke(ctx.root, ctx.device, ctx.tokens, reference_dir=ctx.native) if dspark else run_smoke(ctx.root, ctx.device, ctx.tokens, ctx.native)
+        report = run_dspark_smoke(ctx.root, ctx.device, ctx.tokens, reference_dir=ctx.native, load=load) if dspark else run_smoke(ctx.root, ctx.device, ctx.tokens, ctx.native, load=load)
     except Exception as exc:  # a failed load or forward, whatever raised it, is this check's finding
         said = _first_line(exc)
         raise SmokeFailedError(said if str(ctx.root) in said else f"{ctx.root}: {said}") from None
@@ -465,6 +557,42 @@ PARITY_DETAILS = ("hidden_max_abs_diff", "hidden_max_abs", "logits_max_abs_diff"
                   "routing_disagreements", "draft_tokens", "reference_draft_tokens", "draft_token_agreement")
 
 
+# --- serve --------------------------------------------------------------------------------
+# vLLM 0.33.0 builds a draft's layers from the TARGET's config and quantisation config
+# (model_loader/utils.py:93-101 with the target's vllm_config; xpu/mtp.py:76, 89, 97, 176-178;
+# speculative.py:1564-1566 gives a V4 DSpark draft the target's quantisation method): every
+# field the layers are built from must be the draft's own. NOTES.md, "Serving a draft".
+def _serve_fields() -> tuple[str, ...]:
+    model_fields = sorted({f.name for f in fields(ModelConfig)} - set(RUNTIME_CONFIG_FIELDS))
+    return (*RUNTIME_CONFIG_FIELDS, *model_fields)
+
+
+def check_serve(ctx: _Context, details: dict[str, Any]) -> str:
+    if ctx.serve_with is None:
+        raise _Skipped("not requested (--serve-with TARGET)")
+    if ctx.config is None:
+        raise _Skipped(f"needs the draft's config.json: {ctx.config_error}")
+    if _layout_target(ctx) != DRAFT_TARGET:
+        raise _Skipped(f"only a --target {DRAFT_TARGET} output is served beside a target model (this one is {_layout_target(ctx)!r})")
+    where = ctx.serve_with / "config.json" if ctx.serve_with.is_dir() else ctx.serve_with
+    try:
+        target = parse_config(where.read_bytes())
+    except (OSError, ConfigError) as exc:
+        raise ServeMismatchError(f"{where}: cannot read the target's config: {_first_line(exc)}", path=str(where)) from None
+    for key in _serve_fields():
+        mine, theirs = ctx.config.get(key, ABSENT), target.get(key, ABSENT)
+        if isinstance(mine, dict) and isinstance(theirs, dict):  # name the first sub-field that differs
+            sub = next((k for k in sorted(mine.keys() | theirs.keys()) if mine.get(k, ABSENT) != theirs.get(k, ABSENT)), None)
+            key, mine, theirs = (f"{key}.{sub}", mine.get(sub, ABSENT), theirs.get(sub, ABSENT)) if sub else (key, mine, theirs)
+        if mine != theirs:
+            details.update(field=key)
+            raise ServeMismatchError(
+                f"{where}: {key} is {_brief(theirs)}, the draft's is {_brief(mine)}: vLLM 0.33.0 builds the draft's layers from the "
+                "target's config and quantisation, so this draft would not load beside it (serve it beside the checkpoint it was converted from)",
+                path=str(where), field=key)
+    return f"{where}: the {len(_serve_fields())} config fields vLLM builds the draft's layers from (quantization_config included) are the draft's own"
+
+
 # each check returns its one-line reason and may fill `details` (kept on failure too)
 CHECKS: tuple[tuple[str, Callable[[_Context, dict[str, Any]], str]], ...] = (
     ("index", check_index),
@@ -476,6 +604,7 @@ CHECKS: tuple[tuple[str, Callable[[_Context, dict[str, Any]], str]], ...] = (
     ("quant", check_quant),
     ("smoke", check_smoke),
     ("native", check_native),
+    ("serve", check_serve),
 )
 
 
@@ -504,13 +633,17 @@ def run_checks(
     tokens: int = SMOKE_TOKENS,
     min_top1: float = MIN_TOP1,
     max_rel_diff: float = MAX_REL_DIFF,
+    serve_with: str | Path | None = None,
     quiet: bool = True,
 ) -> CheckReport:
     """Run every check on the converted checkpoint at `path` and return the report (never
     raises for a failed check; `report.raise_for_failure()` does). `native` (the checkpoint
     it was converted from) implies the smoke run, which then also runs the reference.
-    Unless `quiet`, a bar over the checks (convert/progress.py's rule)."""
-    ctx = _Context(Path(path), fast, smoke, Path(native) if native is not None else None, device, tokens, min_top1, max_rel_diff)
+    `serve_with` (the target model's directory or config.json) checks that a draft
+    directory would load beside it in vLLM. Unless `quiet`, a bar over the checks
+    (convert/progress.py's rule)."""
+    ctx = _Context(Path(path), fast, smoke, Path(native) if native is not None else None, device, tokens, min_top1, max_rel_diff,
+                   serve_with=Path(serve_with) if serve_with is not None else None)
     _load_config(ctx)
     results = []
     bar = progress.bar(len(CHECKS), "check", "check", quiet)

@@ -217,7 +217,7 @@ def _print_plan(plan: Plan, as_json: bool, quiet: bool, *, full: bool, header_by
         echo_json(data)
         return
     s = plan.summary()
-    click.echo(f"{s['direction']} plan: {s['source']} -> {s['target']} (table {s['table']})" + (f": {s['tensors_out']} tensors, {_gb(s['bytes_to_read'])} to read" if quiet else ""))
+    click.echo(f"{s['direction']} plan: {s['source']} -> {s['target']} (table {s['table']} v{s['table_version']})" + (f": {s['tensors_out']} tensors, {_gb(s['bytes_to_read'])} to read" if quiet else ""))
     if quiet:
         return
     click.echo(f"  draft layout:         {DRAFTER_NAMES[s['drafter']]}: {s['runtime']} {s['runtime_class']}")
@@ -240,9 +240,10 @@ def _print_plan(plan: Plan, as_json: bool, quiet: bool, *, full: bool, header_by
 @click.option("--fast", is_flag=True, help="Skip hashing the tensor data against conversion.json (says so in the report).")
 @device_option
 @click.option("--junit", type=click.Path(dir_okay=False, path_type=Path), help="Also write the report as JUnit XML to this file (its folder is created), one test case per check.")
+@click.option("--serve-with", type=click.Path(exists=True, path_type=Path), help="A draft directory: the target model (its directory or config.json) it is to be served beside; fails when vLLM would build the draft's layers differently (another quantisation, another architecture).")
 @quiet_option
 @json_option
-def check_command(directory: Path, native: Path | None, smoke: bool, fast: bool, device: str | None, junit: Path | None, quiet: bool, as_json: bool) -> None:
+def check_command(directory: Path, native: Path | None, smoke: bool, fast: bool, device: str | None, junit: Path | None, serve_with: Path | None, quiet: bool, as_json: bool) -> None:
     """Verify converted checkpoint DIRECTORY; exit with the first failed check's code.
 
     --native implies --smoke.
@@ -251,7 +252,7 @@ def check_command(directory: Path, native: Path | None, smoke: bool, fast: bool,
     exit codes: 71 index/headers  72 unreadable tensor  73 sizes  74 checksum
                 75 config vs tensors  76 missing  77 unexpected  78 shape  79 dtype
                 80 quantisation scheme  81 empty quantisation name (vLLM #44817)
-                84 smoke  85 native parity
+                84 smoke  85 native parity  86 --serve-with: the target builds the draft otherwise
                 42 the --junit file could not be written (after the report is printed)
     """
     from dsv4.convert.check import run_checks  # start-up time
@@ -259,7 +260,7 @@ def check_command(directory: Path, native: Path | None, smoke: bool, fast: bool,
     from dsv4.model.checkpoint import refuse_full_native
 
     refuse_full_native(directory, "check")
-    report = run_checks(directory, native=native, smoke=smoke, fast=fast, device=device, quiet=quiet or as_json)
+    report = run_checks(directory, native=native, smoke=smoke, fast=fast, device=device, serve_with=serve_with, quiet=quiet or as_json)
     if as_json:
         echo_json(report.to_json())
     else:
@@ -289,6 +290,7 @@ def smoke_command(out: Path, device: str | None, tokens: int, native: Path | Non
     """Load converted checkpoint OUT into the bundled draft model and run one draft step
     (MTP: one step on TOKENS tokens; DSpark: one block drafted from a context)."""
     from dsv4.convert import progress
+    from dsv4.convert.inmemory import model_loader
     from dsv4.model.errors import SmokeCheckError
     from dsv4.model.loader import converted_config  # start-up time: torch and the kernels
     from dsv4.model.parity import parity_verdict
@@ -296,15 +298,16 @@ def smoke_command(out: Path, device: str | None, tokens: int, native: Path | Non
 
     dspark = converted_config(out).is_dspark
     progress.step(f"smoke: loading {out} into the bundled model and drafting" + (" (then the reference on the native checkpoint)" if native is not None else ""), quiet or as_json)
+    load = model_loader(out)  # a draft directory (native names): the xpu plan, in memory
     if not dspark and (features is not None or anchor is not None or position):
         raise click.UsageError("--features, --anchor and --position are for a DSpark checkpoint; OUT is an MTP one")
     if dspark:
         try:
-            report = run_dspark_smoke(out, device, tokens, features, anchor, position, native, seed)
+            report = run_dspark_smoke(out, device, tokens, features, anchor, position, native, seed, load=load)
         except ValueError as exc:  # an anchor outside the vocabulary
             raise click.UsageError(str(exc)) from None
     else:
-        report = run_smoke(out, device, tokens, native, seed)
+        report = run_smoke(out, device, tokens, native, seed, load=load)
     verdict = parity_verdict(report, min_top1) if native is not None else None  # the rule of `check --native`
     if as_json:
         echo_json(report)
@@ -424,7 +427,7 @@ def targets_command(quiet: bool, as_json: bool) -> None:
         echo_json(rows)
         return
     for r in rows:
-        click.echo(f"{r['target']:8} {r['table']:12} drafter {r['drafter']:7} v{r['table_version']:4} {r['runtime']} {r['runtime_class']}")
+        click.echo(f"{r['target']:8} {r['table']:12} drafter {r['drafter']:7} v{r['table_version']:4} {r['runtime']} ({r['runtime_class']})")
 
 
 # Developers set DSV4_TRACEBACK=1 to see the traceback the last-resort handler hides.

@@ -154,3 +154,14 @@ class SmokeFailedError(CheckError):
 
 class NativeParityError(CheckError):
     """The converted draft disagrees with the reference run on the native checkpoint."""
+
+
+class ServeMismatchError(CheckError):
+    """The target model a draft directory is to be served beside would build the draft's
+    layers differently: vLLM 0.33.0 builds an MTP or DSpark draft from the target's config
+    and quantisation, so the draft's tensors would not load (NOTES.md, "Serving a draft").
+    `field` is the first config field that differs."""
+
+    def __init__(self, message: str, *, path: str | None = None, field: str | None = None) -> None:
+        super().__init__(message, path=path)
+        self.field = field

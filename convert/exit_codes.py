@@ -72,7 +72,7 @@ EXIT_CODES: dict[type[BaseException], int] = {
     convert.ManifestError: 64,
     convert.PushError: 65,
     convert.BatchFailedError: 66,
-    # 70-85 check (82: the converter refuses to carry a quantization_config)
+    # 70-86 check (82: the converter refuses to carry a quantization_config)
     convert.CheckError: 70,
     convert.IndexCheckError: 71,
     convert.UnreadableTensorError: 72,
@@ -88,6 +88,7 @@ EXIT_CODES: dict[type[BaseException], int] = {
     convert.QuantCarryError: 82,
     convert.SmokeFailedError: 84,
     convert.NativeParityError: 85,
+    convert.ServeMismatchError: 86,
 }
 
 

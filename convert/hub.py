@@ -221,4 +221,4 @@ def open_hub_source(spec: str | HubSpec) -> tuple[Inventory, HubReader]:
     except BaseException:
         reader.close()
         raise
-    return Inventory(hub.location, config, tensors, dict(reader.sizes), header_bytes, revision=commit), reader
+    return Inventory(hub.location, config, tensors, dict(reader.sizes), header_bytes, revision=commit, config_bytes=raw_config), reader

@@ -66,6 +66,7 @@ class Inventory:
     file_sizes: dict[str, int]
     header_bytes: int = 0  # bytes read to build this inventory
     revision: str | None = None  # resolved commit, for hub sources
+    config_bytes: bytes = b""  # config.json as read (a draft directory keeps it byte for byte)
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -281,4 +282,4 @@ def read_inventory(path: str | Path) -> Inventory:
     file_sizes = {s.file: s.size for s in shards}
     header_bytes = sum(s.data_start for s in shards)
     tensors = merge_shards(str(root), weight_map, [(s.file, s.tensors) for s in shards])
-    return Inventory(str(root), config, tensors, file_sizes, header_bytes)
+    return Inventory(str(root), config, tensors, file_sizes, header_bytes, config_bytes=raw_config)

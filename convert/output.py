@@ -28,12 +28,11 @@ from pathlib import Path
 from typing import Any
 
 from dsv4.convert.errors import OutputExistsError, OutputInSourceError, OutputIsSourceError, OutputLockedError, OutputParentError, OverwriteRefusedError, SourceInOutputError, WriteFailedError
-from dsv4.convert.plan import LAYOUT_RECORD
 from dsv4.model.checkpoint import INDEX_NAME
+from dsv4.model.record import CONVERSION_RECORD, LAYOUT_RECORD, TOOL, ConversionRecord, LayoutRecord, RecordError
 from dsv4.model.strictjson import StrictJSONError, fsync_dir, json_bytes, loads, read_record_bytes, write_record
 from filelock import FileLock, Timeout
 
-CONVERSION_RECORD = "conversion.json"
 CONFIG = "config.json"
 # the partial directory's bookkeeping, removed before it becomes OUT
 JOURNAL = "journal.jsonl"  # one line per finished tensor
@@ -41,7 +40,6 @@ STATE = "state.json"  # the fingerprint of the conversion the partial directory 
 # OUT's hidden siblings are `.OUT.<suffix>` in OUT's parent; the previous output aside is
 # `.OUT.old-<pid of the run replacing it>`
 PARTIAL, LOCK, OWNER, OLD = "partial", "lock", "lock.owner", "old-"
-TOOL = "dsv4-convert"  # conversion.json's "tool": what marks a directory as this tool's output
 # A run that just took the lock writes its owner record a moment later; a refused run
 # looks this long for that record before it says the owner is unknown.
 OWNER_GRACE_SECONDS = 2.0
@@ -197,17 +195,23 @@ class OutputClaim:
     def _not_an_output(self) -> str | None:
         """Why OUT is not a previous output of this tool, or None when it is one: a
         directory holding this tool's conversion.json, its config.json (with the layout
-        record, for a forward conversion) and the files they list, and nothing else."""
+        record where the conversion writes one) and the files they list, and nothing else."""
         if not self.path.is_dir():
             return "it is not a directory"
-        record = read_record(self.path / CONVERSION_RECORD)
-        if not isinstance(record, dict) or record.get("tool") != TOOL or not isinstance(record.get("tensors"), dict):
+        record = ConversionRecord.find(self.path)
+        if record is None:
             return f"it holds no {TOOL} {CONVERSION_RECORD}"
         config = read_record(self.path / CONFIG)
-        # a reverse conversion writes native names and the source's config, without the record
-        if not isinstance(config, dict) or (record.get("direction") != "reverse" and not isinstance(config.get(LAYOUT_RECORD), dict)):
+        if not isinstance(config, dict):
+            return f"its {CONFIG} is not a JSON object"
+        # a reverse conversion and a draft directory keep the source's config, without the record
+        try:
+            layout = LayoutRecord.of(config, CONFIG)
+        except RecordError:
+            layout = None
+        if record.has_layout_record and layout is None:
             return f"its {CONFIG} lacks the {LAYOUT_RECORD} layout record"
-        files = {CONVERSION_RECORD, CONFIG, INDEX_NAME} | {e.get("file") for e in record["tensors"].values() if isinstance(e, dict)}
+        files = {CONVERSION_RECORD, CONFIG, INDEX_NAME} | record.files
         for entry in sorted(self.path.iterdir()):
             if entry.name not in files or entry.is_symlink() or not entry.is_file():
                 return f"{entry.name} is not a file {TOOL} wrote"

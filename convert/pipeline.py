@@ -24,8 +24,8 @@ from dsv4.convert import progress
 from dsv4.convert.execute import Executor, still_valid
 from dsv4.convert.inventory import Inventory, read_local_header
 from dsv4.convert.location import locate
-from dsv4.convert.output import CONFIG, CONVERSION_RECORD, TOOL, OutputClaim, claim_output, read_record, resolve_output
-from dsv4.convert.plan import LAYOUT_RECORD, Direction, Plan, PlannedTensor, choose_table, plan_conversion, plan_reverse
+from dsv4.convert.output import CONFIG, OutputClaim, claim_output, read_record, resolve_output
+from dsv4.convert.plan import Direction, Plan, PlannedTensor, choose_table, plan_conversion, plan_reverse
 from dsv4.convert.quant_config import carried_quantization
 from dsv4.convert.readers import ByteReader, LocalReader
 from dsv4.convert.sources import open_source
@@ -33,7 +33,8 @@ from dsv4.convert.writer import ShardWriter, TensorSpec, shard_name
 from dsv4.mapping.table import require_target
 from dsv4.model import strictjson
 from dsv4.model.checkpoint import INDEX_NAME
-from dsv4.model.strictjson import write_record
+from dsv4.model.record import CONVERSION_RECORD, LAYOUT_RECORD, ConversionRecord, LayoutRecord, SourceRecord, TensorEntry, fingerprint_digest, runtime_config_fields, sha256_hex
+from dsv4.model.strictjson import write_bytes, write_record
 from huggingface_hub.utils import tqdm
 
 DEFAULT_MAX_SHARD = 5 * 10**9
@@ -75,7 +76,12 @@ def shard_layout(plan: Plan, max_shard_size: int) -> list[list[PlannedTensor]]:
     return shards
 
 
-def output_config(plan: Plan) -> dict[str, Any]:
+def output_config(plan: Plan) -> dict[str, Any] | bytes:
+    """The output's config.json: the source's bytes unchanged for a table whose [table]
+    config is "source" (a draft directory: the runtimes read it as the target's), else the
+    source's fields plus the layout record (forward) or without it (reverse)."""
+    if plan.direction == "forward" and plan.config_kind == "source":
+        return plan.config_bytes
     config = {k: v for k, v in plan.config.items() if k != LAYOUT_RECORD}
     # a compressed-tensors config names modules: rewritten to the draft's layer names
     # (forward) or restored from the record (reverse); an FP8 block config goes through as is
@@ -83,9 +89,7 @@ def output_config(plan: Plan) -> dict[str, Any]:
     if quantization is not None:
         config["quantization_config"] = quantization
     if plan.direction == "forward":
-        config[LAYOUT_RECORD] = {"layout": plan.target, "table": plan.table, "table_version": plan.table_version, "tool_version": __version__}
-        if note is not None:
-            config[LAYOUT_RECORD]["quantization_config"] = note
+        config[LAYOUT_RECORD] = LayoutRecord(plan.target, plan.table, plan.table_version, __version__, note).to_json()
     return config
 
 
@@ -98,6 +102,8 @@ def _fingerprint(plan: Plan, reader: ByteReader, shards: list[list[PlannedTensor
         "table_version": plan.table_version,
         "source": {**reader.fingerprint(plan.files_needed), "revision": plan.revision},
         "plan_sha256": hashlib.sha256(json.dumps(layout).encode()).hexdigest(),
+        # the output's config.json is made from it (a draft directory's is it, byte for byte)
+        "config_sha256": sha256_hex(plan.config_bytes),
     }
 
 
@@ -152,6 +158,12 @@ def progress_bar(total: int, done: int, quiet: bool) -> tqdm:
     return progress.bar(total, "convert", "B", quiet, initial=done)
 
 
+def _up_to_date(claim: OutputClaim, fingerprint: dict[str, Any], overwrite: bool) -> bool:
+    """OUT already holds this conversion (and --overwrite does not ask to redo it)."""
+    record = ConversionRecord.find(claim.path) if claim.path.is_dir() else None
+    return record is not None and record.fingerprint == fingerprint_digest(fingerprint) and not overwrite
+
+
 def _write_output(plan: Plan, reader: ByteReader, claim: OutputClaim, *, overwrite: bool, max_shard_size: int, quiet: bool) -> ConversionResult:
     """Convert `plan` into the claimed OUT: nothing if it is up to date, else in the
     partial directory (resuming its work), then publish."""
@@ -161,8 +173,7 @@ def _write_output(plan: Plan, reader: ByteReader, claim: OutputClaim, *, overwri
     names = [shard_name(k, len(shards)) for k in range(len(shards))]
     fingerprint = _fingerprint(plan, reader, shards)
 
-    record = read_record(claim.path / CONVERSION_RECORD) if claim.path.is_dir() else None
-    if isinstance(record, dict) and record.get("fingerprint") == fingerprint and not overwrite:
+    if _up_to_date(claim, fingerprint, overwrite):
         return ConversionResult(claim.out, "up-to-date", 0, 0, time.monotonic() - start, len(plan.tensors), plan)
     claim.refuse_unless_replaceable(overwrite)
 
@@ -194,7 +205,7 @@ def _write_output(plan: Plan, reader: ByteReader, claim: OutputClaim, *, overwri
                     writer.sync()
         # the journal is closed: nothing writes into the partial directory once it is OUT
         _verify(partial, shards, names, journal)
-        _write_records(plan, config, partial, shards, names, journal, fingerprint)
+        _write_records(plan, config, partial, shards, names, journal, fingerprint, _published_source(plan, reader))
         claim.publish()
     except OSError as exc:
         raise claim.write_failed(exc) from None
@@ -204,25 +215,38 @@ def _write_output(plan: Plan, reader: ByteReader, claim: OutputClaim, *, overwri
     return ConversionResult(claim.out, "resumed" if resumed else "converted", reader.bytes_read, executor.written, time.monotonic() - start, len(plan.tensors), plan)
 
 
-def _write_records(plan: Plan, config: dict[str, Any], partial: Path, shards: list[list[PlannedTensor]], names: list[str], journal: dict[str, dict[str, Any]], fingerprint: dict[str, Any]) -> None:
+def _published_source(plan: Plan, reader: ByteReader) -> SourceRecord:
+    """The source as conversion.json names it: a hub repo and commit, or a local
+    directory's name (not its path: a pushed output would publish it), the sizes of the
+    files read and the sha256 of the config.json read."""
+    location = reader.root.resolve().name if isinstance(reader, LocalReader) else plan.source
+    sizes = reader.fingerprint(plan.files_needed)["files"]
+    return SourceRecord(location, plan.revision, dict(sizes), sha256_hex(plan.config_bytes) if plan.config_bytes else None)
+
+
+def _write_records(plan: Plan, config: dict[str, Any] | bytes, partial: Path, shards: list[list[PlannedTensor]], names: list[str], journal: dict[str, dict[str, Any]], fingerprint: dict[str, Any], source: SourceRecord) -> None:
     weight_map = {t.name: name for tensors, name in zip(shards, names) for t in tensors}
     write_record(partial / INDEX_NAME, {"metadata": {"total_size": plan.bytes_to_write}, "weight_map": weight_map})
-    write_record(partial / CONFIG, config)
-    write_record(
-        partial / CONVERSION_RECORD,
-        {
-            "tool": TOOL,
-            "tool_version": __version__,
-            "direction": plan.direction,
-            "table": plan.table,
-            "table_version": plan.table_version,
-            "target": plan.target,
-            "source": fingerprint["source"],
-            "fingerprint": fingerprint,
-            "skipped": len(plan.skipped),
-            "tensors": {t.name: {"file": journal[t.name]["file"], "nbytes": t.nbytes, "sha256": journal[t.name]["sha256"]} for s in shards for t in s},
-        },
-    )
+    if isinstance(config, bytes):
+        write_bytes(partial / CONFIG, config)
+    else:
+        write_record(partial / CONFIG, config)
+    ConversionRecord(
+        tool_version=__version__,
+        direction=plan.direction,
+        table=plan.table,
+        table_version=plan.table_version,
+        target=plan.target,
+        source=source,
+        fingerprint=fingerprint_digest(fingerprint),
+        tensors={t.name: TensorEntry(journal[t.name]["file"], t.nbytes, journal[t.name]["sha256"]) for s in shards for t in s},
+        drafter=plan.drafter,
+        runtime=plan.runtime,
+        runtime_class=plan.runtime_class,
+        config=plan.config_kind if plan.direction == "forward" else "record",
+        skipped=len(plan.skipped),
+        config_fields=runtime_config_fields(strictjson.loads(config) if isinstance(config, bytes) else config),  # as written
+    ).write(partial)
 
 
 def plan_source(inv: Inventory, reader: ByteReader, target: str, *, reverse: bool = False) -> Plan:
@@ -275,8 +299,7 @@ def dry_run(source: str | Path, out: str | Path, *, target: str = "xpu", reverse
         fingerprint = _fingerprint(plan, reader, shards)
     finally:
         reader.close()
-    record = read_record(claim.path / CONVERSION_RECORD) if claim.path.is_dir() else None
-    if isinstance(record, dict) and record.get("fingerprint") == fingerprint and not overwrite:
+    if _up_to_date(claim, fingerprint, overwrite):
         return DryRun(plan, "up-to-date", inv.header_bytes)
     claim.refuse_unless_replaceable(overwrite)
     return DryRun(plan, "replace" if os.path.lexists(claim.path) and any(claim.path.iterdir()) else "create", inv.header_bytes)

@@ -10,24 +10,23 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 from dsv4.convert.errors import DuplicateTargetError, LayoutMismatchError, MissingSourceError, PlanError, UncoveredKeyError
 from dsv4.convert.inventory import Inventory, TensorSource
 from dsv4.mapping.errors import TableError
-from dsv4.mapping.probe import draft_bindings, stage_binding
-from dsv4.mapping.table import PINNED, Rule, Table, expand, load_table, placeholders, table_headers, table_name_for
+from dsv4.mapping.probe import stage_binding
+from dsv4.mapping.table import PINNED, Rule, Table, expand, load_table, rule_bindings, table_name_for
 from dsv4.model import native
 from dsv4.model.checkpoint import is_full_native
 from dsv4.model.config import ModelConfig, config_errors
 from dsv4.model.dtypes import ITEMSIZE, nbytes
 from dsv4.model.errors import UnsupportedLayoutError
-from dsv4.model.layout import TARGET_LAYER, draft_layers_present, target_layout
+from dsv4.model.layout import TARGET_LAYER, draft_layers_present, layout_of
+from dsv4.model.record import LAYOUT_RECORD
 
 Direction = Literal["forward", "reverse"]
-LAYOUT_RECORD = "dsv4_convert"  # key added to a converted config.json
 NATIVE_BLOCK = re.compile(r"(mtp\.\d+)\.")  # a native draft block's prefix
 
 
@@ -72,6 +71,10 @@ class Plan:
     skipped: dict[str, str] = field(default_factory=dict)  # source key -> reason
     revision: str | None = None
     drafter: str = "mtp"  # the draft model kind the table maps ("mtp" or "dspark")
+    runtime: str = ""  # the table's runtime version(s) and class(es) ([table] runtime, runtime_class)
+    runtime_class: str = ""
+    config_kind: str = "record"  # the table's [table] config: what the output's config.json is
+    config_bytes: bytes = b""  # the source's config.json as read (config_kind "source" writes it unchanged)
 
     @property
     def bytes_to_write(self) -> int:
@@ -94,11 +97,12 @@ class Plan:
             "direction": self.direction,
             "source": self.source,
             "revision": self.revision,
-            "table": f"{self.table} v{self.table_version}",
+            "table": self.table,
+            "table_version": self.table_version,
             "target": self.target,
-            "runtime": table_headers()[self.table].runtime,
-            "runtime_class": table_headers()[self.table].runtime_class,
             "drafter": self.drafter,
+            "runtime": self.runtime,
+            "runtime_class": self.runtime_class,
             "tensors_out": len(self.tensors),
             "source_keys_consumed": sum(len({p.source for p in t.pieces}) for t in self.tensors),
             "source_keys_skipped": len(self.skipped),
@@ -214,18 +218,6 @@ def _classify(inv: Inventory, rules: list[Rule], cfg: ModelConfig) -> dict[str, 
     return skipped
 
 
-def _bindings(rule: Rule, cfg: ModelConfig) -> Iterator[dict[str, int]]:
-    """One binding per draft block for a per-block rule; one for a rule naming the first or
-    last stage; one empty binding for a rule with fixed names."""
-    used = {ph for pattern in (*rule.sources, rule.target or "") for ph in placeholders(pattern)}
-    if used & {"i", "L", "s"}:
-        yield from draft_bindings(cfg)
-    elif used & PINNED:
-        yield stage_binding(cfg)
-    else:
-        yield {}
-
-
 def _source_names(rule: Rule, binding: dict[str, int], cfg: ModelConfig) -> list[str]:
     if rule.op == "stack":
         return [expand(s, {**binding, "e": e}) for e in range(cfg.n_routed_experts) for s in rule.sources]
@@ -233,7 +225,7 @@ def _source_names(rule: Rule, binding: dict[str, int], cfg: ModelConfig) -> list
 
 
 def _combined_shape(rule: Rule, parts: list[tuple[int, ...]], cfg: ModelConfig, target: str) -> tuple[int, ...]:
-    if rule.op in ("copy", "rename"):
+    if rule.op in ("copy", "rename", "keep"):
         return parts[0]
     per_row = parts[0][1:]
     if any(p[1:] != per_row for p in parts):
@@ -272,13 +264,13 @@ def plan_conversion(inv: Inventory, table: Table) -> Plan:
             cfg.require_draft_blocks(sorted(blocks))
     variant = native.variant_of(cfg)
     expected_src = native.draft_layout(cfg, with_emb_head=True)
-    layout = target_layout(cfg)
+    layout = layout_of(table.target, cfg)
     consumed: Counter[str] = Counter()
     out: dict[str, PlannedTensor] = {}
     for rule in rules:
         if rule.target is None:
             continue
-        for binding in _bindings(rule, cfg):
+        for binding in rule_bindings(rule, cfg):
             target = expand(rule.target, binding)
             pieces, shapes, dtypes = [], [], set()
             for name in _source_names(rule, binding, cfg):
@@ -303,18 +295,22 @@ def plan_conversion(inv: Inventory, table: Table) -> Plan:
                 raise DuplicateTargetError(f"{target}: produced twice ({out[target].rule} and {rule.label})", path=str(target))
             want_t = layout.get(target)
             if want_t is None:
-                raise LayoutMismatchError(f"{target}: not a parameter of the bundled model for this config", path=str(target))
+                raise LayoutMismatchError(f"{target}: not a tensor of the {table.target} layout for this config", path=str(target))
             if (dtype, shape) != want_t:
                 raise LayoutMismatchError(f"{target}: would be {dtype}{list(shape)} but the model expects {want_t[0]}{list(want_t[1])} (sources {pieces[0].source}...)", path=str(target))
             out[target] = PlannedTensor(target, dtype, shape, tuple(pieces), rule.op, rule.label)
     missing = sorted(set(layout) - set(out))
     if missing:
         raise MissingSourceError(f"{missing[0]}: no rule of table {table.name} v{table.version} produces this parameter ({len(missing)} missing)", path=str(missing[0]))
-    once = {n for r in rules if r.op == "copy" for b in _bindings(r, cfg) for n in _source_names(r, b, cfg)}
+    once = {n for r in rules if r.op == "copy" for b in rule_bindings(r, cfg) for n in _source_names(r, b, cfg)}
     twice = sorted(n for n, c in consumed.items() if c > 1 and n not in once)
     if twice:
         raise PlanError(f"tensor {twice[0]} is consumed by more than one rule")
-    return Plan("forward", inv.location, inv.config, cfg, table.name, table.version, table.target, _write_order(list(out.values())), skipped, inv.revision, table.drafter)
+    return _plan("forward", inv, cfg, table, table.target, _write_order(list(out.values())), skipped)
+
+
+def _plan(direction: Direction, inv: Inventory, cfg: ModelConfig, table: Table, target: str, tensors: tuple[PlannedTensor, ...], skipped: dict[str, str]) -> Plan:
+    return Plan(direction, inv.location, inv.config, cfg, table.name, table.version, target, tensors, skipped, inv.revision, table.drafter, table.runtime, table.runtime_class, table.config, inv.config_bytes)
 
 
 def plan_reverse(inv: Inventory, table: Table) -> Plan:
@@ -326,7 +322,7 @@ def plan_reverse(inv: Inventory, table: Table) -> Plan:
     else:
         with config_errors(f"{inv.location}/config.json"):
             cfg.require_draft_blocks(draft_layers_present(cfg, inv.tensors))
-    layout = target_layout(cfg)
+    layout = layout_of(table.target, cfg)
     expected_src = native.draft_layout(cfg, with_emb_head=False)
     out: dict[str, PlannedTensor] = {}
     for key, src in inv.tensors.items():
@@ -337,7 +333,7 @@ def plan_reverse(inv: Inventory, table: Table) -> Plan:
     for rule in table.rules_for(cfg.expert_dtype):
         if rule.target is None:
             continue
-        for binding in _bindings(rule, cfg):
+        for binding in rule_bindings(rule, cfg):
             target = expand(rule.target, binding)
             fused: TensorSource | None = inv.tensors.get(target)
             if fused is None:
@@ -351,4 +347,4 @@ def plan_reverse(inv: Inventory, table: Table) -> Plan:
                 at += n
             if at != fused.end:
                 raise LayoutMismatchError(f"{fused.file}: tensor {target}: {fused.nbytes} bytes but its native parts add up to {at - fused.start}", path=str(fused.file), tensor=target)
-    return Plan("reverse", inv.location, inv.config, cfg, table.name, table.version, "native", _write_order(list(out.values())), {}, inv.revision, table.drafter)
+    return _plan("reverse", inv, cfg, table, "native", _write_order(list(out.values())), {})

@@ -32,8 +32,10 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any, Literal
 
 from dsv4.convert.errors import CheckError, EmptyQuantNameError, QuantCarryError, QuantSchemeError
-from dsv4.convert.plan import LAYOUT_RECORD, Plan
+from dsv4.convert.plan import Plan
+from dsv4.model.errors import MalformedConfigError
 from dsv4.model.layout import build_draft_model
+from dsv4.model.record import LayoutRecord, RecordError
 
 if TYPE_CHECKING:
     from torch import nn
@@ -280,7 +282,11 @@ def carried_quantization(plan: Plan) -> tuple[dict[str, Any] | None, dict[str, A
     where = f"{plan.source}/config.json"
     qc = plan.config.get("quantization_config")
     if plan.direction == "reverse":
-        note = (plan.config.get(LAYOUT_RECORD) or {}).get("quantization_config")
+        try:
+            record = LayoutRecord.of(plan.config, where)
+        except RecordError as exc:
+            raise MalformedConfigError(str(exc), path=where) from None
+        note = record.quantization_config if record is not None else None
         return (note["source"] if note else qc), None
     if qc is None:
         return None, None

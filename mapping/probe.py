@@ -1,6 +1,7 @@
 """The small configuration a table is validated against, for both expert dtypes: which
-native names the source format allows (model/native.py) and which parameters the
-bundled model has (model/layout.py), for the table's drafter kind (MTP or DSpark)."""
+native names the source format allows (model/native.py) and which tensors its target's
+layout has (model/layout.py `layout_of`: the bundled model's parameters for `xpu`, a native
+draft directory's tensors for `draft`), for the table's drafter kind (MTP or DSpark)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from functools import cache
 
 from dsv4.model import native
 from dsv4.model.config import ModelConfig
-from dsv4.model.layout import target_layout
+from dsv4.model.layout import layout_of
 from dsv4.model.presets import preset_config
 
 VARIANT_OF_EXPERT_DTYPE = {"fp4": "instruct", "fp8": "base"}
@@ -43,12 +44,12 @@ def draft_bindings(cfg: ModelConfig) -> list[dict[str, int]]:
 
 
 @cache
-def probe_keys(drafter: str = "mtp") -> tuple[dict[str, set[str]], dict[str, set[str]], list[dict[str, int]], dict[str, int]]:
-    """(native names, target parameters) per expert dtype, the values the placeholders of a
-    target pattern take (each draft block's or stage's), and the {first}/{last} stages of
-    the probe configuration (none for MTP)."""
+def probe_keys(drafter: str = "mtp", target: str = "xpu") -> tuple[dict[str, set[str]], dict[str, set[str]], dict[str, ModelConfig], dict[str, int]]:
+    """(native names, the target layout's names) per expert dtype, the probe configuration
+    per expert dtype (what a target pattern's placeholders are bound for), and its
+    {first}/{last} stages (none for MTP)."""
     cfgs = {d: probe_config(d, drafter) for d in VARIANT_OF_EXPERT_DTYPE}
     natives = {d: native_keys(c) for d, c in cfgs.items()}
-    targets = {d: set(target_layout(c)) for d, c in cfgs.items()}
+    targets = {d: set(layout_of(target, c)) for d, c in cfgs.items()}
     cfg = cfgs["fp4"]
-    return natives, targets, draft_bindings(cfg), stage_binding(cfg) if cfg.is_dspark else {}
+    return natives, targets, cfgs, stage_binding(cfg) if cfg.is_dspark else {}

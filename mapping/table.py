@@ -1,9 +1,10 @@
 """Loading and validating a mapping table (a TOML file in this folder).
 
-A table is data: `copy`, `rename`, `concat`, `stack`, `skip` and `refuse` sections whose
-keys and values are full tensor names with typed placeholders. Loading checks the table
-against the native format (model/native.py) and the target layout (the bundled model)
-before any checkpoint is read, so a rule that can never fire, or that writes something the
+A table is data: `copy`, `rename`, `keep`, `concat`, `stack`, `skip` and `refuse` sections
+whose keys and values are full tensor names with typed placeholders. Loading checks the
+table against the native format (model/native.py) and its target's layout (model/layout.py
+`layout_of`: the bundled model for `xpu`, the native draft directory for `draft`) before any
+checkpoint is read, so a rule that can never fire, or that writes something the
 model does not have, is an error at once, not a silent gap at serving time.
 
 Rules several tables share (one V4 block: mapping/include/v4_block.toml) are written once
@@ -16,14 +17,15 @@ from __future__ import annotations
 
 import re
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import cache, cached_property
 from pathlib import Path
 from typing import Any, NamedTuple
 
 from dsv4.mapping.errors import DeadRuleError, DuplicateTargetRuleError, TableError, UnboundPlaceholderError, UnknownOpError, UnknownTargetError
-from dsv4.mapping.probe import probe_keys
+from dsv4.mapping.probe import draft_bindings, probe_keys, stage_binding
+from dsv4.model.config import ModelConfig
 
 TABLE_DIR = Path(__file__).parent
 
@@ -39,10 +41,14 @@ EXPERT_DTYPES = ("fp4", "fp8")
 DRAFTERS = ("mtp", "dspark")
 # the block placeholders a table of each drafter kind binds (the other kind's are unbound)
 DRAFTER_PLACEHOLDERS = {"mtp": {"i", "L"}, "dspark": {"s", "first", "last"}}
-SECTIONS = {"table", "include", "copy", "rename", "concat", "stack", "skip", "refuse"}
-INCLUDE_SECTIONS = {"rename", "concat", "stack", "skip", "refuse"}  # an include has no [table] of its own
+SECTIONS = {"table", "include", "copy", "rename", "keep", "concat", "stack", "skip", "refuse"}
+INCLUDE_SECTIONS = {"rename", "keep", "concat", "stack", "skip", "refuse"}  # an include has no [table] of its own
 INCLUDE_KEYS = {"file", "source", "target"}
 STACK_KEYS = {"to", "cat", "view", "when"}
+KEEP_KEYS = {"names"}
+# what config.json of an output is: the source's with the dsv4_convert record (and a
+# compressed-tensors config renamed to the layout's modules), or the source's bytes unchanged
+CONFIG_KINDS = ("record", "source")
 _FIELD = re.compile(r"\{([^{}]*)\}")
 
 
@@ -52,7 +58,7 @@ def placeholders(pattern: str) -> list[str]:
 
 @dataclass(frozen=True)
 class Rule:
-    """One rule. `op` is copy, rename, concat, stack, skip or refuse. `sources` are
+    """One rule. `op` is copy, rename, keep, concat, stack, skip or refuse. `sources` are
     native name patterns (in concatenation order), `target` the parameter pattern
     (None for skip/refuse), `reason` why a key is skipped or refused."""
 
@@ -103,6 +109,9 @@ class Table:
     rules: tuple[Rule, ...]
     path: str
     drafter: str = "mtp"  # the draft model kind this table maps to (DRAFTERS)
+    runtime: str = ""  # the runtime version(s) the layout is for, e.g. "vLLM 0.33.0"
+    runtime_class: str = ""  # the runtime's draft model class(es) that read it
+    config: str = "record"  # CONFIG_KINDS: what the output's config.json is
 
     def rules_for(self, expert_dtype: str) -> list[Rule]:
         return [r for r in self.rules if r.applies(expert_dtype)]
@@ -117,6 +126,11 @@ def _parse(raw: dict[str, Any], where: str) -> tuple[dict[str, Any], list[Rule]]
         raise TableError(f"{where}: [table] needs string name, version and target", path=str(where))
     if meta.get("drafter", "mtp") not in DRAFTERS:
         raise TableError(f"{where}: [table] drafter = {meta.get('drafter')!r}; expected one of {DRAFTERS}", path=str(where))
+    if meta.get("config", "record") not in CONFIG_KINDS:
+        raise TableError(f"{where}: [table] config = {meta.get('config')!r}; expected one of {CONFIG_KINDS}", path=str(where))
+    for key in ("layout", "runtime", "runtime_class"):
+        if not isinstance(meta.get(key, ""), str):
+            raise TableError(f"{where}: [table] {key} must be a string", path=str(where))
     rules = _parse_rules(raw, where)
     for entry in raw.get("include", []):
         rules.extend(_included_rules(entry, where))
@@ -155,6 +169,13 @@ def _parse_rules(raw: dict[str, Any], where: str, src: str = "", dst: str = "") 
         rules.append(Rule("copy", (names(s, src),), names(d, dst)))
     for s, d in raw.get("rename", {}).items():
         rules.append(Rule("rename", (names(s, src),), names(d, dst)))
+    keep = raw.get("keep", {})
+    if keep:
+        if not isinstance(keep, dict) or set(keep) != KEEP_KEYS or not isinstance(keep["names"], list):
+            raise TableError(f"{where}: [keep] needs exactly names = [a list of tensor names]", path=str(where))
+        if src != dst:  # a kept tensor keeps its name: an include's two prefixes must agree
+            raise TableError(f"{where}: [keep] in an include whose source prefix {src!r} is not its target prefix {dst!r}: a kept tensor keeps its name", path=str(where))
+        rules.extend(Rule("keep", (names(n, src),), names(n, src)) for n in keep["names"])
     for d, srcs in raw.get("concat", {}).items():
         if not (isinstance(srcs, list) and len(srcs) >= 2):
             raise TableError(f"{where}: [concat] {d}: needs a list of at least two sources", path=str(where))
@@ -204,16 +225,34 @@ def _check_placeholders(rule: Rule, where: str) -> None:
             raise UnboundPlaceholderError(f"{where}: {rule.label}: source placeholder(s) {sorted(unused)} do not appear in the target, so two sources would write one parameter", path=str(where))
 
 
+def rule_bindings(rule: Rule, cfg: ModelConfig) -> list[dict[str, int]]:
+    """The values a rule's placeholders take for `cfg`: one binding per draft block for a
+    per-block rule ({i}, {L}, {s}), one for a rule naming the first or last stage, one empty
+    binding for fixed names; each times every expert {e} when the rule moves one tensor per
+    expert (a stack binds {e} itself, inside one parameter)."""
+    used = {ph for pattern in (*rule.sources, rule.target or "") for ph in placeholders(pattern)}
+    if used & {"i", "L", "s"}:
+        out = draft_bindings(cfg)
+    elif used & PINNED:
+        out = [stage_binding(cfg)]
+    else:
+        out = [{}]
+    if "e" in used and rule.op != "stack":
+        out = [{**b, "e": e} for b in out for e in range(cfg.n_routed_experts)]
+    return out
+
+
 def pin(pattern: str, pins: Mapping[str, int]) -> str:
     """`pattern` with its pinned placeholders ({first}, {last}) replaced by their stage numbers."""
     return _FIELD.sub(lambda m: str(pins[m.group(1)]) if m.group(1) in pins else m.group(0), pattern)
 
 
-def validate(table: Table, native_keys: Mapping[str, set[str]], target_keys: Mapping[str, set[str]], bind_target, pins: Mapping[str, int]) -> None:
+def validate(table: Table, native_keys: Mapping[str, set[str]], target_keys: Mapping[str, set[str]], bind_target: Callable[[Rule, str], list[str]], pins: Mapping[str, int]) -> None:
     """Check the table against what the native format allows (`native_keys[expert_dtype]`)
-    and the parameters the model has (`target_keys[expert_dtype]`); `bind_target(pattern)`
-    expands a target pattern for the probe configuration, and `pins` are its {first} and
-    {last} stages (so a rule naming a tensor of the wrong stage is dead)."""
+    and the parameters its target's layout has (`target_keys[expert_dtype]`);
+    `bind_target(rule, expert_dtype)` expands a rule's target for the probe configuration,
+    and `pins` are its {first} and {last} stages (so a rule naming a tensor of the wrong
+    stage is dead)."""
     where = table.path
     seen: dict[tuple[str, str], Rule] = {}
     foreign = set().union(*DRAFTER_PLACEHOLDERS.values()) - DRAFTER_PLACEHOLDERS[table.drafter]
@@ -237,7 +276,7 @@ def validate(table: Table, native_keys: Mapping[str, set[str]], target_keys: Map
             if prior is not None:
                 raise DuplicateTargetRuleError(f"{where}: {rule.label} and {prior.label} both write {rule.target}", path=str(where))
             seen[(rule.target, dtype)] = rule
-            for name in bind_target(rule.target):
+            for name in bind_target(rule, dtype):
                 if name not in target_keys[dtype]:
                     raise UnknownTargetError(f"{where}: {rule.label}: {name} is not a parameter of the {table.target} layout ({dtype} experts)", path=str(where))
 
@@ -321,7 +360,7 @@ def load_table_file(path: Path) -> Table:
     except tomllib.TOMLDecodeError as exc:
         raise TableError(f"{path}: not valid TOML ({exc})", path=str(path)) from None
     meta, rules = _parse(raw, path.name)
-    table = Table(meta["name"], meta["version"], meta["target"], meta.get("layout", ""), tuple(rules), path.name, meta.get("drafter", "mtp"))
-    native_keys, target_keys, bindings, pins = probe_keys(table.drafter)
-    validate(table, native_keys, target_keys, lambda pattern: sorted({expand(pattern, b) for b in bindings}), pins)
+    table = Table(meta["name"], meta["version"], meta["target"], meta.get("layout", ""), tuple(rules), path.name, meta.get("drafter", "mtp"), meta.get("runtime", ""), meta.get("runtime_class", ""), meta.get("config", "record"))
+    native_keys, target_keys, cfgs, pins = probe_keys(table.drafter, table.target)
+    validate(table, native_keys, target_keys, lambda rule, dtype: sorted({expand(rule.target or "", b) for b in rule_bindings(rule, cfgs[dtype])}), pins)
     return table

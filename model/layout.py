@@ -1,6 +1,11 @@
-"""The target (XPU runtime) layout, derived from the bundled model itself.
+"""The target layouts: what a table of each target writes (`layout_of`, the one place that
+says which layout a target has).
 
-This is the single source of truth for target names, shapes and dtypes: the model is
+`xpu`: vLLM's in-memory XPU draft layout, derived from the bundled model itself.
+`draft`: a standalone draft directory in native names (model/native.py
+`standalone_draft_layout`), which runtimes load as a separate draft model.
+
+For `xpu` the model is the single source of truth for target names, shapes and dtypes: the model is
 instantiated on the meta device (no memory, any size) and its state_dict is read off.
 The converter's plan and `check` compare against this; nothing hand-copies it.
 
@@ -26,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from dsv4 import __version__
 from dsv4.model.config import ModelConfig
+from dsv4.model import native
 from dsv4.model.native import Layout
 from dsv4.model.strictjson import StrictJSONError, loads, write_record
 
@@ -38,6 +44,16 @@ PACKAGE = Path(__file__).resolve().parent.parent
 MODEL_CODE = ("model",)
 CACHE_FORMAT = 1
 TARGET_LAYER = re.compile(r"model\.layers\.(\d+)\.")  # a target-layout layer's number L
+
+
+DRAFT_TARGET = "draft"  # the target whose layout is the native draft directory
+
+
+def layout_of(target: str, cfg: ModelConfig) -> Layout:
+    """name -> (safetensors dtype, shape) of every tensor a table of `target` writes for
+    `cfg`: a standalone draft directory's native tensors for `draft`, the bundled draft
+    model's parameters for any other target (`xpu`)."""
+    return native.standalone_draft_layout(cfg) if target == DRAFT_TARGET else target_layout(cfg)
 
 
 def target_layout(cfg: ModelConfig) -> Layout:

@@ -23,6 +23,8 @@ from dsv4.model.dtypes import SAFETENSORS_NAMES
 from dsv4.model.errors import DtypeMismatchError, LoadError, MissingConfigError, MissingKeyError, ShapeMismatchError, UnexpectedKeyError
 from dsv4.model.layout import build_draft_model, draft_layers_present
 from dsv4.model.mtp import DeepSeekV4MTP
+from dsv4.model.record import LayoutRecord, RecordError
+from dsv4.model.strictjson import StrictJSONError, loads, read_record_bytes
 from safetensors import safe_open
 
 
@@ -39,6 +41,40 @@ def converted_config(root: Path) -> ModelConfig:
         raise MissingConfigError(f"{config_path}: no config.json in the converted checkpoint", path=str(config_path))
     with config_errors(str(config_path)):
         return ModelConfig.from_file(config_path)
+
+
+def has_layout_record(root: Path) -> bool:
+    """Whether `root`/config.json carries the layout record of a renamed-layout conversion
+    (`--target xpu`), so the tensors are the model's parameter names. A draft directory or a
+    native checkpoint has none (a malformed record counts as one: the strict loader then
+    names what is wrong)."""
+    try:
+        config = loads(read_record_bytes(root / CONFIG))
+        return not isinstance(config, dict) or LayoutRecord.of(config, str(root / CONFIG)) is not None
+    except (OSError, StrictJSONError, RecordError):
+        return True
+
+
+def load_state(cfg: ModelConfig, state: dict[str, torch.Tensor], device: str | torch.device | None = None) -> DeepSeekV4MTP | DSparkDraft:
+    """The draft model for `cfg` with `state` (the xpu layout's names, e.g. planned in
+    memory from a native-named checkpoint) loaded strictly: a missing or extra name is
+    MissingKeyError / UnexpectedKeyError, a shape or dtype other than the model's
+    ShapeMismatchError / DtypeMismatchError."""
+    dev = torch.device(device) if device is not None else default_device()
+    model = build_draft_model(cfg)
+    expected = model.state_dict()
+    for name in sorted(set(expected) - set(state)):
+        raise MissingKeyError(f"missing tensor {name} (a parameter of the draft model)", tensor=name)
+    for name in sorted(set(state) - set(expected)):
+        raise UnexpectedKeyError(f"unexpected tensor {name} (not a parameter of the draft model)", tensor=name)
+    for name, want in expected.items():
+        got = state[name]
+        if tuple(got.shape) != tuple(want.shape):
+            raise ShapeMismatchError(f"tensor {name} has shape {list(got.shape)}, the model expects {list(want.shape)}", tensor=name)
+        if got.dtype != want.dtype:
+            raise DtypeMismatchError(f"tensor {name} has dtype {SAFETENSORS_NAMES[got.dtype]}, the model expects {SAFETENSORS_NAMES[want.dtype]}", tensor=name)
+    model.load_state_dict({k: v.to(dev) for k, v in state.items()}, strict=True, assign=True)
+    return model.eval()
 
 
 def load_converted(path: str | Path, device: str | torch.device | None = None) -> DeepSeekV4MTP | DSparkDraft:

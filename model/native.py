@@ -141,6 +141,20 @@ def draft_layout(cfg: ModelConfig, *, with_emb_head: bool = False) -> Layout:
     return layout
 
 
+SHARED = ("embed.weight", "head.weight")  # the top-level tensors a draft shares with the main model
+
+
+def standalone_draft_layout(cfg: ModelConfig) -> Layout:
+    """A standalone draft directory (`--target draft`): every MTP block or DSpark stage
+    under its native name, plus the shared embed.weight and head.weight (a runtime takes the
+    target's; the bundled model and `--target xpu` need them). No main-model tensor and no
+    Base MTP emb/head (copies of the top-level two)."""
+    top = top_level_layout(cfg)
+    layout = {name: top[name] for name in SHARED}
+    layout.update((k, v) for k, v in draft_layout(cfg).items() if k not in top)
+    return layout
+
+
 def top_level_layout(cfg: ModelConfig) -> Layout:
     V, H = cfg.vocab_size, cfg.hidden_size
     return {

@@ -40,6 +40,9 @@ def _timed(device: torch.device, fn: Callable[[], R]) -> tuple[R, float]:
     return out, (time.perf_counter() - t0) * 1e3
 
 
+Loader = Callable[[torch.device], torch.nn.Module]  # how a checkpoint becomes the bundled model
+
+
 def _routed_as_the_reference(model: nn.Module, reference_routing: RoutingLog, run: Callable[[], R]) -> tuple[R, list[dict[str, Any]]]:
     """`run()` of the model with its routing logged, and where the model routes otherwise
     than the reference: when every such place is a near-tie (model/parity.py), `run()` again
@@ -62,12 +65,14 @@ def run_smoke(
     tokens: int = SMOKE_TOKENS,
     reference_dir: str | Path | None = None,
     seed: int = 0,
+    load: Loader | None = None,
 ) -> dict[str, Any]:
-    """Load, run forward + compute_logits (twice: the first includes kernel compilation),
-    check shapes and finiteness, and compare with the native reference when given."""
+    """Load (`load`, default: the strict loader of a converted checkpoint), run forward +
+    compute_logits (twice: the first includes kernel compilation), check shapes and
+    finiteness, and compare with the native reference when given."""
     dev = torch.device(device) if device else default_device()
     report: dict[str, Any] = {"checkpoint": str(out_dir), "device": str(dev), "kernels": kernels.backend(dev), "tokens": tokens}
-    model, report["load_ms"] = _timed(dev, lambda: load_converted(out_dir, dev))
+    model, report["load_ms"] = _timed(dev, lambda: (load or (lambda d: load_converted(out_dir, d)))(dev))
     cfg = model.config
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, cfg.vocab_size, (tokens,), generator=gen).to(dev)
@@ -145,15 +150,16 @@ def run_dspark_smoke(
     first_position: int = 0,
     reference_dir: str | Path | None = None,
     seed: int = 0,
+    load: Loader | None = None,
 ) -> dict[str, Any]:
-    """Load a converted DSpark checkpoint strictly and draft one block (twice: the first run
+    """Load a converted DSpark checkpoint strictly (`load`, as run_smoke) and draft one block (twice: the first run
     includes kernel compilation): target features for a context (random, seeded, or read from
     `features`, see read_target_features) at positions first_position.., an anchor token
     (random, seeded, when None). Checks shapes and finiteness; with `reference_dir` (the
     native checkpoint) compares hidden states, logits and draft tokens with DSparkReference."""
     dev = torch.device(device) if device else default_device()
     report: dict[str, Any] = {"checkpoint": str(out_dir), "device": str(dev), "kernels": kernels.backend(dev), "layout": "dspark"}
-    model, report["load_ms"] = _timed(dev, lambda: load_converted(out_dir, dev))
+    model, report["load_ms"] = _timed(dev, lambda: (load or (lambda d: load_converted(out_dir, d)))(dev))
     if not isinstance(model, DSparkDraft):
         raise SmokeCheckError(f"{out_dir}: not a DSpark checkpoint (its config.json has no dspark_* fields)", path=str(out_dir))
     cfg = model.config

@@ -125,14 +125,19 @@ def fsync_dir(path: str | Path) -> None:
 
 
 def write_record(path: str | Path, obj: Any) -> None:
-    """Write record `path` durably: a temporary file beside it, fsynced, renamed over it,
-    and the directory fsynced. A reader sees the old record or the new one, never half of
+    """Write record `path` durably (write_bytes) in the one serialisation (json_bytes)."""
+    write_bytes(path, json_bytes(obj))
+
+
+def write_bytes(path: str | Path, data: bytes) -> None:
+    """Write file `path` durably: a temporary file beside it, fsynced, renamed over it,
+    and the directory fsynced. A reader sees the old file or the new one, never half of
     one, and once this returns a crash of the machine keeps the new one. OSError as raised."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(json_bytes(obj))
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

@@ -24,7 +24,8 @@ from dsv4.convert.synth import write_checkpoint
 from inprocess import run_main
 from safetensors.torch import load_file, save_file
 
-CHECKS = ["index", "readable", "sizes", "checksums", "config", "layout", "quant", "smoke", "native"]
+# "serve" (check --serve-with, tests/test_serve_with.py) is the last check; not asked for here, it skips
+CHECKS = ["index", "readable", "sizes", "checksums", "config", "layout", "quant", "smoke", "native", "serve"]
 INDEX = "model.safetensors.index.json"
 SHARD = "model-00001-of-00001.safetensors"  # a tiny conversion fits one shard
 L = 2  # tiny: num_hidden_layers = 2, so MTP block 0 is decoder layer 2
@@ -100,7 +101,7 @@ def test_converter_output_passes_every_check_it_runs(converted: dict[str, Path],
     report = run_checks(converted[variant], smoke=True)
     assert report.ok and report.exit_code == 0, report.summary()
     assert [r.name for r in report.results] == CHECKS
-    assert statuses(report) == {**dict.fromkeys(CHECKS, "pass"), "native": "skip"}
+    assert statuses(report) == {**dict.fromkeys(CHECKS, "pass"), "native": "skip", "serve": "skip"}
     assert report.result("layout").details == {"missing": [], "unexpected": [], "shape": [], "dtype": []}
 
 
@@ -259,7 +260,8 @@ def test_junit_lists_one_case_per_check_and_the_failure_with_its_reason(out: Pat
     assert cases["checksums"].find("skipped") is not None and cases["smoke"].find("skipped") is not None
     assert cases["index"].find("failure") is None and cases["index"].find("skipped") is None
     suite = root.find("testsuite")
-    assert (suite.get("tests"), suite.get("failures"), suite.get("skipped")) == ("9", "1", "3")
+    # 10 checks since "serve" (--serve-with) was added; it skips here, not asked for
+    assert (suite.get("tests"), suite.get("failures"), suite.get("skipped")) == ("10", "1", "4")
 
 
 def test_json_report(converted: dict[str, Path]) -> None:
@@ -267,7 +269,7 @@ def test_json_report(converted: dict[str, Path]) -> None:
     assert result.exit_code == 0, result.output
     report = json.loads(result.output)
     assert report["ok"] and report["exit_code"] == 0
-    assert [(c["name"], c["status"]) for c in report["checks"]] == [(n, "skip" if n in ("smoke", "native") else "pass") for n in CHECKS]
+    assert [(c["name"], c["status"]) for c in report["checks"]] == [(n, "skip" if n in ("smoke", "native", "serve") else "pass") for n in CHECKS]
 
 
 def test_the_process_exits_with_the_check_code_and_a_one_line_reason(out: Path) -> None:

@@ -85,7 +85,7 @@ def check_record(ctx: _Context, raw: bytes) -> dict[str, Any] | None:
         one_line_own_error(exc)
         return None
     outcome("accepted")
-    return ctx.record
+    return ctx.record.to_json() if ctx.record is not None else None  # the typed record (model/record.py), as JSON
 
 
 def assert_accepted_record_is_true(ctx: _Context, record: dict[str, Any]) -> None:
