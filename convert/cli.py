@@ -291,6 +291,7 @@ def smoke_command(out: Path, device: str | None, tokens: int, native: Path | Non
     (MTP: one step on TOKENS tokens; DSpark: one block drafted from a context)."""
     from dsv4.convert import progress
     from dsv4.convert.inmemory import model_loader
+    from dsv4.model.checkpoint import refuse_full_native
     from dsv4.model.errors import SmokeCheckError
     from dsv4.model.loader import converted_config  # start-up time: torch and the kernels
     from dsv4.model.parity import parity_verdict
@@ -298,6 +299,7 @@ def smoke_command(out: Path, device: str | None, tokens: int, native: Path | Non
 
     dspark = converted_config(out).is_dspark
     progress.step(f"smoke: loading {out} into the bundled model and drafting" + (" (then the reference on the native checkpoint)" if native is not None else ""), quiet or as_json)
+    refuse_full_native(out, "smoke")  # a draft directory in native names is fine; a whole native checkpoint is not
     load = model_loader(out)  # a draft directory (native names): the xpu plan, in memory
     if not dspark and (features is not None or anchor is not None or position):
         raise click.UsageError("--features, --anchor and --position are for a DSpark checkpoint; OUT is an MTP one")
