@@ -25,18 +25,19 @@ from pathlib import Path
 from typing import Any
 
 from dsv4 import __version__
-from dsv4.convert.errors import ManifestError, PushError, WriteFailedError
+from dsv4.convert.errors import HubError, ManifestError, PushError, RepoNotFound, WriteFailedError
 from dsv4.convert.exit_codes import exit_code
-from dsv4.convert.hub import hub_errors, open_hub_source, resolve_commit
+from dsv4.convert.hub import download, hub_errors, open_hub_source, resolve_commit
 from dsv4.convert.location import HF_PREFIX, HUB_SCHEME, HubSpec, parse_hub_spec
 from dsv4.convert.pipeline import DEFAULT_MAX_SHARD, plan_source, run_plan
 from dsv4.convert.sizes import shard_size
 from dsv4.mapping.table import Table, installed_targets, load_table, tables_of_target
+from dsv4.model import strictjson
 from dsv4.model.errors import DSV4Error
-from dsv4.model.record import CONVERSION_RECORD, ConversionRecord
+from dsv4.model.record import CONVERSION_RECORD, ConversionRecord, RecordError
 from dsv4.model.strictjson import write_record
-from huggingface_hub import HfApi, hf_hub_download
-from huggingface_hub.errors import EntryNotFoundError, HFValidationError, RepositoryNotFoundError, RevisionNotFoundError
+from huggingface_hub import HfApi
+from huggingface_hub.errors import HFValidationError
 from huggingface_hub.utils import validate_repo_id
 
 TOP_KEYS = {"target", "sources", "output", "options"}
@@ -136,8 +137,6 @@ def load_manifest(path: str | Path, out_dir: str | Path | None = None) -> Manife
         raise ManifestError(f"{path}: target {target!r} is not an installed mapping table (installed: {', '.join(installed_targets())}); a table is chosen by name, not path", path=str(path))
     if not (private is None or isinstance(private, bool)) or not isinstance(check, bool):
         raise ManifestError(f"{path}: output.private and options.check are true or false", path=str(path))
-    if not isinstance(max_shard, int) or isinstance(max_shard, bool):
-        raise ManifestError(f"{path}: options.max_shard_size is a positive number of bytes (e.g. 5_000_000_000)", path=str(path))
     try:
         max_shard = shard_size(max_shard)  # the rule --max-shard-size follows
     except ValueError as exc:
@@ -235,19 +234,27 @@ def records(record: ConversionRecord | None, location: str, commit: str, tables:
     )
 
 
-def pushed_record(repo: str) -> ConversionRecord | None:
-    """The conversion.json on `repo`'s default branch; None when nothing was pushed there
-    yet, or what is there is no record of this tool (model/record.py reads it strictly)."""
-    with hub_errors(f"{HUB_SCHEME}{repo}/{CONVERSION_RECORD}", PushError):
-        try:
-            path = hf_hub_download(repo, CONVERSION_RECORD)
-        except (RepositoryNotFoundError, RevisionNotFoundError, EntryNotFoundError):
-            return None
-    return ConversionRecord.find(Path(path).parent)  # the snapshot folder holding conversion.json
+def pushed_record(repo: str) -> tuple[str | None, ConversionRecord | None]:
+    """(head commit, conversion.json there) of `repo`'s default branch; (None, None) when the
+    repo does not exist yet, (head, None) when it has no conversion.json or what is there is
+    no record of this tool (model/record.py reads it strictly)."""
+    hub = HubSpec(repo, None, explicit=True)
+    try:
+        head = resolve_commit(hub)
+    except RepoNotFound:
+        return None, None
+    except HubError as exc:
+        raise PushError(str(exc), path=f"{HUB_SCHEME}{repo}") from None
+    raw = download(hub, head, CONVERSION_RECORD, PushError, missing_ok=True)
+    try:
+        return head, None if raw is None else ConversionRecord.from_json(strictjson.loads(raw), f"{HUB_SCHEME}{repo}/{CONVERSION_RECORD}")
+    except (strictjson.StrictJSONError, RecordError):
+        return head, None  # records nothing, as ConversionRecord.find says of a local one
 
 
-def push(out: Path, repo: str, message: str, description: str, private: bool | None) -> str:
-    """Upload `out` to `repo` (created if missing); returns the commit.
+def push(out: Path, repo: str, message: str, description: str, private: bool | None, head: str | None) -> str:
+    """Upload `out` to `repo` (created if missing) as one commit on top of `head`, the
+    repo's head when its record was read; returns the commit.
 
     upload_folder is huggingface_hub 2.x's resumable uploader (it replaced
     upload_large_folder): Xet uploads streamed while the folder is scanned, adaptive
@@ -255,12 +262,28 @@ def push(out: Path, repo: str, message: str, description: str, private: bool | N
     upload_large_folder it takes a commit message, which must name the source commit and table
     version. An output is a handful of files, far below one batch (~250 files), so it lands as
     one commit: conversion.json never appears on the hub without its shards.
+
+    Idempotent: huggingface_hub retries a commit whose answer was lost, and that commit may
+    have landed. The commit names its parent (`parent_commit`), so the hub refuses a second
+    copy of it; then, and after any failed push, the repo's head is read: when the head
+    moved from `head` and holds exactly this output's conversion.json (every tensor's
+    sha256), this output is what landed, and the push succeeded.
     """
     api = HfApi()
-    with hub_errors(f"{HUB_SCHEME}{repo}", PushError):
-        api.create_repo(repo, private=private, exist_ok=True)
-        info = api.upload_folder(repo_id=repo, folder_path=out, commit_message=message, commit_description=description, delete_patterns=STALE_SHARDS)
-    return info.oid
+    where = f"{HUB_SCHEME}{repo}"
+    with hub_errors(where, PushError):
+        if head is None:
+            api.create_repo(repo, private=private, exist_ok=True)
+            head = resolve_commit(HubSpec(repo, None, explicit=True))
+    try:
+        with hub_errors(where, PushError):
+            return api.upload_folder(repo_id=repo, folder_path=out, commit_message=message, commit_description=description, delete_patterns=STALE_SHARDS, parent_commit=head).oid
+    except PushError:
+        now = HubSpec(repo, None, explicit=True)
+        landed = resolve_commit(now)
+        if landed == head or download(now, landed, CONVERSION_RECORD, PushError, missing_ok=True) != (out / CONVERSION_RECORD).read_bytes():
+            raise
+        return landed
 
 
 def run_check(out: Path) -> str:
@@ -290,7 +313,7 @@ class _Job:
         src, tables = self.src, self.tables
         self.commit = commit = resolve_commit(self.hub)
         target = src.push_repo if self.push_to_hub else None  # run_batch refuses --push without output.repo
-        pushed = pushed_record(target) if target else None
+        head, pushed = pushed_record(target) if target else (None, None)
         if target and records(pushed, self.hub.location, commit, tables):
             return "skipped", {"reason": f"{HUB_SCHEME}{target} already records {_what(pushed)}"}
         local = ConversionRecord.find(src.output)
@@ -299,7 +322,7 @@ class _Job:
                 return "skipped", {"reason": f"{src.output} already records {_what(local)}"}
             conversion, table = "reused", tables[local.table]
         else:
-            inv, reader = open_hub_source(f"{src.repo}@{commit}")
+            inv, reader = open_hub_source(HubSpec(src.repo, commit, explicit=True))
             self.fetched = inv.header_bytes
             plan = plan_source(inv, reader, self.manifest.target)
             try:
@@ -312,7 +335,7 @@ class _Job:
         if target:
             message = f"Convert {src.repo}@{commit[:12]} with table {table.name} v{table.version}"
             description = f"Source: {src.repo} commit {commit}\nTable: {table.name} v{table.version} (target {table.target})\nTool: dsv4-convert {__version__}"
-            entry["pushed"] = {"repo": target, "commit": push(src.output, target, message, description, self.manifest.private)}
+            entry["pushed"] = {"repo": target, "commit": push(src.output, target, message, description, self.manifest.private, head)}
         return "converted", entry
 
 

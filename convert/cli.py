@@ -28,6 +28,7 @@ from dsv4.model.parity import MIN_TOP1, SMOKE_TOKENS
 from dsv4.model.presets import PRESETS
 
 if TYPE_CHECKING:
+    from dsv4.convert.location import HubSpec
     from dsv4.convert.plan import Plan
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -117,6 +118,9 @@ native_option = click.option("--native", type=click.Path(exists=True, file_okay=
 device_option = click.option("--device", type=Device(), default="auto", show_default=True, help="Device for the model: auto (xpu, else cuda, else cpu), cpu, cuda, cuda:1, xpu, ...")
 json_option = click.option("--json", "as_json", is_flag=True, help="Print the result as JSON (floats rounded to 6 significant digits).")
 quiet_option = click.option("--quiet", "-q", is_flag=True, help="No progress output (bars, notices, per-item lines); the result is still printed.")
+# the hub options of the `hf` CLI, same names and meaning
+revision_option = click.option("--revision", help="Hub source: the branch, tag or commit to read (same as SOURCE@REVISION; giving both, they must agree).")
+token_option = click.option("--token", help="Hub source: the access token (default: HF_TOKEN, else the `hf auth login` one). Never printed.")
 
 
 def _rounded(value: Any) -> Any:
@@ -148,26 +152,32 @@ def _gb(n: int) -> str:
 @click.option("--wait", is_flag=True, help="If another run holds OUT, wait for it to finish instead of exiting with code 47.")
 @click.option("--max-shard-size", type=ShardSize(), default="5GB", show_default=True, help="Largest output shard: bytes, or with a unit (K, M, G, T = 1000^n; KiB, MiB, GiB, TiB = 1024^n).")
 @click.option("--dry-run", is_flag=True, help="Check SOURCE and OUT as the run would (the same refusals and exit codes), print the plan as `plan` does and what would become of OUT (--json: `plan --json` plus \"output\" and \"would\"), and stop; nothing is written.")
+@revision_option
+@token_option
+@click.option("--verify-source", is_flag=True, help="Hub source: download each shard the output uses whole, once, and check it against the sha256 and size the hub publishes (README: what is checked without it).")
 @quiet_option
 @json_option
-def convert_command(source: str, out: str, target: str, reverse: bool, overwrite: bool, wait: bool, max_shard_size: int, dry_run: bool, quiet: bool, as_json: bool) -> None:
+def convert_command(source: str, out: str, target: str, reverse: bool, overwrite: bool, wait: bool, max_shard_size: int, dry_run: bool, revision: str | None, token: str | None, verify_source: bool, quiet: bool, as_json: bool) -> None:
     """Convert SOURCE (a native checkpoint directory, or hub repo [hf://]org/name[@revision]) into OUT.
 
     Reads only the byte ranges the plan needs, writes shards header-first with bounded
     memory in a hidden partial directory, and resumes there if interrupted. OUT appears
     only when complete and verified; rerunning on an up-to-date OUT does nothing.
     """
+    from dsv4.convert.location import locate
     from dsv4.convert.pipeline import convert, dry_run as preview  # start-up time (see the module's docstring)
 
+    # the hub options are checked against SOURCE here; without them convert() locates it
+    where = locate(source, revision=revision, token=token, verify_files=verify_source) if revision or token or verify_source else source
     if dry_run:
-        plan, would, header_bytes = preview(source, out, target=target, reverse=reverse, overwrite=overwrite, max_shard_size=max_shard_size)
+        plan, would, header_bytes = preview(where, out, target=target, reverse=reverse, overwrite=overwrite, max_shard_size=max_shard_size)
         if as_json:
             echo_json(plan.to_json() | {"header_bytes_read": header_bytes, "output": out, "would": would})
             return
         _print_plan(plan, False, quiet, full=True, header_bytes=header_bytes)
         click.echo(f"dry run: {out} {DRY_RUN_OUTCOMES[would]}; nothing was written")
         return
-    result = convert(source, out, target=target, reverse=reverse, overwrite=overwrite, wait=wait, max_shard_size=max_shard_size, quiet=quiet or as_json)
+    result = convert(where, out, target=target, reverse=reverse, overwrite=overwrite, wait=wait, max_shard_size=max_shard_size, quiet=quiet or as_json)
     if as_json:
         echo_json(result.to_json())
     elif result.status == "up-to-date":
@@ -183,15 +193,19 @@ DRY_RUN_OUTCOMES = {"up-to-date": "is already up to date: the run would do nothi
 @click.argument("source")
 @target_option
 @click.option("--reverse", is_flag=True, help="Plan the reverse conversion of a converted checkpoint.")
+@revision_option
+@token_option
 @quiet_option
 @click.option("--json", "as_json", is_flag=True, help="The whole plan (every tensor and byte range, every skip) as JSON.")
-def plan_command(source: str, target: str, reverse: bool, quiet: bool, as_json: bool) -> None:
+def plan_command(source: str, target: str, reverse: bool, revision: str | None, token: str | None, quiet: bool, as_json: bool) -> None:
     """Show what converting SOURCE would read and write. Reads headers only."""
-    plan, header_bytes = _plan(source, target, reverse)
+    from dsv4.convert.location import locate
+
+    plan, header_bytes = _plan(locate(source, revision=revision, token=token), target, reverse)
     _print_plan(plan, as_json, quiet, full=True, header_bytes=header_bytes)
 
 
-def _plan(source: str, target: str, reverse: bool) -> tuple[Plan, int]:
+def _plan(source: str | Path | HubSpec, target: str, reverse: bool) -> tuple[Plan, int]:
     """The plan for SOURCE, from headers only, and the header bytes read."""
     from dsv4.convert.pipeline import plan_source
     from dsv4.convert.sources import open_source  # start-up time

@@ -14,7 +14,6 @@ import hashlib
 import mmap
 import os
 import queue
-import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -22,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from dsv4.convert.plan import PlannedTensor
-from dsv4.convert.readers import ByteReader
+from dsv4.convert.readers import DIRECT_ALIGN, ByteReader
 from dsv4.convert.writer import ShardWriter
 
 CHUNK = 8 * 1024 * 1024  # bytes per read/write: large enough for full disk speed
@@ -55,6 +54,8 @@ class _Chunk:
     """At most CHUNK bytes of one piece of one tensor."""
 
     tensor: PlannedTensor
+    writer: ShardWriter  # the shard the tensor goes into
+    lane: int  # the hasher lane of the tensor
     file: str
     offset: int  # in the source file
     n: int
@@ -62,48 +63,65 @@ class _Chunk:
     last: bool  # the tensor's final chunk
 
 
-def _chunks(tensors: list[PlannedTensor]) -> list[_Chunk]:
-    out = []
-    for t in tensors:
-        spans = [(p.file, off, min(CHUNK, p.end - off)) for p in t.pieces for off in range(p.start, p.end, CHUNK)] or [("", 0, 0)]
-        at = 0
-        for k, (file, off, n) in enumerate(spans):
-            out.append(_Chunk(t, file, off, n, at, k == len(spans) - 1))
-            at += n
+def _tensor_chunks(t: PlannedTensor, writer: ShardWriter, lane: int) -> list[_Chunk]:
+    spans = [(p.file, off, min(CHUNK, p.end - off)) for p in t.pieces for off in range(p.start, p.end, CHUNK)] or [("", 0, 0)]
+    out, at = [], 0
+    for k, (file, off, n) in enumerate(spans):
+        out.append(_Chunk(t, writer, lane, file, off, n, at, k == len(spans) - 1))
+        at += n
     return out
+
+
+def schedule(jobs: list[tuple[PlannedTensor, ShardWriter]], streams: int) -> list[_Chunk]:
+    """The chunks of `jobs` in the order they are read: the largest tensors first,
+    `streams` tensors at a time, their chunks taken in turn; each tensor's own chunks in
+    order, all in one hasher lane (its stream). A tensor's sha256 is one stream, slower
+    than a fast disk: several tensors in progress at once keep several lanes hashing, and
+    starting with the largest keeps a big tensor's hash from being the tail of the run."""
+    pending = collections.deque(sorted(jobs, key=lambda job: -job[0].nbytes))
+    active: list[collections.deque[_Chunk]] = [collections.deque() for _ in range(streams)]
+    order: list[_Chunk] = []
+    while pending or any(active):
+        for lane, chunks in enumerate(active):
+            if not chunks and pending:
+                chunks.extend(_tensor_chunks(*pending.popleft(), lane))
+            if chunks:
+                order.append(chunks.popleft())
+    return order
+
+
+def _read_view(reader: ByteReader, file: str, offset: int, n: int, buf: memoryview) -> memoryview:
+    """The n bytes at `offset` of `file`, in `buf`: the reader's direct read where it has one
+    (convert/readers.py: LocalReader.read_view), else a read into the front of buf."""
+    if n == 0:  # a tensor with no elements reads nothing
+        return buf[:0]
+    read_view = getattr(reader, "read_view", None)
+    if read_view is not None:
+        return read_view(file, offset, n, buf)
+    reader.read_into(file, offset, buf[:n])
+    return buf[:n]
 
 
 class _Hashers:
     """A pool of hasher threads in which each tensor keeps ONE sha256 over its bytes in
     order: a tensor's chunks all go to one single-thread lane (FIFO), different tensors
-    hash at once in different lanes. hashlib releases the GIL for large updates, so lanes
-    really run in parallel; one lane alone (1.2-2 GB/s) is slower than a fast disk."""
+    hash at once in different lanes (`schedule` assigns them). hashlib releases the GIL for
+    large updates, so lanes really run in parallel; one lane alone (1.2-2 GB/s) is slower
+    than a fast disk."""
 
     def __init__(self, lanes: int):
         self.lanes = [ThreadPoolExecutor(max_workers=1, thread_name_prefix="sha256") for _ in range(lanes)]
-        self.queued = [0] * lanes  # bytes submitted and not yet hashed, per lane
-        self.lock = threading.Lock()  # guards `queued`, updated by the caller and the lanes
-        self.lane_of: dict[str, int] = {}
         self.digests: dict[str, Any] = {}
 
-    def submit(self, name: str, view: memoryview) -> Future[None]:
-        lane = self.lane_of.get(name)
-        if lane is None:  # a new tensor goes to the least busy lane
-            with self.lock:
-                lane = self.lane_of[name] = min(range(len(self.lanes)), key=self.queued.__getitem__)
-            self.digests[name] = hashlib.sha256()
-        with self.lock:
-            self.queued[lane] += len(view)
-        return self.lanes[lane].submit(self._update, lane, self.digests[name], view)
-
-    def _update(self, lane: int, digest: Any, view: memoryview) -> None:
-        digest.update(view)
-        with self.lock:
-            self.queued[lane] -= len(view)
+    def submit(self, name: str, lane: int, view: memoryview) -> Future[None]:
+        """Hash `view` as the next bytes of tensor `name`; a tensor's chunks all go to one lane."""
+        digest = self.digests.get(name)
+        if digest is None:
+            digest = self.digests[name] = hashlib.sha256()
+        return self.lanes[lane].submit(digest.update, view)
 
     def hexdigest(self, name: str) -> str:
         """Once the tensor's last update has finished."""
-        del self.lane_of[name]
         return self.digests.pop(name).hexdigest()
 
     def close(self) -> None:
@@ -118,37 +136,38 @@ def hasher_lanes() -> int:
 
 
 class Executor:
-    """Copies planned byte ranges to their final place in a shard, hashing each tensor.
+    """Copies planned byte ranges to their final place in the shards, hashing each tensor.
 
     Three stages overlap: reader threads fill buffers ahead (source reads never wait for
     output writes), the main thread tests for zeros and writes, a pool of hasher threads
     checksums (hashlib and file I/O release the GIL). A buffer goes back to the free list
     when it is both written and hashed, so a slow hash of one big tensor does not stall the
-    reads while other buffers are free. A local disk gets one reader, reading each file
-    front to back; a hub reader asks for several (its requests are latency-bound). A fixed
-    set of CHUNK-byte buffers bounds the memory whatever the size of the checkpoint."""
+    reads while other buffers are free. Reads follow `schedule`: as many tensors in
+    progress as there are hasher lanes, the largest first, over all shards at once. A fixed
+    set of buffers bounds the memory whatever the size of the checkpoint."""
 
     def __init__(self, reader: ByteReader, progress: Callable[[int], object]):
         self.reader = reader
         self.progress = progress
         readers = getattr(reader, "parallel_reads", 1)
-        lanes = hasher_lanes()
+        self.lanes = hasher_lanes()
         # reads in flight, two chunks queued per hasher lane, the chunk being written
-        self.depth = readers + 2 * lanes + 1
+        self.depth = readers + 2 * self.lanes + 1
         self.free: queue.SimpleQueue[memoryview] = queue.SimpleQueue()
         for _ in range(self.depth):
-            # anonymous mappings, not bytearrays: no zero-fill up front, and a page costs
-            # memory only once a read has filled it (a small conversion stays small)
-            self.free.put(memoryview(mmap.mmap(-1, CHUNK)))
+            # anonymous mappings, not bytearrays: page-aligned (direct I/O reads into them
+            # the aligned blocks around a chunk: DIRECT_ALIGN of slack on each side), no
+            # zero-fill up front, and a page costs memory only once a read has filled it
+            self.free.put(memoryview(mmap.mmap(-1, CHUNK + 2 * DIRECT_ALIGN)))
         self.reads = ThreadPoolExecutor(max_workers=readers, thread_name_prefix="read")
-        self.hashers = _Hashers(lanes)
+        self.hashers = _Hashers(self.lanes)
         self.written = 0
 
-    def run(self, tensors: list[PlannedTensor], writer: ShardWriter) -> Iterator[tuple[PlannedTensor, str]]:
-        """Write `tensors` into `writer`; yields each finished tensor with its sha256 (in
-        the order their hashes finish)."""
-        chunks = _chunks(tensors)
-        reads: collections.deque[tuple[memoryview, memoryview, Future[None]]] = collections.deque()  # buffer, view, read
+    def run(self, jobs: list[tuple[PlannedTensor, ShardWriter]]) -> Iterator[tuple[PlannedTensor, str]]:
+        """Write each tensor into its shard's writer; yields each finished tensor with its
+        sha256 (in the order their hashes finish)."""
+        chunks = schedule(jobs, self.lanes)
+        reads: collections.deque[tuple[memoryview, Future[memoryview]]] = collections.deque()  # buffer, its read
         hashing: collections.deque[tuple[PlannedTensor, Future[None]]] = collections.deque()  # last chunk of each tensor
         started = 0
 
@@ -163,18 +182,17 @@ class Executor:
                     except queue.Empty:
                         return
                 c = chunks[started]
-                view = buf[: c.n]
-                reads.append((buf, view, self.reads.submit(self.reader.read_into, c.file, c.offset, view)))
+                reads.append((buf, self.reads.submit(_read_view, self.reader, c.file, c.offset, c.n, buf)))
                 started += 1
 
         for k, c in enumerate(chunks):
             start_reads(k)
-            buf, view, read = reads.popleft()
-            read.result()
-            hashed = self.hashers.submit(c.tensor.name, view)
+            buf, read = reads.popleft()
+            view = read.result()
+            hashed = self.hashers.submit(c.tensor.name, c.lane, view)
             if c.n and not _all_zero(view):
-                writer.write(c.tensor.name, view, c.at)
-                writer.start_writeback(c.tensor.name, c.at, c.n)
+                c.writer.write(c.tensor.name, view, c.at)
+                c.writer.start_writeback(c.tensor.name, c.at, c.n)
             hashed.add_done_callback(lambda _, buf=buf: self.free.put(buf))  # written and hashed
             self.written += c.n
             self.progress(c.n)

@@ -1,44 +1,125 @@
 """Hub sources: a model-hub repository `org/name[@revision]`, read in place.
 
-The revision is resolved to its commit first and every later request is pinned to that
-commit, so a branch that moves during a conversion cannot mix two versions of a checkpoint.
-config.json and the index come through huggingface_hub's download cache; of each shard only
-the header is read (two ranged requests; `HubReader.header_reads` shards at a time), and then
-only the byte ranges the plan names.
+The revision is resolved to its commit first (model info) and every later request is pinned
+to that commit, so a branch that moves during a conversion cannot mix two versions of a
+checkpoint. config.json and the index are read from huggingface_hub's cache when it holds
+them at that commit (an earlier `hf download`), else fetched (and not written to the cache).
+Of each shard one speculative ranged read of its first SPECULATIVE_HEADER_BYTES is made,
+which holds the whole header of almost every shard (a second read fetches the rest of a
+longer one); then only the byte ranges the plan names.
 
-Every hub call goes through huggingface_hub, so HF_ENDPOINT, HF_TOKEN, HF_HOME and
-HF_HUB_OFFLINE mean what they mean there, and no token ever passes through this module.
+Every request goes through huggingface_hub's HTTP session, so HF_ENDPOINT, HF_TOKEN (or
+`--token`), proxies and HF_HUB_OFFLINE mean what they mean there; no token ever appears in
+a message. With HF_HUB_OFFLINE=1 a repository whose files are all in the cache at the
+pinned revision is read from the cache, as `hf` does.
+
+What a response must be: every request has a connect and a read timeout
+(HF_HUB_DOWNLOAD_TIMEOUT, default 10 s, as in huggingface_hub). A transient failure (HTTP
+408, 429, 500, 502, 503, 504, a timeout, a dropped or reset connection, a ranged answer
+that is not the range asked for) is retried RETRIES times with backoff, each wait one
+`warning:` line of ours; a 429's Retry-After is waited for when it is at most
+RETRY_AFTER_CAP_S, and refused at once when longer. A ranged answer must be 206 with a
+Content-Range naming exactly the bytes asked for and a body of that length. huggingface_hub's
+own log lines (full URLs) are silenced.
 """
 
 from __future__ import annotations
 
+import hashlib
+import logging
+import os
+import re
+import struct
+import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
+from typing import TypeVar
 
+import httpx2
 from dsv4.convert.errors import DownloadError, HubError, RepoNotFound, RevisionNotFound
 from dsv4.convert.inventory import Inventory, TensorSource, merge_shards, parse_header, tensors_from_header
 from dsv4.convert.location import HubSpec, parse_hub_spec
+from dsv4.convert.readers import LocalReader
 from dsv4.model.checkpoint import INDEX_NAME, SINGLE_FILE, load_index
 from dsv4.model.config import config_errors, parse_config
 from dsv4.model.errors import DSV4Error, MissingConfigError, MissingShardError, TruncatedShardError
-from fsspec.spec import AbstractBufferedFile
-from huggingface_hub import HfApi, HfFileSystem, ModelInfo, hf_hub_download
+from huggingface_hub import HfApi, ModelInfo, constants, hf_hub_url, try_to_load_from_cache
+from huggingface_hub.hf_api import RepoSibling
 from huggingface_hub.errors import (
+    EntryNotFoundError,
     GatedRepoError,
+    HfHubHTTPError,
     OfflineModeIsEnabled,
     RepositoryNotFoundError,
     RevisionNotFoundError,
 )
+from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
 
-# huggingface_hub already retries HTTP errors and dropped connections (http_backoff: 5 tries,
-# 1 s doubling to 8 s). What it cannot see is a complete-looking response that is shorter
-# than the range asked for (a proxy cutting a body short); those are retried here.
-SHORT_READ_RETRIES = 3
-SHORT_READ_BACKOFF_S = 0.5  # doubled after each short read
+T = TypeVar("T")
+log = logging.getLogger("dsv4.hub")
+# huggingface_hub logs each of its own retries with the full URL; our warnings replace them
+logging.getLogger("huggingface_hub").setLevel(logging.CRITICAL)
+
+TRANSIENT_STATUS = frozenset({408, 429, 500, 502, 503, 504})
+RETRIES = 5  # after the first attempt
+BACKOFF_S = 1.0  # the first wait; doubled after each retry, up to BACKOFF_MAX_S
+BACKOFF_MAX_S = 8.0
+RETRY_AFTER_CAP_S = 300  # the longest Retry-After waited for; a longer one fails at once
+TIMEOUT_S = float(constants.HF_HUB_DOWNLOAD_TIMEOUT)  # connect and read, each request
+# First read of a shard, its header whole in one round trip: Flash's headers are 176 kB
+# (69,187 tensors in 46 shards), a 256 KiB read costs the same round trip as 8 bytes.
+SPECULATIVE_HEADER_BYTES = 256 * 1024
+VERIFY_CHUNK_BYTES = 16 * 2**20  # --verify-source: one ranged read of a whole-file download
+CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)$")
+
+
+class _Transient(Exception):
+    """A failure worth another attempt; `reason` says what happened, in a few words."""
+
+    def __init__(self, reason: str, retry_after: int | None = None):
+        super().__init__(reason)
+        self.reason, self.retry_after = reason, retry_after
+
+
+def _retry_after(response: httpx2.Response) -> int | None:
+    value = response.headers.get("Retry-After", "").strip()
+    return int(value) if value.isdigit() else None
+
+
+def _transient(exc: BaseException) -> _Transient | None:
+    """What makes `exc` worth retrying, or None when it is final."""
+    if isinstance(exc, _Transient):
+        return exc
+    if isinstance(exc, httpx2.TimeoutException):
+        return _Transient(f"no answer within {TIMEOUT_S:g} s ({type(exc).__name__})")
+    if isinstance(exc, (httpx2.NetworkError, httpx2.RemoteProtocolError)):
+        return _Transient(f"connection failed ({type(exc).__name__})")
+    response = getattr(exc, "response", None)
+    if isinstance(exc, HfHubHTTPError) and response is not None and response.status_code in TRANSIENT_STATUS:
+        limited = " (rate limited)" if response.status_code == 429 else ""
+        return _Transient(f"HTTP {response.status_code}{limited}", _retry_after(response))
+    return None
+
+
+def _hub_error(exc: BaseException, what: str, fallback: type[HubError]) -> DSV4Error:
+    """huggingface_hub's exception `exc` as this tool's one-line error about `what`."""
+    if isinstance(exc, GatedRepoError):
+        return RepoNotFound(f"{what}: gated repository; accept its terms on the hub, then set HF_TOKEN or run `hf auth login`", path=str(what))
+    if isinstance(exc, RepositoryNotFoundError):
+        return RepoNotFound(f"{what}: repository not found (if it is private or gated, set HF_TOKEN or run `hf auth login`)", path=str(what))
+    if isinstance(exc, RevisionNotFoundError):
+        return RevisionNotFound(f"{what}: revision not found in the repository", path=str(what))
+    if isinstance(exc, OfflineModeIsEnabled):
+        return HubError(f"{what}: HF_HUB_OFFLINE is set and the cache does not hold this repository's files; download them first (`hf download`) or unset HF_HUB_OFFLINE", path=str(what))
+    status = getattr(getattr(exc, "response", None), "status_code", None)
+    detail = f"HTTP {status}" if status else (str(exc).strip().splitlines() or [""])[0]  # their text is multi-line, with URLs
+    return fallback(f"{what}: hub request failed ({type(exc).__name__}: {detail})", path=str(what))
 
 
 @contextmanager
@@ -48,109 +129,217 @@ def hub_errors(what: str, fallback: type[HubError] = HubError) -> Iterator[None]
         yield
     except DSV4Error:
         raise
-    except GatedRepoError:
-        raise RepoNotFound(f"{what}: gated repository; accept its terms on the hub, then set HF_TOKEN or run `hf auth login`", path=str(what)) from None
-    except RepositoryNotFoundError:
-        raise RepoNotFound(f"{what}: repository not found (if it is private or gated, set HF_TOKEN or run `hf auth login`)", path=str(what)) from None
-    except RevisionNotFoundError:
-        raise RevisionNotFound(f"{what}: revision not found in the repository", path=str(what)) from None
-    except OfflineModeIsEnabled:
-        raise HubError(f"{what}: HF_HUB_OFFLINE is set, so the hub cannot be read; convert a local directory instead", path=str(what)) from None
-    except Exception as exc:  # network and HTTP failures of any kind; their text is multi-line
-        status = getattr(getattr(exc, "response", None), "status_code", None)
-        detail = f"HTTP {status}" if status else (str(exc).strip().splitlines() or [""])[0]
-        raise fallback(f"{what}: hub request failed ({type(exc).__name__}: {detail})") from None
+    except Exception as exc:
+        raise _hub_error(exc, what, fallback) from None
+
+
+def with_retries(what: str, attempt: Callable[[], T], fallback: type[HubError] = HubError) -> T:
+    """`attempt()`, retried on transient failures (module docstring), as one-line errors about `what`."""
+    backoff, retry = BACKOFF_S, 0
+    while True:
+        try:
+            return attempt()
+        except DSV4Error:
+            raise
+        except Exception as exc:
+            problem = _transient(exc)
+            if problem is None:
+                raise _hub_error(exc, what, fallback) from None
+        if retry == RETRIES:
+            raise fallback(f"{what}: {problem.reason} on each of {RETRIES + 1} attempts", path=str(what))
+        wait = backoff
+        if problem.retry_after is not None:
+            if problem.retry_after > RETRY_AFTER_CAP_S:
+                raise fallback(f"{what}: {problem.reason}: the hub asks to wait {problem.retry_after} s, longer than the {RETRY_AFTER_CAP_S} s this tool waits; try again later", path=str(what))
+            wait = float(problem.retry_after)
+        retry += 1
+        log.warning(f"{what}: {problem.reason}; retry {retry} of {RETRIES} in {wait:g} s")
+        time.sleep(wait)
+        backoff = min(BACKOFF_MAX_S, backoff * 2)
+
+
+def _get(url: str, headers: dict[str, str]) -> httpx2.Response:
+    response = get_session().get(url, headers=headers, timeout=TIMEOUT_S)
+    hf_raise_for_status(response)
+    return response
+
+
+@dataclass(frozen=True)
+class Published:
+    """The digest model info gives for a file: an LFS file's sha256, else its git blob id
+    (sha1 of "blob SIZE\\0" and the content)."""
+
+    kind: str  # "sha256" or "git blob id"
+    digest: str
+
+    def hasher(self, size: int) -> hashlib._Hash:
+        if self.kind == "sha256":
+            return hashlib.sha256()
+        h = hashlib.sha1()
+        h.update(b"blob %d\0" % size)
+        return h
+
+    @classmethod
+    def of(cls, sibling: RepoSibling) -> Published | None:
+        if sibling.lfs is not None:
+            return cls("sha256", sibling.lfs.sha256)
+        return cls("git blob id", sibling.blob_id) if sibling.blob_id else None
 
 
 class HubReader:
-    """ByteReader over one hub commit: each read is one ranged GET through HfFileSystem.
+    """ByteReader over one hub commit: each read is one ranged GET, checked (module docstring).
 
-    Files are opened with fsspec's "none" cache, so a read fetches exactly the bytes asked
-    for: the default read-ahead cache would fetch whole blocks past every tensor. Requests
-    are latency-bound (Flash's draft is ~1,600 ranges), so the executor keeps
-    `parallel_reads` of them in flight; each thread has its own file objects (an fsspec
-    file's seek-then-read is not thread-safe). Shard headers are read `header_reads` at a
-    time: a header is small, where each tensor read in flight holds a buffer of its own.
+    Requests are latency-bound (Flash's draft is ~1,600 ranges), so the executor keeps
+    `parallel_reads` of them in flight; shard headers are read `header_reads` at a time (a
+    header is small, where each tensor read in flight holds a buffer of its own). `sizes`:
+    the file sizes model info gave; a mirror's info may leave them out, and then the first
+    ranged answer's Content-Range gives each file's size.
     """
 
     parallel_reads = 8
     header_reads = 16
 
-    def __init__(self, hub: HubSpec, commit: str, sizes: dict[str, int]):
+    def __init__(self, hub: HubSpec, commit: str, sizes: dict[str, int], published: dict[str, Published] | None = None):
+        """`published`: with --verify-source, each file's digest as model info gives it."""
         self.location = hub.location
         self.repo = hub.repo
         self.commit = commit
         self.sizes = sizes
         self.bytes_read = 0
-        self._fs = HfFileSystem()
-        self._local = threading.local()
+        self.header_sha256: dict[str, str] = {}  # of each shard's header bytes as the inventory parsed them
+        self.published = published
+        self._headers = build_hf_headers(token=hub.token)
         self._lock = threading.Lock()
-        # A file's first open asks the hub whether the repo and commit exist, and its URL
-        # (asked for on every read) lists the repo's tree; HfFileSystem keeps both answers.
-        # Opening under a lock, URL included, makes threads that start together ask once
-        # instead of once each.
-        self._open_lock = threading.Lock()
-        self._opened: list[AbstractBufferedFile] = []
+        self._verify_lock = threading.Lock()
+        self._verified: dict[str, int] = {}  # file -> descriptor of its verified local copy
+        self._spill: tempfile.TemporaryDirectory[str] | None = None
 
     def _where(self, file: str) -> str:
         return f"{self.location}/{file}@{self.commit[:12]}"
 
-    def _open(self, file: str) -> AbstractBufferedFile:
-        files: dict[str, AbstractBufferedFile] = self._local.__dict__.setdefault("files", {})
-        f = files.get(file)
-        if f is None:
-            try:
-                with self._open_lock:
-                    f = self._fs.open(f"{self.repo}/{file}", "rb", revision=self.commit, cache_type="none", size=self.sizes[file])
-                    f.url()
-            except FileNotFoundError:
-                raise MissingShardError(f"{self._where(file)}: not in the repository at this commit", path=str(self._where(file))) from None
-            files[file] = f
+    def _ranged(self, file: str, offset: int, n: int) -> bytes:
+        """One attempt at bytes [offset, offset + n) (fewer only where the file ends first)."""
+        headers = {**self._headers, "Range": f"bytes={offset}-{offset + n - 1}"}
+        try:
+            response = _get(hf_hub_url(self.repo, file, revision=self.commit), headers)
+        except HfHubHTTPError as exc:
+            if exc.response is not None and exc.response.status_code == 404:
+                raise MissingShardError(f"{self._where(file)}: not in the repository at this commit", path=self._where(file)) from None
+            raise
+        if response.status_code != 206:  # the Range was ignored: retrying would pull whole shards again
+            raise DownloadError(f"{self._where(file)}: bytes {offset}..{offset + n}: the hub answered HTTP {response.status_code}, not 206 Partial Content", path=self._where(file))
+        m = CONTENT_RANGE.match(response.headers.get("Content-Range", "").strip())
+        if m is None:
+            raise _Transient(f"no Content-Range in the answer (got {response.headers.get('Content-Range')!r})")
+        start, end, total = int(m.group(1)), int(m.group(2)) + 1, m.group(3)
+        body = response.content
+        if total != "*":
             with self._lock:
-                self._opened.append(f)
-        return f
+                self.sizes.setdefault(file, int(total))
+        size = self.sizes.get(file)
+        if start != offset or len(body) != end - start:
+            raise _Transient(f"the hub sent bytes {start}..{end} ({len(body)} bytes) for the range {offset}..{offset + n}")
+        if len(body) < n and (size is None or end < size):
+            raise _Transient(f"got {len(body)} of {n} bytes")
+        if len(body) > n:
+            raise _Transient(f"the hub sent {len(body)} bytes for a {n}-byte range")
+        return body
 
     def fetch(self, file: str, offset: int, n: int) -> bytes:
-        """Bytes [offset, offset + n) of `file`, checked for length. Not counted in
-        bytes_read (inventory reads headers with it; read_into counts tensor data)."""
-        size = self.sizes[file]
-        if offset + n > size:
-            raise TruncatedShardError(f"{self._where(file)}: ends at byte {size}, before the planned range {offset}..{offset + n}", path=str(self._where(file)))
-        got = 0
-        for attempt in range(SHORT_READ_RETRIES + 1):
-            if attempt:
-                time.sleep(SHORT_READ_BACKOFF_S * 2 ** (attempt - 1))
-            with hub_errors(f"{self._where(file)}: bytes {offset}..{offset + n}", DownloadError):
-                f = self._open(file)
-                f.seek(offset)
-                data = f.read(n)
-            got = len(data)
-            if got == n:
-                return data
-            if got > n:  # the server ignored the Range header; retrying would pull whole shards again
-                raise DownloadError(f"{self._where(file)}: bytes {offset}..{offset + n}: the hub sent {got} bytes for a {n}-byte range", path=str(self._where(file)))
-        raise DownloadError(f"{self._where(file)}: bytes {offset}..{offset + n}: got {got} of {n} bytes on each of {SHORT_READ_RETRIES + 1} attempts", path=str(self._where(file)))
+        """Bytes [offset, offset + n) of `file`, checked (fewer only where the file ends
+        first). Not counted in bytes_read (inventory reads headers with it; read_into
+        counts tensor data)."""
+        size = self.sizes.get(file)
+        if size is not None and offset + n > size:
+            raise TruncatedShardError(f"{self._where(file)}: ends at byte {size}, before the planned range {offset}..{offset + n}", path=self._where(file))
+        return with_retries(f"{self._where(file)}: bytes {offset}..{offset + n}", partial(self._ranged, file, offset, n), DownloadError)
 
     def read_into(self, file: str, offset: int, buf: memoryview) -> None:
-        buf[:] = self.fetch(file, offset, len(buf))
+        if self.published is not None:
+            fd = self._verified_copy(file)
+            data = os.pread(fd, len(buf), offset)
+        else:
+            data = self.fetch(file, offset, len(buf))
+        if len(data) != len(buf):
+            raise TruncatedShardError(f"{self._where(file)}: ends at byte {offset + len(data)}, before the planned range {offset}..{offset + len(buf)}", path=self._where(file))
+        buf[:] = data
         with self._lock:  # called from several reader threads
             self.bytes_read += len(buf)
+
+    def _verified_copy(self, file: str) -> int:
+        """--verify-source: `file` downloaded whole, once, in checked ranged reads of
+        VERIFY_CHUNK_BYTES hashed as they arrive into a temporary copy, and checked against
+        the digest the hub publishes and against the header the plan was made from; the
+        planned ranges are then read from that copy. One file at a time: one chunk in memory."""
+        with self._verify_lock:
+            fd = self._verified.get(file)
+            if fd is not None:
+                return fd
+            published = (self.published or {}).get(file)
+            if published is None:
+                raise DownloadError(f"{self._where(file)}: the hub publishes no sha256 or git id for this file, so --verify-source cannot check it", path=self._where(file))
+            if self._spill is None:
+                self._spill = tempfile.TemporaryDirectory(prefix="dsv4-verify-")
+            copy, size = Path(self._spill.name) / file, self.sizes[file]
+            digest = published.hasher(size)
+            with open(copy, "wb") as out:
+                for offset in range(0, size, VERIFY_CHUNK_BYTES):
+                    chunk = self.fetch(file, offset, min(VERIFY_CHUNK_BYTES, size - offset))
+                    digest.update(chunk)
+                    out.write(chunk)
+            if digest.hexdigest() != published.digest:
+                raise DownloadError(f"{self._where(file)}: the {size:,} bytes downloaded do not match the {published.kind} the hub publishes ({published.digest[:16]}...): refused, nothing written from it", path=self._where(file))
+            fd = os.open(copy, os.O_RDONLY)
+            if (header := self.header_sha256.get(file)) is not None:
+                n = struct.unpack("<Q", os.pread(fd, 8, 0))[0]
+                if hashlib.sha256(os.pread(fd, 8 + n, 0)).hexdigest() != header:
+                    os.close(fd)
+                    raise DownloadError(f"{self._where(file)}: the header the plan was made from differs from the verified file's: refused", path=self._where(file))
+            self._verified[file] = fd
+            return fd
 
     def fingerprint(self, files: list[str]) -> dict[str, object]:
         return {"location": self.location, "revision": self.commit, "files": {f: self.sizes[f] for f in files}}
 
     def close(self) -> None:
-        with self._lock:
-            for f in self._opened:
-                f.close()
-            self._opened.clear()
-        self._local = threading.local()
+        """The verified copies are deleted; the HTTP session is huggingface_hub's, shared
+        and closed at exit."""
+        with self._verify_lock:
+            for fd in self._verified.values():
+                os.close(fd)
+            self._verified.clear()
+            if self._spill is not None:
+                self._spill.cleanup()
+                self._spill = None
+
+
+class CachedHubReader(LocalReader):
+    """A hub commit read from huggingface_hub's cache (HF_HUB_OFFLINE): a snapshot folder
+    whose files are the cache's links to its blobs. Local reads, and the fingerprint of the
+    same commit read from the hub, so either way the output is the same and a later online
+    run finds it up to date."""
+
+    header_reads = 4  # local files: a few threads overlap the parsing with the reads
+
+    def __init__(self, snapshot: Path, hub: HubSpec, commit: str):
+        super().__init__(snapshot)
+        self.location, self.commit = hub.location, commit
+        self.sizes = {p.name: p.stat().st_size for p in snapshot.iterdir() if p.is_file()}
+
+    def fetch(self, file: str, offset: int, n: int) -> bytes:
+        """Bytes [offset, offset + n) of `file` (fewer where it ends first), as HubReader.fetch."""
+        with open(self.root / file, "rb") as f:
+            f.seek(offset)
+            return f.read(n)
+
+    def fingerprint(self, files: list[str]) -> dict[str, object]:
+        return {"location": self.location, "revision": self.commit, "files": {f: self.sizes[f] for f in files}}
 
 
 def _model_info(hub: HubSpec, *, files_metadata: bool = False) -> tuple[str, ModelInfo]:
     """(commit, info) of the revision `hub` names."""
-    with hub_errors(f"{hub.location}@{hub.revision or 'default branch'}"):
-        info = HfApi().model_info(hub.repo, revision=hub.revision, files_metadata=files_metadata)
+    what = f"{hub.location}@{hub.revision or 'default branch'}"
+    info = with_retries(what, lambda: HfApi(token=hub.token).model_info(hub.repo, revision=hub.revision, files_metadata=files_metadata, timeout=TIMEOUT_S))
     if not info.sha:
         raise HubError(f"{hub.location}: the hub did not say which commit {hub.revision or 'the default branch'} is", path=str(hub.location))
     return info.sha, info
@@ -161,59 +350,118 @@ def resolve_commit(hub: HubSpec) -> str:
     return _model_info(hub)[0]
 
 
-def _download(hub: HubSpec, commit: str, file: str) -> bytes:
-    """A small file at `commit`, through huggingface_hub's cache (HF_HOME)."""
-    with hub_errors(f"{hub.location}/{file}@{commit[:12]}"):
-        path = hf_hub_download(hub.repo, file, revision=commit)
-    with open(path, "rb") as f:
-        return f.read()
+def download(hub: HubSpec, commit: str, file: str, fallback: type[HubError] = HubError, *, missing_ok: bool = False) -> bytes | None:
+    """A small file at `commit`: from huggingface_hub's cache when it is there, else fetched.
+    None for a file the commit does not have, when `missing_ok`."""
+    cached = try_to_load_from_cache(hub.repo, file, revision=commit)
+    if isinstance(cached, str):
+        return Path(cached).read_bytes()
+    url, headers = hf_hub_url(hub.repo, file, revision=commit), build_hf_headers(token=hub.token)
+
+    def attempt() -> bytes | None:
+        try:
+            return _get(url, headers).content
+        except EntryNotFoundError:
+            if missing_ok:
+                return None
+            raise
+
+    return with_retries(f"{hub.location}/{file}@{commit[:12]}", attempt, fallback)
+
+
+def _small_file(reader: HubReader | CachedHubReader, hub: HubSpec, file: str) -> bytes:
+    """A file model info listed (so it is there), checked with --verify-source."""
+    data = download(hub, reader.commit, file)
+    assert data is not None  # missing_ok is off: a missing file raised
+    published = reader.published if isinstance(reader, HubReader) else None
+    if published is not None:
+        where = f"{hub.location}/{file}@{reader.commit[:12]}"
+        if file not in published:
+            raise DownloadError(f"{where}: the hub publishes no sha256 or git id for this file, so --verify-source cannot check it", path=where)
+        digest = published[file].hasher(len(data))
+        digest.update(data)
+        if digest.hexdigest() != published[file].digest:
+            raise DownloadError(f"{where}: the {len(data):,} bytes downloaded do not match the {published[file].kind} the hub publishes: refused", path=where)
+    return data
 
 
 def _read_shard_header(reader: HubReader, file: str) -> tuple[dict[str, TensorSource], int]:
-    """The tensors of one hub shard and its header's size: two ranged requests (the 8-byte
-    length, then the JSON), checked as the local reader checks them."""
-    size = reader.sizes[file]
-    header, data_start = parse_header(reader.fetch(file, 0, min(8, size)), partial(reader.fetch, file, 8), file, size)
+    """The tensors of one hub shard and its header's size: one speculative ranged read of
+    the first SPECULATIVE_HEADER_BYTES (a second for the rest of a longer header), checked
+    as the local reader checks them."""
+    first = reader.fetch(file, 0, min(SPECULATIVE_HEADER_BYTES, reader.sizes.get(file, SPECULATIVE_HEADER_BYTES)))
+    size = reader.sizes.get(file)  # known now from model info or this answer's Content-Range, unless neither said
+    if size is None:
+        raise DownloadError(f"{reader.location}/{file}@{reader.commit[:12]}: the hub gives no size for this file (neither model info nor Content-Range)", path=file)
+
+    raw: list[bytes] = []
+
+    def rest(n: int) -> bytes:
+        have = first[8 : 8 + n]
+        raw.append(have if len(have) == n else have + reader.fetch(file, len(first), 8 + n - len(first)))
+        return raw[0]
+
+    header, data_start = parse_header(first[:8], rest, file, size)
+    if isinstance(reader, HubReader):  # what --verify-source compares the verified file with
+        reader.header_sha256[file] = hashlib.sha256(first[:8] + raw[0]).hexdigest()
     return tensors_from_header(header, file, data_start, size), data_start
 
 
-def open_hub_source(spec: str | HubSpec) -> tuple[Inventory, HubReader]:
+def _cached(hub: HubSpec) -> tuple[str, CachedHubReader]:
+    """HF_HUB_OFFLINE: the commit the cache pins `hub.revision` to, and a reader of its snapshot."""
+    config = try_to_load_from_cache(hub.repo, "config.json", revision=hub.revision)
+    if not isinstance(config, str):
+        what = f"{hub.location}@{hub.revision or 'default branch'}"
+        raise HubError(f"{what}: HF_HUB_OFFLINE is set and huggingface_hub's cache has no config.json of it; download the repository first (`hf download {hub.repo}`) or unset HF_HUB_OFFLINE", path=what)
+    snapshot = Path(config).parent  # .../snapshots/<commit>/, its files linked to the cache's blobs
+    return snapshot.name, CachedHubReader(snapshot, hub, snapshot.name)
+
+
+def open_hub_source(spec: str | HubSpec) -> tuple[Inventory, HubReader | CachedHubReader]:
     """Inventory of hub repo `org/name[@revision]` from its headers, and a reader pinned to
     the resolved commit. Applies the same checks as the local reader."""
     hub = parse_hub_spec(spec) if isinstance(spec, str) else spec
-    try:
-        commit, info = _model_info(hub, files_metadata=True)
-    except HubError as exc:
-        if hub.explicit:
-            raise
-        # a bare org/name may also have been meant as a local path: say both readings
-        raise type(exc)(f"{hub.repo}: no such local directory, and as a hub repository: {exc}") from None
-    sizes = {s.rfilename: s.size for s in info.siblings or [] if s.size is not None}
+    reader: HubReader | CachedHubReader
+    if constants.HF_HUB_OFFLINE:
+        if hub.verify_files:
+            raise HubError(f"{hub.location}: --verify-source checks files against the digests the hub publishes, and HF_HUB_OFFLINE is set", path=hub.location)
+        commit, reader = _cached(hub)
+        names = set(reader.sizes)
+    else:
+        try:
+            commit, info = _model_info(hub, files_metadata=True)
+        except HubError as exc:
+            if hub.explicit:
+                raise
+            # a bare org/name may also have been meant as a local path: say both readings
+            raise type(exc)(f"{hub.repo}: no such local directory, and as a hub repository: {exc}") from None
+        names = {s.rfilename for s in info.siblings or []}
+        sizes = {s.rfilename: s.size for s in info.siblings or [] if s.size is not None}  # a mirror may leave sizes out
+        published = {s.rfilename: p for s in info.siblings or [] if (p := Published.of(s)) is not None} if hub.verify_files else None
+        reader = HubReader(hub, commit, sizes, published)
 
     config_where = f"{hub.location}/config.json@{commit[:12]}"
-    if "config.json" not in sizes:
+    if "config.json" not in names:
         raise MissingConfigError(f"{config_where}: no config.json in the repository", path=str(config_where))
-    raw_config = _download(hub, commit, "config.json")
+    raw_config = _small_file(reader, hub, "config.json")
     with config_errors(config_where):
         config = parse_config(raw_config)
     weight_map: dict[str, str] | None
-    if INDEX_NAME in sizes:
-        weight_map = load_index(_download(hub, commit, INDEX_NAME), INDEX_NAME)
+    if INDEX_NAME in names:
+        weight_map = load_index(_small_file(reader, hub, INDEX_NAME), INDEX_NAME)
         files = sorted(set(weight_map.values()))
-    elif SINGLE_FILE in sizes:
+    elif SINGLE_FILE in names:
         weight_map, files = None, [SINGLE_FILE]
     else:
         raise MissingShardError(f"{hub.location}@{commit[:12]}: neither {INDEX_NAME} nor {SINGLE_FILE} found")
     for file in files:
-        if file not in sizes:
+        if file not in names:
             raise MissingShardError(f"{hub.location}/{file}@{commit[:12]}: shard named in {INDEX_NAME} is not in the repository")
 
-    reader = HubReader(hub, commit, {f: sizes[f] for f in files})
     try:
-        # Latency-bound (Flash: 46 shards, 92 requests), so several shards at a time. map
-        # yields in shard order: the first shard in that order that fails is the error
-        # reported, as when they were read one by one, and the shards not yet started are
-        # cancelled.
+        # Latency-bound (Flash: 46 shards), so several shards at a time. map yields in shard
+        # order: the first shard in that order that fails is the error reported, as when
+        # they were read one by one, and the shards not yet started are cancelled.
         with ThreadPoolExecutor(max_workers=reader.header_reads, thread_name_prefix="hub-header") as pool:
             headers = list(pool.map(partial(_read_shard_header, reader), files))
         header_bytes = sum(data_start for _, data_start in headers)
@@ -221,4 +469,4 @@ def open_hub_source(spec: str | HubSpec) -> tuple[Inventory, HubReader]:
     except BaseException:
         reader.close()
         raise
-    return Inventory(hub.location, config, tensors, dict(reader.sizes), header_bytes, revision=commit, config_bytes=raw_config), reader
+    return Inventory(hub.location, config, tensors, {f: reader.sizes[f] for f in files}, header_bytes, revision=commit, config_bytes=raw_config), reader

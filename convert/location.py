@@ -11,13 +11,12 @@ that tells them apart, and the one reading of a repo id, for every command.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+import click
 from dsv4.convert.errors import RepoNotFound
 from dsv4.model.errors import SourceNotFoundError
-from huggingface_hub.errors import HFValidationError
-from huggingface_hub.utils import validate_repo_id
 
 HF_PREFIX = "hf://"  # the hub's URL scheme in huggingface_hub's file system (HfFileSystem)
 HUB_SCHEME = "hub:"  # how records and messages name a hub location: hub:org/name
@@ -29,6 +28,8 @@ class HubSpec:
     repo: str
     revision: str | None  # None: the repo's default branch
     explicit: bool = False  # written hf://...: not also a possible local path
+    token: str | None = field(default=None, repr=False, compare=False)  # --token; None: HF_TOKEN or the stored login
+    verify_files: bool = False  # --verify-source: check whole files against the hub's sha256 (convert/hub.py)
 
     @property
     def location(self) -> str:
@@ -38,6 +39,10 @@ class HubSpec:
 def parse_hub_spec(spec: str) -> HubSpec:
     """`org/name`, `org/name@revision` (a branch, tag or commit; may contain '/'), either
     optionally written `hf://...`; anything else is refused (RepoNotFound)."""
+    # start-up time: huggingface_hub.utils brings its HTTP stack, which a local source never needs
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
     explicit = spec.startswith(HF_PREFIX)
     repo, at, revision = spec.removeprefix(HF_PREFIX).partition("@")
     try:
@@ -50,9 +55,23 @@ def parse_hub_spec(spec: str) -> HubSpec:
     return HubSpec(repo, revision or None, explicit)
 
 
-def locate(source: str | Path) -> Path | HubSpec:
+def locate(source: str | Path | HubSpec, *, revision: str | None = None, token: str | None = None, verify_files: bool = False) -> Path | HubSpec:
     """The local directory `source` names, or the hub repository; SourceNotFoundError (19)
-    when it can only be a local path that does not exist."""
+    when it can only be a local path that does not exist. `revision`, `token` and
+    `verify_files` are the hub options `--revision` and `--token` (as in the `hf` CLI) and
+    `--verify-source`: a revision given twice, by option and by `@rev`, must be the same
+    one, and none of them applies to a local directory (click.UsageError, exit 2)."""
+    where = source if isinstance(source, HubSpec) else _locate(source)
+    if revision is None and token is None and not verify_files:
+        return where
+    if isinstance(where, Path):
+        raise click.UsageError(f"--revision, --token and --verify-source are for hub sources; {source} is a local directory")
+    if revision is not None and where.revision not in (None, revision):
+        raise click.UsageError(f"{source} names revision {where.revision!r} but --revision says {revision!r}; give one")
+    return replace(where, revision=revision or where.revision, token=token or where.token, verify_files=verify_files or where.verify_files)
+
+
+def _locate(source: str | Path) -> Path | HubSpec:
     text = str(source)
     if text.startswith(HF_PREFIX):
         return parse_hub_spec(text)

@@ -14,16 +14,17 @@ import os
 import sys
 import time
 from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from dsv4 import __version__
 from dsv4.convert.errors import WriteFailedError
 from dsv4.convert import progress
 from dsv4.convert.execute import Executor, still_valid
 from dsv4.convert.inventory import Inventory, read_local_header
-from dsv4.convert.location import locate
+from dsv4.convert.location import HubSpec, locate
 from dsv4.convert.output import CONFIG, OutputClaim, claim_output, read_record, resolve_output
 from dsv4.convert.plan import Direction, Plan, PlannedTensor, choose_table, plan_conversion, plan_reverse
 from dsv4.convert.quant_config import carried_quantization
@@ -35,7 +36,9 @@ from dsv4.model import strictjson
 from dsv4.model.checkpoint import INDEX_NAME
 from dsv4.model.record import CONVERSION_RECORD, LAYOUT_RECORD, ConversionRecord, LayoutRecord, SourceRecord, TensorEntry, fingerprint_digest, runtime_config_fields, sha256_hex
 from dsv4.model.strictjson import write_bytes, write_record
-from huggingface_hub.utils import tqdm
+
+if TYPE_CHECKING:
+    from huggingface_hub.utils import tqdm
 
 DEFAULT_MAX_SHARD = 5 * 10**9
 
@@ -184,25 +187,33 @@ def _write_output(plan: Plan, reader: ByteReader, claim: OutputClaim, *, overwri
         raise claim.write_failed(exc) from None
     partial = claim.partial
 
+    shard_of = {t.name: name for tensors, name in zip(shards, names) for t in tensors}
     todo = sum(t.nbytes for s in shards for t in s if t.name not in journal)
     bar = progress_bar(plan.bytes_to_write, plan.bytes_to_write - todo, quiet)
     executor = Executor(reader, bar.update)
     try:
-        with open(claim.journal, "a") as jf:
+        with open(claim.journal, "a") as jf, ExitStack() as open_shards:
+            # every shard open at once: the executor reads the largest tensors first,
+            # whichever shard they go into
+            jobs: list[tuple[PlannedTensor, ShardWriter]] = []
+            writers: list[ShardWriter] = []
             for tensors, name in zip(shards, names):
                 specs = [TensorSpec(t.name, t.dtype, t.shape) for t in tensors]
-                with ShardWriter(partial / name, specs, {"format": "pt"}, resume=resumed) as writer:
-                    done = [journal[t.name] for t in tensors if t.name in journal]
-                    valid = still_valid(writer.path, done, writer.offsets) if writer.resumed else set()
-                    for t in tensors:
-                        if t.name in journal and t.name not in valid:
-                            del journal[t.name]
-                    for t, sha in executor.run([t for t in tensors if t.name not in journal], writer):
-                        entry = {"name": t.name, "file": name, "nbytes": t.nbytes, "sha256": sha}
-                        jf.write(json.dumps(entry, sort_keys=True) + "\n")
-                        jf.flush()
-                        journal[t.name] = entry
-                    writer.sync()
+                writer = open_shards.enter_context(ShardWriter(partial / name, specs, {"format": "pt"}, resume=resumed))
+                writers.append(writer)
+                done = [journal[t.name] for t in tensors if t.name in journal]
+                valid = still_valid(writer.path, done, writer.offsets) if writer.resumed else set()
+                for t in tensors:
+                    if t.name in journal and t.name not in valid:
+                        del journal[t.name]
+                jobs += [(t, writer) for t in tensors if t.name not in journal]
+            for t, sha in executor.run(jobs):
+                entry = {"name": t.name, "file": shard_of[t.name], "nbytes": t.nbytes, "sha256": sha}
+                jf.write(json.dumps(entry, sort_keys=True) + "\n")
+                jf.flush()
+                journal[t.name] = entry
+            for writer in writers:
+                writer.sync()
         # the journal is closed: nothing writes into the partial directory once it is OUT
         _verify(partial, shards, names, journal)
         _write_records(plan, config, partial, shards, names, journal, fingerprint, _published_source(plan, reader))
@@ -261,7 +272,7 @@ def plan_source(inv: Inventory, reader: ByteReader, target: str, *, reverse: boo
         raise
 
 
-def convert(source: str | Path, out: str | Path, *, target: str = "xpu", reverse: bool = False, overwrite: bool = False, wait: bool = False, max_shard_size: int = DEFAULT_MAX_SHARD, quiet: bool = True) -> ConversionResult:
+def convert(source: str | Path | HubSpec, out: str | Path, *, target: str = "xpu", reverse: bool = False, overwrite: bool = False, wait: bool = False, max_shard_size: int = DEFAULT_MAX_SHARD, quiet: bool = True) -> ConversionResult:
     """Convert `source` (native checkpoint, or with reverse=True a converted one) into `out`.
 
     OUT is owned (checked safe, locked) before the source is planned and until the output
@@ -283,7 +294,7 @@ class DryRun(NamedTuple):
     header_bytes: int  # read from the source to plan
 
 
-def dry_run(source: str | Path, out: str | Path, *, target: str = "xpu", reverse: bool = False, overwrite: bool = False, max_shard_size: int = DEFAULT_MAX_SHARD) -> DryRun:
+def dry_run(source: str | Path | HubSpec, out: str | Path, *, target: str = "xpu", reverse: bool = False, overwrite: bool = False, max_shard_size: int = DEFAULT_MAX_SHARD) -> DryRun:
     """What `convert` with these arguments would do, refusals included, without writing,
     locking or deleting anything: the same checks in the same order (target, OUT's safety
     43-46, the source and its plan, a quantisation config that cannot be carried, an OUT

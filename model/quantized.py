@@ -56,13 +56,17 @@ def dequant_fp8_block(
 def dequant_fp4(packed: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """Packed e2m1 [.., rows, cols/2] (LOW nibble = even index) with one E8M0 scale per 32
     inputs [.., rows, cols/32] -> [.., rows, cols]."""
-    lut = torch.tensor(_FP4_VALUES, dtype=torch.float32, device=packed.device)
+    # bf16 has fp32's exponent range, so an e2m1 value (2 significant bits) times an E8M0
+    # power of two is exact in it, NaN scales included: computing in bf16 gives the fp32
+    # result's bits with half the memory traffic. Any other output dtype goes through fp32.
+    work = torch.bfloat16 if out_dtype == torch.bfloat16 else torch.float32
+    lut = torch.tensor(_FP4_VALUES, dtype=work, device=packed.device)
     byte = torch.arange(256, device=packed.device)
     pairs = torch.stack((lut[byte & 0xF], lut[byte >> 4]), dim=-1)  # byte -> (even, odd) value
     # one lookup per byte, int32 indices, the scale broadcast over its group: a quarter of
     # the temporaries of a lookup per nibble with a repeated scale (experts are ~8 MB each)
     vals = nn.functional.embedding(packed.view(torch.uint8).int(), pairs).flatten(-2)
-    groups = vals.unflatten(-1, (-1, FP4_GROUP)) * scale_to_float(scale).unsqueeze(-1)
+    groups = vals.unflatten(-1, (-1, FP4_GROUP)) * scale_to_float(scale).to(work).unsqueeze(-1)
     return groups.flatten(-2).to(out_dtype)
 
 

@@ -43,14 +43,23 @@ def fp8_weight(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> 
     return (wf * s[:, None, :, None]).reshape(rows + pr, cols + pc)[:rows, :cols]
 
 
-def fp4_weight(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """Packed e2m1 [out, in/2] (low nibble first) with per-32 E8M0 scales -> fp32 [out, in]."""
-    b = packed.view(torch.uint8).long()
-    codes = torch.stack((b & 15, b >> 4), dim=-1).flatten(-2)
+def _e2m1(codes: torch.Tensor) -> torch.Tensor:
+    """e2m1 codes (integers 0..15) -> fp32 values, by bit arithmetic: bit 3 the sign, bits
+    2-1 the exponent (bias 1; 0 is subnormal), bit 0 the mantissa."""
     sign = 1.0 - 2.0 * (codes >> 3).float()
     exp, man = ((codes & 7) >> 1).float(), (codes & 1).float()
-    mag = torch.where(exp == 0, 0.5 * man, torch.exp2(exp - 1) * (1 + 0.5 * man))
-    vals = sign * mag
+    return sign * torch.where(exp == 0, 0.5 * man, torch.exp2(exp - 1) * (1 + 0.5 * man))
+
+
+def fp4_weight(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Packed e2m1 [out, in/2] (low nibble first) with per-32 E8M0 scales -> fp32 [out, in].
+
+    Each of the 256 byte values is decoded once (its two codes by _e2m1's bit arithmetic)
+    and the bytes pick their pair: the same values as decoding every code, without a dozen
+    [out, in] temporaries per expert matrix (the smoke's reference decodes ~150 of them)."""
+    byte = torch.arange(256, device=packed.device)
+    pairs = torch.stack((_e2m1(byte & 15), _e2m1(byte >> 4)), dim=-1)  # byte -> (low, high) values
+    vals = pairs[packed.view(torch.uint8).int()].flatten(-2)
     rows, cols = vals.shape
     return (vals.view(rows, cols // 32, 32) * _e8m0_value(scale).unsqueeze(-1)).view(rows, cols)
 

@@ -5,6 +5,7 @@ it also runs the independent reference and reports the figures model/parity.py j
 
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -92,6 +93,10 @@ def run_smoke(
         raise SmokeCheckError(f"{where}: non-finite values in the draft's hidden states or logits", path=str(where))
 
     if reference_dir is not None:
+        # one side at a time: the model's mapped shards, with the pages its forward made
+        # resident, go before the reference maps the native ones (peak: the larger side)
+        del model
+        gc.collect()
         with config_errors(f"{reference_dir}/config.json"):  # the reference reads the native config
             ref, report["reference_load_ms"] = _timed(dev, lambda: NativeReference(reference_dir, dev))
         with logging_routing([ref], RoutingLog()) as ref_routing:
@@ -194,6 +199,10 @@ def run_dspark_smoke(
         raise SmokeCheckError(f"{out_dir}: non-finite values in the draft's hidden states or logits", path=str(out_dir))
 
     if reference_dir is not None:
+        # one side at a time: the model's mapped shards, with the pages its forward made
+        # resident, go before the reference maps the native ones (peak: the larger side)
+        del model
+        gc.collect()
         with config_errors(f"{reference_dir}/config.json"):  # the reference reads the native config
             ref, report["reference_load_ms"] = _timed(dev, lambda: DSparkReference(reference_dir, dev))
         (mine, out, routing), report["reference_draft_ms"] = _timed(dev, lambda: dspark_against_reference(model, ref, feats, ctx, anchor))

@@ -1,27 +1,37 @@
-"""Benchmark: convert a real-size Flash MTP slice and compare with `cp` of the same bytes;
-measure the converter's own memory on it and on the tiny checkpoint.
+"""Benchmark: convert a real-size draft slice against `cp -r` + `sync` of the same files and
+against the disk's own read and write speed, in alternating cold-cache rounds; measure the
+converter's own memory on it and on the tiny checkpoint.
 
-    .venv/bin/python scripts/bench_convert.py [--work DIR] [--repeat N] [--clean]
-    .venv/bin/python scripts/bench_convert.py --profile   # where the converter's time goes
-    .venv/bin/python scripts/bench_convert.py --variant dspark   # the V4-Flash-0731 DSpark drafter (~13 GB)
+    .venv/bin/python scripts/bench_convert.py [--work DIR] [--rounds N] [--clean]
+    .venv/bin/python scripts/bench_convert.py --variant dspark     # V4-Flash-0731's DSpark drafter (~13 GB)
+    .venv/bin/python scripts/bench_convert.py --target draft       # another installed target (convert --target)
+    .venv/bin/python scripts/bench_convert.py --profile            # where the converter's time goes
 
-Writes (once, kept for reruns unless --clean) the real-size DeepSeek V4 Flash MTP slice
-with real data (not sparse): embed.weight, head.weight and the MTP block, ~5.7 GB (with
-`--variant dspark`: the three DSpark stages of V4-Flash-0731, ~13 GB), and the tiny checkpoint. Then, on the same disk, in each round and each from a cold page cache
-(`echo 3 > /proc/sys/vm/drop_caches`; root outside a container; the report says whether
-it worked): `cp` of exactly the files the plan reads, the same `cp` followed by `sync`
-(the converter makes its output durable before declaring it complete), and the converter
-as a whole command (`python -m dsv4 SRC DST --json`: interpreter start-up, imports,
-table, planning, copy, sha256 of every tensor, fsync, publish). Its start-up is the wall
-time minus the seconds the converter itself reports for the copy.
+Writes (once, kept for reruns unless --clean) the real-size slice with real data (not
+sparse): embed.weight, head.weight and the MTP block of Flash, ~5.7 GB (`--variant dspark`:
+the three DSpark stages of V4-Flash-0731, ~13 GB), and the tiny checkpoint. Then N rounds;
+each round measures, in an order that alternates from one round to the next (odd rounds
+as listed, even rounds reversed), each from a cold page cache (`echo 3 >
+/proc/sys/vm/drop_caches`: root outside a container; the report says whether it worked):
+
+* `cp+sync`: `cp -r SRC DST && sync` (the converter makes its output durable before it
+  declares it complete, so `sync` belongs to the copy it is compared with);
+* `convert`: the converter as a whole command (`python -m dsv4 SRC DST --target T --json`:
+  interpreter start-up, imports, table, planning, copy, sha256 of every tensor, fsync,
+  publish); its start-up is the wall time minus the seconds it reports for the copy;
+* `disk`: the disk alone on the same bytes: every source file read with O_DIRECT (8 MiB
+  requests, 4 in flight: no page cache, no copy), then as many bytes written with O_DIRECT
+  to one file on the same disk and fsynced. Its figure is read + write seconds.
+
+Beside every round: the 1-minute load average before it. Ratios are throughput ratios
+(time of the comparison / time of the converter: >= 1 means the converter is as fast).
 
 --profile instead runs one cold conversion of the slice in this process under cProfile
-and prints where its main thread (the writer) spends the time: waiting for a read,
-writing, starting writeback, the zero test, the per-shard fsync.
+and prints where its main thread (the writer) spends the time.
 
 Memory: the converter's peak RSS minus that of a process that only imports what the
 converter imported (the same module list, taken from the converting process itself), for
-tiny and for the Flash slice.
+tiny and for the slice.
 """
 
 from __future__ import annotations
@@ -30,17 +40,20 @@ import argparse
 import cProfile
 import hashlib
 import json
+import mmap
 import os
 import pstats
 import resource
 import shutil
+import statistics
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from dsv4.convert.inventory import read_inventory
 from dsv4.convert.execute import hasher_lanes
+from dsv4.convert.inventory import read_inventory
 from dsv4.convert.plan import choose_table, plan_conversion
 from dsv4.convert.synth import write_checkpoint
 
@@ -70,6 +83,8 @@ for name in json.loads(sys.stdin.read()):
             pass
 print("REPORT", json.dumps({{"peak_kib": {PEAK_KIB}}}))
 """
+DISK_BLOCK = 8 << 20  # bytes per direct request
+DISK_QUEUE = 4  # direct requests in flight
 
 
 def drop_caches() -> bool:
@@ -92,16 +107,68 @@ def timed(cmd: list[str]) -> tuple[float, float, float, str]:
     return seconds, after.ru_utime - before.ru_utime, after.ru_stime - before.ru_stime, done.stdout
 
 
+def _direct_requests(size: int) -> list[tuple[int, int]]:
+    return [(off, min(DISK_BLOCK, size - off)) for off in range(0, size, DISK_BLOCK)]
+
+
+def disk_read_seconds(files: list[Path]) -> float:
+    """Read every byte of `files` with O_DIRECT, DISK_QUEUE requests in flight."""
+    buffers = [mmap.mmap(-1, DISK_BLOCK) for _ in range(DISK_QUEUE)]
+    fds = {f: os.open(f, os.O_RDONLY | os.O_DIRECT) for f in files}
+    work = [(fds[f], off, n) for f in files for off, n in _direct_requests(f.stat().st_size)]
+
+    def read(k: int) -> None:
+        buf = memoryview(buffers[k % DISK_QUEUE])
+        for fd, off, n in work[k::DISK_QUEUE]:  # each thread its own buffer and share of the requests
+            os.preadv(fd, [buf[: -(-n // 4096) * 4096]], off)
+
+    t = time.perf_counter()
+    with ThreadPoolExecutor(DISK_QUEUE) as pool:
+        list(pool.map(read, range(DISK_QUEUE)))
+    seconds = time.perf_counter() - t
+    for fd in fds.values():
+        os.close(fd)
+    return seconds
+
+
+def disk_write_seconds(path: Path, nbytes: int) -> float:
+    """Write `nbytes` of random data to `path` with O_DIRECT, DISK_QUEUE requests in
+    flight, and fsync it (the data are made before the clock starts)."""
+    nbytes = -(-nbytes // 4096) * 4096
+    buffers = []
+    for _ in range(DISK_QUEUE):
+        m = mmap.mmap(-1, DISK_BLOCK)
+        m.write(os.urandom(DISK_BLOCK))
+        buffers.append(m)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
+    work = _direct_requests(nbytes)
+
+    def write(k: int) -> None:
+        buf = memoryview(buffers[k])
+        for off, n in work[k::DISK_QUEUE]:
+            os.pwritev(fd, [buf[:n]], off)
+
+    try:
+        t = time.perf_counter()
+        with ThreadPoolExecutor(DISK_QUEUE) as pool:
+            list(pool.map(write, range(DISK_QUEUE)))
+        os.fsync(fd)
+        return time.perf_counter() - t
+    finally:
+        os.close(fd)
+        path.unlink()
+
+
 def report(cmd: list[str], stdin: str | None = None) -> dict:
     done = subprocess.run(cmd, check=True, capture_output=True, text=True, input=stdin)
     return json.loads(done.stdout.rsplit("REPORT", 1)[1])
 
 
-def converter_memory(src: Path, dst: Path) -> dict[str, int]:
+def converter_memory(src: Path, dst: Path, target: str) -> dict[str, int]:
     """Peak RSS of a conversion of `src`, of a process importing the same modules, and
     the difference (MiB)."""
     shutil.rmtree(dst, ignore_errors=True)
-    conv = report([sys.executable, "-c", CONVERT_AND_REPORT, str(src), str(dst), "-q"])
+    conv = report([sys.executable, "-c", CONVERT_AND_REPORT, str(src), str(dst), "--target", target, "-q"])
     base = report([sys.executable, "-c", IMPORT_ONLY], stdin=json.dumps(conv["modules"]))
     shutil.rmtree(dst, ignore_errors=True)
     return {"peak_MiB": round(conv["peak_kib"] / 1024), "import_baseline_MiB": round(base["peak_kib"] / 1024), "own_MiB": round((conv["peak_kib"] - base["peak_kib"]) / 1024)}
@@ -115,27 +182,51 @@ def sha256_gbps() -> float:
     return round(len(block) / (time.perf_counter() - t) / 1e9, 2)
 
 
-def profile(src: Path, dst: Path) -> None:
+def profile(src: Path, dst: Path, target: str) -> None:
     from dsv4.convert.pipeline import convert
 
     shutil.rmtree(dst, ignore_errors=True)
     drop_caches()
     prof = cProfile.Profile()
     t = time.perf_counter()
-    prof.runcall(convert, src, dst)
+    prof.runcall(convert, src, dst, target=target)
     print(f"in-process conversion, cold cache: {time.perf_counter() - t:.2f} s", file=sys.stderr)
     shutil.rmtree(dst, ignore_errors=True)
     stats = pstats.Stats(prof, stream=sys.stdout).sort_stats("cumulative")
     stats.print_stats(r"(pipeline|execute).py.*\((run_plan|run|_all_zero|still_valid)\)|writer.py.*\((write|start_writeback|sync)\)|_base.py.*\(result\)|\{method 'get' of '_queue|posix.posix_fadvise|method 'write' of '_io|posix.fsync")
 
 
+def measure(kind: str, src: Path, dst: Path, files: list[Path], nbytes: int, target: str) -> dict:
+    shutil.rmtree(dst, ignore_errors=True)
+    drop_caches()
+    row: dict = {"kind": kind, "load_avg": round(os.getloadavg()[0], 2)}
+    if kind == "disk":
+        dst.mkdir(parents=True)
+        read_s = disk_read_seconds(files)
+        drop_caches()
+        write_s = disk_write_seconds(dst / "disk-write.bin", nbytes)
+        return row | {"seconds": round(read_s + write_s, 2), "read_s": round(read_s, 2), "write_s": round(write_s, 2)}
+    if kind == "cp+sync":
+        cmd = ["sh", "-c", f"cp -r '{src}' '{dst}' && sync"]
+    else:
+        cmd = [sys.executable, "-m", "dsv4", str(src), str(dst), "--target", target, "--json"]
+    seconds, user, system, out = timed(cmd)
+    row |= {"seconds": round(seconds, 2), "user_s": round(user, 2), "sys_s": round(system, 2)}
+    if kind == "convert":
+        result = json.loads(out)
+        row |= {"copy_s": round(result["seconds"], 2), "startup_s": round(seconds - result["seconds"], 2), "read_vs_plan": round(result["bytes_read"] / result["bytes_planned"], 4)}
+    return row
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--work", default="out/bench", type=Path)
-    ap.add_argument("--repeat", default=3, type=int)
+    ap.add_argument("--rounds", "--repeat", default=5, type=int, help="alternating rounds (--repeat: the earlier name, in BENCHMARKS.md's older commands)")
     ap.add_argument("--clean", action="store_true", help="Delete the source checkpoints afterwards too.")
     ap.add_argument("--profile", action="store_true", help="Profile one cold in-process conversion instead.")
     ap.add_argument("--variant", choices=["instruct", "dspark"], default="instruct", help="Flash's MTP slice, or V4-Flash-0731's DSpark drafter")
+    ap.add_argument("--target", default="xpu", help="the converter's --target")
+    ap.add_argument("--skip-memory", action="store_true", help="Do not measure the converter's memory.")
     args = ap.parse_args()
     src, tiny = args.work / ("flash-mtp-slice" if args.variant == "instruct" else "flash-0731-dspark-slice"), args.work / "tiny-real"
     if not (src / "config.json").exists():
@@ -146,61 +237,57 @@ def main() -> None:
         write_checkpoint(tiny, preset="tiny", main_layers="all", seed=0)
     dst = args.work / "dst"
     if args.profile:
-        profile(src, dst)
+        profile(src, dst, args.target)
         return
     inv = read_inventory(src)
-    plan = plan_conversion(inv, choose_table("xpu", inv))
+    plan = plan_conversion(inv, choose_table(args.target, inv))
     files = [src / f for f in plan.files_needed]
     nbytes = plan.bytes_to_read
-    memory = {"tiny": converter_memory(tiny, dst), "flash": converter_memory(src, dst)}  # also warms the layout cache
+    source_bytes = sum(p.stat().st_size for p in src.rglob("*") if p.is_file())
+    memory = {} if args.skip_memory else {"tiny": converter_memory(tiny, dst, args.target), "slice": converter_memory(src, dst, args.target)}  # also warms the layout cache
     print(json.dumps({"memory": memory}), file=sys.stderr)
     cold = drop_caches()
-    rows = []
-    for round_ in range(1, args.repeat + 1):
-        for kind in ("cp", "cp+sync", "convert"):
-            shutil.rmtree(dst, ignore_errors=True)
-            if kind != "convert":
-                dst.mkdir(parents=True)
-            drop_caches()
-            if kind == "convert":
-                cmd = [sys.executable, "-m", "dsv4", str(src), str(dst), "--json"]
-            else:
-                cmd = ["cp", *map(str, files), str(dst)]
-                if kind == "cp+sync":
-                    cmd = ["sh", "-c", " ".join(cmd) + " && sync"]
-            seconds, user, system, out = timed(cmd)
-            row = {"round": round_, "kind": kind, "seconds": round(seconds, 2), "GB/s": round(nbytes / seconds / 1e9, 3), "user_s": round(user, 2), "sys_s": round(system, 2)}
-            if kind == "convert":
-                result = json.loads(out)
-                copy = result["seconds"]
-                row |= {"copy_s": round(copy, 2), "startup_s": round(seconds - copy, 2), "read_vs_plan": round(result["bytes_read"] / result["bytes_planned"], 4)}
-            rows.append(row)
-            print(json.dumps(row), file=sys.stderr)
-    shutil.rmtree(dst, ignore_errors=True)
+    rounds = []
+    for r in range(1, args.rounds + 1):
+        kinds = ("cp+sync", "disk", "convert") if r % 2 else ("convert", "disk", "cp+sync")
+        rows = {kind: measure(kind, src, dst, files, nbytes, args.target) for kind in kinds}
+        shutil.rmtree(dst, ignore_errors=True)
+        c = rows["convert"]
+        row = {
+            "round": r,
+            "order": " > ".join(kinds),
+            "load_avg": [rows[k]["load_avg"] for k in kinds],
+            **{k: rows[k] for k in kinds},
+            "convert_vs_cp_sync": round(rows["cp+sync"]["seconds"] / c["seconds"], 3),
+            "convert_vs_disk": round(rows["disk"]["seconds"] / c["seconds"], 3),
+        }
+        rounds.append(row)
+        print(json.dumps(row), file=sys.stderr)
     if args.clean:
         shutil.rmtree(src)
         shutil.rmtree(tiny)
-    by_round = {r: {row["kind"]: row for row in rows if row["round"] == r} for r in range(1, args.repeat + 1)}
-    ratios = [round(k["cp+sync"]["seconds"] / k["convert"]["seconds"], 3) for k in by_round.values()]
-    best = {k: min(r["seconds"] for r in rows if r["kind"] == k) for k in ("cp", "cp+sync", "convert")}
+    vs_cp = [r["convert_vs_cp_sync"] for r in rounds]
+    vs_disk = [r["convert_vs_disk"] for r in rounds]
     print(json.dumps({
-        "bytes": nbytes,
+        "source": str(src),
+        "target": args.target,
+        "bytes_planned": nbytes,
+        "bytes_in_source_dir": source_bytes,
         "cold_cache": cold,
         "cpus": len(os.sched_getaffinity(0)),
         "hasher_lanes": hasher_lanes(),
         "sha256_one_thread_GB/s": sha256_gbps(),
-        "runs": rows,
-        "best_seconds": best,
-        "ratio_vs_cp_sync_per_round": ratios,
-        "throughput_ratio_vs_cp_sync_best": round(best["cp+sync"] / best["convert"], 3),
-        "throughput_ratio_vs_cp_best": round(best["cp"] / best["convert"], 3),
+        "rounds": rounds,
+        "convert_vs_cp_sync": {"per_round": vs_cp, "median": statistics.median(vs_cp), "min": min(vs_cp)},
+        "convert_vs_disk": {"per_round": vs_disk, "median": statistics.median(vs_disk), "min": min(vs_disk)},
         "memory": memory,
     }, indent=2))
     # the per-round table (markdown) on stderr: stdout stays one JSON document
-    print("\n| round | cp s | cp+sync s | convert s | start-up s | convert user/sys s | convert / cp+sync |\n|---|---:|---:|---:|---:|---:|---:|", file=sys.stderr)
-    for r, k in by_round.items():
-        c = k["convert"]
-        print(f"| {r} | {k['cp']['seconds']:.2f} | {k['cp+sync']['seconds']:.2f} | {c['seconds']:.2f} | {c['startup_s']:.2f} | {c['user_s']:.1f}/{c['sys_s']:.1f} | {k['cp+sync']['seconds'] / c['seconds']:.2f}x |", file=sys.stderr)
+    print("\n| round | order | load avg | cp -r + sync s | convert s (start-up) | convert user/sys s | disk read + write s | convert / cp+sync | convert / disk |\n|---|---|---|---:|---:|---:|---:|---:|---:|", file=sys.stderr)
+    for row in rounds:
+        c, d = row["convert"], row["disk"]
+        print(f"| {row['round']} | {row['order']} | {', '.join(f'{x:.1f}' for x in row['load_avg'])} | {row['cp+sync']['seconds']:.2f} | {c['seconds']:.2f} ({c['startup_s']:.2f}) | {c['user_s']:.1f}/{c['sys_s']:.1f} | {d['read_s']:.2f} + {d['write_s']:.2f} | {row['convert_vs_cp_sync']:.2f}x | {row['convert_vs_disk']:.2f}x |", file=sys.stderr)
+    print(f"\nconvert / cp+sync: median {statistics.median(vs_cp):.3f}, min {min(vs_cp):.3f}; convert / disk: median {statistics.median(vs_disk):.3f}, min {min(vs_disk):.3f}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,8 @@ a time" (the same code with a pool of one header reader: the request pattern of 
 earlier sequential loop) and "local" (`plan DIR --json` of the same replica on disk: what
 the command costs without a hub). Per hub run it prints the command's wall time, the
 header phase (first shard request to last answer, as the hub saw them), the number of
-requests and the most ranged reads the hub held at once; then medians.
+requests and the most ranged reads the hub held at once, and per round the ratio of the
+hub command's wall time to the local one's (issue 20's goal: <= 1.5); then medians.
 """
 
 from __future__ import annotations
@@ -74,17 +75,20 @@ def main() -> None:
     if not (src / "config.json").exists():
         write_checkpoint(src, preset="flash", main_layers="all", sparse=True)
     runs: dict[str, list[dict[str, object]]] = {name: [] for name in (*HUB_VARIANTS, "local")}
+    ratios: list[float] = []
     with FakeHub(latency_s=args.latency_s) as hub, tempfile.TemporaryDirectory() as tmp:
         hub.commit_sparse_dir(REPO, src)
         for k in range(args.repeat):  # the variants alternate, so all see the same machine load
             for name, program in HUB_VARIANTS.items():
                 runs[name].append(hub_run(hub, program, Path(tmp) / f"hf-{k}-{name.replace(' ', '-')}"))  # a cold download cache each time
             wall, _ = plan_command(CLI, str(src), hub_env(hub, Path(tmp) / "hf-local"))
-            runs["local"].append({"wall_s": round(wall, 3)})
+            runs["local"].append({"wall_s": round(wall, 3), "load_average": os.getloadavg()[0]})
             for name, rs in runs.items():
                 print(json.dumps({"variant": name, "run": k + 1, **rs[-1]}), flush=True)
+            ratios.append(float(runs["parallel"][-1]["wall_s"]) / wall)  # type: ignore[arg-type]
+            print(json.dumps({"run": k + 1, "hub_over_local": round(ratios[-1], 3)}), flush=True)
     medians = {name: {key: statistics.median(float(r[key]) for r in rs) for key in rs[0] if key.endswith("_s")} for name, rs in runs.items()}
-    print(json.dumps({"latency_s": args.latency_s, "cpus": os.cpu_count(), "median": medians}, indent=2))
+    print(json.dumps({"latency_s": args.latency_s, "cpus": os.cpu_count(), "median": medians, "hub_over_local": {"median": round(statistics.median(ratios), 3), "max": round(max(ratios), 3)}}, indent=2))
 
 
 if __name__ == "__main__":

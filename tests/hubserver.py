@@ -15,6 +15,13 @@ when it was answered), `pushed` (the commits created through the commit endpoint
 wait, as a distant hub does, and `max_ranges_in_flight` says how many ranged reads a client
 kept waiting at once.
 
+Faults (`Fault`), on any route: an HTTP error status with headers of choice (503, 429 with
+Retry-After), a connection reset without an answer, a stall (the request is accepted and
+never answered), a ranged answer from another offset with a truthful Content-Range, a
+flipped byte, a body cut short; `after=True` does the work first (a commit lands) and then
+fails the answer. `sizes_in_info=False` serves model info as a mirror that leaves file sizes
+out. Safetensors files carry LFS metadata (sha256 and size) in model info, as on the hub.
+
 A full-size replica written by `synth --sparse` (160 GB logical, all but its headers file
 holes) is served by `commit_sparse_dir`, which keeps only each shard's header in memory.
 """
@@ -26,6 +33,7 @@ import hashlib
 import json
 import os
 import re
+import socket
 import struct
 import subprocess
 import sys
@@ -78,6 +86,23 @@ def git_blob_oid(data: Content) -> str:
     return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
 
 
+def lfs_sha256(data: Content) -> str:
+    """The sha256 model info publishes for an LFS file. For a ZeroTailed file, a digest of
+    its head and size instead (hashing every zero of a 160 GB replica would take minutes)."""
+    if isinstance(data, ZeroTailed):
+        return hashlib.sha256(b"zero-tailed %d\0" % data.size + data.head).hexdigest()
+    return hashlib.sha256(data).hexdigest()
+
+
+def _blob_info(path: str, data: Content) -> dict[str, Any]:
+    """A sibling's metadata in model info (`?blobs=true`): size and git id, and for an LFS
+    file (.safetensors here, as .gitattributes says) its sha256 and size."""
+    info: dict[str, Any] = {"size": len(data), "blobId": git_blob_oid(data)}
+    if path.endswith(".safetensors"):
+        info["lfs"] = {"sha256": lfs_sha256(data), "size": len(data), "pointerSize": 134}
+    return info
+
+
 @dataclass
 class Commit:
     oid: str
@@ -109,23 +134,51 @@ class Request:
 
 @dataclass
 class Fault:
-    """Answer matching requests with `status`, or (status None) with only the first
-    `truncate_to` bytes of the asked range (all of them when None), `times` times; each
-    such answer comes `delay_s` late."""
+    """How to answer requests that `match(method, repo, route, path, range)`, `times` times;
+    each such answer comes `delay_s` late. With `status`, an error answer with `headers`
+    (e.g. Retry-After); else, on a file read, the body as asked, changed by: `truncate_to`
+    (only its first bytes, Content-Range saying so), `shift` (the range `shift` bytes
+    further on, Content-Range saying so), `flip` (that byte of the body inverted; nothing
+    says so). `reset`: the connection is closed without an answer; `stall`: the request is
+    held unanswered until the hub closes. `after`: the request's work is done first (a
+    commit lands), then the answer is replaced by the fault."""
 
     match: Callable[[str, str | None, str, str | None, tuple[int, int] | None], bool]
     status: int | None = 503
     truncate_to: int | None = None
     times: int = 1
     delay_s: float = 0.0
+    headers: dict[str, str] = field(default_factory=dict)
+    reset: bool = False
+    stall: bool = False
+    shift: int = 0
+    flip: int | None = None
+    after: bool = False
+
+    @property
+    def drops_answer(self) -> bool:
+        """The fault answers with an error status or with no answer at all."""
+        return self.reset or self.stall or self.status is not None
+
+
+def on(route: str, path: str | None = None, *, ranged: bool | None = None, method: str | None = None) -> Callable[[str, str | None, str, str | None, tuple[int, int] | None], bool]:
+    """A Fault's `match`: requests of `route` (and of file `path`, ranged or not, by `method`)."""
+
+    def match(m: str, repo: str | None, r: str, p: str | None, rng: tuple[int, int] | None) -> bool:
+        return r == route and (path is None or p == path) and (ranged is None or (rng is not None) == ranged) and (method is None or m == method)
+
+    return match
 
 
 class FakeHub:
-    def __init__(self, token: str | None = None, latency_s: float = 0.0):
+    def __init__(self, token: str | None = None, latency_s: float = 0.0, *, sizes_in_info: bool = True):
         """`token`: when set, write routes answer 401 unless it comes as a Bearer token.
         `latency_s`: each request waits this long before it is answered, as on a distant
         hub, so a test can see how many ranged reads a client keeps in flight
-        (`max_ranges_in_flight`) and what the round trips cost it."""
+        (`max_ranges_in_flight`) and what the round trips cost it. `sizes_in_info=False`:
+        model info lists file names only, as some mirrors do."""
+        self.sizes_in_info = sizes_in_info
+        self.closing = threading.Event()  # ends stalled requests
         self.repos: dict[str, Repo] = {}
         self.bytes_served: dict[str, int] = defaultdict(int)
         self.requests: list[Request] = []
@@ -144,6 +197,7 @@ class FakeHub:
         self._thread.start()
 
     def close(self) -> None:
+        self.closing.set()
         self._server.shutdown()
         self._server.server_close()
         self._thread.join()
@@ -269,8 +323,8 @@ class _Handler(BaseHTTPRequestHandler):
     def _json(self, status: int, obj: Any, headers: dict[str, str] | None = None) -> None:
         self._send(status, json.dumps(obj).encode(), {"Content-Type": "application/json", **(headers or {})})
 
-    def _error(self, status: int, code: str | None, message: str) -> None:
-        headers = {"X-Error-Message": message}
+    def _error(self, status: int, code: str | None, message: str, extra: dict[str, str] | None = None) -> None:
+        headers = {"X-Error-Message": message, **(extra or {})}
         if code:
             headers["X-Error-Code"] = code
         self._json(status, {"error": message}, headers)
@@ -355,12 +409,37 @@ class _Handler(BaseHTTPRequestHandler):
             self._error(404, "RevisionNotFound", f"Invalid rev id: {revision}")
         return c
 
+    def _failed(self, repo: str | None, route: str) -> bool:
+        """Whether a scripted fault answered this (metadata) request instead of the route."""
+        fault = self.hub._fault(self.command, repo, route, None, None)
+        if fault is None:
+            return False
+        if fault.delay_s:
+            time.sleep(fault.delay_s)
+        self._answer_fault(fault, repo, route, None, None)
+        return True
+
+    def _answer_fault(self, fault: Fault, repo: str | None, route: str, path: str | None, rng: tuple[int, int] | None) -> None:
+        if fault.stall:  # accepted, never answered: held until the hub closes
+            self._log(repo, route, 0, path, rng)
+            self.hub.closing.wait()
+            self.close_connection = True
+            return
+        if fault.reset:  # closed with a TCP reset, no answer
+            self._log(repo, route, 0, path, rng)
+            self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            self.close_connection = True
+            return
+        status = fault.status or 503
+        self._log(repo, route, status, path, rng)
+        self._error(status, None, "injected fault", fault.headers)
+
     # --- read routes -------------------------------------------------------------------
     def _info(self, repo: str, revision: str, query: dict[str, list[str]]) -> None:
-        if (c := self._lookup(repo, revision, "info")) is None:
+        if self._failed(repo, "info") or (c := self._lookup(repo, revision, "info")) is None:
             return
-        blobs = query.get("blobs", ["false"])[0].lower() == "true"
-        siblings = [{"rfilename": p, **({"size": len(d), "blobId": git_blob_oid(d)} if blobs else {})} for p, d in sorted(c.files.items())]
+        blobs = query.get("blobs", ["false"])[0].lower() == "true" and self.hub.sizes_in_info
+        siblings = [{"rfilename": p, **(_blob_info(p, d) if blobs else {})} for p, d in sorted(c.files.items())]
         self._log(repo, "info", 200)
         self._json(200, {"id": repo, "modelId": repo, "sha": c.oid, "private": self.hub.repos[repo].private, "siblings": siblings})
 
@@ -384,7 +463,7 @@ class _Handler(BaseHTTPRequestHandler):
         return list(out.values())
 
     def _tree(self, repo: str, revision: str, prefix: str, query: dict[str, list[str]]) -> None:
-        if (c := self._lookup(repo, revision, "tree")) is None:
+        if self._failed(repo, "tree") or (c := self._lookup(repo, revision, "tree")) is None:
             return
         recursive = query.get("recursive", ["false"])[0].lower() == "true"
         entries = self._entries(c, prefix, recursive)
@@ -396,7 +475,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _paths_info(self, repo: str, revision: str) -> None:
         form = parse_qs(self._body().decode())
-        if (c := self._lookup(repo, revision, "paths-info")) is None:
+        if self._failed(repo, "paths-info") or (c := self._lookup(repo, revision, "paths-info")) is None:
             return
         wanted = set(form.get("paths", []))
         found = [e for e in self._entries(c, "", recursive=True) if e["path"] in wanted]
@@ -424,11 +503,17 @@ class _Handler(BaseHTTPRequestHandler):
         fault = self.hub._fault(self.command, repo, "resolve", path, rng)
         if fault is not None and fault.delay_s:
             time.sleep(fault.delay_s)
-        if fault is not None and fault.status is not None:
-            self._log(repo, "resolve", fault.status, path, rng)
-            return self._error(fault.status, None, "injected fault")
+        if fault is not None and fault.drops_answer:
+            return self._answer_fault(fault, repo, "resolve", path, rng)
+        if fault is not None and rng is not None and fault.shift:
+            rng = (min(rng[0] + fault.shift, len(data) - 1), min(rng[1] + fault.shift, len(data)))
+            body = data[rng[0] : rng[1]]
         if fault is not None and fault.truncate_to is not None:
             body = body[: fault.truncate_to]
+        if fault is not None and fault.flip is not None:
+            flipped = bytearray(body[:])
+            flipped[fault.flip] ^= 0xFF
+            body = bytes(flipped)
         if rng is not None:
             headers["Content-Range"] = f"bytes {rng[0]}-{rng[0] + len(body) - 1}/{len(data)}"
         send = self.command == "GET"
@@ -471,9 +556,15 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _commit(self, repo: str, revision: str) -> None:
         lines = [json.loads(line) for line in self._body().splitlines() if line.strip()]
+        fault = self.hub._fault(self.command, repo, "commit", None, None)
+        if fault is not None and not fault.after:
+            return self._answer_fault(fault, repo, "commit", None, None)
         if self._write_denied(repo, "commit") or (c := self._lookup(repo, revision, "commit")) is None:
             return
         header = next(x["value"] for x in lines if x["key"] == "header")
+        if header.get("parentCommit") not in (None, c.oid):  # the hub refuses a commit on a moved branch
+            self._log(repo, "commit", 412)
+            return self._error(412, None, f"A commit has happened since. Parent commit {header['parentCommit']} is not the head {c.oid} of {revision}")
         added = {x["value"]["path"]: base64.b64decode(x["value"]["content"]) for x in lines if x["key"] == "file"}
         deleted = tuple(x["value"]["path"] for x in lines if x["key"] == "deletedFile")
         if any(x["key"] not in ("header", "file", "deletedFile") for x in lines):
@@ -484,6 +575,8 @@ class _Handler(BaseHTTPRequestHandler):
         record = {"repo": repo, "oid": oid, "parent": c.oid, "message": header["summary"], "description": header.get("description", "")}
         with self.hub._lock:
             self.hub.pushed.append({**record, "files": {p: len(d) for p, d in added.items()}, "deleted": list(deleted)})
+        if fault is not None:  # the commit landed; its answer is lost
+            return self._answer_fault(fault, repo, "commit", None, None)
         self._log(repo, "commit", 200)
         self._json(200, {"commitUrl": f"{self.hub.url}/{repo}/commit/{oid}", "commitOid": oid, "pullRequestUrl": None})
 
@@ -495,8 +588,14 @@ def hub_env(hub: FakeHub, hf_home: Path, **extra: str) -> dict[str, str]:
     return env
 
 
-def run_cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+# Retry waits for tests that make a hub fail until the retries run out: the same retries,
+# 50 ms apart instead of seconds (convert/hub.py's BACKOFF_S).
+QUICK_RETRIES = "import dsv4.convert.hub as hub; hub.BACKOFF_S = hub.BACKOFF_MAX_S = 0.05\n"
+
+
+def run_cli(*args: str, env: dict[str, str], prelude: str = "", timeout: float = 300) -> subprocess.CompletedProcess[str]:
     """`convert-dsv4 ARGS` in a fresh interpreter: huggingface_hub reads HF_ENDPOINT and
-    the rest of its settings once, at import, so each run needs its own process."""
-    cmd = [sys.executable, "-c", "from dsv4.convert.cli import main; main()", *args]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    the rest of its settings once, at import, so each run needs its own process. `prelude`:
+    Python run first (QUICK_RETRIES)."""
+    cmd = [sys.executable, "-c", f"{prelude}from dsv4.convert.cli import main; main()", *args]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)

@@ -17,7 +17,7 @@ from dsv4.convert.batch import Source, load_manifest, run_check, select_shard, s
 from dsv4.convert.errors import ConfigCheckError, ManifestError
 from dsv4.convert.pipeline import CONVERSION_RECORD, convert
 from dsv4.convert.synth import write_checkpoint
-from hubserver import FakeHub, hub_env, run_cli
+from hubserver import FakeHub, Fault, hub_env, on, run_cli
 
 TOKEN = "hf_fakeTokenThatMustNeverBeWritten1234"
 REPOS = ("org/alpha", "org/beta", "org/gamma")  # gamma starts broken (a half DSpark checkpoint: exit 35)
@@ -215,7 +215,9 @@ def test_manifest_forms_and_outputs(tmp_path: Path) -> None:
         ('sources = ["org/a"]\n[output]\nname = "{nmae}"\n', "placeholders are"),
         ('sources = ["org/a@v1", "org/a@v2"]\n', "tell them apart in the template"),
         ('sources = ["org/a"]\n[output]\nrepo = "{name}"\n', "not a repo id"),
-        ('sources = ["org/a"]\n[options]\nmax_shard_size = "5GB"\n', "max_shard_size"),
+        # was "5GB", refused until issue 19 item 7: the manifest follows --max-shard-size's rule
+        ('sources = ["org/a"]\n[options]\nmax_shard_size = "infGB"\n', "max_shard_size"),
+        ('sources = ["org/a"]\n[options]\nmax_shard_size = 1.5\n', "max_shard_size"),
         ("sources = [", "not valid TOML"),
     ],
 )
@@ -225,6 +227,14 @@ def test_manifest_errors_name_file_and_key(tmp_path: Path, text: str, words: str
     with pytest.raises(ManifestError) as err:
         load_manifest(path)
     assert words in str(err.value) and str(path) in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(("value", "size"), [('"5GB"', 5 * 10**9), ('"2GiB"', 2 * 2**30), ("1_000_000", 1_000_000)])
+def test_manifest_max_shard_size_follows_the_options_rule(tmp_path: Path, value: str, size: int) -> None:
+    """options.max_shard_size takes what --max-shard-size takes (convert/sizes.py), as README says."""
+    path = tmp_path / "m.toml"
+    path.write_text(f'sources = ["org/a"]\n[options]\nmax_shard_size = {value}\n')
+    assert load_manifest(path).max_shard_size == size
 
 
 def test_push_without_a_target_repo_template_is_refused_before_any_work(tmp_path: Path) -> None:
@@ -259,3 +269,16 @@ def test_run_check_uses_the_checker_where_installed(monkeypatch: pytest.MonkeyPa
 
     monkeypatch.setitem(sys.modules, "dsv4.convert.check", None)  # not installed
     assert run_check(tmp_path) == "unavailable"
+
+
+def test_a_push_whose_answer_is_lost_lands_once(native: Path, hub: FakeHub, tmp_path: Path) -> None:
+    """issue 18 item 8: the commit lands, its answer never comes; huggingface_hub retries the
+    request. One commit must land, and the batch must report it as pushed."""
+    manifest = write_manifest(tmp_path / "batch.toml", repo_template="dest/{name}-{target}", sources=REPOS[:1])
+    hub.faults.append(Fault(on("commit"), reset=True, after=True))
+    r = run_cli("batch", str(manifest), "--push", env=hub_env(hub, tmp_path / "hf", HF_TOKEN=TOKEN))
+    assert r.returncode == 0, r.stderr
+    assert hub.faults[0].times == 0  # the answer was lost
+    assert len(hub.pushed) == 1  # was 2: the retried request made a second, identical commit
+    rep = report_of(tmp_path / "out" / "batch-report.json")
+    assert rep["converted"][0]["pushed"]["commit"] == hub.pushed[0]["oid"] == hub.repos["dest/alpha-xpu"].refs["main"]

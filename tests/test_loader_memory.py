@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from dsv4.model import quantized as quant
-from dsv4.model import reference
+from dsv4.model import reference, smoke
 from dsv4.model.loader import load_converted
 from dsv4.model.reference import NativeReference
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -109,3 +109,22 @@ def test_the_logits_need_no_fp32_copy_of_the_head(tiny_pair, monkeypatch):
         assert seen.nbytes < head.numel() * 4, f"{compute_logits.__qualname__}: an fp32 tensor of {seen.nbytes} bytes, the head's size in fp32"
         assert logits.dtype == torch.float32 and logits.shape == (4, head.shape[0])
         torch.testing.assert_close(logits, whole, rtol=1e-6, atol=1e-6)
+
+
+def test_smoke_with_the_reference_unmaps_the_model_before_the_reference_loads(tiny_pair, monkeypatch):
+    """`smoke --native` holds one side at a time: the converted shards the model's weights
+    were mapped from (and the pages its forward made resident) are gone before the reference
+    maps the native ones, so the peak is the larger side, not the sum."""
+    native, converted = tiny_pair
+    shards = {os.path.realpath(converted / f) for f in set(weight_map(converted).values())}
+    still_mapped: list[set[str]] = []
+    real_init = NativeReference.__init__
+
+    def init(self, *args, **kwargs):
+        still_mapped.append(shards & set(file_maps()))
+        real_init(self, *args, **kwargs)
+
+    monkeypatch.setattr(NativeReference, "__init__", init)
+    report = smoke.run_smoke(converted, "cpu", tokens=4, reference_dir=native)
+    assert still_mapped == [set()]
+    assert report["top1_agreement_up_to_ties"] == 1.0

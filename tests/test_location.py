@@ -44,8 +44,12 @@ def test_the_socket_guard_itself_catches_a_hub_request(no_network: list[str], mo
     monkeypatch.setenv("HF_ENDPOINT", "http://hub.invalid")
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("dsv4.convert.hub.BACKOFF_S", 0.0)
     code, _, err = run_main(monkeypatch, capsys, "plan", "org/name")
-    assert code != 0 and err.count("\n") == 1
+    # one error line, after one warning line per retry (was: one line in all, before a failed
+    # connection was retried, issue 18 item 2)
+    *waits, line = err.splitlines()
+    assert code != 0 and line.startswith("error: ") and all(w.startswith("warning: hub:org/name") for w in waits)
     assert no_network  # it tried
 
 

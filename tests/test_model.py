@@ -18,8 +18,8 @@ from dsv4.model.layout import target_layout
 from dsv4.model.loader import default_device, load_converted
 from dsv4.model.mtp import DeepSeekV4MTP, hc_post, quant_layer_names
 from dsv4.model.presets import preset_config
-from dsv4.model.quantized import Fp8Linear
-from dsv4.model.reference import NativeReference
+from dsv4.model.quantized import Fp8Linear, dequant_fp4
+from dsv4.model.reference import NativeReference, fp4_weight
 from safetensors import safe_open
 from safetensors.torch import save_file
 from spec02 import spec_layout
@@ -338,3 +338,15 @@ def test_rope_of_the_model_and_of_the_reference_turn_by_position_times_the_upstr
     cis = torch.polar(torch.ones(1), ang)
     want_reference = torch.view_as_real(cis).flatten(-2)[:, None].expand(4, 2, rd)
     assert torch.equal(_rotate(x, positions, rd, theta, 1.0)[..., -rd:], want_reference)
+
+
+def test_fp4_dequantisation_to_bf16_has_the_bits_of_the_fp32_result_and_the_references_values():
+    """The model dequantises FP4 experts straight into bf16 (half the memory traffic of an
+    fp32 pass): every byte value under every E8M0 scale byte (NaN included) gives the bits
+    of the fp32 result rounded to bf16, and the reference's bit-arithmetic decode agrees."""
+    packed = torch.arange(256, dtype=torch.uint8).repeat(256, 1)  # row r: all 256 bytes
+    scale = torch.arange(256, dtype=torch.uint8).unsqueeze(1).repeat(1, 512 // 32)  # row r: scale byte r
+    fp32 = dequant_fp4(packed, scale, torch.float32)
+    assert torch.equal(dequant_fp4(packed, scale).view(torch.int16), fp32.to(torch.bfloat16).view(torch.int16))
+    ref = fp4_weight(packed.view(torch.int8), scale)
+    assert torch.equal(fp32.isnan(), ref.isnan()) and torch.equal(fp32.nan_to_num(), ref.nan_to_num())

@@ -47,6 +47,14 @@ def test_conversion_and_plan_import_no_torch_once_the_layouts_are_cached(tiny_na
     assert (tmp_path / "out" / INDEX_NAME).is_file()
 
 
+def test_a_local_plan_imports_no_http_stack(tiny_native: Path) -> None:
+    """issue 20: importing huggingface_hub's HTTP client cost a local `plan` ~0.3 s; only hub
+    sources (and a conversion's progress bar) need it."""
+    probe = IMPORTED.replace('"httpx")', '"httpx", "httpx2", "huggingface_hub.utils")')
+    done = subprocess.run([sys.executable, "-c", probe, "plan", str(tiny_native)], capture_output=True, text=True, check=True)
+    assert json.loads(done.stdout.rsplit("IMPORTED", 1)[1].strip().replace("'", '"')) == []
+
+
 def test_itemsizes_are_torchs() -> None:
     assert ITEMSIZE == {name: dtype.itemsize for name, dtype in TORCH_DTYPES.items()}
 
