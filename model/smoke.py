@@ -102,6 +102,9 @@ def run_smoke(
         with logging_routing([ref], RoutingLog()) as ref_routing:
             h_ref, report["reference_forward_ms"] = _timed(dev, lambda: ref.forward(ids, positions, prev))
         logits_ref, report["reference_logits_ms"] = _timed(dev, lambda: ref.compute_logits(h_ref))
+        del ref  # one side at a time again: the model comes back for the routing-aware comparison
+        gc.collect()
+        model = (load or (lambda d: load_converted(out_dir, d)))(dev)
         h, report["routing_disagreements"] = _routed_as_the_reference(model, ref_routing, lambda: model(ids, positions, prev))
         logits = model.compute_logits(h)
         report["reference"] = str(reference_dir)
@@ -199,10 +202,8 @@ def run_dspark_smoke(
         raise SmokeCheckError(f"{out_dir}: non-finite values in the draft's hidden states or logits", path=str(out_dir))
 
     if reference_dir is not None:
-        # one side at a time: the model's mapped shards, with the pages its forward made
-        # resident, go before the reference maps the native ones (peak: the larger side)
-        del model
-        gc.collect()
+        # both sides at once: dspark_against_reference runs the model again with the
+        # reference's routing where they differ on a near-tie (model/parity.py)
         with config_errors(f"{reference_dir}/config.json"):  # the reference reads the native config
             ref, report["reference_load_ms"] = _timed(dev, lambda: DSparkReference(reference_dir, dev))
         (mine, out, routing), report["reference_draft_ms"] = _timed(dev, lambda: dspark_against_reference(model, ref, feats, ctx, anchor))
