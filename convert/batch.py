@@ -32,7 +32,7 @@ from dsv4.convert.card import model_card, with_card
 from dsv4.convert.errors import HubError, ManifestError, PushError, RepoNotFound, WriteFailedError
 from dsv4.convert.exit_codes import exit_code
 from dsv4.convert.hub import download, hub_errors, open_hub_source, resolve_commit
-from dsv4.convert.location import HUB_SCHEME, HubSpec, parse_hub_spec
+from dsv4.convert.location import HF_PREFIX, HUB_SCHEME, HubSpec, parse_hub_spec
 from dsv4.convert.output import hold_lock
 from dsv4.convert.pipeline import DEFAULT_MAX_SHARD, plan_source, run_plan
 from dsv4.convert.sizes import shard_size
@@ -105,7 +105,7 @@ def _fill(template: str, hub: HubSpec, target: str, where: str) -> str:
         raise ManifestError(f"{where}: bad template {template!r} ({exc}); placeholders are {', '.join('{' + p + '}' for p in PLACEHOLDERS)}", path=str(where)) from None
 
 
-def _parse_source(entry: Any, where: str) -> HubSpec:
+def _parse_source(entry: Any, where: str, base: Path) -> HubSpec:
     if isinstance(entry, dict):
         entry = _table(entry, where, {"repo", "revision"})
         repo, revision = entry.get("repo"), entry.get("revision")
@@ -114,6 +114,8 @@ def _parse_source(entry: Any, where: str) -> HubSpec:
         entry = f"{repo}@{revision}" if revision else repo
     if not isinstance(entry, str):
         raise ManifestError(f"{where}: a source is \"org/name[@revision]\" or {{repo = ..., revision = ...}}", path=str(where))
+    if not entry.startswith(HF_PREFIX) and (Path(entry).is_dir() or (base / entry).is_dir()):
+        raise ManifestError(f"{where}: {entry!r} is a local directory; batch takes hub repositories only (convert a local checkpoint with convert-dsv4 {entry} OUT --target xpu)", path=str(where))
     try:
         return parse_hub_spec(entry)
     except DSV4Error as exc:
@@ -160,7 +162,7 @@ def load_manifest(path: str | Path, out_dir: str | Path | None = None) -> Manife
     names: dict[str, str] = {}
     for k, entry in enumerate(entries):
         where = f"{path}: sources[{k}]"
-        hub = _parse_source(entry, where)
+        hub = _parse_source(entry, where, Path(path).parent)
         local = _fill(name_t, hub, target, f"{path}: output.name")
         if not local or local in (".", "..") or "/" in local or "\\" in local:
             raise ManifestError(f"{where}: output.name gives {local!r}, not a plain directory name", path=str(where))
@@ -423,6 +425,8 @@ def run_batch(
     with ExitStack() as stack:
         _own_report(report_path, stack)  # before anything is converted: one run per report file
         for n, src in enumerate(mine, 1):
+            if echo is not None:  # a conversion takes minutes: say which repo is under way
+                echo(f"[{n}/{len(mine)}] {src.key}: starting")
             job = _Job(src, manifest, tables, push_to_hub)
             t0 = time.monotonic()
             try:

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import errno
 import hashlib
-import math
 import os
 import re
 import time
@@ -70,6 +69,7 @@ from dsv4.convert.errors import (
 )
 from dsv4.convert.exit_codes import exit_code
 from dsv4.convert.inventory import Inventory, TensorSource, merge_shards, read_local_shards
+from dsv4.convert import progress
 from dsv4.convert.quant_config import check_draft_quantization
 from dsv4.convert.report import CheckReport, CheckResult
 from dsv4.mapping.errors import TableError
@@ -80,13 +80,11 @@ from dsv4.model.config import ConfigError, ModelConfig, parse_config
 from dsv4.model.dtypes import tensor_bytes
 from dsv4.model.errors import DSV4Error
 from dsv4.model.layout import DRAFT_TARGET, build_draft_model, layout_of
+from dsv4.model.parity import MAX_REL_DIFF, MIN_TOP1, SMOKE_TOKENS, parity_verdict
 from dsv4.model.record import CONVERSION_RECORD, LAYOUT_RECORD, RUNTIME_CONFIG_FIELDS, ConversionRecord, LayoutRecord, RecordError
 from safetensors import safe_open
 
 READ_BLOCK = 64 << 20  # bytes per read of one tensor: bounded memory at any tensor size
-SMOKE_TOKENS = 4
-NATIVE_MIN_TOP1 = 1.0  # as `convert-dsv4 smoke --reference`
-NATIVE_MAX_REL_DIFF = 2e-2  # max|diff| / max|value|: bf16 rounding, far below a wrong weight
 LIST_AT_MOST = 3  # names quoted in a one-line reason; the JSON details list all of them
 
 class _Skipped(Exception):
@@ -552,20 +550,15 @@ def check_native(ctx: _Context, details: dict[str, Any]) -> str:
         raise _Skipped("not requested (--native SRC)")
     if ctx.smoke_report is None:
         raise _Skipped("needs the smoke run (smoke check failed or was skipped)")
-    r = ctx.smoke_report
-    hidden = r["hidden_max_abs_diff"] / max(r["hidden_max_abs"], 1e-30)
-    logits = r["logits_max_abs_diff"] / max(r["logits_max_abs"], 1e-30)
-    if "draft_tokens" in r:  # DSpark: the B draft tokens are what the target verifies
-        details.update({k: r[k] for k in ("hidden_max_abs_diff", "hidden_max_abs", "logits_max_abs_diff", "logits_max_abs", "draft_tokens", "reference_draft_tokens", "draft_token_agreement")})
-        said = f"hidden max|diff| {hidden:.2%} of max|h|, logits {logits:.2%} of max|logit|, draft tokens {r['draft_tokens']} vs the reference's {r['reference_draft_tokens']} (agreement {r['draft_token_agreement']:.3f})"
-        agreement = r["draft_token_agreement"]
-    else:
-        details.update({k: r[k] for k in ("hidden_max_abs_diff", "hidden_max_abs", "logits_max_abs_diff", "logits_max_abs", "top1_agreement", "top1_agreement_up_to_ties")})
-        said = f"hidden max|diff| {hidden:.2%} of max|h|, logits {logits:.2%} of max|logit|, top-1 agreement {r['top1_agreement']:.3f} ({r['top1_agreement_up_to_ties']:.3f} counting near-ties)"
-        agreement = r["top1_agreement_up_to_ties"]
-    if not (math.isfinite(hidden) and math.isfinite(logits)) or hidden > ctx.max_rel_diff or logits > ctx.max_rel_diff or agreement < ctx.min_top1:
-        raise NativeParityError(f"{ctx.root}: differs from the reference on {ctx.native}: {said} (limits {ctx.max_rel_diff:.0%}, top-1 {ctx.min_top1:.3f})", path=str(ctx.root))
+    passed, said = parity_verdict(ctx.smoke_report, ctx.min_top1, ctx.max_rel_diff)  # the rule of `smoke --native`
+    details.update({k: v for k, v in ctx.smoke_report.items() if k in PARITY_DETAILS})
+    if not passed:
+        raise NativeParityError(f"{ctx.root}: differs from the reference on {ctx.native}: {said}", path=str(ctx.root))
     return f"agrees with the reference on {ctx.native}: {said}"
+
+
+PARITY_DETAILS = ("hidden_max_abs_diff", "hidden_max_abs", "logits_max_abs_diff", "logits_max_abs", "top1_agreement", "top1_agreement_up_to_ties",
+                  "routing_disagreements", "draft_tokens", "reference_draft_tokens", "draft_token_agreement")
 
 
 # --- serve --------------------------------------------------------------------------------
@@ -642,20 +635,24 @@ def run_checks(
     fast: bool = False,
     device: str = "cpu",
     tokens: int = SMOKE_TOKENS,
-    min_top1: float = NATIVE_MIN_TOP1,
-    max_rel_diff: float = NATIVE_MAX_REL_DIFF,
+    min_top1: float = MIN_TOP1,
+    max_rel_diff: float = MAX_REL_DIFF,
     serve_with: str | Path | None = None,
+    quiet: bool = True,
 ) -> CheckReport:
     """Run every check on the converted checkpoint at `path` and return the report (never
     raises for a failed check; `report.raise_for_failure()` does). `native` (the checkpoint
     it was converted from) implies the smoke run, which then also runs the reference.
     `serve_with` (the target model's directory or config.json) checks that a draft
-    directory would load beside it in vLLM."""
+    directory would load beside it in vLLM. Unless `quiet`, a bar over the checks
+    (convert/progress.py's rule)."""
     ctx = _Context(Path(path), fast, smoke, Path(native) if native is not None else None, device, tokens, min_top1, max_rel_diff,
                    serve_with=Path(serve_with) if serve_with is not None else None)
     _load_config(ctx)
     results = []
+    bar = progress.bar(len(CHECKS), "check", "check", quiet)
     for name, check in CHECKS:
+        bar.set_postfix_str(name)
         start = time.monotonic()
         details: dict[str, Any] = {}
         try:
@@ -668,4 +665,6 @@ def run_checks(
         result.details = details
         result.seconds = time.monotonic() - start
         results.append(result)
+        bar.update()
+    bar.close()
     return CheckReport(str(ctx.root), results)

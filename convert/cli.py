@@ -8,6 +8,7 @@ Options that several commands share are defined once below, with one name, defau
 
 from __future__ import annotations
 
+import difflib
 import json
 import logging
 import os
@@ -22,9 +23,10 @@ from dsv4 import __version__
 from dsv4.convert import interrupts
 from dsv4.convert.exit_codes import INTERNAL_ERROR, exit_code
 from dsv4.convert.sizes import shard_size
-from dsv4.mapping.table import installed_targets
+from dsv4.mapping.table import installed_targets, table_headers
 from dsv4.model.errors import DSV4Error, OutOfMemoryError
 from dsv4.model.memory import refuse_unless_torch_fits
+from dsv4.model.parity import MIN_TOP1, SMOKE_TOKENS
 from dsv4.model.presets import PRESETS
 
 if TYPE_CHECKING:
@@ -36,16 +38,29 @@ JSON_DIGITS = 6  # significant digits of a float in --json output
 
 
 class _Commands(click.Group):
-    """`convert-dsv4 IN OUT ...` means `convert-dsv4 convert IN OUT ...`."""
+    """`convert-dsv4 IN OUT ...` means `convert-dsv4 convert IN OUT ...`, unless IN is
+    neither an existing path nor a hub id (no `/`) and looks like a mistyped command."""
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
         if args and not args[0].startswith("-") and args[0] not in self.commands:
+            first = args[0]
+            close = difflib.get_close_matches(first, self.commands, n=1)
+            if close and "/" not in first and not os.path.lexists(first):
+                ctx.fail(f"No such command {first!r}. Did you mean {close[0]!r}?")
             args = ["convert", *args]
         return super().parse_args(ctx, args)
 
 
+def _version_message() -> str:
+    """`--version`: the tool's version and, per target, the runtime its layouts are those of."""
+    runtimes = {}
+    for head in table_headers().values():
+        runtimes.setdefault(head.target, set()).add(head.runtime)
+    return "%(prog)s %(version)s (" + "; ".join(f"target {t}: {', '.join(sorted(r))}" for t, r in sorted(runtimes.items())) + ")"
+
+
 @click.group(cls=_Commands, context_settings={"help_option_names": ["-h", "--help"]})
-@click.version_option(__version__, prog_name="convert-dsv4")
+@click.version_option(__version__, prog_name="convert-dsv4", message=_version_message())
 def cli() -> None:
     """Convert a native DeepSeek V4 checkpoint's draft layers into vLLM's XPU draft layout.
 
@@ -56,6 +71,7 @@ def cli() -> None:
       convert-dsv4 smoke OUT               load it into the bundled model and run a forward
       convert-dsv4 synth OUT --preset tiny write a synthetic native checkpoint
       convert-dsv4 batch MANIFEST          convert many hub repositories
+      convert-dsv4 targets                 the installed targets and their tables
     """
 
 
@@ -138,7 +154,7 @@ def _gb(n: int) -> str:
 @click.option("--overwrite", is_flag=True, help="Replace OUT if it is a previous output of this tool (anything else is refused).")
 @click.option("--wait", is_flag=True, help="If another run holds OUT, wait for it to finish instead of exiting with code 47.")
 @click.option("--max-shard-size", type=ShardSize(), default="5GB", show_default=True, help="Largest output shard: bytes, or with a unit (K, M, G, T = 1000^n; KiB, MiB, GiB, TiB = 1024^n).")
-@click.option("--dry-run", is_flag=True, help="Print the plan and stop (same as `plan`).")
+@click.option("--dry-run", is_flag=True, help="Check SOURCE and OUT as the run would (the same refusals and exit codes), print the plan as `plan` does and what would become of OUT (--json: `plan --json` plus \"output\" and \"would\"), and stop; nothing is written.")
 @revision_option
 @token_option
 @click.option("--verify-source", is_flag=True, help="Hub source: download each shard the output uses whole, once, and check it against the sha256 and size the hub publishes (README: what is checked without it).")
@@ -152,12 +168,17 @@ def convert_command(source: str, out: str, target: str, reverse: bool, overwrite
     only when complete and verified; rerunning on an up-to-date OUT does nothing.
     """
     from dsv4.convert.location import locate
-    from dsv4.convert.pipeline import convert  # start-up time (see the module's docstring)
+    from dsv4.convert.pipeline import convert, dry_run as preview  # start-up time (see the module's docstring)
 
     # the hub options are checked against SOURCE here; without them convert() locates it
     where = locate(source, revision=revision, token=token, verify_files=verify_source) if revision or token or verify_source else source
     if dry_run:
-        _print_plan(_plan(where, target, reverse)[0], as_json, quiet, full=False)
+        plan, would, header_bytes = preview(where, out, target=target, reverse=reverse, overwrite=overwrite, max_shard_size=max_shard_size)
+        if as_json:
+            echo_json(plan.to_json() | {"header_bytes_read": header_bytes, "output": out, "would": would})
+            return
+        _print_plan(plan, False, quiet, full=True, header_bytes=header_bytes)
+        click.echo(f"dry run: {out} {DRY_RUN_OUTCOMES[would]}; nothing was written")
         return
     result = convert(where, out, target=target, reverse=reverse, overwrite=overwrite, wait=wait, max_shard_size=max_shard_size, quiet=quiet or as_json)
     if as_json:
@@ -166,6 +187,9 @@ def convert_command(source: str, out: str, target: str, reverse: bool, overwrite
         click.echo(f"{out}: already up to date (same source, table {result.plan.table} v{result.plan.table_version}); nothing to do")
     else:
         click.echo(f"{result.status} {result.tensors} tensors into {out}: read {_gb(result.bytes_read)}, wrote {_gb(result.bytes_written)} in {result.seconds:.1f} s")
+
+
+DRY_RUN_OUTCOMES = {"up-to-date": "is already up to date: the run would do nothing", "create": "would be created", "replace": "would be replaced (--overwrite)"}
 
 
 @cli.command("plan")
@@ -197,8 +221,8 @@ def _plan(source: str | Path | HubSpec, target: str, reverse: bool) -> tuple[Pla
 
 # how `plan` names the layout it chose (convert/plan.py choose_table)
 DRAFTER_NAMES = {
-    "mtp": "MTP (no dspark_* fields in config.json): vLLM DeepSeekV4MTP",
-    "dspark": "DSpark (dspark_* fields and mtp.0.main_proj.weight): vLLM DSparkDeepseekV4ForCausalLM",
+    "mtp": "MTP (no dspark_* fields in config.json)",
+    "dspark": "DSpark (dspark_* fields and mtp.0.main_proj.weight)",
 }
 
 
@@ -213,7 +237,7 @@ def _print_plan(plan: Plan, as_json: bool, quiet: bool, *, full: bool, header_by
     click.echo(f"{s['direction']} plan: {s['source']} -> {s['target']} (table {s['table']} v{s['table_version']})" + (f": {s['tensors_out']} tensors, {_gb(s['bytes_to_read'])} to read" if quiet else ""))
     if quiet:
         return
-    click.echo(f"  draft layout:         {DRAFTER_NAMES[s['drafter']]}")
+    click.echo(f"  draft layout:         {DRAFTER_NAMES[s['drafter']]}: {s['runtime']} {s['runtime_class']}")
     click.echo(f"  tensors out:          {s['tensors_out']}")
     click.echo(f"  source keys consumed: {s['source_keys_consumed']}")
     click.echo(f"  source keys skipped:  {s['source_keys_skipped']}")
@@ -251,8 +275,10 @@ def check_command(directory: Path, native: Path | None, smoke: bool, fast: bool,
     refuse_unless_torch_fits("check")
     from dsv4.convert.check import run_checks  # start-up time
     from dsv4.convert.report import write_junit
+    from dsv4.model.checkpoint import refuse_full_native
 
-    report = run_checks(directory, native=native, smoke=smoke, fast=fast, device=device, serve_with=serve_with)
+    refuse_full_native(directory, "check")
+    report = run_checks(directory, native=native, smoke=smoke, fast=fast, device=device, serve_with=serve_with, quiet=quiet or as_json)
     if as_json:
         echo_json(report.to_json())
     else:
@@ -269,9 +295,9 @@ def check_command(directory: Path, native: Path | None, smoke: bool, fast: bool,
 @cli.command("smoke")
 @click.argument("out", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @device_option
-@click.option("--tokens", type=click.IntRange(min=1), default=8, show_default=True, help="Tokens in the draft step (DSpark: context tokens of random target features).")
+@click.option("--tokens", type=click.IntRange(min=1), default=SMOKE_TOKENS, show_default=True, help="Tokens in the draft step (DSpark: context tokens of random target features).")
 @native_option
-@click.option("--min-top1", type=click.FloatRange(0, 1), default=1.0, show_default=True, help="With --native: fail when top-1 agreement with the reference is lower (MTP: a disagreement on a near-tie, within 1% of max|logit| in the reference, counts as agreeing; DSpark: the share of the block's draft tokens equal to the reference's).")
+@click.option("--min-top1", type=click.FloatRange(0, 1), default=MIN_TOP1, show_default=True, help="With --native: fail when top-1 agreement with the reference is lower (a disagreement on a near-tie, within 1% of max|logit| in the reference, counts as agreeing; DSpark: each draft position given the reference's previous token). `check --native` applies the same rule.")
 @click.option("--features", type=click.Path(exists=True, dir_okay=False, path_type=Path), help="DSpark: a safetensors file of target features h_<l> [T_ctx, H] for each of dspark_target_layer_ids (default: random, seeded).")
 @click.option("--anchor", type=click.IntRange(min=0), help="DSpark: the anchor token (the last accepted one; default: random, seeded).")
 @click.option("--position", type=click.IntRange(min=0), default=0, show_default=True, help="DSpark: the position of the context's first token.")
@@ -282,12 +308,17 @@ def smoke_command(out: Path, device: str | None, tokens: int, native: Path | Non
     """Load converted checkpoint OUT into the bundled draft model and run one draft step
     (MTP: one step on TOKENS tokens; DSpark: one block drafted from a context)."""
     refuse_unless_torch_fits("smoke")
+    from dsv4.convert import progress
     from dsv4.convert.inmemory import model_loader
+    from dsv4.model.checkpoint import refuse_full_native
     from dsv4.model.errors import SmokeCheckError
     from dsv4.model.loader import converted_config  # start-up time: torch and the kernels
+    from dsv4.model.parity import parity_verdict
     from dsv4.model.smoke import run_dspark_smoke, run_smoke
 
     dspark = converted_config(out).is_dspark
+    progress.step(f"smoke: loading {out} into the bundled model and drafting" + (" (then the reference on the native checkpoint)" if native is not None else ""), quiet or as_json)
+    refuse_full_native(out, "smoke")  # a draft directory in native names is fine; a whole native checkpoint is not
     load = model_loader(out)  # a draft directory (native names): the xpu plan, in memory
     if not dspark and (features is not None or anchor is not None or position):
         raise click.UsageError("--features, --anchor and --position are for a DSpark checkpoint; OUT is an MTP one")
@@ -296,17 +327,15 @@ def smoke_command(out: Path, device: str | None, tokens: int, native: Path | Non
             report = run_dspark_smoke(out, device, tokens, features, anchor, position, native, seed, load=load)
         except ValueError as exc:  # an anchor outside the vocabulary
             raise click.UsageError(str(exc)) from None
-        agreement = report.get("draft_token_agreement")
     else:
         report = run_smoke(out, device, tokens, native, seed, load=load)
-        agreement = report.get("top1_agreement_up_to_ties")
+    verdict = parity_verdict(report, min_top1) if native is not None else None  # the rule of `check --native`
     if as_json:
         echo_json(report)
     else:
         _print_smoke(report, native, quiet)
-    if native is not None and agreement < min_top1:
-        what = f"draft-token agreement with the reference {agreement:.3f}" if dspark else f"top-1 agreement with the reference {agreement:.3f} (near-ties counted as agreeing)"
-        raise SmokeCheckError(f"{out}: {what} is below {min_top1}", path=str(out))
+    if verdict is not None and not verdict[0]:
+        raise SmokeCheckError(f"{out}: differs from the reference on {native}: {verdict[1]}", path=str(out))
 
 
 def _print_smoke(report: dict[str, Any], native: Path | None, quiet: bool) -> None:
@@ -327,9 +356,11 @@ def _print_smoke(report: dict[str, Any], native: Path | None, quiet: bool) -> No
     diffs = (f"  vs reference {native}: hidden max|diff| {report['hidden_max_abs_diff']:.4g} (max|h| {report['hidden_max_abs']:.4g}), "
              f"logits max|diff| {report['logits_max_abs_diff']:.4g} (max {report['logits_max_abs']:.4g}), ")
     if dspark:
-        click.echo(diffs + f"reference draft tokens {report['reference_draft_tokens']}, agreement {report['draft_token_agreement']:.3f} (equal up to position {report['draft_tokens_agree_to']})")
-    else:
-        click.echo(diffs + f"top-1 agreement {report['top1_agreement']:.3f} ({report['top1_agreement_up_to_ties']:.3f} counting near-ties)")
+        diffs += f"reference draft tokens {report['reference_draft_tokens']}, agreement {report['draft_token_agreement']:.3f} (equal up to position {report['draft_tokens_agree_to']}), "
+    click.echo(diffs + f"top-1 agreement {report['top1_agreement']:.3f} ({report['top1_agreement_up_to_ties']:.3f} counting near-ties)")
+    for d in report["routing_disagreements"]:
+        kind = "a near-tie" if d["near_tie"] else "NOT a near-tie"
+        click.echo(f"  routing differs at MoE call {d['call']}, token {d['token']}: margin {d['margin']:.4g}, tolerance {d['tolerance']:.4g} ({kind})")
 
 
 def _main_layers_arg(ctx: click.Context, param: click.Parameter, value: str) -> int | str:
@@ -359,7 +390,7 @@ def synth_command(out: Path, preset: str | None, config_path: Path | None, varia
     if preset and config_path:
         raise click.UsageError("--preset and --config are alternatives; give one")
     try:
-        summary = synthesize(out, preset=preset, config_path=config_path, variant=variant, main_layers=main_layers, seed=seed, sparse=sparse)
+        summary = synthesize(out, preset=preset, config_path=config_path, variant=variant, main_layers=main_layers, seed=seed, sparse=sparse, quiet=quiet or as_json)
     except ValueError as exc:  # a preset or layer count the synthesiser does not have
         raise click.UsageError(str(exc)) from exc
     if as_json:
@@ -406,6 +437,21 @@ def batch_command(manifest: Path, out_dir: Path | None, push_to_hub: bool, num_s
         raise BatchFailedError(f"{manifest}: {counts['failed']} of {counts['planned']} repositories failed; reasons in {path}", path=str(path))
 
 
+@cli.command("targets")
+@quiet_option
+@json_option
+def targets_command(quiet: bool, as_json: bool) -> None:
+    """List the installed targets (--target) and their tables: the drafter each maps, its
+    version, and the runtime and runtime class whose layout it writes."""
+    rows = [{"target": h.target, "table": name, "drafter": h.drafter, "table_version": h.version, "runtime": h.runtime, "runtime_class": h.runtime_class}
+            for name, h in sorted(table_headers().items(), key=lambda item: (item[1].target, item[0]))]
+    if as_json:
+        echo_json(rows)
+        return
+    for r in rows:
+        click.echo(f"{r['target']:8} {r['table']:12} drafter {r['drafter']:7} v{r['table_version']:4} {r['runtime']} ({r['runtime_class']})")
+
+
 # Developers set DSV4_TRACEBACK=1 to see the traceback the last-resort handler hides.
 TRACEBACK_ENV = "DSV4_TRACEBACK"
 
@@ -439,6 +485,9 @@ def _log_to_stderr() -> None:
     line each on stderr, `warning: ...`, never a Python warning with a source path."""
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(_NoticeFormatter())
+    # every command that runs the model says in its result which path computed the fused
+    # norms ("fused norms: torch fallback (...)"): the kernels' notice would repeat it
+    handler.addFilter(lambda record: record.name != "dsv4.model.kernels")
     logger = logging.getLogger("dsv4")
     logger.handlers[:] = [handler]
     logger.setLevel(logging.INFO)

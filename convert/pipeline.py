@@ -10,20 +10,22 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import sys
 import time
 from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from dsv4 import __version__
+from dsv4.convert import progress
 from dsv4.convert.errors import SourceChangedError, WriteFailedError
 from dsv4.convert.execute import Executor, still_valid
 from dsv4.convert.inventory import Inventory, read_local_header
 from dsv4.convert.location import HubSpec, locate
-from dsv4.convert.output import CONFIG, OutputClaim, claim_output, read_record
+from dsv4.convert.output import CONFIG, OutputClaim, claim_output, read_record, resolve_output
 from dsv4.convert.plan import Direction, Plan, PlannedTensor, choose_table, plan_conversion, plan_reverse
 from dsv4.convert.quant_config import carried_quantization
 from dsv4.convert.readers import ByteReader, LocalReader
@@ -156,9 +158,13 @@ def progress_bar(total: int, done: int, quiet: bool) -> tqdm:
     """The bar over the output stream (tensors in write order); `done`: bytes an earlier run
     finished. Drawn only on a terminal, and not when HF_HUB_DISABLE_PROGRESS_BARS is set
     (huggingface_hub's tqdm). The kill tests wrap this function (tests/crashing_cli.py)."""
-    from huggingface_hub.utils import tqdm  # start-up time: brings the HTTP stack, which `plan` never needs
+    return progress.bar(total, "convert", "B", quiet, initial=done)
 
-    return tqdm(total=total, initial=done, unit="B", unit_scale=True, unit_divisor=1024, desc="convert", disable=True if quiet else None)
+
+def _up_to_date(claim: OutputClaim, fingerprint: dict[str, Any], overwrite: bool) -> bool:
+    """OUT already holds this conversion (and --overwrite does not ask to redo it)."""
+    record = ConversionRecord.find(claim.path) if claim.path.is_dir() else None
+    return record is not None and record.fingerprint == fingerprint_digest(fingerprint) and not overwrite
 
 
 def _write_output(plan: Plan, reader: ByteReader, claim: OutputClaim, *, overwrite: bool, max_shard_size: int, quiet: bool) -> ConversionResult:
@@ -170,8 +176,7 @@ def _write_output(plan: Plan, reader: ByteReader, claim: OutputClaim, *, overwri
     names = [shard_name(k, len(shards)) for k in range(len(shards))]
     fingerprint = _fingerprint(plan, reader, shards)
 
-    record = ConversionRecord.find(claim.path) if claim.path.is_dir() else None
-    if record is not None and record.fingerprint == fingerprint_digest(fingerprint) and not overwrite:
+    if _up_to_date(claim, fingerprint, overwrite):
         return ConversionResult(claim.out, "up-to-date", 0, 0, time.monotonic() - start, len(plan.tensors), plan)
     claim.refuse_unless_replaceable(overwrite)
 
@@ -287,3 +292,31 @@ def convert(source: str | Path | HubSpec, out: str | Path, *, target: str = "xpu
             return _write_output(plan, reader, claim, overwrite=overwrite, max_shard_size=max_shard_size, quiet=quiet)
         finally:
             reader.close()
+
+
+class DryRun(NamedTuple):
+    plan: Plan
+    would: str  # what would become of OUT: "up-to-date", "create" or "replace"
+    header_bytes: int  # read from the source to plan
+
+
+def dry_run(source: str | Path | HubSpec, out: str | Path, *, target: str = "xpu", reverse: bool = False, overwrite: bool = False, max_shard_size: int = DEFAULT_MAX_SHARD) -> DryRun:
+    """What `convert` with these arguments would do, refusals included, without writing,
+    locking or deleting anything: the same checks in the same order (target, OUT's safety
+    43-46, the source and its plan, a quantisation config that cannot be carried, an OUT
+    that is not empty 41 or not replaceable 48). Another run holding OUT's lock is not looked for."""
+    require_target(target)
+    where = locate(source)
+    claim = OutputClaim(Path(out), resolve_output(Path(out), where if isinstance(where, Path) else None))
+    inv, reader = open_source(where)
+    plan = plan_source(inv, reader, target, reverse=reverse)
+    try:
+        output_config(plan)
+        shards = shard_layout(plan, max_shard_size)
+        fingerprint = _fingerprint(plan, reader, shards)
+    finally:
+        reader.close()
+    if _up_to_date(claim, fingerprint, overwrite):
+        return DryRun(plan, "up-to-date", inv.header_bytes)
+    claim.refuse_unless_replaceable(overwrite)
+    return DryRun(plan, "replace" if os.path.lexists(claim.path) and any(claim.path.iterdir()) else "create", inv.header_bytes)

@@ -19,10 +19,12 @@ from dsv4.mapping.errors import TableError
 from dsv4.mapping.probe import stage_binding
 from dsv4.mapping.table import PINNED, Rule, Table, expand, load_table, rule_bindings, table_name_for
 from dsv4.model import native
+from dsv4.model.checkpoint import is_full_native
 from dsv4.model.config import ModelConfig, config_errors
 from dsv4.model.dtypes import ITEMSIZE, nbytes
 from dsv4.model.errors import UnsupportedLayoutError
 from dsv4.model.layout import TARGET_LAYER, draft_layers_present, layout_of
+from dsv4.model.record import LAYOUT_RECORD
 
 Direction = Literal["forward", "reverse"]
 NATIVE_BLOCK = re.compile(r"(mtp\.\d+)\.")  # a native draft block's prefix
@@ -144,7 +146,16 @@ def drafter_of(inv: Inventory, cfg: ModelConfig, direction: Direction = "forward
 
 
 def choose_table(target: str, inv: Inventory, direction: Direction = "forward") -> Table:
-    """The installed table of `target` for the draft layout `inv` holds (MTP or DSpark)."""
+    """The installed table of `target` for the draft layout `inv` holds (MTP or DSpark).
+    A converted checkpoint given to a forward conversion, or a full native one given to a
+    reverse conversion, is refused naming the command that takes it (UnsupportedLayoutError)."""
+    where = inv.location
+    if direction == "forward" and isinstance(inv.config.get(LAYOUT_RECORD), dict):
+        raise UnsupportedLayoutError(f"{where}: is a converted checkpoint (its config.json has the {LAYOUT_RECORD} layout record), not a native one: "
+                                     f"convert-dsv4 {where} OUT --reverse turns it back into native names, convert-dsv4 check {where} verifies it", path=str(where))
+    if direction == "reverse" and is_full_native(inv.tensors):
+        raise UnsupportedLayoutError(f"{where}: is a native DeepSeek V4 checkpoint (the main model's layers.* tensors), not a converted one: "
+                                     f"convert-dsv4 {where} OUT --target {target} converts it (without --reverse)", path=str(where))
     return load_table(table_name_for(target, drafter_of(inv, model_config(inv), direction)))
 
 

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
+from dsv4.convert import progress
 from dsv4.convert.errors import OutputExistsError, WriteFailedError
 from dsv4.convert.writer import ShardWriter, TensorSpec, shard_name
 from dsv4.model import strictjson
@@ -173,6 +174,7 @@ def write_checkpoint(
     main_layers: int | Literal["all"] = 0,
     seed: int = 0,
     sparse: bool = False,
+    quiet: bool = True,
 ) -> Path:
     """Write a native checkpoint (config.json, index, shards) into `out_dir` and return it.
 
@@ -191,6 +193,7 @@ def write_checkpoint(
     shards = shard_layouts(cfg, variant, n_main)
     weight_map: dict[str, str] = {}
     total_size = 0
+    files = progress.bar(len(shards), "synth", "file", quiet)
     for k, layout in enumerate(shards):
         fname = shard_name(k, len(shards))
         specs = [TensorSpec(name, dtype, shape) for name, (dtype, shape) in layout.items()]
@@ -200,6 +203,8 @@ def write_checkpoint(
                     _fill_tensor(writer, s.name, s.dtype, s.shape, cfg, seed)
         weight_map.update(dict.fromkeys(layout, fname))
         total_size += sum(s.nbytes for s in specs)
+        files.update()
+    files.close()
 
     (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
     index = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
@@ -207,7 +212,7 @@ def write_checkpoint(
     return out
 
 
-def synthesize(out: Path, *, preset: str | None, config_path: Path | None, variant: Variant, main_layers: int | str, seed: int, sparse: bool) -> dict[str, Any]:
+def synthesize(out: Path, *, preset: str | None, config_path: Path | None, variant: Variant, main_layers: int | str, seed: int, sparse: bool, quiet: bool = True) -> dict[str, Any]:
     """`synth`: write a synthetic checkpoint into OUT (new or empty) from a preset or a
     config.json, refused with the converter's verdict if it would refuse the config; returns
     what was written (tensors, files, bytes)."""
@@ -220,7 +225,7 @@ def synthesize(out: Path, *, preset: str | None, config_path: Path | None, varia
     with config_errors(str(config_path) if config_path else f"preset {preset}"):
         config = parse_config(config_path.read_bytes()) if config_path else None
         try:
-            write_checkpoint(out, preset=preset, config=config, variant=variant, main_layers=main_layers, seed=seed, sparse=sparse)
+            write_checkpoint(out, preset=preset, config=config, variant=variant, main_layers=main_layers, seed=seed, sparse=sparse, quiet=quiet)
         except OSError as exc:  # a write's ENOSPC or EIO names no file: name OUT
             raise WriteFailedError(f"{exc.filename or out}: {exc.strerror or exc}; the synthetic checkpoint in {out} is incomplete", path=str(out)) from None
     raw = (out / INDEX_NAME).read_bytes()

@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import cache, cached_property
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from dsv4.mapping.errors import DeadRuleError, DuplicateTargetRuleError, TableError, UnboundPlaceholderError, UnknownOpError, UnknownTargetError
 from dsv4.mapping.probe import draft_bindings, probe_keys, stage_binding
@@ -286,20 +286,35 @@ def installed_tables() -> list[str]:
     return sorted(p.stem for p in TABLE_DIR.glob("*.toml"))
 
 
+class TableHeader(NamedTuple):
+    """A table's [table] section, as far as choosing and listing tables needs it."""
+
+    target: str
+    drafter: str
+    version: str
+    runtime: str  # the runtime version the layout is that of, e.g. "vLLM 0.33.0"
+    runtime_class: str  # the runtime's model class that loads it, e.g. "DeepSeekV4MTP"
+
+
 @cache
-def _table_headers() -> dict[str, tuple[str, str]]:
-    """table name -> (target, drafter), from the [table] sections alone: no validation, so
-    the CLI can list the targets at start-up for the cost of reading two small files."""
+def _table_headers() -> dict[str, TableHeader]:
+    """table name -> its header, from the [table] sections alone: no validation, so the
+    CLI can list the targets at start-up for the cost of reading two small files."""
     out = {}
     for name in installed_tables():
         meta = tomllib.loads((TABLE_DIR / f"{name}.toml").read_text()).get("table", {})
-        out[name] = (meta.get("target"), meta.get("drafter", "mtp"))
+        out[name] = TableHeader(meta.get("target"), meta.get("drafter", "mtp"), meta.get("version"), meta.get("runtime", ""), meta.get("runtime_class", ""))
     return out
+
+
+def table_headers() -> dict[str, TableHeader]:
+    """Every installed table's header, by table name (`convert-dsv4 targets`)."""
+    return dict(_table_headers())
 
 
 def installed_targets() -> list[str]:
     """The names `--target` accepts: each a runtime (xpu), with one table per drafter kind."""
-    return sorted({target for target, _ in _table_headers().values()})
+    return sorted({head.target for head in _table_headers().values()})
 
 
 def require_target(target: str) -> None:
@@ -311,15 +326,15 @@ def require_target(target: str) -> None:
 def tables_of_target(target: str) -> list[str]:
     """The installed tables of `target`, one per drafter kind."""
     require_target(target)
-    return [name for name, (t, _) in _table_headers().items() if t == target]
+    return [name for name, head in _table_headers().items() if head.target == target]
 
 
 def table_name_for(target: str, drafter: str) -> str:
     """The installed table that maps a `drafter` ("mtp", "dspark") checkpoint to `target`."""
     require_target(target)
-    names = [name for name, head in _table_headers().items() if head == (target, drafter)]
+    names = [name for name, head in _table_headers().items() if (head.target, head.drafter) == (target, drafter)]
     if len(names) != 1:
-        have = ", ".join(f"{n} ({t}, {d})" for n, (t, d) in _table_headers().items())
+        have = ", ".join(f"{n} ({h.target}, {h.drafter})" for n, h in _table_headers().items())
         raise TableError(f"target {target!r} has {'no' if not names else 'more than one'} table for {drafter} drafters (installed: {have})")
     return names[0]
 

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from collections.abc import Iterable
 from typing import Any
 
 from dsv4.model import strictjson
-from dsv4.model.errors import MalformedHeaderError, MissingShardError, UnsafeShardPathError
+from dsv4.model.errors import DSV4Error, MalformedHeaderError, MissingShardError, UnsafeShardPathError, UnsupportedLayoutError
 from huggingface_hub.constants import CONFIG_NAME, SAFETENSORS_INDEX_FILE, SAFETENSORS_SINGLE_FILE
 
 INDEX_NAME = SAFETENSORS_INDEX_FILE  # model.safetensors.index.json
@@ -74,3 +75,28 @@ def local_weight_map(root: Path) -> tuple[dict[str, str], str]:
         with safe_open(single, framework="pt") as f:
             return dict.fromkeys(f.keys(), SINGLE_FILE), SINGLE_FILE
     raise MissingShardError(f"{root}: neither {INDEX_NAME} nor {SINGLE_FILE} found", path=str(root))
+
+
+MAIN_LAYER = "layers."  # the main model's decoder layers: only a full native checkpoint has them
+
+
+def is_full_native(tensor_names: Iterable[str]) -> bool:
+    """A full native checkpoint (main-model `layers.*` tensors), as opposed to a converted
+    one or a draft-only directory (`mtp.*` with embed and head)."""
+    return any(name.startswith(MAIN_LAYER) for name in tensor_names)
+
+
+def refuse_full_native(root: Path, command: str) -> None:
+    """UnsupportedLayoutError naming the command that takes `root`, when the converted
+    checkpoint `command` was given is a full native one. Anything else wrong with `root`
+    is left to the command's own checks."""
+    try:
+        weight_map, _ = local_weight_map(root)
+    except (DSV4Error, OSError):
+        return
+    if is_full_native(weight_map):
+        raise UnsupportedLayoutError(
+            f"{root}: is a native DeepSeek V4 checkpoint (the main model's layers.* tensors), not a converted one: "
+            f"convert it first (convert-dsv4 {root} OUT --target xpu), then run convert-dsv4 {command} OUT --native {root}",
+            path=str(root),
+        )

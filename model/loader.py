@@ -16,7 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from dsv4.model.checkpoint import CONFIG, local_weight_map
+from dsv4.model.checkpoint import CONFIG, local_weight_map, refuse_full_native
 from dsv4.model.config import ModelConfig, config_errors
 from dsv4.model.dspark import DSparkDraft
 from dsv4.model.dtypes import SAFETENSORS_NAMES
@@ -91,6 +91,7 @@ def load_converted(path: str | Path, device: str | torch.device | None = None) -
     cfg = converted_config(root)
     dev = torch.device(device) if device is not None else default_device()
 
+    refuse_full_native(root, "smoke")
     weight_map, index_file = local_weight_map(root)
     if not cfg.is_dspark:  # a DSpark stage missing or extra is a missing or unexpected key below
         with config_errors(str(config_path)):

@@ -237,6 +237,8 @@ class MoE(nn.Module):
     """Routes with sqrtsoftplus scores and noaux_tc selection: ModelConfig refuses any other
     scoring_func or topk_method (model/README.md#moe-routing)."""
 
+    routing_log: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+
     def __init__(self, cfg: ModelConfig, layer_prefix: str) -> None:
         super().__init__()
         self.cfg = cfg
@@ -249,7 +251,10 @@ class MoE(nn.Module):
         """(weights [T, k] fp32, expert ids [T, k]); the bias picks experts, never weighs them."""
         cfg = self.cfg
         scores = torch.sqrt(F.softplus(x.float() @ self.gate.weight.float().T))
-        idx = torch.topk(scores + self.gate.e_score_correction_bias, cfg.num_experts_per_tok, dim=-1).indices
+        selection = scores + self.gate.e_score_correction_bias
+        idx = torch.topk(selection, cfg.num_experts_per_tok, dim=-1).indices
+        if self.routing_log is not None:  # a comparison with the reference (model/parity.py)
+            idx = self.routing_log(selection, idx)
         w = scores.gather(1, idx)
         if cfg.norm_topk_prob:
             w = w / w.sum(dim=-1, keepdim=True)

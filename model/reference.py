@@ -14,6 +14,7 @@ and attention is computed over the full [T, T] score matrix per call.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -82,6 +83,8 @@ def _rotate(x: torch.Tensor, positions: torch.Tensor, rope_dim: int, theta: floa
 
 class NativeReference:
     """The MTP draft computed straight from a native checkpoint directory."""
+
+    routing_log: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
     def __init__(self, native_dir: str | Path, device: str | torch.device = "cpu", block_index: int = 0) -> None:
         root = Path(native_dir)
@@ -163,7 +166,10 @@ class NativeReference:
     def _moe(self, x: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
         s = F.softplus(x.float() @ self.w("ffn.gate.weight").float().T).sqrt()
-        _, idx = (s + self.w("ffn.gate.bias")).topk(cfg.num_experts_per_tok, dim=-1)
+        selection = s + self.w("ffn.gate.bias")
+        _, idx = selection.topk(cfg.num_experts_per_tok, dim=-1)
+        if self.routing_log is not None:  # logged for the comparison with the model (model/parity.py)
+            idx = self.routing_log(selection, idx)
         wts = s.gather(-1, idx)
         if cfg.norm_topk_prob:
             wts = wts / wts.sum(-1, keepdim=True)

@@ -1,6 +1,7 @@
 """`convert-dsv4 smoke OUT`: load a converted checkpoint strictly into the bundled model,
 run one draft step on a few tokens and check it (model/README.md#smoke-test-and-reference; for a DSpark checkpoint one
-drafted block, model/README.md#dspark-forward: `run_dspark_smoke`)."""
+drafted block, model/README.md#dspark-forward: `run_dspark_smoke`). With the native checkpoint
+it also runs the independent reference and reports the figures model/parity.py judges."""
 
 from __future__ import annotations
 
@@ -13,15 +14,17 @@ from typing import Any, TypeVar
 import torch
 from dsv4.model import kernels
 from dsv4.model.config import ModelConfig, config_errors
-from dsv4.model.dspark import DSparkDraft, target_features
-from dsv4.model.dspark_reference import DSparkReference
+from dsv4.model.dspark import DraftBlock, DSparkDraft, target_features
+from dsv4.model.dspark_reference import DSparkReference, ReferenceBlock
 from dsv4.model.errors import DtypeMismatchError, LoadError, MissingKeyError, ShapeMismatchError, SmokeCheckError
 from dsv4.model.loader import default_device, load_converted
+from dsv4.model.mtp import MoE
+from dsv4.model.parity import SMOKE_TOKENS, RoutingLog, logging_routing, routing_disagreements, top1_agreement_up_to_ties
 from dsv4.model.reference import NativeReference
 from safetensors import SafetensorError, safe_open
+from torch import nn
 
 R = TypeVar("R")
-TIE_REL = 0.01  # top-1 near-tie: the reference's two candidates within 1% of max|logit|
 
 
 def _sync(device: torch.device) -> None:
@@ -41,10 +44,26 @@ def _timed(device: torch.device, fn: Callable[[], R]) -> tuple[R, float]:
 Loader = Callable[[torch.device], torch.nn.Module]  # how a checkpoint becomes the bundled model
 
 
+def _routed_as_the_reference(model: nn.Module, reference_routing: RoutingLog, run: Callable[[], R]) -> tuple[R, list[dict[str, Any]]]:
+    """`run()` of the model with its routing logged, and where the model routes otherwise
+    than the reference: when every such place is a near-tie (model/parity.py), `run()` again
+    with the reference's experts imposed, so that the outputs compared come from the same
+    routing. -> (output, the routing disagreements with their margins)."""
+    moes = [m for m in model.modules() if isinstance(m, MoE)]
+    with logging_routing(moes, RoutingLog()) as log:
+        out = run()
+    found = routing_disagreements(log, reference_routing)
+    if found and all(d["near_tie"] for d in found):
+        with logging_routing(moes, RoutingLog(impose=reference_routing)) as log:
+            out = run()
+        found += [d for d in routing_disagreements(log, reference_routing) if not d["near_tie"]]
+    return out, found
+
+
 def run_smoke(
     out_dir: str | Path,
     device: str | None = None,
-    tokens: int = 8,
+    tokens: int = SMOKE_TOKENS,
     reference_dir: str | Path | None = None,
     seed: int = 0,
     load: Loader | None = None,
@@ -80,8 +99,14 @@ def run_smoke(
         gc.collect()
         with config_errors(f"{reference_dir}/config.json"):  # the reference reads the native config
             ref, report["reference_load_ms"] = _timed(dev, lambda: NativeReference(reference_dir, dev))
-        h_ref, report["reference_forward_ms"] = _timed(dev, lambda: ref.forward(ids, positions, prev))
+        with logging_routing([ref], RoutingLog()) as ref_routing:
+            h_ref, report["reference_forward_ms"] = _timed(dev, lambda: ref.forward(ids, positions, prev))
         logits_ref, report["reference_logits_ms"] = _timed(dev, lambda: ref.compute_logits(h_ref))
+        del ref  # one side at a time again: the model comes back for the routing-aware comparison
+        gc.collect()
+        model = (load or (lambda d: load_converted(out_dir, d)))(dev)
+        h, report["routing_disagreements"] = _routed_as_the_reference(model, ref_routing, lambda: model(ids, positions, prev))
+        logits = model.compute_logits(h)
         report["reference"] = str(reference_dir)
         report["hidden_max_abs_diff"] = (h.float() - h_ref.float()).abs().max().item()
         report["hidden_max_abs"] = h_ref.float().abs().max().item()
@@ -130,7 +155,7 @@ def read_target_features(path: str | Path, cfg: ModelConfig) -> torch.Tensor:
 def run_dspark_smoke(
     out_dir: str | Path,
     device: str | None = None,
-    context_tokens: int = 16,
+    context_tokens: int = SMOKE_TOKENS,
     features: str | Path | None = None,
     anchor: int | None = None,
     first_position: int = 0,
@@ -180,19 +205,13 @@ def run_dspark_smoke(
         raise SmokeCheckError(f"{out_dir}: non-finite values in the draft's hidden states or logits", path=str(out_dir))
 
     if reference_dir is not None:
-        # one side at a time: the model's mapped shards, with the pages its forward made
-        # resident, go before the reference maps the native ones (peak: the larger side)
-        del model
-        gc.collect()
+        # both sides at once: dspark_against_reference runs the model again with the
+        # reference's routing where they differ on a near-tie (model/parity.py)
         with config_errors(f"{reference_dir}/config.json"):  # the reference reads the native config
             ref, report["reference_load_ms"] = _timed(dev, lambda: DSparkReference(reference_dir, dev))
-        out, report["reference_draft_ms"] = _timed(dev, lambda: ref.forward(feats, ctx, anchor))
+        (mine, out, routing), report["reference_draft_ms"] = _timed(dev, lambda: dspark_against_reference(model, ref, feats, ctx, anchor))
         report["reference"] = str(reference_dir)
-        report["hidden_max_abs_diff"] = (h.float() - out.hidden_states.float()).abs().max().item()
-        report["hidden_max_abs"] = out.hidden_states.float().abs().max().item()
-        report["base_logits_max_abs_diff"] = (base - out.base_logits).abs().max().item()
-        report["logits_max_abs_diff"] = (logits - out.logits).abs().max().item()
-        report["logits_max_abs"] = out.logits.abs().max().item()
+        report.update(dspark_parity(mine, out, routing))
         report["reference_draft_tokens"] = out.draft_tokens.tolist()
         same = [a == b for a, b in zip(report["draft_tokens"], report["reference_draft_tokens"])]
         # greedy drafting conditions each token on the one before: after a first disagreement
@@ -202,13 +221,35 @@ def run_dspark_smoke(
     return report
 
 
-def top1_agreement_up_to_ties(logits: torch.Tensor, logits_ref: torch.Tensor, rel_tie: float = TIE_REL) -> float:
-    """Share of tokens whose top-1 agrees with the reference's, where a disagreement counts
-    as agreeing when the reference itself puts the two tokens within rel_tie * max|logit|
-    of each other: bf16 implementations on different hardware can order such a near-tie
-    either way (seen on random tiny checkpoints: 0.14% logit differences, one flipped token
-    in four). A disagreement on a token the reference ranks decisively still fails."""
-    tol = rel_tie * logits_ref.abs().max()
-    mine = logits.argmax(-1, keepdim=True)
-    gap = logits_ref.max(-1, keepdim=True).values - logits_ref.gather(-1, mine)
-    return (gap <= tol).float().mean().item()
+def dspark_against_reference(
+    model: DSparkDraft, ref: DSparkReference, features: torch.Tensor, context_positions: torch.Tensor, anchor: int
+) -> tuple[DraftBlock, ReferenceBlock, list[dict[str, Any]]]:
+    """The model's and the reference's drafts of one block, made comparable: the model is
+    routed as the reference where the two differ only on near-ties (model/parity.py), and
+    its `logits` row k is computed given the reference's draft token k-1 (the anchor for
+    k = 0), so that one flipped near-tie does not make every later row compare another
+    continuation. `draft_tokens` is the model's own greedy chain. -> (model's block, the
+    reference's block, the routing disagreements with their margins)."""
+    with logging_routing(ref.stages, RoutingLog()) as ref_routing:
+        expected = ref.forward(features, context_positions, anchor)
+    ids, positions = model.block_ids(anchor), model.block_positions(context_positions)
+    h, routing = _routed_as_the_reference(model, ref_routing, lambda: model.hidden_states(features, context_positions, ids, positions))
+    base = model.base_logits(h)
+    _, tokens = model.markov_decode(base, anchor)
+    prev = torch.tensor([anchor, *expected.draft_tokens.tolist()[:-1]], device=base.device)
+    logits = torch.stack([base[k] + model.model.markov_head.bias(prev[k]) for k in range(base.shape[0])])
+    return DraftBlock(h, base, logits, tokens), expected, routing
+
+
+def dspark_parity(mine: DraftBlock, expected: ReferenceBlock, routing: list[dict[str, Any]]) -> dict[str, Any]:
+    """The figures model/parity.py's verdict reads, from dspark_against_reference's result."""
+    return {
+        "routing_disagreements": routing,
+        "hidden_max_abs_diff": (mine.hidden_states.float() - expected.hidden_states.float()).abs().max().item(),
+        "hidden_max_abs": expected.hidden_states.float().abs().max().item(),
+        "base_logits_max_abs_diff": (mine.base_logits - expected.base_logits).abs().max().item(),
+        "logits_max_abs_diff": (mine.logits - expected.logits).abs().max().item(),
+        "logits_max_abs": expected.logits.abs().max().item(),
+        "top1_agreement": (mine.logits.argmax(-1) == expected.logits.argmax(-1)).float().mean().item(),
+        "top1_agreement_up_to_ties": top1_agreement_up_to_ties(mine.logits, expected.logits),
+    }

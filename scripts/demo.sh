@@ -5,9 +5,10 @@
 # write the standalone draft directory the runtimes serve, check it (also that it would
 # load beside its target in vLLM), smoke-test it, and print the two serve commands.
 set -euo pipefail
+# DIR is relative to where the user ran this; the default out/demo to the repository
+work="$(realpath -m "${1:-$(dirname "$0")/../out/demo}")"
 cd "$(dirname "$0")/.."
 scripts/bootstrap.sh
-work="${1:-out/demo}"
 run=(.venv/bin/convert-dsv4)
 # synth refuses a directory that is not empty: a rerun keeps the checkpoint the first run wrote
 [ -e "$work/native/config.json" ] || "${run[@]}" synth "$work/native" --preset tiny --main-layers all --seed 0

@@ -4,5 +4,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/bootstrap.sh test,quant
-.venv/bin/lint-imports
+.venv/bin/lint-imports --no-logo  # the contracts and their verdicts, without the ASCII-art banner
 exec .venv/bin/python -m pytest -q "$@"

@@ -21,6 +21,7 @@ from dsv4.convert.cli import cli
 from dsv4.convert.exit_codes import exit_code
 from dsv4.convert.pipeline import convert
 from dsv4.convert.synth import write_checkpoint
+from inprocess import run_main
 from safetensors.torch import load_file, save_file
 
 # "serve" (check --serve-with, tests/test_serve_with.py) is the last check; not asked for here, it skips
@@ -291,3 +292,20 @@ def test_check_under_an_address_space_limit_too_small_for_torch_is_one_line(tiny
     done = subprocess.run([sys.executable, "-c", "from dsv4.convert.entry import main; main()", "check", str(tiny_pair[1])], capture_output=True, text=True, timeout=120, preexec_fn=capped)
     assert done.returncode == 3, done.stderr  # not OpenBLAS's exit(1) inside torch's import
     assert done.stderr.startswith("error: check: not enough memory: the address-space limit (ulimit -v) is 512 MiB") and done.stderr.count("\n") == 1
+
+
+def test_check_native_and_smoke_native_give_one_verdict(out: Path, natives: dict[str, Path], monkeypatch, capsys) -> None:
+    # the routed experts stacked in reverse order (a converter stacking them wrongly): the
+    # routing is the reference's, the outputs are not. One pass rule (dsv4.model.parity),
+    # one message; check keeps its code 85, smoke its 55; the same default token count.
+    def swap_experts(t: dict[str, torch.Tensor]) -> None:
+        for name in [n for n in t if ".routed_experts." in n]:
+            t[name] = t[name].flip(0).contiguous()  # every expert takes another one's weights
+
+    edit_tensors(out, swap_experts)
+    report = run_checks(out, native=natives["instruct"])
+    assert (report.failures[0].name, report.exit_code) == ("native", 85)
+    code, _, err = run_main(monkeypatch, capsys, "smoke", out, "--device", "cpu", "--native", natives["instruct"])
+    assert code == 55
+    verdict = err.removeprefix("error: ").rstrip("\n")
+    assert verdict == report.failures[0].reason and verdict.startswith(f"{out}: differs from the reference on {natives['instruct']}: ")

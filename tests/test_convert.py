@@ -270,6 +270,53 @@ def test_dry_run_prints_the_plan_and_writes_nothing(tiny_native: Path, tmp_path:
     assert not (tmp_path / "out").exists() and not (tmp_path / ".out.partial").exists()
 
 
+def test_dry_run_json_is_the_plan_json_and_what_would_become_of_out(tiny_native: Path, tmp_path: Path) -> None:
+    # --help: "`plan --json` plus "output" and "would""
+    r = cli(str(tiny_native), str(tmp_path / "out"), "--dry-run", "--json")
+    plan = json.loads(cli("plan", str(tiny_native), "--json").stdout)
+    assert json.loads(r.stdout) == plan | {"output": str(tmp_path / "out"), "would": "create"}
+
+
+def listing(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
+
+
+@pytest.mark.parametrize(
+    ("case", "code", "said"),
+    [
+        ("out-is-source", 43, "is the source directory"),
+        ("out-inside-source", 44, "is inside the source directory"),
+        ("not-empty", 41, "exists and is not empty"),
+        ("overwrite-foreign", 48, "--overwrite refused"),
+    ],
+)
+def test_dry_run_refuses_what_the_run_would_refuse_and_touches_nothing(tiny_native: Path, tmp_path: Path, case: str, code: int, said: str) -> None:
+    out, extra = tmp_path / "out", []
+    if case == "out-is-source":
+        out = tiny_native
+    elif case == "out-inside-source":
+        out = tiny_native / "sub"
+    else:
+        out.mkdir()
+        (out / "notes.txt").write_text("mine")
+        extra = ["--overwrite"] if case == "overwrite-foreign" else []
+    before = listing(tmp_path), listing(tiny_native)
+    dry = cli(str(tiny_native), str(out), "--dry-run", *extra)
+    assert (dry.returncode, dry.stdout) == (code, ""), dry.stderr
+    assert said in dry.stderr and dry.stderr.count("\n") == 1
+    assert (listing(tmp_path), listing(tiny_native)) == before  # no lock, no partial directory
+    assert cli(str(tiny_native), str(out), *extra).returncode == code  # the run agrees
+
+
+def test_dry_run_says_whether_out_would_be_created_replaced_or_is_up_to_date(tiny_native: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    assert "dry run: " + str(out) + " would be created" in cli(str(tiny_native), str(out), "--dry-run").stdout
+    assert cli(str(tiny_native), str(out)).returncode == 0
+    up = cli(str(tiny_native), str(out), "--dry-run")
+    assert up.returncode == 0 and "is already up to date" in up.stdout
+    assert json.loads(cli(str(tiny_native), str(out), "--dry-run", "--overwrite", "--json").stdout)["would"] == "replace"
+
+
 def test_json_summary(tiny_native: Path, tmp_path: Path) -> None:
     r = cli(str(tiny_native), str(tmp_path / "out"), "--json")
     assert r.returncode == 0

@@ -41,7 +41,8 @@ def test_smoke_fails_when_the_reference_disagrees(tiny_pair, tmp_path):
     other = write_checkpoint(tmp_path / "other", preset="tiny", variant="instruct", seed=9)
     result = CliRunner().invoke(cli, ["smoke", str(tiny_pair[1]), "--device", "cpu", "--tokens", "16", "--native", str(other)])
     assert isinstance(result.exception, SmokeCheckError)
-    assert "top-1 agreement with the reference" in str(result.exception)
+    # the verdict of `check --native` too (model/parity.py): one message for both commands
+    assert f"differs from the reference on {other}" in str(result.exception) and "top-1 agreement" in str(result.exception)
 
 
 def test_a_bad_checkpoint_exits_with_the_load_error_code(tiny_pair, tmp_path):
@@ -68,10 +69,21 @@ def test_top1_agreement_forgives_near_ties_only():
     assert top1_agreement_up_to_ties(ref, ref) == 1.0
 
 
-def test_without_triton_the_command_says_so_in_one_line_of_its_own(tiny_pair):
-    """No Python warning with a source path: the notice is the command's own `warning:` line."""
+def test_without_triton_the_command_says_so_once_in_its_result(tiny_pair):
+    """No Python warning with a source path, and no `warning:` line repeating the result's
+    "fused norms: torch fallback (...)" (was: both; and -q, which hides notices, showed it)."""
     hide_triton = "import sys; sys.modules['triton'] = None; from dsv4.convert.cli import main; sys.argv[0] = 'convert-dsv4'; main()"
-    proc = subprocess.run([sys.executable, "-c", hide_triton, "smoke", str(tiny_pair[1]), "--device", "cpu", "--tokens", "2", "-q"], capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stderr == "warning: triton is not importable; running the torch reference instead\n"
-    assert "torch fallback (triton is not importable)" in proc.stdout
+    for quiet in ([], ["-q"]):
+        proc = subprocess.run([sys.executable, "-c", hide_triton, "smoke", str(tiny_pair[1]), "--device", "cpu", "--tokens", "2", *quiet], capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stderr == ""
+        assert "torch fallback (triton is not importable)" in proc.stdout and proc.stdout.count("triton is not importable") == 1
+
+
+def test_on_the_cpu_the_fallback_is_not_blamed_on_triton_interpret(tiny_pair):
+    # TRITON_INTERPRET=1 selects Triton's slow interpreter (for tests): never the advice on a CPU
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-m", "dsv4", "smoke", str(tiny_pair[1]), "--device", "cpu", "--tokens", "2"], capture_output=True, text=True, env=env)
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    assert "fused norms: torch fallback (the tensors are on the CPU, and the Triton kernels are for XPU and CUDA)" in proc.stdout
+    assert "TRITON_INTERPRET" not in proc.stdout
