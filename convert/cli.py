@@ -204,16 +204,16 @@ def plan_command(source: str, target: str, reverse: bool, revision: str | None, 
     """Show what converting SOURCE would read and write. Reads headers only."""
     from dsv4.convert.location import locate
 
-    plan, header_bytes = _plan(locate(source, revision=revision, token=token), target, reverse)
+    plan, header_bytes = _plan(locate(source, revision=revision, token=token), target, reverse, quiet=quiet or as_json)
     _print_plan(plan, as_json, quiet, full=True, header_bytes=header_bytes)
 
 
-def _plan(source: str | Path | HubSpec, target: str, reverse: bool) -> tuple[Plan, int]:
+def _plan(source: str | Path | HubSpec, target: str, reverse: bool, *, quiet: bool = True) -> tuple[Plan, int]:
     """The plan for SOURCE, from headers only, and the header bytes read."""
     from dsv4.convert.pipeline import plan_source
     from dsv4.convert.sources import open_source  # start-up time
 
-    inv, reader = open_source(source)
+    inv, reader = open_source(source, quiet=quiet)
     plan = plan_source(inv, reader, target, reverse=reverse)
     reader.close()
     return plan, inv.header_bytes

@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import TypeVar
 
 import httpx2
+from dsv4.convert import progress
 from dsv4.convert.errors import DownloadError, HubError, RepoNotFound, RevisionNotFound
 from dsv4.convert.inventory import Inventory, TensorSource, merge_shards, parse_header, tensors_from_header
 from dsv4.convert.location import HubSpec, parse_hub_spec
@@ -417,9 +418,10 @@ def _cached(hub: HubSpec) -> tuple[str, CachedHubReader]:
     return snapshot.name, CachedHubReader(snapshot, hub, snapshot.name)
 
 
-def open_hub_source(spec: str | HubSpec) -> tuple[Inventory, HubReader | CachedHubReader]:
+def open_hub_source(spec: str | HubSpec, *, quiet: bool = True) -> tuple[Inventory, HubReader | CachedHubReader]:
     """Inventory of hub repo `org/name[@revision]` from its headers, and a reader pinned to
-    the resolved commit. Applies the same checks as the local reader."""
+    the resolved commit. Applies the same checks as the local reader. Unless `quiet`, a bar
+    counts the shard headers read (progress.py's rule: a terminal only)."""
     hub = parse_hub_spec(spec) if isinstance(spec, str) else spec
     reader: HubReader | CachedHubReader
     if constants.HF_HUB_OFFLINE:
@@ -462,8 +464,11 @@ def open_hub_source(spec: str | HubSpec) -> tuple[Inventory, HubReader | CachedH
         # Latency-bound (Flash: 46 shards), so several shards at a time. map yields in shard
         # order: the first shard in that order that fails is the error reported, as when
         # they were read one by one, and the shards not yet started are cancelled.
-        with ThreadPoolExecutor(max_workers=reader.header_reads, thread_name_prefix="hub-header") as pool:
-            headers = list(pool.map(partial(_read_shard_header, reader), files))
+        with ThreadPoolExecutor(max_workers=reader.header_reads, thread_name_prefix="hub-header") as pool, progress.bar(len(files), "shard headers", "shard", quiet) as shown:
+            headers = []
+            for header in pool.map(partial(_read_shard_header, reader), files):
+                headers.append(header)
+                shown.update(1)
         header_bytes = sum(data_start for _, data_start in headers)
         tensors = merge_shards(hub.location, weight_map, [(file, found) for file, (found, _) in zip(files, headers, strict=True)])
     except BaseException:

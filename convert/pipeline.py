@@ -286,7 +286,7 @@ def convert(source: str | Path | HubSpec, out: str | Path, *, target: str = "xpu
     require_target(target)  # a bad name is refused before OUT is touched
     where = locate(source)
     with claim_output(out, source=where if isinstance(where, Path) else None, wait=wait, on_wait=_waiting_notice(quiet)) as claim:
-        inv, reader = open_source(where)
+        inv, reader = open_source(where, quiet=quiet)
         plan = plan_source(inv, reader, target, reverse=reverse)
         try:
             return _write_output(plan, reader, claim, overwrite=overwrite, max_shard_size=max_shard_size, quiet=quiet)

@@ -59,3 +59,20 @@ def test_a_bar_counts_bytes_in_decimal_units_like_the_summaries() -> None:
 
     meter = tqdm.format_meter(5_712_000_000, 5_712_000_000, 1, **BYTES)
     assert "5.71G/5.71G" in meter  # the summary says 5.712 GB; binary units would say 5.32G
+
+
+def test_plan_of_a_hub_repository_counts_its_shard_headers_on_a_terminal_unless_hidden(tiny_pair, tmp_path: Path) -> None:
+    # a request per shard, each a round trip to the hub: seconds for Flash's 46 shards
+    sys.path.insert(0, str(Path(__file__).parent))
+    from hubserver import FakeHub, hub_env
+
+    with FakeHub() as hub:
+        hub.commit_dir("org/tiny", tiny_pair[0])
+        env = hub_env(hub, tmp_path / "hf")
+        code, drawn = on_a_terminal("plan", "org/tiny", env=env)
+        assert code == 0 and "shard headers: 100%" in drawn, drawn
+        for hidden, extra in ((["-q"], {}), (["--json"], {}), ([], {"HF_HUB_DISABLE_PROGRESS_BARS": "1"})):
+            code, drawn = on_a_terminal("plan", "org/tiny", *hidden, env=env | extra)
+            assert code == 0 and "shard headers" not in drawn, drawn
+        code, drawn = on_a_terminal("plan", str(tiny_pair[0]), env=env)  # a local plan reads its headers in well under a second
+        assert code == 0 and "shard headers" not in drawn, drawn
