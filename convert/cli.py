@@ -62,10 +62,12 @@ def _version_message() -> str:
 @click.group(cls=_Commands, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="convert-dsv4", message=_version_message())
 def cli() -> None:
-    """Convert a native DeepSeek V4 checkpoint's draft layers into vLLM's XPU draft layout.
+    """Convert a native DeepSeek V4 checkpoint's draft layers: into a standalone draft
+    directory vLLM and SGLang serve (--target draft), or vLLM's XPU draft layout (--target xpu).
 
     \b
-      convert-dsv4 IN OUT --target xpu     convert (IN: directory, or hub repo [hf://]org/name[@rev])
+      convert-dsv4 IN OUT --target draft   the draft directory runtimes serve (IN: directory, or hub repo [hf://]org/name[@rev])
+      convert-dsv4 IN OUT --target xpu     vLLM's XPU in-memory layout (bundled model, check)
       convert-dsv4 plan IN --target xpu    show what a conversion would read and write
       convert-dsv4 check OUT               verify a converted checkpoint (for CI)
       convert-dsv4 smoke OUT               load it into the bundled model and run a forward
