@@ -3,10 +3,8 @@ broken fails its own check with its own exit code and a reason naming the tensor
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
-import struct
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
@@ -21,13 +19,11 @@ from dsv4.convert.cli import cli
 from dsv4.convert.exit_codes import exit_code
 from dsv4.convert.pipeline import convert
 from dsv4.convert.synth import write_checkpoint
+from edits import INDEX, SHARD, edit_config, edit_tensors, raw_tensor_bytes, reseal
 from inprocess import run_main
-from safetensors.torch import load_file, save_file
 
 # "serve" (check --serve-with, tests/test_serve_with.py) is the last check; not asked for here, it skips
 CHECKS = ["index", "readable", "sizes", "checksums", "config", "layout", "quant", "smoke", "native", "serve"]
-INDEX = "model.safetensors.index.json"
-SHARD = "model-00001-of-00001.safetensors"  # a tiny conversion fits one shard
 L = 2  # tiny: num_hidden_layers = 2, so MTP block 0 is decoder layer 2
 B = f"model.layers.{L}.mtp_block."
 
@@ -56,43 +52,6 @@ def out(converted: dict[str, Path], tmp_path: Path) -> Path:
 
 def statuses(report) -> dict[str, str]:
     return {r.name: r.status for r in report.results}
-
-
-def raw_tensor_bytes(path: Path) -> dict[str, tuple[str, bytes]]:
-    """name -> (dtype, bytes) straight from a safetensors file, independent of the code under test."""
-    data = path.read_bytes()
-    (n,) = struct.unpack("<Q", data[:8])
-    header = json.loads(data[8 : 8 + n])
-    header.pop("__metadata__", None)
-    return {k: (v["dtype"], data[8 + n + v["data_offsets"][0] : 8 + n + v["data_offsets"][1]]) for k, v in header.items()}
-
-
-def reseal(out: Path) -> None:
-    """Rewrite the index and conversion.json from the shards as they now are, so that only
-    the change a test made is wrong, not the bookkeeping around it."""
-    record = json.loads((out / "conversion.json").read_text())
-    weight_map, tensors, total = {}, {}, 0
-    for shard in sorted(out.glob("model-*.safetensors")):
-        for name, (_, data) in raw_tensor_bytes(shard).items():
-            weight_map[name] = shard.name
-            tensors[name] = {"file": shard.name, "nbytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-            total += len(data)
-    (out / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
-    record["tensors"] = tensors
-    (out / "conversion.json").write_text(json.dumps(record))
-
-
-def edit_tensors(out: Path, edit: Callable[[dict[str, torch.Tensor]], None]) -> None:
-    tensors = load_file(out / SHARD)
-    edit(tensors)
-    save_file(tensors, out / SHARD, metadata={"format": "pt"})
-    reseal(out)
-
-
-def edit_config(out: Path, edit: Callable[[dict], None]) -> None:
-    config = json.loads((out / "config.json").read_text())
-    edit(config)
-    (out / "config.json").write_text(json.dumps(config))
 
 
 # --- passing ------------------------------------------------------------------------------

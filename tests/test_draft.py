@@ -23,6 +23,7 @@ from dsv4.convert.synth import write_checkpoint
 from dsv4.mapping import errors as mapping_errors
 from dsv4.convert.errors import OutputExistsError, UncoveredKeyError
 from dsv4.mapping.table import TABLE_DIR, installed_targets, load_table, load_table_file
+from edits import edit_config, edit_tensors
 from inprocess import run_main
 
 SHARD = "model-00001-of-00001.safetensors"  # a tiny draft fits one shard
@@ -171,30 +172,6 @@ def test_smoke_runs_the_bundled_model_on_a_draft_directory(kind: str, drafts: di
     report = json.loads(out)
     agreement = report["draft_token_agreement"] if kind == "dspark" else report["top1_agreement_up_to_ties"]
     assert agreement == 1.0  # the draft directory is its own native reference
-
-
-def reseal(out: Path) -> None:
-    """Rewrite the index and conversion.json's tensor list from the shard as it now is, so
-    only the change a test made is wrong, not the bookkeeping around it."""
-    record = json.loads((out / "conversion.json").read_text())
-    tensors = {n: {"file": SHARD, "nbytes": len(d), "sha256": hashlib.sha256(d).hexdigest()} for n, (_, _, d) in raw_tensors(out).items()}
-    (out / INDEX).write_text(json.dumps({"metadata": {"total_size": sum(t["nbytes"] for t in tensors.values())}, "weight_map": {n: SHARD for n in tensors}}))
-    (out / "conversion.json").write_text(json.dumps({**record, "tensors": tensors}))
-
-
-def edit_tensors(out: Path, edit: Callable[[dict], None]) -> None:
-    from safetensors.torch import load_file, save_file
-
-    tensors = load_file(out / SHARD)
-    edit(tensors)
-    save_file(tensors, out / SHARD, metadata={"format": "pt"})
-    reseal(out)
-
-
-def edit_config(out: Path, edit: Callable[[dict], None]) -> None:
-    config = json.loads((out / "config.json").read_text())
-    edit(config)
-    (out / "config.json").write_text(json.dumps(config, indent=2))
 
 
 def add_a_converted_name(out: Path) -> None:
