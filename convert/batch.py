@@ -26,6 +26,10 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from huggingface_hub import HfApi
+from huggingface_hub.errors import HFValidationError
+from huggingface_hub.utils import validate_repo_id
+
 from dsv4 import __version__
 from dsv4.convert import interrupts
 from dsv4.convert.card import model_card, with_card
@@ -41,9 +45,6 @@ from dsv4.model import strictjson
 from dsv4.model.errors import DSV4Error
 from dsv4.model.record import CONVERSION_RECORD, ConversionRecord, RecordError
 from dsv4.model.strictjson import write_record
-from huggingface_hub import HfApi
-from huggingface_hub.errors import HFValidationError
-from huggingface_hub.utils import validate_repo_id
 
 TOP_KEYS = {"target", "sources", "output", "options"}
 OUTPUT_KEYS = {"dir", "name", "repo", "private"}
@@ -97,12 +98,22 @@ def _fill(template: str, hub: HubSpec, target: str, where: str) -> str:
         # bare placeholders only: str.format would also run "{name.upper}" (attribute access)
         # and "{name:>999999999}" (a gigabyte of padding) straight from the manifest
         fields = [(f, spec, conv) for _, f, spec, conv in string.Formatter().parse(template) if f is not None]
-        bad = next((f"{{{f}{'!' + conv if conv else ''}{':' + spec if spec else ''}}}" for f, spec, conv in fields if f not in values or spec or conv), None)
+        bad = next(
+            (
+                f"{{{f}{'!' + conv if conv else ''}{':' + spec if spec else ''}}}"
+                for f, spec, conv in fields
+                if f not in values or spec or conv
+            ),
+            None,
+        )
         if bad is not None:
             raise ValueError(f"{bad} is not a placeholder")
         return template.format(**values)
     except ValueError as exc:
-        raise ManifestError(f"{where}: bad template {template!r} ({exc}); placeholders are {', '.join('{' + p + '}' for p in PLACEHOLDERS)}", path=str(where)) from None
+        raise ManifestError(
+            f"{where}: bad template {template!r} ({exc}); placeholders are {', '.join('{' + p + '}' for p in PLACEHOLDERS)}",
+            path=str(where),
+        ) from None
 
 
 def _parse_source(entry: Any, where: str, base: Path) -> HubSpec:
@@ -110,12 +121,19 @@ def _parse_source(entry: Any, where: str, base: Path) -> HubSpec:
         entry = _table(entry, where, {"repo", "revision"})
         repo, revision = entry.get("repo"), entry.get("revision")
         if not isinstance(repo, str) or "@" in repo or not (revision is None or isinstance(revision, str)):
-            raise ManifestError(f"{where}: needs repo = \"org/name\" and optionally revision = \"branch, tag or commit\"", path=str(where))
+            raise ManifestError(
+                f'{where}: needs repo = "org/name" and optionally revision = "branch, tag or commit"', path=str(where)
+            )
         entry = f"{repo}@{revision}" if revision else repo
     if not isinstance(entry, str):
-        raise ManifestError(f"{where}: a source is \"org/name[@revision]\" or {{repo = ..., revision = ...}}", path=str(where))
+        raise ManifestError(
+            f'{where}: a source is "org/name[@revision]" or {{repo = ..., revision = ...}}', path=str(where)
+        )
     if not entry.startswith(HF_PREFIX) and (Path(entry).is_dir() or (base / entry).is_dir()):
-        raise ManifestError(f"{where}: {entry!r} is a local directory; batch takes hub repositories only (convert a local checkpoint with convert-dsv4 {entry} OUT --target xpu)", path=str(where))
+        raise ManifestError(
+            f"{where}: {entry!r} is a local directory; batch takes hub repositories only (convert a local checkpoint with convert-dsv4 {entry} OUT --target xpu)",
+            path=str(where),
+        )
     try:
         return parse_hub_spec(entry)
     except DSV4Error as exc:
@@ -140,7 +158,10 @@ def load_manifest(path: str | Path, out_dir: str | Path | None = None) -> Manife
     if not isinstance(target, str) or not isinstance(name_t, str) or not (repo_t is None or isinstance(repo_t, str)):
         raise ManifestError(f"{path}: target, output.name and output.repo are strings", path=str(path))
     if target not in installed_targets():  # before it fills a template or names a path
-        raise ManifestError(f"{path}: target {target!r} is not an installed mapping table (installed: {', '.join(installed_targets())}); a table is chosen by name, not path", path=str(path))
+        raise ManifestError(
+            f"{path}: target {target!r} is not an installed mapping table (installed: {', '.join(installed_targets())}); a table is chosen by name, not path",
+            path=str(path),
+        )
     if not (private is None or isinstance(private, bool)) or not isinstance(check, bool):
         raise ManifestError(f"{path}: output.private and options.check are true or false", path=str(path))
     try:
@@ -157,7 +178,7 @@ def load_manifest(path: str | Path, out_dir: str | Path | None = None) -> Manife
 
     entries = raw.get("sources")
     if not isinstance(entries, list) or not entries:
-        raise ManifestError(f"{path}: sources must be a non-empty list of \"org/name[@revision]\"", path=str(path))
+        raise ManifestError(f'{path}: sources must be a non-empty list of "org/name[@revision]"', path=str(path))
     sources: dict[str, Source] = {}
     names: dict[str, str] = {}
     for k, entry in enumerate(entries):
@@ -173,20 +194,27 @@ def load_manifest(path: str | Path, out_dir: str | Path | None = None) -> Manife
                 if push_repo.count("/") != 1:
                     raise HFValidationError("needs org/name")
             except HFValidationError:
-                raise ManifestError(f"{where}: output.repo gives {push_repo!r}, not a repo id org/name", path=str(where)) from None
+                raise ManifestError(
+                    f"{where}: output.repo gives {push_repo!r}, not a repo id org/name", path=str(where)
+                ) from None
         src = Source(hub.repo, hub.revision, out_root / local, push_repo)
         if src.key in sources:
             raise ManifestError(f"{where}: {src.key} is listed twice", path=str(where))
         for label, value in (("local output", local), ("target repo", push_repo)):
             if value is not None and (other := names.get(f"{label}:{value}")) is not None:
-                raise ManifestError(f"{where}: {src.key} and {other} get the same {label} {value!r}; tell them apart in the template ({{org}}, {{revision}})", path=str(where))
+                raise ManifestError(
+                    f"{where}: {src.key} and {other} get the same {label} {value!r}; tell them apart in the template ({{org}}, {{revision}})",
+                    path=str(where),
+                )
             names[f"{label}:{value}"] = src.key
         sources[src.key] = src
     ordered = tuple(sources[k] for k in sorted(sources))
     return Manifest(path, target, out_root, ordered, private, max_shard, check)
 
 
-def shard_from_env(num_shards: int | None, shard_index: int | None, env: Mapping[str, str] = os.environ) -> tuple[int, int]:
+def shard_from_env(
+    num_shards: int | None, shard_index: int | None, env: Mapping[str, str] = os.environ
+) -> tuple[int, int]:
     """(N, K): the options where given (N also from DSV4_NUM_SHARDS), else a Slurm array task
     ((SLURM_ARRAY_TASK_ID - SLURM_ARRAY_TASK_MIN) / SLURM_ARRAY_TASK_STEP, of
     SLURM_ARRAY_TASK_COUNT) or a Kubernetes indexed Job (JOB_COMPLETION_INDEX, with N from
@@ -210,21 +238,29 @@ def shard_from_env(num_shards: int | None, shard_index: int | None, env: Mapping
             low = number("SLURM_ARRAY_TASK_MIN", least=0) if "SLURM_ARRAY_TASK_MIN" in env else 0
             step = number("SLURM_ARRAY_TASK_STEP", least=1) if "SLURM_ARRAY_TASK_STEP" in env else 1
             if task < low or (task - low) % step:
-                raise ValueError(f"SLURM_ARRAY_TASK_ID={task} is not in the array SLURM_ARRAY_TASK_MIN={low}, SLURM_ARRAY_TASK_STEP={step} describe")
+                raise ValueError(
+                    f"SLURM_ARRAY_TASK_ID={task} is not in the array SLURM_ARRAY_TASK_MIN={low}, SLURM_ARRAY_TASK_STEP={step} describe"
+                )
             shard_index = (task - low) // step
             if num_shards is None and "SLURM_ARRAY_TASK_COUNT" in env:
                 num_shards = number("SLURM_ARRAY_TASK_COUNT", least=1)
         elif "JOB_COMPLETION_INDEX" in env:
             shard_index = number("JOB_COMPLETION_INDEX", least=0)
             if num_shards is None:
-                raise ValueError(f"JOB_COMPLETION_INDEX is set but not the number of shards: pass --num-shards or set {NUM_SHARDS_ENV} to the Job's completions")
+                raise ValueError(
+                    f"JOB_COMPLETION_INDEX is set but not the number of shards: pass --num-shards or set {NUM_SHARDS_ENV} to the Job's completions"
+                )
         elif num_shards not in (None, 1):
-            raise ValueError(f"--num-shards {num_shards} needs --shard-index (or SLURM_ARRAY_TASK_ID / JOB_COMPLETION_INDEX)")
+            raise ValueError(
+                f"--num-shards {num_shards} needs --shard-index (or SLURM_ARRAY_TASK_ID / JOB_COMPLETION_INDEX)"
+            )
         else:
             shard_index = 0
     num_shards = 1 if num_shards is None else num_shards
     if not 0 <= shard_index < num_shards:
-        raise ValueError(f"shard index {shard_index} is outside 0..{num_shards - 1} (a Slurm array must be a range like 0-7 or 1-15:2)")
+        raise ValueError(
+            f"shard index {shard_index} is outside 0..{num_shards - 1} (a Slurm array must be a range like 0-7 or 1-15:2)"
+        )
     return num_shards, shard_index
 
 
@@ -263,12 +299,16 @@ def pushed_record(repo: str) -> tuple[str | None, ConversionRecord | None]:
         raise PushError(str(exc), path=f"{HUB_SCHEME}{repo}") from None
     raw = download(hub, head, CONVERSION_RECORD, PushError, missing_ok=True)
     try:
-        return head, None if raw is None else ConversionRecord.from_json(strictjson.loads(raw), f"{HUB_SCHEME}{repo}/{CONVERSION_RECORD}")
+        return head, None if raw is None else ConversionRecord.from_json(
+            strictjson.loads(raw), f"{HUB_SCHEME}{repo}/{CONVERSION_RECORD}"
+        )
     except (strictjson.StrictJSONError, RecordError):
         return head, None  # records nothing, as ConversionRecord.find says of a local one
 
 
-def push(out: Path, repo: str, message: str, description: str, private: bool | None, head: str | None, card: str) -> str:
+def push(
+    out: Path, repo: str, message: str, description: str, private: bool | None, head: str | None, card: str
+) -> str:
     """Upload `out` to `repo` (created if missing) as one commit on top of `head`, the
     repo's head when its record was read, with README.md = `card` (convert/card.py) in the
     same commit; returns the commit.
@@ -294,11 +334,22 @@ def push(out: Path, repo: str, message: str, description: str, private: bool | N
             head = resolve_commit(HubSpec(repo, None, explicit=True))
     try:
         with hub_errors(where, PushError), with_card(out, card) as folder:
-            return api.upload_folder(repo_id=repo, folder_path=folder, commit_message=message, commit_description=description, delete_patterns=STALE_SHARDS, parent_commit=head).oid
+            return api.upload_folder(
+                repo_id=repo,
+                folder_path=folder,
+                commit_message=message,
+                commit_description=description,
+                delete_patterns=STALE_SHARDS,
+                parent_commit=head,
+            ).oid
     except PushError:
         now = HubSpec(repo, None, explicit=True)
         landed = resolve_commit(now)
-        if landed == head or download(now, landed, CONVERSION_RECORD, PushError, missing_ok=True) != (out / CONVERSION_RECORD).read_bytes():
+        if (
+            landed == head
+            or download(now, landed, CONVERSION_RECORD, PushError, missing_ok=True)
+            != (out / CONVERSION_RECORD).read_bytes()
+        ):
             raise
         return landed
 
@@ -344,16 +395,29 @@ class _Job:
             plan = plan_source(inv, reader, self.manifest.target)
             try:
                 # replacing is safe only over an earlier conversion (it has a conversion.json), never over anything else
-                result = run_plan(plan, reader, src.output, overwrite=(src.output / CONVERSION_RECORD).exists(), max_shard_size=self.manifest.max_shard_size)
+                result = run_plan(
+                    plan,
+                    reader,
+                    src.output,
+                    overwrite=(src.output / CONVERSION_RECORD).exists(),
+                    max_shard_size=self.manifest.max_shard_size,
+                )
             finally:
                 self.fetched = inv.header_bytes + reader.bytes_read
             conversion, table = result.status, tables[plan.table]
-        entry: dict[str, Any] = {"conversion": conversion, "table": table.name, "check": run_check(src.output) if self.manifest.check else "disabled"}
+        entry: dict[str, Any] = {
+            "conversion": conversion,
+            "table": table.name,
+            "check": run_check(src.output) if self.manifest.check else "disabled",
+        }
         if target:
             message = f"Convert {src.repo}@{commit[:12]} with table {table.name} v{table.version}"
             description = f"Source: {src.repo} commit {commit}\nTable: {table.name} v{table.version} (target {table.target})\nTool: dsv4-convert {__version__}"
             card = model_card(target, src.repo, commit, table)
-            entry["pushed"] = {"repo": target, "commit": push(src.output, target, message, description, self.manifest.private, head, card)}
+            entry["pushed"] = {
+                "repo": target,
+                "commit": push(src.output, target, message, description, self.manifest.private, head, card),
+            }
         return "converted", entry
 
 
@@ -379,7 +443,14 @@ def _own_report(path: Path, stack: ExitStack) -> None:
     is refused at once (47, naming the first run) instead of overwriting its report."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        stack.enter_context(hold_lock(path, path.parent / f".{path.name}.lock", path.parent / f".{path.name}.lock.owner", instead="pass --report FILE to write this run's report elsewhere"))
+        stack.enter_context(
+            hold_lock(
+                path,
+                path.parent / f".{path.name}.lock",
+                path.parent / f".{path.name}.lock.owner",
+                instead="pass --report FILE to write this run's report elsewhere",
+            )
+        )
     except OSError as exc:
         why = f"{path.parent} is not a directory" if isinstance(exc, FileExistsError) else exc.strerror or str(exc)
         raise WriteFailedError(f"{path}: cannot write the batch report ({why})", path=str(path)) from None
@@ -402,7 +473,9 @@ def run_batch(
     """Process this shard's sources; returns the report (also written to `report_path`)."""
     start, started = time.monotonic(), datetime.now(UTC).isoformat(timespec="seconds")
     if push_to_hub and any(s.push_repo is None for s in manifest.sources):
-        raise ManifestError(f"{manifest.path}: --push needs output.repo, the target repo name template", path=str(manifest.path))
+        raise ManifestError(
+            f"{manifest.path}: --push needs output.repo, the target repo name template", path=str(manifest.path)
+        )
     tables = {name: load_table(name) for name in tables_of_target(manifest.target)}
     mine = select_shard(manifest.sources, num_shards, shard_index)
     report_path = report_path or default_report_path(manifest, num_shards, shard_index)
@@ -415,7 +488,9 @@ def run_batch(
         "tables": {name: t.version for name, t in tables.items()},
         "push": push_to_hub,
         "shard": {"index": shard_index, "count": num_shards},
-        "planned": [{"repo": s.repo, "revision": s.revision, "output": str(s.output), "push_repo": s.push_repo} for s in mine],
+        "planned": [
+            {"repo": s.repo, "revision": s.revision, "output": str(s.output), "push_repo": s.push_repo} for s in mine
+        ],
         "converted": [],
         "skipped": [],
         "failed": [],
@@ -435,14 +510,34 @@ def run_batch(
                 interrupts.raise_if_interrupted()  # but a signal stops them all, whatever error it caused
                 outcome = "failed"
                 code = exit_code(exc)
-                reason = str(exc) if isinstance(exc, DSV4Error) else f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
-                entry = {"reason": reason, "error": type(exc).__name__, "exit_code": code, **(exc.fields() if isinstance(exc, DSV4Error) else {})}
-            entry = {"repo": src.repo, "revision": src.revision, "commit": job.commit, "output": str(src.output), **entry, "bytes_fetched": job.fetched, "seconds": round(time.monotonic() - t0, 3)}
+                reason = (
+                    str(exc)
+                    if isinstance(exc, DSV4Error)
+                    else f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
+                )
+                entry = {
+                    "reason": reason,
+                    "error": type(exc).__name__,
+                    "exit_code": code,
+                    **(exc.fields() if isinstance(exc, DSV4Error) else {}),
+                }
+            entry = {
+                "repo": src.repo,
+                "revision": src.revision,
+                "commit": job.commit,
+                "output": str(src.output),
+                **entry,
+                "bytes_fetched": job.fetched,
+                "seconds": round(time.monotonic() - t0, 3),
+            }
             report[outcome].append(entry)
             report["bytes_fetched"] += job.fetched
             report["seconds"] = round(time.monotonic() - start, 3)
             _write_report(report_path, report)
-            detail = entry.get("reason") or f"{entry['conversion']} -> {src.output} ({job.fetched:,} bytes fetched, {entry['seconds']:.1f} s)"
+            detail = (
+                entry.get("reason")
+                or f"{entry['conversion']} -> {src.output} ({job.fetched:,} bytes fetched, {entry['seconds']:.1f} s)"
+            )
             if echo is not None:
                 echo(f"[{n}/{len(mine)}] {src.key}: {outcome}: {detail}")
         report["seconds"] = round(time.monotonic() - start, 3)

@@ -25,9 +25,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from huggingface_hub import ModelCard, ModelCardData
+
 from dsv4 import __version__
 from dsv4.mapping.table import Table
-from huggingface_hub import ModelCard, ModelCardData
 
 CARD_NAME = "README.md"
 HUB_URL = "https://huggingface.co"
@@ -113,7 +114,14 @@ convert-dsv4 check xpu --smoke
 
 def model_card(repo: str, source: str, commit: str, table: Table) -> str:
     """README.md for `repo`, holding the conversion of `source` at `commit` with `table`."""
-    tags = ["deepseek_v4", table.drafter, "speculative-decoding", "draft-model", "dsv4-convert", f"target-{table.target}"]
+    tags = [
+        "deepseek_v4",
+        table.drafter,
+        "speculative-decoding",
+        "draft-model",
+        "dsv4-convert",
+        f"target-{table.target}",
+    ]
     serving = table.target == "draft"  # the one target a runtime loads from disk (shared/spec/05 §5.2)
     data = ModelCardData(base_model=source, library_name="vllm" if serving else None, tags=tags)
     body = (_draft_body if serving else _xpu_body)(repo, source, commit, table)

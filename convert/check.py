@@ -49,7 +49,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from dsv4.convert import interrupts
+from safetensors import safe_open
+
+from dsv4.convert import interrupts, progress
 from dsv4.convert.errors import (
     CheckError,
     ChecksumMismatchError,
@@ -69,7 +71,6 @@ from dsv4.convert.errors import (
 )
 from dsv4.convert.exit_codes import exit_code
 from dsv4.convert.inventory import Inventory, TensorSource, merge_shards, read_local_shards
-from dsv4.convert import progress
 from dsv4.convert.quant_config import check_draft_quantization
 from dsv4.convert.report import CheckReport, CheckResult
 from dsv4.mapping.errors import TableError
@@ -81,11 +82,18 @@ from dsv4.model.dtypes import tensor_bytes
 from dsv4.model.errors import DSV4Error
 from dsv4.model.layout import DRAFT_TARGET, build_draft_model, layout_of
 from dsv4.model.parity import MAX_REL_DIFF, MIN_TOP1, SMOKE_TOKENS, parity_verdict
-from dsv4.model.record import CONVERSION_RECORD, LAYOUT_RECORD, RUNTIME_CONFIG_FIELDS, ConversionRecord, LayoutRecord, RecordError
-from safetensors import safe_open
+from dsv4.model.record import (
+    CONVERSION_RECORD,
+    LAYOUT_RECORD,
+    RUNTIME_CONFIG_FIELDS,
+    ConversionRecord,
+    LayoutRecord,
+    RecordError,
+)
 
 READ_BLOCK = 64 << 20  # bytes per read of one tensor: bounded memory at any tensor size
 LIST_AT_MOST = 3  # names quoted in a one-line reason; the JSON details list all of them
+
 
 class _Skipped(Exception):
     """A check that did not run, and why."""
@@ -157,7 +165,10 @@ def check_index(ctx: _Context, details: dict[str, Any]) -> str:
         raise IndexCheckError(str(exc)) from None
     stray = sorted(p.name for p in ctx.root.glob("*.safetensors") if p.name not in sizes)
     if stray:
-        raise IndexCheckError(f"{ctx.where(stray[0])}: shard not named in {INDEX_NAME} (a loader that globs *.safetensors would read it; {len(stray)} such file(s))", path=str(ctx.where(stray[0])))
+        raise IndexCheckError(
+            f"{ctx.where(stray[0])}: shard not named in {INDEX_NAME} (a loader that globs *.safetensors would read it; {len(stray)} such file(s))",
+            path=str(ctx.where(stray[0])),
+        )
     ctx.inv = Inventory(str(ctx.root), ctx.config or {}, tensors, sizes)
     details.update(shards=files, tensors=len(tensors))
     return f"{len(files)} shard(s), {len(tensors)} tensors: index and headers agree, data sections tile their files"
@@ -199,7 +210,9 @@ def _read_tensor(shard: Path, fd: int, src: TensorSource, digest: Any | None) ->
         # process's RSS until it is unmapped, and one map over a 4.5 GB shard would end up
         # holding 4.5 GB of it; this one goes with the block.
         with safe_open(shard, framework="pt", device="cpu") as f:
-            block = f.get_slice(src.name)[r : r + step] if src.shape else f.get_tensor(src.name)  # a 0-d tensor is one block
+            block = (
+                f.get_slice(src.name)[r : r + step] if src.shape else f.get_tensor(src.name)
+            )  # a 0-d tensor is one block
         data = block.contiguous().view(-1).view(torch.uint8)
         if digest is not None:
             digest.update(tensor_bytes(data))
@@ -216,7 +229,9 @@ def check_readable(ctx: _Context, details: dict[str, Any]) -> str:
     for file, tensors in sorted(by_file.items()):
         fd = os.open(ctx.root / file, os.O_RDONLY)
         try:
-            with safe_open(ctx.root / file, framework="pt", device="cpu"):  # refuses a malformed file once, for all its tensors
+            with safe_open(
+                ctx.root / file, framework="pt", device="cpu"
+            ):  # refuses a malformed file once, for all its tensors
                 for src in sorted(tensors, key=lambda s: s.start):  # front to back through the file
                     digest = None if ctx.fast else hashlib.sha256()
                     try:
@@ -237,7 +252,10 @@ def check_readable(ctx: _Context, details: dict[str, Any]) -> str:
     if failed:
         details["unreadable"] = failed
         names = sorted(failed)
-        raise UnreadableTensorError(f"{len(failed)} tensor(s) unreadable: {failed[names[0]]}" + (f" (and {_short(names[1:])})" if len(names) > 1 else ""))
+        raise UnreadableTensorError(
+            f"{len(failed)} tensor(s) unreadable: {failed[names[0]]}"
+            + (f" (and {_short(names[1:])})" if len(names) > 1 else "")
+        )
     total = sum(src.nbytes for src in inv.tensors.values())
     details["bytes"] = total
     return f"{len(inv.tensors)} tensors, {total:,} bytes read through safetensors"
@@ -251,7 +269,9 @@ def _conversion_record(ctx: _Context) -> ConversionRecord:
     try:
         record = ConversionRecord.read(ctx.root, sha256=False)
     except FileNotFoundError:
-        raise SizeCheckError(f"{path}: missing (the converter writes every tensor's file, size and sha256 there)", path=str(path)) from None
+        raise SizeCheckError(
+            f"{path}: missing (the converter writes every tensor's file, size and sha256 there)", path=str(path)
+        ) from None
     except OSError as exc:
         raise SizeCheckError(f"{path}: unreadable ({_first_line(exc)})", path=str(path)) from None
     except RecordError as exc:
@@ -293,19 +313,32 @@ def check_sizes(ctx: _Context, details: dict[str, Any]) -> str:
     total = sum(src.nbytes for src in inv.tensors.values())
     declared = _declared_total_size(ctx)
     if not _is_int(declared) or declared != total:
-        raise SizeCheckError(f"{ctx.where(INDEX_NAME)}: metadata.total_size is {_brief(declared)} but the {len(inv.tensors)} tensors hold {total:,} bytes", path=str(ctx.where(INDEX_NAME)))
+        raise SizeCheckError(
+            f"{ctx.where(INDEX_NAME)}: metadata.total_size is {_brief(declared)} but the {len(inv.tensors)} tensors hold {total:,} bytes",
+            path=str(ctx.where(INDEX_NAME)),
+        )
     record = _conversion_record(ctx)
     listed = record.tensors
     missing = sorted(set(inv.tensors) - set(listed))
     if missing:
-        raise SizeCheckError(f"{ctx.where(CONVERSION_RECORD)}: does not list {len(missing)} tensor(s) the shards hold: {_short(missing)}", path=str(ctx.where(CONVERSION_RECORD)))
+        raise SizeCheckError(
+            f"{ctx.where(CONVERSION_RECORD)}: does not list {len(missing)} tensor(s) the shards hold: {_short(missing)}",
+            path=str(ctx.where(CONVERSION_RECORD)),
+        )
     extra = sorted(set(listed) - set(inv.tensors))
     if extra:
-        raise SizeCheckError(f"{ctx.where(CONVERSION_RECORD)}: lists {len(extra)} tensor(s) no shard holds: {_short([repr(n) for n in extra])}", path=str(ctx.where(CONVERSION_RECORD)))
+        raise SizeCheckError(
+            f"{ctx.where(CONVERSION_RECORD)}: lists {len(extra)} tensor(s) no shard holds: {_short([repr(n) for n in extra])}",
+            path=str(ctx.where(CONVERSION_RECORD)),
+        )
     for name, src in sorted(inv.tensors.items()):
         entry = listed[name]
         if entry.file != src.file or entry.nbytes != src.nbytes:
-            raise SizeCheckError(f"{ctx.where(CONVERSION_RECORD)}: tensor {name}: recorded as {entry.nbytes!r} bytes in {entry.file!r}, but it is {src.nbytes:,} bytes in {src.file}", path=str(ctx.where(CONVERSION_RECORD)), tensor=name)
+            raise SizeCheckError(
+                f"{ctx.where(CONVERSION_RECORD)}: tensor {name}: recorded as {entry.nbytes!r} bytes in {entry.file!r}, but it is {src.nbytes:,} bytes in {src.file}",
+                path=str(ctx.where(CONVERSION_RECORD)),
+                tensor=name,
+            )
     ctx.record = record
     details["total_size"] = total
     return f"total_size {total:,} bytes = the tensors' sum; {CONVERSION_RECORD} lists the same {len(listed)} tensors, files and sizes"
@@ -324,7 +357,10 @@ def check_checksums(ctx: _Context, details: dict[str, Any]) -> str:
     details.update(hashed=len(ctx.hashes), differ=wrong, unreadable=sorted(ctx.unreadable))
     if wrong:
         first = inv.tensors[wrong[0]]
-        raise ChecksumMismatchError(f"{ctx.where(first.file)}: tensor {first.name}: sha256 differs from {CONVERSION_RECORD}" + (f" ({len(wrong)} tensors differ: {_short(wrong)})" if len(wrong) > 1 else ""))
+        raise ChecksumMismatchError(
+            f"{ctx.where(first.file)}: tensor {first.name}: sha256 differs from {CONVERSION_RECORD}"
+            + (f" ({len(wrong)} tensors differ: {_short(wrong)})" if len(wrong) > 1 else "")
+        )
     note = f"; {len(ctx.unreadable)} unreadable tensor(s) not hashed" if ctx.unreadable else ""
     return f"{len(ctx.hashes)} tensors match {CONVERSION_RECORD}'s sha256{note}"
 
@@ -373,7 +409,10 @@ def _recorded_layout(ctx: _Context, where: str) -> tuple[str, str, str, str]:
     if layout_record is None:
         if conv is None or conv.has_layout_record:
             said = "" if conv is not None else f", and no readable {CONVERSION_RECORD} names the layout"
-            raise ConfigCheckError(f"{where}: no {LAYOUT_RECORD} record with layout, table, table_version, tool_version{said}: not a checkpoint this converter wrote", path=str(where))
+            raise ConfigCheckError(
+                f"{where}: no {LAYOUT_RECORD} record with layout, table, table_version, tool_version{said}: not a checkpoint this converter wrote",
+                path=str(where),
+            )
         return conv.table, conv.table_version, conv.target, f"{CONVERSION_RECORD} table"
     return layout_record.table, layout_record.table_version, layout_record.layout, f"{LAYOUT_RECORD}.table"
 
@@ -388,20 +427,35 @@ def check_config(ctx: _Context, details: dict[str, Any]) -> str:
     try:
         table = load_table(table_name)
     except TableError as exc:
-        raise ConfigCheckError(f"{where}: {field} {table_name!r} is not a table this tool has ({_first_line(exc)})", path=str(where)) from None
+        raise ConfigCheckError(
+            f"{where}: {field} {table_name!r} is not a table this tool has ({_first_line(exc)})", path=str(where)
+        ) from None
     if (target, table_version) != (table.target, table.version):
-        raise ConfigCheckError(f"{where}: converted to layout {target!r} with table {table_name} v{table_version}, but this tool's table {table.name} is v{table.version} for layout {table.target!r}: reconvert", path=str(where))
+        raise ConfigCheckError(
+            f"{where}: converted to layout {target!r} with table {table_name} v{table_version}, but this tool's table {table.name} is v{table.version} for layout {table.target!r}: reconvert",
+            path=str(where),
+        )
     if ctx.record is not None and (ctx.record.table, ctx.record.target) != (table_name, target):
-        raise ConfigCheckError(f"{where}: {LAYOUT_RECORD} says table {table_name!r} / layout {target!r}, {CONVERSION_RECORD} says {ctx.record.table!r} / {ctx.record.target!r}", path=str(where))
+        raise ConfigCheckError(
+            f"{where}: {LAYOUT_RECORD} says table {table_name!r} / layout {target!r}, {CONVERSION_RECORD} says {ctx.record.table!r} / {ctx.record.target!r}",
+            path=str(where),
+        )
 
     drafter = "dspark" if cfg.is_dspark else "mtp"
     if table.drafter != drafter:
-        raise ConfigCheckError(f"{where}: {field} {table_name!r} maps {table.drafter} drafters, but config.json describes a{'' if cfg.is_dspark else 'n'} {drafter} drafter{' (dspark_* fields)' if cfg.is_dspark else ' (no dspark_* fields)'}", path=str(where))
+        raise ConfigCheckError(
+            f"{where}: {field} {table_name!r} maps {table.drafter} drafters, but config.json describes a{'' if cfg.is_dspark else 'n'} {drafter} drafter{' (dspark_* fields)' if cfg.is_dspark else ' (no dspark_* fields)'}",
+            path=str(where),
+        )
     draft = target == DRAFT_TARGET
     if draft:  # native names: MTP block or DSpark stage mtp.{n}
         present = {int(m.group(1)) for name in inv.tensors if (m := NATIVE_BLOCK.match(name))}
         expected_layers = set(range(cfg.dspark_stages if cfg.is_dspark else cfg.num_nextn_predict_layers))
-        meaning = f"dspark_target_layer_ids ({len(cfg.dspark_target_layer_ids or ())} entries) means DSpark stage(s) mtp.{sorted(expected_layers)}" if cfg.is_dspark else f"num_nextn_predict_layers = {cfg.num_nextn_predict_layers} means MTP block(s) mtp.{sorted(expected_layers)}"
+        meaning = (
+            f"dspark_target_layer_ids ({len(cfg.dspark_target_layer_ids or ())} entries) means DSpark stage(s) mtp.{sorted(expected_layers)}"
+            if cfg.is_dspark
+            else f"num_nextn_predict_layers = {cfg.num_nextn_predict_layers} means MTP block(s) mtp.{sorted(expected_layers)}"
+        )
         held = f"mtp.{sorted(present)}"
     else:
         present = {int(m.group(1)) for name in inv.tensors if (m := LAYER.match(name))}
@@ -418,10 +472,17 @@ def check_config(ctx: _Context, details: dict[str, Any]) -> str:
     for name, src in sorted(inv.tensors.items()):
         implied = _expert_dtype_of(name, src.dtype)
         if implied is not None and implied != cfg.expert_dtype:
-            raise ConfigCheckError(f"{where}: expert_dtype is {cfg.expert_dtype!r} but {src.file}: tensor {name} ({src.dtype}) holds {implied} experts", path=str(where), tensor=name)
+            raise ConfigCheckError(
+                f"{where}: expert_dtype is {cfg.expert_dtype!r} but {src.file}: tensor {name} ({src.dtype}) holds {implied} experts",
+                path=str(where),
+                tensor=name,
+            )
     experts = {int(m.group(1)) for name in inv.tensors if (m := NATIVE_EXPERT.match(name))}
     if draft and experts != set(range(cfg.n_routed_experts)):
-        raise ConfigCheckError(f"{where}: n_routed_experts = {cfg.n_routed_experts}, but the tensors hold routed experts {min(experts, default=None)}..{max(experts, default=None)} ({len(experts)})", path=str(where))
+        raise ConfigCheckError(
+            f"{where}: n_routed_experts = {cfg.n_routed_experts}, but the tensors hold routed experts {min(experts, default=None)}..{max(experts, default=None)} ({len(experts)})",
+            path=str(where),
+        )
 
     # an object or absent, its weight_block_size two integers in range: the config loader
     # (ctx.cfg) has checked both; only an FP8 config that names no block size is left
@@ -429,7 +490,9 @@ def check_config(ctx: _Context, details: dict[str, Any]) -> str:
     block = None
     if isinstance(quant, dict) and quant.get("quant_method") == "fp8":
         if "weight_block_size" not in quant:
-            raise ConfigCheckError(f"{where}: quantization_config.weight_block_size is None, not two positive integers", path=str(where))
+            raise ConfigCheckError(
+                f"{where}: quantization_config.weight_block_size is None, not two positive integers", path=str(where)
+            )
         block = list(cfg.weight_block_size)
         layout = layout_of(target, cfg)
         for name, src in sorted(inv.tensors.items()):
@@ -437,13 +500,26 @@ def check_config(ctx: _Context, details: dict[str, Any]) -> str:
             if weight is None or weight.dtype != "F8_E4M3" or name not in layout or weight.name not in layout:
                 continue
             if weight.shape == layout[weight.name][1] and src.shape != layout[name][1]:
-                raise ConfigCheckError(f"{where}: quantization_config.weight_block_size {block} gives {name} the shape {list(layout[name][1])}, but {src.file} holds {list(src.shape)} for {weight.name} {list(weight.shape)}", path=str(where))
+                raise ConfigCheckError(
+                    f"{where}: quantization_config.weight_block_size {block} gives {name} the shape {list(layout[name][1])}, but {src.file} holds {list(src.shape)} for {weight.name} {list(weight.shape)}",
+                    path=str(where),
+                )
     if draft:  # vLLM reads architectures[0] and model_type before anything else (shared/spec/05 §5.2)
         for key in ("architectures", "model_type"):
             if key not in config:
-                raise ConfigCheckError(f"{where}: no {key}: vLLM 0.33.0 and SGLang 0.5.23 pick the draft model class from it", path=str(where))
-        if not (isinstance(config["architectures"], list) and config["architectures"] and isinstance(config["architectures"][0], str)):
-            raise ConfigCheckError(f"{where}: architectures is {_brief(config['architectures'])}, not a list of class names", path=str(where))
+                raise ConfigCheckError(
+                    f"{where}: no {key}: vLLM 0.33.0 and SGLang 0.5.23 pick the draft model class from it",
+                    path=str(where),
+                )
+        if not (
+            isinstance(config["architectures"], list)
+            and config["architectures"]
+            and isinstance(config["architectures"][0], str)
+        ):
+            raise ConfigCheckError(
+                f"{where}: architectures is {_brief(config['architectures'])}, not a list of class names",
+                path=str(where),
+            )
     # a draft directory's config.json is the runtimes' (the source's, unchanged): the fields
     # they read must be those the conversion wrote (an xpu output's config is the bundled
     # model's, checked against the tensors above and by quant)
@@ -451,11 +527,28 @@ def check_config(ctx: _Context, details: dict[str, Any]) -> str:
         for key in RUNTIME_CONFIG_FIELDS:
             was, now = ctx.record.config_fields.get(key, ABSENT), config.get(key, ABSENT)
             if was != now:
-                raise ConfigCheckError(f"{where}: {key} is {_brief(now)}, but the conversion wrote {_brief(was)} ({CONVERSION_RECORD} config_fields; the runtimes read it)", path=str(where))
-    what = f"FP8 blocks {block}" if block else f"{quant.get('quant_method')} quantisation (names: see quant)" if isinstance(quant, dict) else "no quantization_config"
-    details.update(layout=target, table=table_name, table_version=table_version, drafter=drafter, mtp_layers=sorted(present))
+                raise ConfigCheckError(
+                    f"{where}: {key} is {_brief(now)}, but the conversion wrote {_brief(was)} ({CONVERSION_RECORD} config_fields; the runtimes read it)",
+                    path=str(where),
+                )
+    what = (
+        f"FP8 blocks {block}"
+        if block
+        else f"{quant.get('quant_method')} quantisation (names: see quant)"
+        if isinstance(quant, dict)
+        else "no quantization_config"
+    )
+    details.update(
+        layout=target, table=table_name, table_version=table_version, drafter=drafter, mtp_layers=sorted(present)
+    )
     ctx.target = target
-    layers = (f"DSpark stage(s) mtp.{sorted(present)}" if cfg.is_dspark else f"MTP block(s) mtp.{sorted(present)}") if draft else f"DSpark stage layer(s) {sorted(present)}" if cfg.is_dspark else f"MTP layer(s) {sorted(present)}"
+    layers = (
+        (f"DSpark stage(s) mtp.{sorted(present)}" if cfg.is_dspark else f"MTP block(s) mtp.{sorted(present)}")
+        if draft
+        else f"DSpark stage layer(s) {sorted(present)}"
+        if cfg.is_dspark
+        else f"MTP layer(s) {sorted(present)}"
+    )
     return f"converted to {target!r} with table {table_name} v{table_version}; {layers}; expert_dtype {cfg.expert_dtype}; {what} agree with the tensors"
 
 
@@ -478,20 +571,36 @@ def check_layout(ctx: _Context, details: dict[str, Any]) -> str:
     missing = sorted(set(want) - set(inv.tensors))
     unexpected = sorted(set(inv.tensors) - set(want))
     both = sorted(set(want) & set(inv.tensors))
-    shape = [f"{n} is {list(inv.tensors[n].shape)} in {inv.tensors[n].file}, expected {list(want[n][1])}" for n in both if inv.tensors[n].shape != want[n][1]]
-    dtype = [f"{n} is {inv.tensors[n].dtype} in {inv.tensors[n].file}, expected {want[n][0]}" for n in both if inv.tensors[n].dtype != want[n][0]]
+    shape = [
+        f"{n} is {list(inv.tensors[n].shape)} in {inv.tensors[n].file}, expected {list(want[n][1])}"
+        for n in both
+        if inv.tensors[n].shape != want[n][1]
+    ]
+    dtype = [
+        f"{n} is {inv.tensors[n].dtype} in {inv.tensors[n].file}, expected {want[n][0]}"
+        for n in both
+        if inv.tensors[n].dtype != want[n][0]
+    ]
     details.update(missing=missing, unexpected=unexpected, shape=shape, dtype=dtype)
     findings: list[tuple[type[CheckError], str]] = []
     if missing:
         findings.append((MissingTensorsError, f"{len(missing)} missing: {_short(missing)}"))
     if unexpected:
-        findings.append((UnexpectedTensorsError, f"{len(unexpected)} unexpected: {_short([f'{n} in {inv.tensors[n].file}' for n in unexpected])}"))
+        findings.append(
+            (
+                UnexpectedTensorsError,
+                f"{len(unexpected)} unexpected: {_short([f'{n} in {inv.tensors[n].file}' for n in unexpected])}",
+            )
+        )
     if shape:
         findings.append((TensorShapeError, f"{len(shape)} mis-shaped: {_short(shape)}"))
     if dtype:
         findings.append((TensorDtypeError, f"{len(dtype)} of the wrong dtype: {_short(dtype)}"))
     if findings:
-        raise findings[0][0](f"{ctx.where(INDEX_NAME)}: not the {cfg.expert_dtype} {target} layout: " + "; ".join(text for _, text in findings))
+        raise findings[0][0](
+            f"{ctx.where(INDEX_NAME)}: not the {cfg.expert_dtype} {target} layout: "
+            + "; ".join(text for _, text in findings)
+        )
     return f"all {len(want)} tensors of the {target} layout present with their shapes and dtypes, nothing else"
 
 
@@ -532,16 +641,36 @@ def check_smoke(ctx: _Context, details: dict[str, Any]) -> str:
     try:
         load = model_loader(ctx.root)  # a draft directory (native names): the xpu plan, in memory
         # DSpark: one draft block from a context of `tokens` random target features
-        report = run_dspark_smoke(ctx.root, ctx.device, ctx.tokens, reference_dir=ctx.native, load=load) if dspark else run_smoke(ctx.root, ctx.device, ctx.tokens, ctx.native, load=load)
+        report = (
+            run_dspark_smoke(ctx.root, ctx.device, ctx.tokens, reference_dir=ctx.native, load=load)
+            if dspark
+            else run_smoke(ctx.root, ctx.device, ctx.tokens, ctx.native, load=load)
+        )
     except Exception as exc:  # a failed load or forward, whatever raised it, is this check's finding
         interrupts.raise_if_interrupted()
         said = _first_line(exc)
         raise SmokeFailedError(said if str(ctx.root) in said else f"{ctx.root}: {said}") from None
     ctx.smoke_report = report
     if dspark:
-        details.update({k: report[k] for k in ("device", "kernels", "hidden_shape", "logits_shape", "draft_tokens", "load_ms", "hidden_warm_ms", "logits_warm_ms")})
+        details.update(
+            {
+                k: report[k]
+                for k in (
+                    "device",
+                    "kernels",
+                    "hidden_shape",
+                    "logits_shape",
+                    "draft_tokens",
+                    "load_ms",
+                    "hidden_warm_ms",
+                    "logits_warm_ms",
+                )
+            }
+        )
         return f"strict load and one DSpark block ({ctx.tokens}-token context) on {report['device']}: hidden {report['hidden_shape']}, logits {report['logits_shape']}, draft tokens {report['draft_tokens']}, finite; fused norms: {report['kernels']}"
-    details.update({k: report[k] for k in ("device", "kernels", "hidden_shape", "logits_shape", "load_ms", "forward_warm_ms")})
+    details.update(
+        {k: report[k] for k in ("device", "kernels", "hidden_shape", "logits_shape", "load_ms", "forward_warm_ms")}
+    )
     return f"strict load and {ctx.tokens}-token forward on {report['device']}: hidden {report['hidden_shape']}, logits {report['logits_shape']}, finite; fused norms: {report['kernels']}"
 
 
@@ -557,8 +686,18 @@ def check_native(ctx: _Context, details: dict[str, Any]) -> str:
     return f"agrees with the reference on {ctx.native}: {said}"
 
 
-PARITY_DETAILS = ("hidden_max_abs_diff", "hidden_max_abs", "logits_max_abs_diff", "logits_max_abs", "top1_agreement", "top1_agreement_up_to_ties",
-                  "routing_disagreements", "draft_tokens", "reference_draft_tokens", "draft_token_agreement")
+PARITY_DETAILS = (
+    "hidden_max_abs_diff",
+    "hidden_max_abs",
+    "logits_max_abs_diff",
+    "logits_max_abs",
+    "top1_agreement",
+    "top1_agreement_up_to_ties",
+    "routing_disagreements",
+    "draft_tokens",
+    "reference_draft_tokens",
+    "draft_token_agreement",
+)
 
 
 # --- serve --------------------------------------------------------------------------------
@@ -577,23 +716,33 @@ def check_serve(ctx: _Context, details: dict[str, Any]) -> str:
     if ctx.config is None:
         raise _Skipped(f"needs the draft's config.json: {ctx.config_error}")
     if _layout_target(ctx) != DRAFT_TARGET:
-        raise _Skipped(f"only a --target {DRAFT_TARGET} output is served beside a target model (this one is {_layout_target(ctx)!r})")
+        raise _Skipped(
+            f"only a --target {DRAFT_TARGET} output is served beside a target model (this one is {_layout_target(ctx)!r})"
+        )
     where = ctx.serve_with / "config.json" if ctx.serve_with.is_dir() else ctx.serve_with
     try:
         target = parse_config(where.read_bytes())
     except (OSError, ConfigError) as exc:
-        raise ServeMismatchError(f"{where}: cannot read the target's config: {_first_line(exc)}", path=str(where)) from None
+        raise ServeMismatchError(
+            f"{where}: cannot read the target's config: {_first_line(exc)}", path=str(where)
+        ) from None
     for key in _serve_fields():
         mine, theirs = ctx.config.get(key, ABSENT), target.get(key, ABSENT)
         if isinstance(mine, dict) and isinstance(theirs, dict):  # name the first sub-field that differs
-            sub = next((k for k in sorted(mine.keys() | theirs.keys()) if mine.get(k, ABSENT) != theirs.get(k, ABSENT)), None)
-            key, mine, theirs = (f"{key}.{sub}", mine.get(sub, ABSENT), theirs.get(sub, ABSENT)) if sub else (key, mine, theirs)
+            sub = next(
+                (k for k in sorted(mine.keys() | theirs.keys()) if mine.get(k, ABSENT) != theirs.get(k, ABSENT)), None
+            )
+            key, mine, theirs = (
+                (f"{key}.{sub}", mine.get(sub, ABSENT), theirs.get(sub, ABSENT)) if sub else (key, mine, theirs)
+            )
         if mine != theirs:
             details.update(field=key)
             raise ServeMismatchError(
                 f"{where}: {key} is {_brief(theirs)}, the draft's is {_brief(mine)}: vLLM 0.33.0 builds the draft's layers from the "
                 "target's config and quantisation, so this draft would not load beside it (serve it beside the checkpoint it was converted from)",
-                path=str(where), field=key)
+                path=str(where),
+                field=key,
+            )
     return f"{where}: the {len(_serve_fields())} config fields vLLM builds the draft's layers from (quantization_config included) are the draft's own"
 
 
@@ -646,8 +795,17 @@ def run_checks(
     `serve_with` (the target model's directory or config.json) checks that a draft
     directory would load beside it in vLLM. Unless `quiet`, a bar over the checks
     (convert/progress.py's rule)."""
-    ctx = _Context(Path(path), fast, smoke, Path(native) if native is not None else None, device, tokens, min_top1, max_rel_diff,
-                   serve_with=Path(serve_with) if serve_with is not None else None)
+    ctx = _Context(
+        Path(path),
+        fast,
+        smoke,
+        Path(native) if native is not None else None,
+        device,
+        tokens,
+        min_top1,
+        max_rel_diff,
+        serve_with=Path(serve_with) if serve_with is not None else None,
+    )
     _load_config(ctx)
     results = []
     bar = progress.bar(len(CHECKS), "check", "check", quiet)

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
+
 from dsv4 import __version__
 from dsv4.convert import interrupts
 from dsv4.convert.exit_codes import INTERNAL_ERROR, exit_code
@@ -56,7 +57,11 @@ def _version_message() -> str:
     runtimes = {}
     for head in table_headers().values():
         runtimes.setdefault(head.target, set()).add(head.runtime)
-    return "%(prog)s %(version)s (" + "; ".join(f"target {t}: {', '.join(sorted(r))}" for t, r in sorted(runtimes.items())) + ")"
+    return (
+        "%(prog)s %(version)s ("
+        + "; ".join(f"target {t}: {', '.join(sorted(r))}" for t, r in sorted(runtimes.items()))
+        + ")"
+    )
 
 
 @click.group(cls=_Commands, context_settings={"help_option_names": ["-h", "--help"]})
@@ -118,14 +123,42 @@ class Device(click.ParamType):
 # --- options shared by several commands: one name, default and help each ---------------------
 # A target is chosen by name from those installed, never by path (click lists the names).
 # The target's table for the checkpoint's drafter (MTP or DSpark) is the plan's choice.
-target_option = click.option("--target", type=click.Choice(installed_targets()), default="xpu", show_default=True, help="Runtime layout: its table for the checkpoint's drafter (MTP: mapping/xpu.toml, DSpark: mapping/xpu_dspark.toml) is chosen from config.json and the tensors.")
-native_option = click.option("--native", type=click.Path(exists=True, file_okay=False, path_type=Path), help="The NATIVE checkpoint the output was converted from: compare with an independent reference run on it.")
-device_option = click.option("--device", type=Device(), default="auto", show_default=True, help="Device for the model: auto (xpu, else cuda, else cpu), cpu, cuda, cuda:1, xpu, ...")
-json_option = click.option("--json", "as_json", is_flag=True, help="Print the result as JSON (floats rounded to 6 significant digits).")
-quiet_option = click.option("--quiet", "-q", is_flag=True, help="No progress output (bars, notices, per-item lines); the result is still printed.")
+target_option = click.option(
+    "--target",
+    type=click.Choice(installed_targets()),
+    default="xpu",
+    show_default=True,
+    help="Runtime layout: its table for the checkpoint's drafter (MTP: mapping/xpu.toml, DSpark: mapping/xpu_dspark.toml) is chosen from config.json and the tensors.",
+)
+native_option = click.option(
+    "--native",
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    help="The NATIVE checkpoint the output was converted from: compare with an independent reference run on it.",
+)
+device_option = click.option(
+    "--device",
+    type=Device(),
+    default="auto",
+    show_default=True,
+    help="Device for the model: auto (xpu, else cuda, else cpu), cpu, cuda, cuda:1, xpu, ...",
+)
+json_option = click.option(
+    "--json", "as_json", is_flag=True, help="Print the result as JSON (floats rounded to 6 significant digits)."
+)
+quiet_option = click.option(
+    "--quiet",
+    "-q",
+    is_flag=True,
+    help="No progress output (bars, notices, per-item lines); the result is still printed.",
+)
 # the hub options of the `hf` CLI, same names and meaning
-revision_option = click.option("--revision", help="Hub source: the branch, tag or commit to read (same as SOURCE@REVISION; giving both, they must agree).")
-token_option = click.option("--token", help="Hub source: the access token (default: HF_TOKEN, else the `hf auth login` one). Never printed.")
+revision_option = click.option(
+    "--revision",
+    help="Hub source: the branch, tag or commit to read (same as SOURCE@REVISION; giving both, they must agree).",
+)
+token_option = click.option(
+    "--token", help="Hub source: the access token (default: HF_TOKEN, else the `hf auth login` one). Never printed."
+)
 
 
 def _rounded(value: Any) -> Any:
@@ -152,17 +185,53 @@ def _gb(n: int) -> str:
 @click.argument("source")
 @click.argument("out", type=click.Path(file_okay=False))
 @target_option
-@click.option("--reverse", is_flag=True, help="SOURCE is a converted checkpoint: write the draft's tensors back under native names.")
-@click.option("--overwrite", is_flag=True, help="Replace OUT if it is a previous output of this tool (anything else is refused).")
-@click.option("--wait", is_flag=True, help="If another run holds OUT, wait for it to finish instead of exiting with code 47.")
-@click.option("--max-shard-size", type=ShardSize(), default="5GB", show_default=True, help="Largest output shard: bytes, or with a unit (K, M, G, T = 1000^n; KiB, MiB, GiB, TiB = 1024^n).")
-@click.option("--dry-run", is_flag=True, help="Check SOURCE and OUT as the run would (the same refusals and exit codes), print the plan as `plan` does and what would become of OUT (--json: `plan --json` plus \"output\" and \"would\"), and stop; nothing is written.")
+@click.option(
+    "--reverse",
+    is_flag=True,
+    help="SOURCE is a converted checkpoint: write the draft's tensors back under native names.",
+)
+@click.option(
+    "--overwrite", is_flag=True, help="Replace OUT if it is a previous output of this tool (anything else is refused)."
+)
+@click.option(
+    "--wait", is_flag=True, help="If another run holds OUT, wait for it to finish instead of exiting with code 47."
+)
+@click.option(
+    "--max-shard-size",
+    type=ShardSize(),
+    default="5GB",
+    show_default=True,
+    help="Largest output shard: bytes, or with a unit (K, M, G, T = 1000^n; KiB, MiB, GiB, TiB = 1024^n).",
+)
+@click.option(
+    "--dry-run",
+    is_flag=True,
+    help='Check SOURCE and OUT as the run would (the same refusals and exit codes), print the plan as `plan` does and what would become of OUT (--json: `plan --json` plus "output" and "would"), and stop; nothing is written.',
+)
 @revision_option
 @token_option
-@click.option("--verify-source", is_flag=True, help="Hub source: download each shard the output uses whole, once, and check it against the sha256 and size the hub publishes (README: what is checked without it).")
+@click.option(
+    "--verify-source",
+    is_flag=True,
+    help="Hub source: download each shard the output uses whole, once, and check it against the sha256 and size the hub publishes (README: what is checked without it).",
+)
 @quiet_option
 @json_option
-def convert_command(source: str, out: str, target: str, reverse: bool, overwrite: bool, wait: bool, max_shard_size: int, dry_run: bool, revision: str | None, token: str | None, verify_source: bool, quiet: bool, as_json: bool) -> None:
+def convert_command(
+    source: str,
+    out: str,
+    target: str,
+    reverse: bool,
+    overwrite: bool,
+    wait: bool,
+    max_shard_size: int,
+    dry_run: bool,
+    revision: str | None,
+    token: str | None,
+    verify_source: bool,
+    quiet: bool,
+    as_json: bool,
+) -> None:
     """Convert SOURCE (a native checkpoint directory, or hub repo [hf://]org/name[@revision]) into OUT.
 
     Reads only the byte ranges the plan needs, writes shards header-first with bounded
@@ -170,28 +239,52 @@ def convert_command(source: str, out: str, target: str, reverse: bool, overwrite
     only when complete and verified; rerunning on an up-to-date OUT does nothing.
     """
     from dsv4.convert.location import locate
-    from dsv4.convert.pipeline import convert, dry_run as preview  # start-up time (see the module's docstring)
+    from dsv4.convert.pipeline import convert  # start-up time (see the module's docstring)
+    from dsv4.convert.pipeline import dry_run as preview
 
     # the hub options are checked against SOURCE here; without them convert() locates it
-    where = locate(source, revision=revision, token=token, verify_files=verify_source) if revision or token or verify_source else source
+    where = (
+        locate(source, revision=revision, token=token, verify_files=verify_source)
+        if revision or token or verify_source
+        else source
+    )
     if dry_run:
-        plan, would, header_bytes = preview(where, out, target=target, reverse=reverse, overwrite=overwrite, max_shard_size=max_shard_size)
+        plan, would, header_bytes = preview(
+            where, out, target=target, reverse=reverse, overwrite=overwrite, max_shard_size=max_shard_size
+        )
         if as_json:
             echo_json(plan.to_json() | {"header_bytes_read": header_bytes, "output": out, "would": would})
             return
         _print_plan(plan, False, quiet, full=True, header_bytes=header_bytes)
         click.echo(f"dry run: {out} {DRY_RUN_OUTCOMES[would]}; nothing was written")
         return
-    result = convert(where, out, target=target, reverse=reverse, overwrite=overwrite, wait=wait, max_shard_size=max_shard_size, quiet=quiet or as_json)
+    result = convert(
+        where,
+        out,
+        target=target,
+        reverse=reverse,
+        overwrite=overwrite,
+        wait=wait,
+        max_shard_size=max_shard_size,
+        quiet=quiet or as_json,
+    )
     if as_json:
         echo_json(result.to_json())
     elif result.status == "up-to-date":
-        click.echo(f"{out}: already up to date (same source, table {result.plan.table} v{result.plan.table_version}); nothing to do")
+        click.echo(
+            f"{out}: already up to date (same source, table {result.plan.table} v{result.plan.table_version}); nothing to do"
+        )
     else:
-        click.echo(f"{result.status} {result.tensors} tensors into {out}: read {_gb(result.bytes_read)}, wrote {_gb(result.bytes_written)} in {result.seconds:.1f} s")
+        click.echo(
+            f"{result.status} {result.tensors} tensors into {out}: read {_gb(result.bytes_read)}, wrote {_gb(result.bytes_written)} in {result.seconds:.1f} s"
+        )
 
 
-DRY_RUN_OUTCOMES = {"up-to-date": "is already up to date: the run would do nothing", "create": "would be created", "replace": "would be replaced (--overwrite)"}
+DRY_RUN_OUTCOMES = {
+    "up-to-date": "is already up to date: the run would do nothing",
+    "create": "would be created",
+    "replace": "would be replaced (--overwrite)",
+}
 
 
 @cli.command("plan")
@@ -201,8 +294,12 @@ DRY_RUN_OUTCOMES = {"up-to-date": "is already up to date: the run would do nothi
 @revision_option
 @token_option
 @quiet_option
-@click.option("--json", "as_json", is_flag=True, help="The whole plan (every tensor and byte range, every skip) as JSON.")
-def plan_command(source: str, target: str, reverse: bool, revision: str | None, token: str | None, quiet: bool, as_json: bool) -> None:
+@click.option(
+    "--json", "as_json", is_flag=True, help="The whole plan (every tensor and byte range, every skip) as JSON."
+)
+def plan_command(
+    source: str, target: str, reverse: bool, revision: str | None, token: str | None, quiet: bool, as_json: bool
+) -> None:
     """Show what converting SOURCE would read and write. Reads headers only."""
     from dsv4.convert.location import locate
 
@@ -236,14 +333,19 @@ def _print_plan(plan: Plan, as_json: bool, quiet: bool, *, full: bool, header_by
         echo_json(data)
         return
     s = plan.summary()
-    click.echo(f"{s['direction']} plan: {s['source']} -> {s['target']} (table {s['table']} v{s['table_version']})" + (f": {s['tensors_out']} tensors, {_gb(s['bytes_to_read'])} to read" if quiet else ""))
+    click.echo(
+        f"{s['direction']} plan: {s['source']} -> {s['target']} (table {s['table']} v{s['table_version']})"
+        + (f": {s['tensors_out']} tensors, {_gb(s['bytes_to_read'])} to read" if quiet else "")
+    )
     if quiet:
         return
     click.echo(f"  draft layout:         {DRAFTER_NAMES[s['drafter']]}: {s['runtime']} {s['runtime_class']}")
     click.echo(f"  tensors out:          {s['tensors_out']}")
     click.echo(f"  source keys consumed: {s['source_keys_consumed']}")
     click.echo(f"  source keys skipped:  {s['source_keys_skipped']}")
-    click.echo(f"  bytes to read:        {_gb(s['bytes_to_read'])} from {len(s['files_to_read'])} file(s): {', '.join(s['files_to_read'])}")
+    click.echo(
+        f"  bytes to read:        {_gb(s['bytes_to_read'])} from {len(s['files_to_read'])} file(s): {', '.join(s['files_to_read'])}"
+    )
     click.echo(f"  bytes to write:       {_gb(s['bytes_to_write'])}")
     if header_bytes is not None:
         click.echo(f"  header bytes read:    {header_bytes:,} (no tensor data)")
@@ -256,13 +358,33 @@ def _print_plan(plan: Plan, as_json: bool, quiet: bool, *, full: bool, header_by
 @click.argument("directory", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @native_option
 @click.option("--smoke", is_flag=True, help="Load strictly into the bundled model and run a few-token forward.")
-@click.option("--fast", is_flag=True, help="Skip hashing the tensor data against conversion.json (says so in the report).")
+@click.option(
+    "--fast", is_flag=True, help="Skip hashing the tensor data against conversion.json (says so in the report)."
+)
 @device_option
-@click.option("--junit", type=click.Path(dir_okay=False, path_type=Path), help="Also write the report as JUnit XML to this file (its folder is created), one test case per check.")
-@click.option("--serve-with", type=click.Path(exists=True, path_type=Path), help="A draft directory: the target model (its directory or config.json) it is to be served beside; fails when vLLM would build the draft's layers differently (another quantisation, another architecture).")
+@click.option(
+    "--junit",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Also write the report as JUnit XML to this file (its folder is created), one test case per check.",
+)
+@click.option(
+    "--serve-with",
+    type=click.Path(exists=True, path_type=Path),
+    help="A draft directory: the target model (its directory or config.json) it is to be served beside; fails when vLLM would build the draft's layers differently (another quantisation, another architecture).",
+)
 @quiet_option
 @json_option
-def check_command(directory: Path, native: Path | None, smoke: bool, fast: bool, device: str | None, junit: Path | None, serve_with: Path | None, quiet: bool, as_json: bool) -> None:
+def check_command(
+    directory: Path,
+    native: Path | None,
+    smoke: bool,
+    fast: bool,
+    device: str | None,
+    junit: Path | None,
+    serve_with: Path | None,
+    quiet: bool,
+    as_json: bool,
+) -> None:
     """Verify converted checkpoint DIRECTORY; exit with the first failed check's code.
 
     --native implies --smoke.
@@ -280,7 +402,9 @@ def check_command(directory: Path, native: Path | None, smoke: bool, fast: bool,
     from dsv4.model.checkpoint import refuse_full_native
 
     refuse_full_native(directory, "check")
-    report = run_checks(directory, native=native, smoke=smoke, fast=fast, device=device, serve_with=serve_with, quiet=quiet or as_json)
+    report = run_checks(
+        directory, native=native, smoke=smoke, fast=fast, device=device, serve_with=serve_with, quiet=quiet or as_json
+    )
     if as_json:
         echo_json(report.to_json())
     else:
@@ -297,16 +421,54 @@ def check_command(directory: Path, native: Path | None, smoke: bool, fast: bool,
 @cli.command("smoke")
 @click.argument("out", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @device_option
-@click.option("--tokens", type=click.IntRange(min=1), default=SMOKE_TOKENS, show_default=True, help="Tokens in the draft step (DSpark: context tokens of random target features).")
+@click.option(
+    "--tokens",
+    type=click.IntRange(min=1),
+    default=SMOKE_TOKENS,
+    show_default=True,
+    help="Tokens in the draft step (DSpark: context tokens of random target features).",
+)
 @native_option
-@click.option("--min-top1", type=click.FloatRange(0, 1), default=MIN_TOP1, show_default=True, help="With --native: fail when top-1 agreement with the reference is lower (a disagreement on a near-tie, within 1% of max|logit| in the reference, counts as agreeing; DSpark: each draft position given the reference's previous token). `check --native` applies the same rule.")
-@click.option("--features", type=click.Path(exists=True, dir_okay=False, path_type=Path), help="DSpark: a safetensors file of target features h_<l> [T_ctx, H] for each of dspark_target_layer_ids (default: random, seeded).")
-@click.option("--anchor", type=click.IntRange(min=0), help="DSpark: the anchor token (the last accepted one; default: random, seeded).")
-@click.option("--position", type=click.IntRange(min=0), default=0, show_default=True, help="DSpark: the position of the context's first token.")
+@click.option(
+    "--min-top1",
+    type=click.FloatRange(0, 1),
+    default=MIN_TOP1,
+    show_default=True,
+    help="With --native: fail when top-1 agreement with the reference is lower (a disagreement on a near-tie, within 1% of max|logit| in the reference, counts as agreeing; DSpark: each draft position given the reference's previous token). `check --native` applies the same rule.",
+)
+@click.option(
+    "--features",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="DSpark: a safetensors file of target features h_<l> [T_ctx, H] for each of dspark_target_layer_ids (default: random, seeded).",
+)
+@click.option(
+    "--anchor",
+    type=click.IntRange(min=0),
+    help="DSpark: the anchor token (the last accepted one; default: random, seeded).",
+)
+@click.option(
+    "--position",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="DSpark: the position of the context's first token.",
+)
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random inputs.")
 @quiet_option
 @json_option
-def smoke_command(out: Path, device: str | None, tokens: int, native: Path | None, min_top1: float, features: Path | None, anchor: int | None, position: int, seed: int, quiet: bool, as_json: bool) -> None:
+def smoke_command(
+    out: Path,
+    device: str | None,
+    tokens: int,
+    native: Path | None,
+    min_top1: float,
+    features: Path | None,
+    anchor: int | None,
+    position: int,
+    seed: int,
+    quiet: bool,
+    as_json: bool,
+) -> None:
     """Load converted checkpoint OUT into the bundled draft model and run one draft step
     (MTP: one step on TOKENS tokens; DSpark: one block drafted from a context)."""
     refuse_unless_torch_fits("smoke")
@@ -319,7 +481,11 @@ def smoke_command(out: Path, device: str | None, tokens: int, native: Path | Non
     from dsv4.model.smoke import run_dspark_smoke, run_smoke
 
     dspark = converted_config(out).is_dspark
-    progress.step(f"smoke: loading {out} into the bundled model and drafting" + (" (then the reference on the native checkpoint)" if native is not None else ""), quiet or as_json)
+    progress.step(
+        f"smoke: loading {out} into the bundled model and drafting"
+        + (" (then the reference on the native checkpoint)" if native is not None else ""),
+        quiet or as_json,
+    )
     refuse_full_native(out, "smoke")  # a draft directory in native names is fine; a whole native checkpoint is not
     load = model_loader(out)  # a draft directory (native names): the xpu plan, in memory
     if not dspark and (features is not None or anchor is not None or position):
@@ -344,25 +510,38 @@ def _print_smoke(report: dict[str, Any], native: Path | None, quiet: bool) -> No
     click.echo(f"smoke: {report['checkpoint']} on {report['device']}, fused norms: {report['kernels']}")
     dspark = report.get("layout") == "dspark"
     if dspark:
-        click.echo(f"  draft tokens {report['draft_tokens']} (anchor {report['anchor']}, block positions {report['block_positions'][0]}..{report['block_positions'][-1]})")
+        click.echo(
+            f"  draft tokens {report['draft_tokens']} (anchor {report['anchor']}, block positions {report['block_positions'][0]}..{report['block_positions'][-1]})"
+        )
     if not quiet:
         if dspark:
-            click.echo(f"  load {report['load_ms']:.0f} ms; stages {report['hidden_first_ms']:.1f} ms first, {report['hidden_warm_ms']:.1f} ms warm; "
-                       f"heads and sampler {report['logits_first_ms']:.1f} / {report['logits_warm_ms']:.1f} ms")
+            click.echo(
+                f"  load {report['load_ms']:.0f} ms; stages {report['hidden_first_ms']:.1f} ms first, {report['hidden_warm_ms']:.1f} ms warm; "
+                f"heads and sampler {report['logits_first_ms']:.1f} / {report['logits_warm_ms']:.1f} ms"
+            )
         else:
-            click.echo(f"  load {report['load_ms']:.0f} ms; forward {report['forward_first_ms']:.1f} ms first, {report['forward_warm_ms']:.1f} ms warm; "
-                       f"logits {report['logits_first_ms']:.1f} / {report['logits_warm_ms']:.1f} ms")
+            click.echo(
+                f"  load {report['load_ms']:.0f} ms; forward {report['forward_first_ms']:.1f} ms first, {report['forward_warm_ms']:.1f} ms warm; "
+                f"logits {report['logits_first_ms']:.1f} / {report['logits_warm_ms']:.1f} ms"
+            )
         click.echo(f"  hidden {report['hidden_shape']}, logits {report['logits_shape']}, all finite")
     if native is None:
         return
-    diffs = (f"  vs reference {native}: hidden max|diff| {report['hidden_max_abs_diff']:.4g} (max|h| {report['hidden_max_abs']:.4g}), "
-             f"logits max|diff| {report['logits_max_abs_diff']:.4g} (max {report['logits_max_abs']:.4g}), ")
+    diffs = (
+        f"  vs reference {native}: hidden max|diff| {report['hidden_max_abs_diff']:.4g} (max|h| {report['hidden_max_abs']:.4g}), "
+        f"logits max|diff| {report['logits_max_abs_diff']:.4g} (max {report['logits_max_abs']:.4g}), "
+    )
     if dspark:
         diffs += f"reference draft tokens {report['reference_draft_tokens']}, agreement {report['draft_token_agreement']:.3f} (equal up to position {report['draft_tokens_agree_to']}), "
-    click.echo(diffs + f"top-1 agreement {report['top1_agreement']:.3f} ({report['top1_agreement_up_to_ties']:.3f} counting near-ties)")
+    click.echo(
+        diffs
+        + f"top-1 agreement {report['top1_agreement']:.3f} ({report['top1_agreement_up_to_ties']:.3f} counting near-ties)"
+    )
     for d in report["routing_disagreements"]:
         kind = "a near-tie" if d["near_tie"] else "NOT a near-tie"
-        click.echo(f"  routing differs at MoE call {d['call']}, token {d['token']}: margin {d['margin']:.4g}, tolerance {d['tolerance']:.4g} ({kind})")
+        click.echo(
+            f"  routing differs at MoE call {d['call']}, token {d['token']}: margin {d['margin']:.4g}, tolerance {d['tolerance']:.4g} ({kind})"
+        )
 
 
 def _main_layers_arg(ctx: click.Context, param: click.Parameter, value: str) -> int | str:
@@ -376,15 +555,40 @@ def _main_layers_arg(ctx: click.Context, param: click.Parameter, value: str) -> 
 
 @cli.command("synth")
 @click.argument("out", type=click.Path(file_okay=False, path_type=Path))
-@click.option("--preset", type=click.Choice(sorted(PRESETS)), help="Released config to replicate (default tiny; with --variant dspark: flash, i.e. V4-Flash-0731).")
-@click.option("--config", "config_path", type=click.Path(dir_okay=False, exists=True, path_type=Path), help="A config.json to use instead of a preset.")
+@click.option(
+    "--preset",
+    type=click.Choice(sorted(PRESETS)),
+    help="Released config to replicate (default tiny; with --variant dspark: flash, i.e. V4-Flash-0731).",
+)
+@click.option(
+    "--config",
+    "config_path",
+    type=click.Path(dir_okay=False, exists=True, path_type=Path),
+    help="A config.json to use instead of a preset.",
+)
 @click.option("--variant", type=click.Choice(["instruct", "base", "dspark"]), default="instruct", show_default=True)
-@click.option("--main-layers", default="0", callback=_main_layers_arg, show_default=True, help="Main decoder layers to write: K or 'all'.")
+@click.option(
+    "--main-layers",
+    default="0",
+    callback=_main_layers_arg,
+    show_default=True,
+    help="Main decoder layers to write: K or 'all'.",
+)
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the synthetic tensor data.")
 @click.option("--sparse", is_flag=True, help="Headers only; tensor data are file holes (read back as zeros).")
 @quiet_option
 @json_option
-def synth_command(out: Path, preset: str | None, config_path: Path | None, variant: str, main_layers: int | str, seed: int, sparse: bool, quiet: bool, as_json: bool) -> None:
+def synth_command(
+    out: Path,
+    preset: str | None,
+    config_path: Path | None,
+    variant: str,
+    main_layers: int | str,
+    seed: int,
+    sparse: bool,
+    quiet: bool,
+    as_json: bool,
+) -> None:
     """Write a synthetic native DeepSeek V4 checkpoint to OUT."""
     refuse_unless_torch_fits("synth")
     from dsv4.convert.synth import synthesize  # start-up time: torch
@@ -392,7 +596,16 @@ def synth_command(out: Path, preset: str | None, config_path: Path | None, varia
     if preset and config_path:
         raise click.UsageError("--preset and --config are alternatives; give one")
     try:
-        summary = synthesize(out, preset=preset, config_path=config_path, variant=variant, main_layers=main_layers, seed=seed, sparse=sparse, quiet=quiet or as_json)
+        summary = synthesize(
+            out,
+            preset=preset,
+            config_path=config_path,
+            variant=variant,
+            main_layers=main_layers,
+            seed=seed,
+            sparse=sparse,
+            quiet=quiet or as_json,
+        )
     except ValueError as exc:  # a preset or layer count the synthesiser does not have
         raise click.UsageError(str(exc)) from exc
     if as_json:
@@ -400,26 +613,64 @@ def synth_command(out: Path, preset: str | None, config_path: Path | None, varia
     else:
         holes = " (sparse)" if sparse else ""
         size = summary["bytes"]
-        click.echo(f"synth: {summary['tensors']} tensors in {summary['files']} files, {size:,} bytes ({size / 1e9:.1f} GB) logical{holes} -> {out}")
+        click.echo(
+            f"synth: {summary['tensors']} tensors in {summary['files']} files, {size:,} bytes ({size / 1e9:.1f} GB) logical{holes} -> {out}"
+        )
 
 
 @cli.command("batch")
 @click.argument("manifest", type=click.Path(exists=True, dir_okay=False, path_type=Path))
-@click.option("--out-dir", type=click.Path(file_okay=False, path_type=Path), help="Root of the local outputs (default: the manifest's output.dir).")
-@click.option("--push", "push_to_hub", is_flag=True, help="Upload each output to the manifest's output.repo (HF_TOKEN or `hf auth login` with write access).")
-@click.option("--num-shards", type=click.IntRange(min=1), help="Split the manifest into N shards [env DSV4_NUM_SHARDS; default: SLURM_ARRAY_TASK_COUNT, else 1].")
-@click.option("--shard-index", type=click.IntRange(min=0), help="This run's shard, 0..N-1 [default: the Slurm array task's place in its array, or JOB_COMPLETION_INDEX].")
-@click.option("--report", "report_path", type=click.Path(dir_okay=False, path_type=Path), help="JSON report [default: OUT_DIR/batch-report[-K-of-N].json].")
+@click.option(
+    "--out-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Root of the local outputs (default: the manifest's output.dir).",
+)
+@click.option(
+    "--push",
+    "push_to_hub",
+    is_flag=True,
+    help="Upload each output to the manifest's output.repo (HF_TOKEN or `hf auth login` with write access).",
+)
+@click.option(
+    "--num-shards",
+    type=click.IntRange(min=1),
+    help="Split the manifest into N shards [env DSV4_NUM_SHARDS; default: SLURM_ARRAY_TASK_COUNT, else 1].",
+)
+@click.option(
+    "--shard-index",
+    type=click.IntRange(min=0),
+    help="This run's shard, 0..N-1 [default: the Slurm array task's place in its array, or JOB_COMPLETION_INDEX].",
+)
+@click.option(
+    "--report",
+    "report_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="JSON report [default: OUT_DIR/batch-report[-K-of-N].json].",
+)
 @quiet_option
 @json_option
-def batch_command(manifest: Path, out_dir: Path | None, push_to_hub: bool, num_shards: int | None, shard_index: int | None, report_path: Path | None, quiet: bool, as_json: bool) -> None:
+def batch_command(
+    manifest: Path,
+    out_dir: Path | None,
+    push_to_hub: bool,
+    num_shards: int | None,
+    shard_index: int | None,
+    report_path: Path | None,
+    quiet: bool,
+    as_json: bool,
+) -> None:
     """Convert every source repo of MANIFEST (TOML) that is not already converted.
 
     A source is skipped, without reading any of its files, when its output (with --push: its
     target repo) already records the source's current commit and the table's version. A
     failing repo is reported and the others go on; the exit code is non-zero if any failed.
     """
-    from dsv4.convert.batch import default_report_path, load_manifest, run_batch, shard_from_env  # start-up time: the hub client
+    from dsv4.convert.batch import (
+        default_report_path,
+        load_manifest,
+        run_batch,
+        shard_from_env,
+    )  # start-up time: the hub client
     from dsv4.convert.errors import BatchFailedError
 
     try:
@@ -428,15 +679,27 @@ def batch_command(manifest: Path, out_dir: Path | None, push_to_hub: bool, num_s
         raise click.UsageError(str(exc)) from None
     m = load_manifest(manifest, out_dir)
     path = report_path or default_report_path(m, n, k)
-    report = run_batch(m, push_to_hub=push_to_hub, num_shards=n, shard_index=k, report_path=path, echo=None if quiet or as_json else click.echo)
+    report = run_batch(
+        m,
+        push_to_hub=push_to_hub,
+        num_shards=n,
+        shard_index=k,
+        report_path=path,
+        echo=None if quiet or as_json else click.echo,
+    )
     counts = {key: len(report[key]) for key in ("planned", "converted", "skipped", "failed")}
     if as_json:
         echo_json(report)
     else:
         done = f"{counts['converted']} converted, {counts['skipped']} skipped, {counts['failed']} failed of {counts['planned']}"
-        click.echo(f"shard {k}/{n}: {done}; {report['bytes_fetched']:,} bytes fetched in {report['seconds']:.1f} s; report {path}")
+        click.echo(
+            f"shard {k}/{n}: {done}; {report['bytes_fetched']:,} bytes fetched in {report['seconds']:.1f} s; report {path}"
+        )
     if counts["failed"]:
-        raise BatchFailedError(f"{manifest}: {counts['failed']} of {counts['planned']} repositories failed; reasons in {path}", path=str(path))
+        raise BatchFailedError(
+            f"{manifest}: {counts['failed']} of {counts['planned']} repositories failed; reasons in {path}",
+            path=str(path),
+        )
 
 
 @cli.command("targets")
@@ -445,13 +708,24 @@ def batch_command(manifest: Path, out_dir: Path | None, push_to_hub: bool, num_s
 def targets_command(quiet: bool, as_json: bool) -> None:
     """List the installed targets (--target) and their tables: the drafter each maps, its
     version, and the runtime and runtime class whose layout it writes."""
-    rows = [{"target": h.target, "table": name, "drafter": h.drafter, "table_version": h.version, "runtime": h.runtime, "runtime_class": h.runtime_class}
-            for name, h in sorted(table_headers().items(), key=lambda item: (item[1].target, item[0]))]
+    rows = [
+        {
+            "target": h.target,
+            "table": name,
+            "drafter": h.drafter,
+            "table_version": h.version,
+            "runtime": h.runtime,
+            "runtime_class": h.runtime_class,
+        }
+        for name, h in sorted(table_headers().items(), key=lambda item: (item[1].target, item[0]))
+    ]
     if as_json:
         echo_json(rows)
         return
     for r in rows:
-        click.echo(f"{r['target']:8} {r['table']:12} drafter {r['drafter']:7} v{r['table_version']:4} {r['runtime']} ({r['runtime_class']})")
+        click.echo(
+            f"{r['target']:8} {r['table']:12} drafter {r['drafter']:7} v{r['table_version']:4} {r['runtime']} ({r['runtime_class']})"
+        )
 
 
 # Developers set DSV4_TRACEBACK=1 to see the traceback the last-resort handler hides.
@@ -528,7 +802,9 @@ def _run_command() -> None:
         except click.exceptions.Exit as exc:
             sys.exit(exc.exit_code)
         except click.UsageError as exc:  # one line like every other error, not click's usage block
-            if isinstance(exc, getattr(click.exceptions, "NoArgsIsHelpError", ())):  # click >= 8.2: no arguments means help
+            if isinstance(
+                exc, getattr(click.exceptions, "NoArgsIsHelpError", ())
+            ):  # click >= 8.2: no arguments means help
                 exc.show()
                 sys.exit(exc.exit_code)
             hint = f" (see: {exc.ctx.command_path} --help)" if exc.ctx is not None else ""
@@ -552,5 +828,8 @@ def _run_command() -> None:
             if isinstance(exc, OSError):
                 click.echo(_os_error(exc), err=True)
             else:
-                click.echo(f"internal error: {type(exc).__name__}: {_one_line(exc)} (please report this bug with the command that caused it; {TRACEBACK_ENV}=1 shows the traceback)", err=True)
+                click.echo(
+                    f"internal error: {type(exc).__name__}: {_one_line(exc)} (please report this bug with the command that caused it; {TRACEBACK_ENV}=1 shows the traceback)",
+                    err=True,
+                )
             sys.exit(INTERNAL_ERROR)

@@ -64,7 +64,9 @@ class _Chunk:
 
 
 def _tensor_chunks(t: PlannedTensor, writer: ShardWriter, lane: int) -> list[_Chunk]:
-    spans = [(p.file, off, min(CHUNK, p.end - off)) for p in t.pieces for off in range(p.start, p.end, CHUNK)] or [("", 0, 0)]
+    spans = [(p.file, off, min(CHUNK, p.end - off)) for p in t.pieces for off in range(p.start, p.end, CHUNK)] or [
+        ("", 0, 0)
+    ]
     out, at = [], 0
     for k, (file, off, n) in enumerate(spans):
         out.append(_Chunk(t, writer, lane, file, off, n, at, k == len(spans) - 1))
@@ -168,7 +170,9 @@ class Executor:
         sha256 (in the order their hashes finish)."""
         chunks = schedule(jobs, self.lanes)
         reads: collections.deque[tuple[memoryview, Future[memoryview]]] = collections.deque()  # buffer, its read
-        hashing: collections.deque[tuple[PlannedTensor, Future[None]]] = collections.deque()  # last chunk of each tensor
+        hashing: collections.deque[tuple[PlannedTensor, Future[None]]] = (
+            collections.deque()
+        )  # last chunk of each tensor
         started = 0
 
         def start_reads(k: int) -> None:

@@ -110,4 +110,3 @@ def code_of(error: type[BaseException]) -> int:
 def exit_code(exc: BaseException) -> int:
     """The documented code of the error `exc`."""
     return code_of(type(exc))
-

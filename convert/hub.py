@@ -42,16 +42,7 @@ from pathlib import Path
 from typing import TypeVar
 
 import httpx2
-from dsv4.convert import progress
-from dsv4.convert.errors import DownloadError, HubError, RepoNotFound, RevisionNotFound
-from dsv4.convert.inventory import Inventory, TensorSource, merge_shards, parse_header, tensors_from_header
-from dsv4.convert.location import HubSpec, parse_hub_spec
-from dsv4.convert.readers import LocalReader
-from dsv4.model.checkpoint import INDEX_NAME, SINGLE_FILE, load_index
-from dsv4.model.config import config_errors, parse_config
-from dsv4.model.errors import DSV4Error, MissingConfigError, MissingShardError, TruncatedShardError
 from huggingface_hub import HfApi, ModelInfo, constants, hf_hub_url, try_to_load_from_cache
-from huggingface_hub.hf_api import RepoSibling
 from huggingface_hub.errors import (
     EntryNotFoundError,
     GatedRepoError,
@@ -60,7 +51,17 @@ from huggingface_hub.errors import (
     RepositoryNotFoundError,
     RevisionNotFoundError,
 )
+from huggingface_hub.hf_api import RepoSibling
 from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
+
+from dsv4.convert import progress
+from dsv4.convert.errors import DownloadError, HubError, RepoNotFound, RevisionNotFound
+from dsv4.convert.inventory import Inventory, TensorSource, merge_shards, parse_header, tensors_from_header
+from dsv4.convert.location import HubSpec, parse_hub_spec
+from dsv4.convert.readers import LocalReader
+from dsv4.model.checkpoint import INDEX_NAME, SINGLE_FILE, load_index
+from dsv4.model.config import config_errors, parse_config
+from dsv4.model.errors import DSV4Error, MissingConfigError, MissingShardError, TruncatedShardError
 
 T = TypeVar("T")
 log = logging.getLogger("dsv4.hub")
@@ -111,15 +112,26 @@ def _transient(exc: BaseException) -> _Transient | None:
 def _hub_error(exc: BaseException, what: str, fallback: type[HubError]) -> DSV4Error:
     """huggingface_hub's exception `exc` as this tool's one-line error about `what`."""
     if isinstance(exc, GatedRepoError):
-        return RepoNotFound(f"{what}: gated repository; accept its terms on the hub, then set HF_TOKEN or run `hf auth login`", path=str(what))
+        return RepoNotFound(
+            f"{what}: gated repository; accept its terms on the hub, then set HF_TOKEN or run `hf auth login`",
+            path=str(what),
+        )
     if isinstance(exc, RepositoryNotFoundError):
-        return RepoNotFound(f"{what}: repository not found (if it is private or gated, set HF_TOKEN or run `hf auth login`)", path=str(what))
+        return RepoNotFound(
+            f"{what}: repository not found (if it is private or gated, set HF_TOKEN or run `hf auth login`)",
+            path=str(what),
+        )
     if isinstance(exc, RevisionNotFoundError):
         return RevisionNotFound(f"{what}: revision not found in the repository", path=str(what))
     if isinstance(exc, OfflineModeIsEnabled):
-        return HubError(f"{what}: HF_HUB_OFFLINE is set and the cache does not hold this repository's files; download them first (`hf download`) or unset HF_HUB_OFFLINE", path=str(what))
+        return HubError(
+            f"{what}: HF_HUB_OFFLINE is set and the cache does not hold this repository's files; download them first (`hf download`) or unset HF_HUB_OFFLINE",
+            path=str(what),
+        )
     status = getattr(getattr(exc, "response", None), "status_code", None)
-    detail = f"HTTP {status}" if status else (str(exc).strip().splitlines() or [""])[0]  # their text is multi-line, with URLs
+    detail = (
+        f"HTTP {status}" if status else (str(exc).strip().splitlines() or [""])[0]
+    )  # their text is multi-line, with URLs
     return fallback(f"{what}: hub request failed ({type(exc).__name__}: {detail})", path=str(what))
 
 
@@ -151,7 +163,10 @@ def with_retries(what: str, attempt: Callable[[], T], fallback: type[HubError] =
         wait = backoff
         if problem.retry_after is not None:
             if problem.retry_after > RETRY_AFTER_CAP_S:
-                raise fallback(f"{what}: {problem.reason}: the hub asks to wait {problem.retry_after} s, longer than the {RETRY_AFTER_CAP_S} s this tool waits; try again later", path=str(what))
+                raise fallback(
+                    f"{what}: {problem.reason}: the hub asks to wait {problem.retry_after} s, longer than the {RETRY_AFTER_CAP_S} s this tool waits; try again later",
+                    path=str(what),
+                )
             wait = float(problem.retry_after)
         retry += 1
         log.warning(f"{what}: {problem.reason}; retry {retry} of {RETRIES} in {wait:g} s")
@@ -225,10 +240,15 @@ class HubReader:
             response = _get(hf_hub_url(self.repo, file, revision=self.commit), headers)
         except HfHubHTTPError as exc:
             if exc.response is not None and exc.response.status_code == 404:
-                raise MissingShardError(f"{self._where(file)}: not in the repository at this commit", path=self._where(file)) from None
+                raise MissingShardError(
+                    f"{self._where(file)}: not in the repository at this commit", path=self._where(file)
+                ) from None
             raise
         if response.status_code != 206:  # the Range was ignored: retrying would pull whole shards again
-            raise DownloadError(f"{self._where(file)}: bytes {offset}..{offset + n}: the hub answered HTTP {response.status_code}, not 206 Partial Content", path=self._where(file))
+            raise DownloadError(
+                f"{self._where(file)}: bytes {offset}..{offset + n}: the hub answered HTTP {response.status_code}, not 206 Partial Content",
+                path=self._where(file),
+            )
         m = CONTENT_RANGE.match(response.headers.get("Content-Range", "").strip())
         if m is None:
             raise _Transient(f"no Content-Range in the answer (got {response.headers.get('Content-Range')!r})")
@@ -239,7 +259,9 @@ class HubReader:
                 self.sizes.setdefault(file, int(total))
         size = self.sizes.get(file)
         if start != offset or len(body) != end - start:
-            raise _Transient(f"the hub sent bytes {start}..{end} ({len(body)} bytes) for the range {offset}..{offset + n}")
+            raise _Transient(
+                f"the hub sent bytes {start}..{end} ({len(body)} bytes) for the range {offset}..{offset + n}"
+            )
         if len(body) < n and (size is None or end < size):
             raise _Transient(f"got {len(body)} of {n} bytes")
         if len(body) > n:
@@ -252,8 +274,13 @@ class HubReader:
         counts tensor data)."""
         size = self.sizes.get(file)
         if size is not None and offset + n > size:
-            raise TruncatedShardError(f"{self._where(file)}: ends at byte {size}, before the planned range {offset}..{offset + n}", path=self._where(file))
-        return with_retries(f"{self._where(file)}: bytes {offset}..{offset + n}", partial(self._ranged, file, offset, n), DownloadError)
+            raise TruncatedShardError(
+                f"{self._where(file)}: ends at byte {size}, before the planned range {offset}..{offset + n}",
+                path=self._where(file),
+            )
+        return with_retries(
+            f"{self._where(file)}: bytes {offset}..{offset + n}", partial(self._ranged, file, offset, n), DownloadError
+        )
 
     def read_into(self, file: str, offset: int, buf: memoryview) -> None:
         if self.published is not None:
@@ -262,7 +289,10 @@ class HubReader:
         else:
             data = self.fetch(file, offset, len(buf))
         if len(data) != len(buf):
-            raise TruncatedShardError(f"{self._where(file)}: ends at byte {offset + len(data)}, before the planned range {offset}..{offset + len(buf)}", path=self._where(file))
+            raise TruncatedShardError(
+                f"{self._where(file)}: ends at byte {offset + len(data)}, before the planned range {offset}..{offset + len(buf)}",
+                path=self._where(file),
+            )
         buf[:] = data
         with self._lock:  # called from several reader threads
             self.bytes_read += len(buf)
@@ -278,7 +308,10 @@ class HubReader:
                 return fd
             published = (self.published or {}).get(file)
             if published is None:
-                raise DownloadError(f"{self._where(file)}: the hub publishes no sha256 or git id for this file, so --verify-source cannot check it", path=self._where(file))
+                raise DownloadError(
+                    f"{self._where(file)}: the hub publishes no sha256 or git id for this file, so --verify-source cannot check it",
+                    path=self._where(file),
+                )
             if self._spill is None:
                 self._spill = tempfile.TemporaryDirectory(prefix="dsv4-verify-")
             copy, size = Path(self._spill.name) / file, self.sizes[file]
@@ -289,13 +322,19 @@ class HubReader:
                     digest.update(chunk)
                     out.write(chunk)
             if digest.hexdigest() != published.digest:
-                raise DownloadError(f"{self._where(file)}: the {size:,} bytes downloaded do not match the {published.kind} the hub publishes ({published.digest[:16]}...): refused, nothing written from it", path=self._where(file))
+                raise DownloadError(
+                    f"{self._where(file)}: the {size:,} bytes downloaded do not match the {published.kind} the hub publishes ({published.digest[:16]}...): refused, nothing written from it",
+                    path=self._where(file),
+                )
             fd = os.open(copy, os.O_RDONLY)
             if (header := self.header_sha256.get(file)) is not None:
                 n = struct.unpack("<Q", os.pread(fd, 8, 0))[0]
                 if hashlib.sha256(os.pread(fd, 8 + n, 0)).hexdigest() != header:
                     os.close(fd)
-                    raise DownloadError(f"{self._where(file)}: the header the plan was made from differs from the verified file's: refused", path=self._where(file))
+                    raise DownloadError(
+                        f"{self._where(file)}: the header the plan was made from differs from the verified file's: refused",
+                        path=self._where(file),
+                    )
             self._verified[file] = fd
             return fd
 
@@ -340,9 +379,17 @@ class CachedHubReader(LocalReader):
 def _model_info(hub: HubSpec, *, files_metadata: bool = False) -> tuple[str, ModelInfo]:
     """(commit, info) of the revision `hub` names."""
     what = f"{hub.location}@{hub.revision or 'default branch'}"
-    info = with_retries(what, lambda: HfApi(token=hub.token).model_info(hub.repo, revision=hub.revision, files_metadata=files_metadata, timeout=TIMEOUT_S))
+    info = with_retries(
+        what,
+        lambda: HfApi(token=hub.token).model_info(
+            hub.repo, revision=hub.revision, files_metadata=files_metadata, timeout=TIMEOUT_S
+        ),
+    )
     if not info.sha:
-        raise HubError(f"{hub.location}: the hub did not say which commit {hub.revision or 'the default branch'} is", path=str(hub.location))
+        raise HubError(
+            f"{hub.location}: the hub did not say which commit {hub.revision or 'the default branch'} is",
+            path=str(hub.location),
+        )
     return info.sha, info
 
 
@@ -351,7 +398,9 @@ def resolve_commit(hub: HubSpec) -> str:
     return _model_info(hub)[0]
 
 
-def download(hub: HubSpec, commit: str, file: str, fallback: type[HubError] = HubError, *, missing_ok: bool = False) -> bytes | None:
+def download(
+    hub: HubSpec, commit: str, file: str, fallback: type[HubError] = HubError, *, missing_ok: bool = False
+) -> bytes | None:
     """A small file at `commit`: from huggingface_hub's cache when it is there, else fetched.
     None for a file the commit does not have, when `missing_ok`."""
     cached = try_to_load_from_cache(hub.repo, file, revision=commit)
@@ -378,11 +427,17 @@ def _small_file(reader: HubReader | CachedHubReader, hub: HubSpec, file: str) ->
     if published is not None:
         where = f"{hub.location}/{file}@{reader.commit[:12]}"
         if file not in published:
-            raise DownloadError(f"{where}: the hub publishes no sha256 or git id for this file, so --verify-source cannot check it", path=where)
+            raise DownloadError(
+                f"{where}: the hub publishes no sha256 or git id for this file, so --verify-source cannot check it",
+                path=where,
+            )
         digest = published[file].hasher(len(data))
         digest.update(data)
         if digest.hexdigest() != published[file].digest:
-            raise DownloadError(f"{where}: the {len(data):,} bytes downloaded do not match the {published[file].kind} the hub publishes: refused", path=where)
+            raise DownloadError(
+                f"{where}: the {len(data):,} bytes downloaded do not match the {published[file].kind} the hub publishes: refused",
+                path=where,
+            )
     return data
 
 
@@ -393,7 +448,10 @@ def _read_shard_header(reader: HubReader, file: str) -> tuple[dict[str, TensorSo
     first = reader.fetch(file, 0, min(SPECULATIVE_HEADER_BYTES, reader.sizes.get(file, SPECULATIVE_HEADER_BYTES)))
     size = reader.sizes.get(file)  # known now from model info or this answer's Content-Range, unless neither said
     if size is None:
-        raise DownloadError(f"{reader.location}/{file}@{reader.commit[:12]}: the hub gives no size for this file (neither model info nor Content-Range)", path=file)
+        raise DownloadError(
+            f"{reader.location}/{file}@{reader.commit[:12]}: the hub gives no size for this file (neither model info nor Content-Range)",
+            path=file,
+        )
 
     raw: list[bytes] = []
 
@@ -413,7 +471,10 @@ def _cached(hub: HubSpec) -> tuple[str, CachedHubReader]:
     config = try_to_load_from_cache(hub.repo, "config.json", revision=hub.revision)
     if not isinstance(config, str):
         what = f"{hub.location}@{hub.revision or 'default branch'}"
-        raise HubError(f"{what}: HF_HUB_OFFLINE is set and huggingface_hub's cache has no config.json of it; download the repository first (`hf download {hub.repo}`) or unset HF_HUB_OFFLINE", path=what)
+        raise HubError(
+            f"{what}: HF_HUB_OFFLINE is set and huggingface_hub's cache has no config.json of it; download the repository first (`hf download {hub.repo}`) or unset HF_HUB_OFFLINE",
+            path=what,
+        )
     snapshot = Path(config).parent  # .../snapshots/<commit>/, its files linked to the cache's blobs
     return snapshot.name, CachedHubReader(snapshot, hub, snapshot.name)
 
@@ -426,7 +487,10 @@ def open_hub_source(spec: str | HubSpec, *, quiet: bool = True) -> tuple[Invento
     reader: HubReader | CachedHubReader
     if constants.HF_HUB_OFFLINE:
         if hub.verify_files:
-            raise HubError(f"{hub.location}: --verify-source checks files against the digests the hub publishes, and HF_HUB_OFFLINE is set", path=hub.location)
+            raise HubError(
+                f"{hub.location}: --verify-source checks files against the digests the hub publishes, and HF_HUB_OFFLINE is set",
+                path=hub.location,
+            )
         commit, reader = _cached(hub)
         names = set(reader.sizes)
     else:
@@ -439,7 +503,11 @@ def open_hub_source(spec: str | HubSpec, *, quiet: bool = True) -> tuple[Invento
             raise type(exc)(f"{hub.repo}: no such local directory, and as a hub repository: {exc}") from None
         names = {s.rfilename for s in info.siblings or []}
         sizes = {s.rfilename: s.size for s in info.siblings or [] if s.size is not None}  # a mirror may leave sizes out
-        published = {s.rfilename: p for s in info.siblings or [] if (p := Published.of(s)) is not None} if hub.verify_files else None
+        published = (
+            {s.rfilename: p for s in info.siblings or [] if (p := Published.of(s)) is not None}
+            if hub.verify_files
+            else None
+        )
         reader = HubReader(hub, commit, sizes, published)
 
     config_where = f"{hub.location}/config.json@{commit[:12]}"
@@ -458,20 +526,35 @@ def open_hub_source(spec: str | HubSpec, *, quiet: bool = True) -> tuple[Invento
         raise MissingShardError(f"{hub.location}@{commit[:12]}: neither {INDEX_NAME} nor {SINGLE_FILE} found")
     for file in files:
         if file not in names:
-            raise MissingShardError(f"{hub.location}/{file}@{commit[:12]}: shard named in {INDEX_NAME} is not in the repository")
+            raise MissingShardError(
+                f"{hub.location}/{file}@{commit[:12]}: shard named in {INDEX_NAME} is not in the repository"
+            )
 
     try:
         # Latency-bound (Flash: 46 shards), so several shards at a time. map yields in shard
         # order: the first shard in that order that fails is the error reported, as when
         # they were read one by one, and the shards not yet started are cancelled.
-        with ThreadPoolExecutor(max_workers=reader.header_reads, thread_name_prefix="hub-header") as pool, progress.bar(len(files), "shard headers", "shard", quiet) as shown:
+        with (
+            ThreadPoolExecutor(max_workers=reader.header_reads, thread_name_prefix="hub-header") as pool,
+            progress.bar(len(files), "shard headers", "shard", quiet) as shown,
+        ):
             headers = []
             for header in pool.map(partial(_read_shard_header, reader), files):
                 headers.append(header)
                 shown.update(1)
         header_bytes = sum(data_start for _, data_start in headers)
-        tensors = merge_shards(hub.location, weight_map, [(file, found) for file, (found, _) in zip(files, headers, strict=True)])
+        tensors = merge_shards(
+            hub.location, weight_map, [(file, found) for file, (found, _) in zip(files, headers, strict=True)]
+        )
     except BaseException:
         reader.close()
         raise
-    return Inventory(hub.location, config, tensors, {f: reader.sizes[f] for f in files}, header_bytes, revision=commit, config_bytes=raw_config), reader
+    return Inventory(
+        hub.location,
+        config,
+        tensors,
+        {f: reader.sizes[f] for f in files},
+        header_bytes,
+        revision=commit,
+        config_bytes=raw_config,
+    ), reader

@@ -29,6 +29,7 @@ def read_planned(plan: Plan, reader: ByteReader) -> dict[str, torch.Tensor]:
     """Every planned tensor, its pieces read back to back into one buffer (every table op
     moves bytes, so a tensor is its pieces' bytes), as a CPU tensor of its planned dtype and shape."""
     import torch
+
     from dsv4.model.dtypes import TORCH_DTYPES
 
     state: dict[str, torch.Tensor] = {}
@@ -38,7 +39,11 @@ def read_planned(plan: Plan, reader: ByteReader) -> dict[str, torch.Tensor]:
         for p in t.pieces:
             reader.read_into(p.file, p.start, view[at : at + p.nbytes])
             at += p.nbytes
-        state[t.name] = torch.frombuffer(buf, dtype=TORCH_DTYPES[t.dtype]).reshape(t.shape) if t.nbytes else torch.empty(t.shape, dtype=TORCH_DTYPES[t.dtype])
+        state[t.name] = (
+            torch.frombuffer(buf, dtype=TORCH_DTYPES[t.dtype]).reshape(t.shape)
+            if t.nbytes
+            else torch.empty(t.shape, dtype=TORCH_DTYPES[t.dtype])
+        )
     return state
 
 

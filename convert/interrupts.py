@@ -116,7 +116,12 @@ def report() -> None:
         try:
             sys.stderr.write(f"{LINE}\n")
             sys.stderr.flush()
-        except (OSError, ValueError, RuntimeError, AttributeError):  # RuntimeError: the signal landed inside a write to stderr
+        except (
+            OSError,
+            ValueError,
+            RuntimeError,
+            AttributeError,
+        ):  # RuntimeError: the signal landed inside a write to stderr
             try:
                 os.write(2, f"{LINE}\n".encode())
             except OSError:

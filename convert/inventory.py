@@ -32,7 +32,16 @@ from dsv4.model import strictjson
 from dsv4.model.checkpoint import INDEX_NAME, SINGLE_FILE, json_kind, load_index
 from dsv4.model.config import config_errors, parse_config
 from dsv4.model.dtypes import ITEMSIZE
-from dsv4.model.errors import DuplicateTensorError, IndexMismatchError, MalformedHeaderError, MissingConfigError, MissingShardError, TruncatedShardError, UnknownDtypeError, UnsafeShardPathError
+from dsv4.model.errors import (
+    DuplicateTensorError,
+    IndexMismatchError,
+    MalformedHeaderError,
+    MissingConfigError,
+    MissingShardError,
+    TruncatedShardError,
+    UnknownDtypeError,
+    UnsafeShardPathError,
+)
 
 MAX_HEADER = 100_000_000  # safetensors' MAX_HEADER_SIZE, in bytes (not MiB): it refuses a longer header
 U64_MAX = 2**64 - 1  # safetensors reads shapes and offsets as 64-bit sizes
@@ -70,14 +79,19 @@ class Inventory:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def parse_header(raw_len: bytes, read_header: Callable[[int], bytes], file: str, file_size: int) -> tuple[dict[str, Any], int]:
+def parse_header(
+    raw_len: bytes, read_header: Callable[[int], bytes], file: str, file_size: int
+) -> tuple[dict[str, Any], int]:
     """Decode a safetensors header; returns (header dict, bytes before the data section).
     `read_header(n)` is called only once the length is known to be within the limit."""
     if len(raw_len) != 8:
         raise TruncatedShardError(f"{file}: shorter than a safetensors header ({file_size} bytes)", path=str(file))
     (n,) = struct.unpack("<Q", raw_len)
     if n > MAX_HEADER:
-        raise MalformedHeaderError(f"{file}: header of {n:,} bytes exceeds the {MAX_HEADER:,}-byte limit on a safetensors header (safetensors refuses it too)", path=str(file))
+        raise MalformedHeaderError(
+            f"{file}: header of {n:,} bytes exceeds the {MAX_HEADER:,}-byte limit on a safetensors header (safetensors refuses it too)",
+            path=str(file),
+        )
     if 8 + n > file_size:
         raise TruncatedShardError(f"{file}: header claims {n} bytes but the file has {file_size}", path=str(file))
     raw = read_header(n)
@@ -106,10 +120,14 @@ def _utf8(text: str) -> bool:
 
 def _check_metadata(metadata: Any, file: str) -> None:
     if not isinstance(metadata, dict):
-        raise MalformedHeaderError(f"{file}: __metadata__ is {json_kind(metadata)}, not an object of strings", path=str(file))
+        raise MalformedHeaderError(
+            f"{file}: __metadata__ is {json_kind(metadata)}, not an object of strings", path=str(file)
+        )
     for key, value in metadata.items():
         if not isinstance(value, str):
-            raise MalformedHeaderError(f"{file}: __metadata__[{key!r}] is {json_kind(value)}, not a string", path=str(file))
+            raise MalformedHeaderError(
+                f"{file}: __metadata__[{key!r}] is {json_kind(value)}, not a string", path=str(file)
+            )
         if not (_utf8(key) and _utf8(value)):
             raise MalformedHeaderError(f"{file}: __metadata__[{key!r}] is not valid Unicode", path=str(file))
 
@@ -127,7 +145,10 @@ def _tensor_entry(name: str, entry: Any, file: str, data_start: int) -> TensorSo
         if missing:
             raise MalformedHeaderError(f"{where}: entry lacks {'/'.join(missing)}", path=str(where))
         unknown = sorted(set(entry) - ENTRY_KEYS)
-        raise MalformedHeaderError(f"{where}: unknown field {unknown[0]!r} in its entry (a safetensors entry has {', '.join(ENTRY_FIELDS)})", path=str(where))
+        raise MalformedHeaderError(
+            f"{where}: unknown field {unknown[0]!r} in its entry (a safetensors entry has {', '.join(ENTRY_FIELDS)})",
+            path=str(where),
+        )
     dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
     if not isinstance(dtype, str):
         raise MalformedHeaderError(f"{where}: dtype {dtype!r} is not a string", path=str(where))
@@ -138,7 +159,9 @@ def _tensor_entry(name: str, entry: Any, file: str, data_start: int) -> TensorSo
     elements = 1
     for d in shape:  # safetensors multiplies left to right and refuses any overflow on the way
         if type(d) is not int or not 0 <= d <= U64_MAX:  # bool is an int to Python, not to JSON
-            raise MalformedHeaderError(f"{where}: shape {shape!r} is not a list of non-negative integers", path=str(where))
+            raise MalformedHeaderError(
+                f"{where}: shape {shape!r} is not a list of non-negative integers", path=str(where)
+            )
         elements *= d
         if elements > U64_MAX:
             raise MalformedHeaderError(f"{where}: shape {shape} overflows 64 bits", path=str(where))
@@ -146,7 +169,9 @@ def _tensor_entry(name: str, entry: Any, file: str, data_start: int) -> TensorSo
     if size * 8 > U64_MAX:  # safetensors counts bits
         raise MalformedHeaderError(f"{where}: shape {shape} of {dtype} overflows 64 bits", path=str(where))
     if not (type(offsets) is list and len(offsets) == 2 and all(type(o) is int and 0 <= o <= U64_MAX for o in offsets)):
-        raise MalformedHeaderError(f"{where}: data_offsets {offsets!r} is not a pair of non-negative integers", path=str(where))
+        raise MalformedHeaderError(
+            f"{where}: data_offsets {offsets!r} is not a pair of non-negative integers", path=str(where)
+        )
     lo, hi = offsets
     if hi - lo != size:
         raise MalformedHeaderError(f"{where}: data_offsets [{lo}, {hi}] do not fit {dtype}{shape}", path=str(where))
@@ -160,17 +185,34 @@ def _check_tiling(tensors: Iterable[TensorSource], file: str, data_start: int, f
     for src in sorted(tensors, key=lambda s: (s.start, s.end)):
         lo, hi = src.start - data_start, src.end - data_start
         if previous is not None and src.start < previous.end:
-            raise MalformedHeaderError(f"{file}: tensor {src.name}: data_offsets [{lo}, {hi}] overlap tensor {previous.name}'s [{previous.start - data_start}, {previous.end - data_start}]", path=str(file), tensor=src.name)
+            raise MalformedHeaderError(
+                f"{file}: tensor {src.name}: data_offsets [{lo}, {hi}] overlap tensor {previous.name}'s [{previous.start - data_start}, {previous.end - data_start}]",
+                path=str(file),
+                tensor=src.name,
+            )
         if src.start > at:
-            raise MalformedHeaderError(f"{file}: data bytes {at - data_start}..{lo} before tensor {src.name} belong to no tensor", path=str(file), tensor=src.name)
+            raise MalformedHeaderError(
+                f"{file}: data bytes {at - data_start}..{lo} before tensor {src.name} belong to no tensor",
+                path=str(file),
+                tensor=src.name,
+            )
         if src.end > file_size:
-            raise TruncatedShardError(f"{file}: tensor {src.name}: bytes {src.start}..{src.end} lie past the end of the file ({file_size} bytes)", path=str(file), tensor=src.name)
+            raise TruncatedShardError(
+                f"{file}: tensor {src.name}: bytes {src.start}..{src.end} lie past the end of the file ({file_size} bytes)",
+                path=str(file),
+                tensor=src.name,
+            )
         at, previous = src.end, src
     if at != file_size:
-        raise MalformedHeaderError(f"{file}: data bytes {at - data_start}..{file_size - data_start} after the last tensor belong to no tensor (safetensors refuses such a file)", path=str(file))
+        raise MalformedHeaderError(
+            f"{file}: data bytes {at - data_start}..{file_size - data_start} after the last tensor belong to no tensor (safetensors refuses such a file)",
+            path=str(file),
+        )
 
 
-def tensors_from_header(header: Mapping[str, Any], file: str, data_start: int, file_size: int) -> dict[str, TensorSource]:
+def tensors_from_header(
+    header: Mapping[str, Any], file: str, data_start: int, file_size: int
+) -> dict[str, TensorSource]:
     """The tensors a parsed header describes, once the whole header has been validated."""
     out: dict[str, TensorSource] = {}
     for name, entry in header.items():
@@ -190,22 +232,38 @@ def read_local_header(path: Path) -> tuple[dict[str, TensorSource], int]:
     return tensors_from_header(header, path.name, data_start, size), data_start
 
 
-def merge_shards(location: str, weight_map: Mapping[str, str] | None, shards: Iterable[tuple[str, dict[str, TensorSource]]]) -> dict[str, TensorSource]:
+def merge_shards(
+    location: str, weight_map: Mapping[str, str] | None, shards: Iterable[tuple[str, dict[str, TensorSource]]]
+) -> dict[str, TensorSource]:
     """Union of per-shard tensors, checked against the index's weight map."""
     tensors: dict[str, TensorSource] = {}
     for file, found in shards:
         for name, src in found.items():
             if name in tensors:
-                raise DuplicateTensorError(f"{location}: tensor {name} is in both {tensors[name].file} and {file}", path=str(location), tensor=name)
+                raise DuplicateTensorError(
+                    f"{location}: tensor {name} is in both {tensors[name].file} and {file}",
+                    path=str(location),
+                    tensor=name,
+                )
             if weight_map is not None and name not in weight_map:
-                raise IndexMismatchError(f"{file}: tensor {name} is not listed in {INDEX_NAME}", path=str(file), tensor=name)
+                raise IndexMismatchError(
+                    f"{file}: tensor {name} is not listed in {INDEX_NAME}", path=str(file), tensor=name
+                )
             if weight_map is not None and weight_map[name] != file:
-                raise IndexMismatchError(f"{file}: tensor {name} is listed in {INDEX_NAME} under {weight_map[name]}", path=str(file), tensor=name)
+                raise IndexMismatchError(
+                    f"{file}: tensor {name} is listed in {INDEX_NAME} under {weight_map[name]}",
+                    path=str(file),
+                    tensor=name,
+                )
             tensors[name] = src
     if weight_map is not None:
         for name, file in weight_map.items():
             if name not in tensors:
-                raise IndexMismatchError(f"{file}: tensor {name} is listed in {INDEX_NAME} but not in the shard's header", path=str(file), tensor=name)
+                raise IndexMismatchError(
+                    f"{file}: tensor {name} is listed in {INDEX_NAME} but not in the shard's header",
+                    path=str(file),
+                    tensor=name,
+                )
     return tensors
 
 
@@ -226,7 +284,13 @@ def not_a_regular_file(path: Path) -> str | None:
         return None
     if stat.S_ISREG(mode):
         return None
-    kinds = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a fifo"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+    kinds = (
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISFIFO, "a fifo"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+    )
     kind = next((name for test, name in kinds if test(mode)), "not a file")
     return f"{path}: is {kind}, not a regular file"
 
@@ -242,10 +306,14 @@ def read_local_shards(root: Path, weight_map: Mapping[str, str] | None, files: l
             raise MissingShardError(odd)
         if not shard.is_file():
             named = sorted(n for n, f in (weight_map or {}).items() if f == file)
-            what = f" for {named[0]}" + (f" and {len(named) - 1} more tensors" if len(named) > 1 else "") if named else ""
+            what = (
+                f" for {named[0]}" + (f" and {len(named) - 1} more tensors" if len(named) > 1 else "") if named else ""
+            )
             raise MissingShardError(f"{shard}: named in {INDEX_NAME}{what} but does not exist", path=str(shard))
         if shard.resolve().parent != real_root:
-            raise UnsafeShardPathError(f"{shard}: resolves to {shard.resolve()}, outside the checkpoint directory", path=str(shard))
+            raise UnsafeShardPathError(
+                f"{shard}: resolves to {shard.resolve()}, outside the checkpoint directory", path=str(shard)
+            )
         found, data_start = read_local_header(shard)
         out.append(LocalShard(file, found, data_start, shard.stat().st_size))
     return out

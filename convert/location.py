@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import click
+
 from dsv4.convert.errors import RepoNotFound
 from dsv4.model.errors import SourceNotFoundError
 
@@ -51,11 +52,15 @@ def parse_hub_spec(spec: str) -> HubSpec:
     except HFValidationError:
         ok = False
     if not ok:
-        raise RepoNotFound(f"{spec}: neither an existing local directory nor a hub repo id [hf://]org/name[@revision]", path=str(spec))
+        raise RepoNotFound(
+            f"{spec}: neither an existing local directory nor a hub repo id [hf://]org/name[@revision]", path=str(spec)
+        )
     return HubSpec(repo, revision or None, explicit)
 
 
-def locate(source: str | Path | HubSpec, *, revision: str | None = None, token: str | None = None, verify_files: bool = False) -> Path | HubSpec:
+def locate(
+    source: str | Path | HubSpec, *, revision: str | None = None, token: str | None = None, verify_files: bool = False
+) -> Path | HubSpec:
     """The local directory `source` names, or the hub repository; SourceNotFoundError (19)
     when it can only be a local path that does not exist. `revision`, `token` and
     `verify_files` are the hub options `--revision` and `--token` (as in the `hf` CLI) and
@@ -65,10 +70,17 @@ def locate(source: str | Path | HubSpec, *, revision: str | None = None, token: 
     if revision is None and token is None and not verify_files:
         return where
     if isinstance(where, Path):
-        raise click.UsageError(f"--revision, --token and --verify-source are for hub sources; {source} is a local directory")
+        raise click.UsageError(
+            f"--revision, --token and --verify-source are for hub sources; {source} is a local directory"
+        )
     if revision is not None and where.revision not in (None, revision):
         raise click.UsageError(f"{source} names revision {where.revision!r} but --revision says {revision!r}; give one")
-    return replace(where, revision=revision or where.revision, token=token or where.token, verify_files=verify_files or where.verify_files)
+    return replace(
+        where,
+        revision=revision or where.revision,
+        token=token or where.token,
+        verify_files=verify_files or where.verify_files,
+    )
 
 
 def _locate(source: str | Path) -> Path | HubSpec:
@@ -84,4 +96,6 @@ def _locate(source: str | Path) -> Path | HubSpec:
     try:
         return parse_hub_spec(text)
     except RepoNotFound:
-        raise SourceNotFoundError(f"{text}: no such local directory (nor a hub repo id [hf://]org/name[@revision])", path=text) from None
+        raise SourceNotFoundError(
+            f"{text}: no such local directory (nor a hub repo id [hf://]org/name[@revision])", path=text
+        ) from None

@@ -27,11 +27,29 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from dsv4.convert.errors import OutputExistsError, OutputInSourceError, OutputIsSourceError, OutputLockedError, OutputParentError, OverwriteRefusedError, SourceInOutputError, WriteFailedError
+from filelock import FileLock, Timeout
+
+from dsv4.convert.errors import (
+    OutputExistsError,
+    OutputInSourceError,
+    OutputIsSourceError,
+    OutputLockedError,
+    OutputParentError,
+    OverwriteRefusedError,
+    SourceInOutputError,
+    WriteFailedError,
+)
 from dsv4.model.checkpoint import INDEX_NAME
 from dsv4.model.record import CONVERSION_RECORD, LAYOUT_RECORD, TOOL, ConversionRecord, LayoutRecord, RecordError
-from dsv4.model.strictjson import StrictJSONError, fsync_dir, json_bytes, loads, read_record_bytes, temp_path, write_record
-from filelock import FileLock, Timeout
+from dsv4.model.strictjson import (
+    StrictJSONError,
+    fsync_dir,
+    json_bytes,
+    loads,
+    read_record_bytes,
+    temp_path,
+    write_record,
+)
 
 CONFIG = "config.json"
 # the partial directory's bookkeeping, removed before it becomes OUT
@@ -79,18 +97,31 @@ def resolve_output(out: Path, source: Path | None) -> Path:
     if source is not None:
         src = Path(os.path.realpath(source))
         if real == src:
-            raise OutputIsSourceError(f"{out}: OUT is the source directory {source} itself; write the output to another directory", path=str(out))
+            raise OutputIsSourceError(
+                f"{out}: OUT is the source directory {source} itself; write the output to another directory",
+                path=str(out),
+            )
         if _is_within(real, src):
-            raise OutputInSourceError(f"{out}: OUT is inside the source directory {source}; write the output outside it", path=str(out))
+            raise OutputInSourceError(
+                f"{out}: OUT is inside the source directory {source}; write the output outside it", path=str(out)
+            )
         if _is_within(src, real):
-            raise SourceInOutputError(f"{source}: the source is inside OUT {out}; write the output to a directory that does not contain the source", path=str(source))
+            raise SourceInOutputError(
+                f"{source}: the source is inside OUT {out}; write the output to a directory that does not contain the source",
+                path=str(source),
+            )
         if _is_within(src, real.parent) and _sibling_pattern(real).fullmatch(src.relative_to(real.parent).parts[0]):
-            raise SourceInOutputError(f"{source}: the source is inside {real.parent / src.relative_to(real.parent).parts[0]}, a working directory of OUT {out} that a run removes", path=str(source))
+            raise SourceInOutputError(
+                f"{source}: the source is inside {real.parent / src.relative_to(real.parent).parts[0]}, a working directory of OUT {out} that a run removes",
+                path=str(source),
+            )
     ancestor = real.parent
     while not ancestor.exists():
         ancestor = ancestor.parent
     if not ancestor.is_dir():
-        raise OutputParentError(f"{ancestor}: is not a directory, so OUT {out} cannot be created under it", path=str(ancestor))
+        raise OutputParentError(
+            f"{ancestor}: is not a directory, so OUT {out} cannot be created under it", path=str(ancestor)
+        )
     return real
 
 
@@ -104,10 +135,17 @@ def _refuse_names_too_long(out: Path, real: Path) -> None:
         limit = os.pathconf(ancestor, "PC_NAME_MAX")
     except (OSError, ValueError):
         limit = NAME_MAX
-    names = [real.name, *(_sibling(real, s).name for s in (PARTIAL, LOCK, f"{OLD}{os.getpid()}")), temp_path(_sibling(real, OWNER)).name]
+    names = [
+        real.name,
+        *(_sibling(real, s).name for s in (PARTIAL, LOCK, f"{OLD}{os.getpid()}")),
+        temp_path(_sibling(real, OWNER)).name,
+    ]
     longest = max(names, key=lambda n: len(os.fsencode(n)))
     if len(os.fsencode(longest)) > limit:
-        raise WriteFailedError(f"{out}: the name is too long: this run writes {longest!r} beside it, {len(os.fsencode(longest))} bytes, and {ancestor}'s file system allows {limit} bytes per name; nothing was changed: choose a name {len(os.fsencode(longest)) - limit} bytes shorter", path=str(out))
+        raise WriteFailedError(
+            f"{out}: the name is too long: this run writes {longest!r} beside it, {len(os.fsencode(longest))} bytes, and {ancestor}'s file system allows {limit} bytes per name; nothing was changed: choose a name {len(os.fsencode(longest)) - limit} bytes shorter",
+            path=str(out),
+        )
 
 
 def _sibling(real: Path, suffix: str) -> Path:
@@ -140,7 +178,15 @@ def _describe(owner: Any) -> str | None:
 
 
 @contextmanager
-def hold_lock(what: Path, lock_path: Path, owner_path: Path, *, wait: bool = False, on_wait: Callable[[str], object] | None = None, instead: str = "pass --wait to wait for it") -> Iterator[tuple[int, int]]:
+def hold_lock(
+    what: Path,
+    lock_path: Path,
+    owner_path: Path,
+    *,
+    wait: bool = False,
+    on_wait: Callable[[str], object] | None = None,
+    instead: str = "pass --wait to wait for it",
+) -> Iterator[tuple[int, int]]:
     """Own `what` for the block through the lock file `lock_path` (filelock: flock), with an
     owner record (pid, host, start) at `owner_path` so a refused run can name the owner.
     Held by another run: OutputLockedError (47) naming it and saying what to do `instead`,
@@ -159,14 +205,23 @@ def hold_lock(what: Path, lock_path: Path, owner_path: Path, *, wait: bool = Fal
                 continue
             holder = holder or f"whose owner record {owner_path.name} is missing"
             if not wait:
-                raise OutputLockedError(f"{what}: locked by another run ({holder}); nothing was changed; {instead}", path=str(what)) from None
+                raise OutputLockedError(
+                    f"{what}: locked by another run ({holder}); nothing was changed; {instead}", path=str(what)
+                ) from None
             if on_wait is not None:
                 on_wait(f"{what}: waiting for another run ({holder}) to release it")
             lock.acquire()
             break
     try:
         info = os.stat(lock_path)
-        write_record(owner_path, {"pid": os.getpid(), "host": socket.gethostname(), "since": datetime.now(UTC).isoformat(timespec="seconds")})
+        write_record(
+            owner_path,
+            {
+                "pid": os.getpid(),
+                "host": socket.gethostname(),
+                "since": datetime.now(UTC).isoformat(timespec="seconds"),
+            },
+        )
         yield (info.st_dev, info.st_ino)
     finally:
         try:
@@ -207,7 +262,10 @@ class OutputClaim:
         except FileNotFoundError:
             now = None
         if now != self._lock_file:
-            raise OutputLockedError(f"{self.out}: its lock file {self.lock_path} was {'removed' if now is None else 'replaced'} while this run held it, so another run may own OUT; this run stopped without publishing", path=str(self.out))
+            raise OutputLockedError(
+                f"{self.out}: its lock file {self.lock_path} was {'removed' if now is None else 'replaced'} while this run held it, so another run may own OUT; this run stopped without publishing",
+                path=str(self.out),
+            )
 
     def discard_partial(self) -> None:
         """Remove the partial directory and its resume state: its work must not be resumed."""
@@ -234,10 +292,16 @@ class OutputClaim:
         if not os.path.lexists(self.path) or (self.path.is_dir() and not any(self.path.iterdir())):
             return
         if not overwrite:
-            raise OutputExistsError(f"{self.out}: exists and is not empty (and is not this conversion's up-to-date output); pass --overwrite to replace it", path=str(self.out))
+            raise OutputExistsError(
+                f"{self.out}: exists and is not empty (and is not this conversion's up-to-date output); pass --overwrite to replace it",
+                path=str(self.out),
+            )
         reason = self._not_an_output()
         if reason is not None:
-            raise OverwriteRefusedError(f"{self.out}: --overwrite refused: {reason}; only a previous output of {TOOL} is replaced, so move or delete it yourself", path=str(self.out))
+            raise OverwriteRefusedError(
+                f"{self.out}: --overwrite refused: {reason}; only a previous output of {TOOL} is replaced, so move or delete it yourself",
+                path=str(self.out),
+            )
 
     def _not_an_output(self) -> str | None:
         """Why OUT is not a previous output of this tool, or None when it is one: a
@@ -315,7 +379,11 @@ class OutputClaim:
         where = exc.filename or self.partial
         reason = exc.strerror or str(exc)
         if self.published:
-            after = f"{self.out} was published complete" + (f"; the previous output is left in {self._aside}, which the next run on OUT removes" if self._aside is not None else "")
+            after = f"{self.out} was published complete" + (
+                f"; the previous output is left in {self._aside}, which the next run on OUT removes"
+                if self._aside is not None
+                else ""
+            )
         elif self._aside is not None:
             after = f"{self.out} was moved aside to {self._aside} and not restored; the next run on OUT removes it"
         elif (self.partial / STATE).exists():
@@ -326,7 +394,9 @@ class OutputClaim:
 
 
 @contextmanager
-def claim_output(out: str | Path, *, source: Path | None = None, wait: bool = False, on_wait: Callable[[str], object] | None = None) -> Iterator[OutputClaim]:
+def claim_output(
+    out: str | Path, *, source: Path | None = None, wait: bool = False, on_wait: Callable[[str], object] | None = None
+) -> Iterator[OutputClaim]:
     """Own OUT for the duration of the block: refuse an unsafe OUT (exit 43-46) before
     anything is touched, take OUT's lock (exit 47 when another run holds it, unless
     `wait`), then remove leftovers of killed runs. `source` is the local source directory,
@@ -338,11 +408,16 @@ def claim_output(out: str | Path, *, source: Path | None = None, wait: bool = Fa
         claim = OutputClaim(out, resolve_output(out, source))
         _refuse_names_too_long(out, claim.path)
     except OSError as exc:
-        raise WriteFailedError(f"{exc.filename or out}: {exc.strerror or exc}; nothing was changed", path=str(exc.filename or out)) from None
+        raise WriteFailedError(
+            f"{exc.filename or out}: {exc.strerror or exc}; nothing was changed", path=str(exc.filename or out)
+        ) from None
     try:
         claim.path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise OutputParentError(f"{exc.filename or claim.path.parent}: OUT's parent directory cannot be created ({exc.strerror or exc})", path=str(exc.filename or claim.path.parent)) from None
+        raise OutputParentError(
+            f"{exc.filename or claim.path.parent}: OUT's parent directory cannot be created ({exc.strerror or exc})",
+            path=str(exc.filename or claim.path.parent),
+        ) from None
     raised: OSError | None = None
     try:
         with claim._locked(wait, on_wait):

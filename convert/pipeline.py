@@ -34,7 +34,17 @@ from dsv4.convert.writer import ShardWriter, TensorSpec, shard_name
 from dsv4.mapping.table import require_target
 from dsv4.model import strictjson
 from dsv4.model.checkpoint import INDEX_NAME
-from dsv4.model.record import CONVERSION_RECORD, LAYOUT_RECORD, ConversionRecord, LayoutRecord, SourceRecord, TensorEntry, fingerprint_digest, runtime_config_fields, sha256_hex
+from dsv4.model.record import (
+    CONVERSION_RECORD,
+    LAYOUT_RECORD,
+    ConversionRecord,
+    LayoutRecord,
+    SourceRecord,
+    TensorEntry,
+    fingerprint_digest,
+    runtime_config_fields,
+    sha256_hex,
+)
 from dsv4.model.strictjson import write_bytes, write_record
 
 if TYPE_CHECKING:
@@ -97,7 +107,9 @@ def output_config(plan: Plan) -> dict[str, Any] | bytes:
 
 
 def _fingerprint(plan: Plan, reader: ByteReader, shards: list[list[PlannedTensor]]) -> dict[str, Any]:
-    layout = [[(t.name, t.dtype, list(t.shape), [(p.file, p.start, p.end) for p in t.pieces]) for t in s] for s in shards]
+    layout = [
+        [(t.name, t.dtype, list(t.shape), [(p.file, p.start, p.end) for p in t.pieces]) for t in s] for s in shards
+    ]
     return {
         "tool_version": __version__,
         "direction": plan.direction,
@@ -119,24 +131,46 @@ def _journal(path: Path) -> dict[str, dict[str, Any]]:
                 entry = strictjson.loads(line)
             except strictjson.StrictJSONError:
                 continue
-            if isinstance(entry, dict) and isinstance(entry.get("name"), str) and isinstance(entry.get("nbytes"), int) and isinstance(entry.get("sha256"), str):
+            if (
+                isinstance(entry, dict)
+                and isinstance(entry.get("name"), str)
+                and isinstance(entry.get("nbytes"), int)
+                and isinstance(entry.get("sha256"), str)
+            ):
                 done[entry["name"]] = entry
     return done
 
 
-def _verify(partial: Path, shards: list[list[PlannedTensor]], names: list[str], journal: dict[str, dict[str, Any]]) -> None:
+def _verify(
+    partial: Path, shards: list[list[PlannedTensor]], names: list[str], journal: dict[str, dict[str, Any]]
+) -> None:
     """Re-read every written header and check it against the plan and the journal."""
     for tensors, name in zip(shards, names):
         found, _ = read_local_header(partial / name)
         for t in tensors:
             src = found.get(t.name)
             if src is None or (src.dtype, src.shape, src.nbytes) != (t.dtype, t.shape, t.nbytes):
-                raise WriteFailedError(f"{partial / name}: tensor {t.name} does not read back as planned", path=str(partial / name), tensor=t.name)
+                raise WriteFailedError(
+                    f"{partial / name}: tensor {t.name} does not read back as planned",
+                    path=str(partial / name),
+                    tensor=t.name,
+                )
             if t.name not in journal:
-                raise WriteFailedError(f"{partial / name}: tensor {t.name} was never finished", path=str(partial / name), tensor=t.name)
+                raise WriteFailedError(
+                    f"{partial / name}: tensor {t.name} was never finished", path=str(partial / name), tensor=t.name
+                )
 
 
-def run_plan(plan: Plan, reader: ByteReader, out: str | Path, *, overwrite: bool = False, wait: bool = False, max_shard_size: int = DEFAULT_MAX_SHARD, quiet: bool = True) -> ConversionResult:
+def run_plan(
+    plan: Plan,
+    reader: ByteReader,
+    out: str | Path,
+    *,
+    overwrite: bool = False,
+    wait: bool = False,
+    max_shard_size: int = DEFAULT_MAX_SHARD,
+    quiet: bool = True,
+) -> ConversionResult:
     """Write an already made plan into OUT, owning OUT (its lock) from here to publish;
     the reader is closed at the end. `convert` takes OUT before it plans."""
     try:
@@ -167,7 +201,9 @@ def _up_to_date(claim: OutputClaim, fingerprint: dict[str, Any], overwrite: bool
     return record is not None and record.fingerprint == fingerprint_digest(fingerprint) and not overwrite
 
 
-def _write_output(plan: Plan, reader: ByteReader, claim: OutputClaim, *, overwrite: bool, max_shard_size: int, quiet: bool) -> ConversionResult:
+def _write_output(
+    plan: Plan, reader: ByteReader, claim: OutputClaim, *, overwrite: bool, max_shard_size: int, quiet: bool
+) -> ConversionResult:
     """Convert `plan` into the claimed OUT: nothing if it is up to date, else in the
     partial directory (resuming its work), then publish."""
     start = time.monotonic()
@@ -229,7 +265,15 @@ def _write_output(plan: Plan, reader: ByteReader, claim: OutputClaim, *, overwri
     finally:
         bar.close()
         executor.close()
-    return ConversionResult(claim.out, "resumed" if resumed else "converted", reader.bytes_read, executor.written, time.monotonic() - start, len(plan.tensors), plan)
+    return ConversionResult(
+        claim.out,
+        "resumed" if resumed else "converted",
+        reader.bytes_read,
+        executor.written,
+        time.monotonic() - start,
+        len(plan.tensors),
+        plan,
+    )
 
 
 def _published_source(plan: Plan, reader: ByteReader) -> SourceRecord:
@@ -238,10 +282,21 @@ def _published_source(plan: Plan, reader: ByteReader) -> SourceRecord:
     files read and the sha256 of the config.json read."""
     location = reader.root.resolve().name if isinstance(reader, LocalReader) else plan.source
     sizes = reader.fingerprint(plan.files_needed)["files"]
-    return SourceRecord(location, plan.revision, dict(sizes), sha256_hex(plan.config_bytes) if plan.config_bytes else None)
+    return SourceRecord(
+        location, plan.revision, dict(sizes), sha256_hex(plan.config_bytes) if plan.config_bytes else None
+    )
 
 
-def _write_records(plan: Plan, config: dict[str, Any] | bytes, partial: Path, shards: list[list[PlannedTensor]], names: list[str], journal: dict[str, dict[str, Any]], fingerprint: dict[str, Any], source: SourceRecord) -> None:
+def _write_records(
+    plan: Plan,
+    config: dict[str, Any] | bytes,
+    partial: Path,
+    shards: list[list[PlannedTensor]],
+    names: list[str],
+    journal: dict[str, dict[str, Any]],
+    fingerprint: dict[str, Any],
+    source: SourceRecord,
+) -> None:
     weight_map = {t.name: name for tensors, name in zip(shards, names) for t in tensors}
     write_record(partial / INDEX_NAME, {"metadata": {"total_size": plan.bytes_to_write}, "weight_map": weight_map})
     if isinstance(config, bytes):
@@ -256,13 +311,17 @@ def _write_records(plan: Plan, config: dict[str, Any] | bytes, partial: Path, sh
         target=plan.target,
         source=source,
         fingerprint=fingerprint_digest(fingerprint),
-        tensors={t.name: TensorEntry(journal[t.name]["file"], t.nbytes, journal[t.name]["sha256"]) for s in shards for t in s},
+        tensors={
+            t.name: TensorEntry(journal[t.name]["file"], t.nbytes, journal[t.name]["sha256"]) for s in shards for t in s
+        },
         drafter=plan.drafter,
         runtime=plan.runtime,
         runtime_class=plan.runtime_class,
         config=plan.config_kind if plan.direction == "forward" else "record",
         skipped=len(plan.skipped),
-        config_fields=runtime_config_fields(strictjson.loads(config) if isinstance(config, bytes) else config),  # as written
+        config_fields=runtime_config_fields(
+            strictjson.loads(config) if isinstance(config, bytes) else config
+        ),  # as written
     ).write(partial)
 
 
@@ -278,14 +337,26 @@ def plan_source(inv: Inventory, reader: ByteReader, target: str, *, reverse: boo
         raise
 
 
-def convert(source: str | Path | HubSpec, out: str | Path, *, target: str = "xpu", reverse: bool = False, overwrite: bool = False, wait: bool = False, max_shard_size: int = DEFAULT_MAX_SHARD, quiet: bool = True) -> ConversionResult:
+def convert(
+    source: str | Path | HubSpec,
+    out: str | Path,
+    *,
+    target: str = "xpu",
+    reverse: bool = False,
+    overwrite: bool = False,
+    wait: bool = False,
+    max_shard_size: int = DEFAULT_MAX_SHARD,
+    quiet: bool = True,
+) -> ConversionResult:
     """Convert `source` (native checkpoint, or with reverse=True a converted one) into `out`.
 
     OUT is owned (checked safe, locked) before the source is planned and until the output
     is published; with `wait` a run finding OUT locked waits for the other run."""
     require_target(target)  # a bad name is refused before OUT is touched
     where = locate(source)
-    with claim_output(out, source=where if isinstance(where, Path) else None, wait=wait, on_wait=_waiting_notice(quiet)) as claim:
+    with claim_output(
+        out, source=where if isinstance(where, Path) else None, wait=wait, on_wait=_waiting_notice(quiet)
+    ) as claim:
         inv, reader = open_source(where, quiet=quiet)
         plan = plan_source(inv, reader, target, reverse=reverse)
         try:
@@ -300,7 +371,15 @@ class DryRun(NamedTuple):
     header_bytes: int  # read from the source to plan
 
 
-def dry_run(source: str | Path | HubSpec, out: str | Path, *, target: str = "xpu", reverse: bool = False, overwrite: bool = False, max_shard_size: int = DEFAULT_MAX_SHARD) -> DryRun:
+def dry_run(
+    source: str | Path | HubSpec,
+    out: str | Path,
+    *,
+    target: str = "xpu",
+    reverse: bool = False,
+    overwrite: bool = False,
+    max_shard_size: int = DEFAULT_MAX_SHARD,
+) -> DryRun:
     """What `convert` with these arguments would do, refusals included, without writing,
     locking or deleting anything: the same checks in the same order (target, OUT's safety
     43-46, the source and its plan, a quantisation config that cannot be carried, an OUT
@@ -319,4 +398,6 @@ def dry_run(source: str | Path | HubSpec, out: str | Path, *, target: str = "xpu
     if _up_to_date(claim, fingerprint, overwrite):
         return DryRun(plan, "up-to-date", inv.header_bytes)
     claim.refuse_unless_replaceable(overwrite)
-    return DryRun(plan, "replace" if os.path.lexists(claim.path) and any(claim.path.iterdir()) else "create", inv.header_bytes)
+    return DryRun(
+        plan, "replace" if os.path.lexists(claim.path) and any(claim.path.iterdir()) else "create", inv.header_bytes
+    )

@@ -13,7 +13,13 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
-from dsv4.convert.errors import DuplicateTargetError, LayoutMismatchError, MissingSourceError, PlanError, UncoveredKeyError
+from dsv4.convert.errors import (
+    DuplicateTargetError,
+    LayoutMismatchError,
+    MissingSourceError,
+    PlanError,
+    UncoveredKeyError,
+)
 from dsv4.convert.inventory import Inventory, TensorSource
 from dsv4.mapping.errors import TableError
 from dsv4.mapping.probe import stage_binding
@@ -116,7 +122,14 @@ class Plan:
     def to_json(self) -> dict[str, Any]:
         out = self.summary()
         out["tensors"] = [
-            {"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "op": t.op, "rule": t.rule, "pieces": [asdict(p) for p in t.pieces]}
+            {
+                "name": t.name,
+                "dtype": t.dtype,
+                "shape": list(t.shape),
+                "op": t.op,
+                "rule": t.rule,
+                "pieces": [asdict(p) for p in t.pieces],
+            }
             for t in self.tensors
         ]
         out["skipped"] = self.skipped
@@ -135,13 +148,19 @@ DSPARK_MARKER: dict[Direction, str] = {"forward": "mtp.0.main_proj.weight", "rev
 
 
 def drafter_of(inv: Inventory, cfg: ModelConfig, direction: Direction = "forward") -> str:
-    """"dspark" or "mtp": which draft layout `inv` holds, from its config AND its tensors,
+    """ "dspark" or "mtp": which draft layout `inv` holds, from its config AND its tensors,
     which must agree (UnsupportedLayoutError 35 otherwise)."""
     marker = DSPARK_MARKER[direction]
     if marker in inv.tensors and not cfg.is_dspark:
-        raise UnsupportedLayoutError(f"{inv.tensors[marker].file}: tensor {marker}: a DSpark drafter's projection, but {inv.location}/config.json has no dspark_* fields (mapping/README.md#dspark-source-checkpoint); refusing to convert", path=str(inv.tensors[marker].file), tensor=marker)
+        raise UnsupportedLayoutError(
+            f"{inv.tensors[marker].file}: tensor {marker}: a DSpark drafter's projection, but {inv.location}/config.json has no dspark_* fields (mapping/README.md#dspark-source-checkpoint); refusing to convert",
+            path=str(inv.tensors[marker].file),
+            tensor=marker,
+        )
     if cfg.is_dspark and marker not in inv.tensors:
-        raise UnsupportedLayoutError(f"{inv.location}/config.json: dspark_* fields (a DSpark drafter, mapping/README.md#dspark-v4-flash-0731), but the checkpoint has no tensor {marker}; refusing to convert")
+        raise UnsupportedLayoutError(
+            f"{inv.location}/config.json: dspark_* fields (a DSpark drafter, mapping/README.md#dspark-v4-flash-0731), but the checkpoint has no tensor {marker}; refusing to convert"
+        )
     return "dspark" if cfg.is_dspark else "mtp"
 
 
@@ -151,11 +170,17 @@ def choose_table(target: str, inv: Inventory, direction: Direction = "forward") 
     reverse conversion, is refused naming the command that takes it (UnsupportedLayoutError)."""
     where = inv.location
     if direction == "forward" and isinstance(inv.config.get(LAYOUT_RECORD), dict):
-        raise UnsupportedLayoutError(f"{where}: is a converted checkpoint (its config.json has the {LAYOUT_RECORD} layout record), not a native one: "
-                                     f"convert-dsv4 {where} OUT --reverse turns it back into native names, convert-dsv4 check {where} verifies it", path=str(where))
+        raise UnsupportedLayoutError(
+            f"{where}: is a converted checkpoint (its config.json has the {LAYOUT_RECORD} layout record), not a native one: "
+            f"convert-dsv4 {where} OUT --reverse turns it back into native names, convert-dsv4 check {where} verifies it",
+            path=str(where),
+        )
     if direction == "reverse" and is_full_native(inv.tensors):
-        raise UnsupportedLayoutError(f"{where}: is a native DeepSeek V4 checkpoint (the main model's layers.* tensors), not a converted one: "
-                                     f"convert-dsv4 {where} OUT --target {target} converts it (without --reverse)", path=str(where))
+        raise UnsupportedLayoutError(
+            f"{where}: is a native DeepSeek V4 checkpoint (the main model's layers.* tensors), not a converted one: "
+            f"convert-dsv4 {where} OUT --target {target} converts it (without --reverse)",
+            path=str(where),
+        )
     return load_table(table_name_for(target, drafter_of(inv, model_config(inv), direction)))
 
 
@@ -167,12 +192,20 @@ def _refuse(inv: Inventory, table: Table) -> None:
         refused = [key for key in inv.tensors if rx.match(key)]
         if refused:
             key = min(refused)  # the same key in every run, without sorting all 69,187
-            raise UnsupportedLayoutError(f"{inv.tensors[key].file}: tensor {key}: {rule.reason}; refusing to convert", path=str(inv.tensors[key].file), tensor=key)
+            raise UnsupportedLayoutError(
+                f"{inv.tensors[key].file}: tensor {key}: {rule.reason}; refusing to convert",
+                path=str(inv.tensors[key].file),
+                tensor=key,
+            )
 
 
 def _bounds(cfg: ModelConfig) -> dict[str, tuple[int, str]]:
     """placeholder -> (its limit, the config field the limit comes from)"""
-    out = {"i": (cfg.num_nextn_predict_layers, "num_nextn_predict_layers"), "e": (cfg.n_routed_experts, "n_routed_experts"), "j": (cfg.num_hidden_layers, "num_hidden_layers")}
+    out = {
+        "i": (cfg.num_nextn_predict_layers, "num_nextn_predict_layers"),
+        "e": (cfg.n_routed_experts, "n_routed_experts"),
+        "j": (cfg.num_hidden_layers, "num_hidden_layers"),
+    }
     if cfg.is_dspark:
         out["s"] = (cfg.dspark_stages, "DSpark stages (len(dspark_target_layer_ids))")
     return out
@@ -200,7 +233,11 @@ def _classify(inv: Inventory, rules: list[Rule], cfg: ModelConfig) -> dict[str, 
     for key, src in inv.tensors.items():
         hits = [(r, m) for r, rx in by_head.get(key.split(".", 1)[0], anywhere) if (m := rx.match(key))]
         if not hits:
-            raise UncoveredKeyError(f"{src.file}: tensor {key}: no rule of the mapping table covers it (unknown key; refusing to drop it silently)", path=str(src.file), tensor=key)
+            raise UncoveredKeyError(
+                f"{src.file}: tensor {key}: no rule of the mapping table covers it (unknown key; refusing to drop it silently)",
+                path=str(src.file),
+                tensor=key,
+            )
         if len(hits) > 1 and len({r.label for r, _ in hits}) > 1:
             raise TableError(f"tensor {key} is matched by several rules: {sorted({r.label for r, _ in hits})}")
         rule, m = hits[0]
@@ -208,11 +245,19 @@ def _classify(inv: Inventory, rules: list[Rule], cfg: ModelConfig) -> dict[str, 
         for ph, (limit, what) in bounds.items():
             value = groups.get(ph)
             if value is not None and int(value) >= limit:
-                raise UnsupportedLayoutError(f"{src.file}: tensor {key}: index {value} but config.json has {what} = {limit} (keys and config disagree)", path=str(src.file), tensor=key)
+                raise UnsupportedLayoutError(
+                    f"{src.file}: tensor {key}: index {value} but config.json has {what} = {limit} (keys and config disagree)",
+                    path=str(src.file),
+                    tensor=key,
+                )
         if PINNED & groups.keys():
             for ph, want in stage_binding(cfg).items():
                 if groups.get(ph) is not None and int(groups[ph]) != want:
-                    raise UnsupportedLayoutError(f"{src.file}: tensor {key}: only the {ph} stage mtp.{want} holds this tensor, not stage {groups[ph]} (mapping/README.md#dspark-source-checkpoint)", path=str(src.file), tensor=key)
+                    raise UnsupportedLayoutError(
+                        f"{src.file}: tensor {key}: only the {ph} stage mtp.{want} holds this tensor, not stage {groups[ph]} (mapping/README.md#dspark-source-checkpoint)",
+                        path=str(src.file),
+                        tensor=key,
+                    )
         if rule.op == "skip":
             skipped[key] = rule.reason or ""
     return skipped
@@ -229,7 +274,9 @@ def _combined_shape(rule: Rule, parts: list[tuple[int, ...]], cfg: ModelConfig, 
         return parts[0]
     per_row = parts[0][1:]
     if any(p[1:] != per_row for p in parts):
-        raise LayoutMismatchError(f"{target}: sources {[list(p) for p in parts]} cannot be concatenated along dim 0", path=str(target))
+        raise LayoutMismatchError(
+            f"{target}: sources {[list(p) for p in parts]} cannot be concatenated along dim 0", path=str(target)
+        )
     if rule.op == "concat":
         return (sum(p[0] for p in parts), *per_row)
     k = len(rule.sources)
@@ -247,7 +294,9 @@ def _require_stages(inv: Inventory, cfg: ModelConfig, stages: set[int]) -> None:
     S fails _classify or, in reverse, is a key the layout does not have)."""
     missing = sorted(set(range(cfg.dspark_stages)) - stages)
     if missing:
-        raise UnsupportedLayoutError(f"{inv.location}/config.json: {cfg.dspark_stages} DSpark stages (len(dspark_target_layer_ids)) but the tensors hold stage(s) {sorted(stages)}: stage {missing[0]} is missing (keys and config disagree)")
+        raise UnsupportedLayoutError(
+            f"{inv.location}/config.json: {cfg.dspark_stages} DSpark stages (len(dspark_target_layer_ids)) but the tensors hold stage(s) {sorted(stages)}: stage {missing[0]} is missing (keys and config disagree)"
+        )
 
 
 def plan_conversion(inv: Inventory, table: Table) -> Plan:
@@ -256,7 +305,9 @@ def plan_conversion(inv: Inventory, table: Table) -> Plan:
     cfg = model_config(inv)
     rules = [r for r in table.rules_for(cfg.expert_dtype) if r.op != "refuse"]
     skipped = _classify(inv, rules, cfg)
-    blocks = {m.group(1) for key in inv.tensors if (m := NATIVE_BLOCK.match(key))}  # blocks beyond the config: _classify
+    blocks = {
+        m.group(1) for key in inv.tensors if (m := NATIVE_BLOCK.match(key))
+    }  # blocks beyond the config: _classify
     if cfg.is_dspark:
         _require_stages(inv, cfg, {int(b.removeprefix("mtp.")) for b in blocks})
     else:
@@ -276,32 +327,54 @@ def plan_conversion(inv: Inventory, table: Table) -> Plan:
             for name in _source_names(rule, binding, cfg):
                 src = inv.tensors.get(name)
                 if src is None:
-                    raise MissingSourceError(f"{target}: its source tensor {name} is not in the checkpoint ({rule.label})", path=str(target), tensor=name)
+                    raise MissingSourceError(
+                        f"{target}: its source tensor {name} is not in the checkpoint ({rule.label})",
+                        path=str(target),
+                        tensor=name,
+                    )
                 want = expected_src[name]
                 if (src.dtype, src.shape) != want:
-                    raise LayoutMismatchError(f"{src.file}: tensor {name}: {src.dtype}{list(src.shape)} but config.json ({variant}) implies {want[0]}{list(want[1])}", path=str(src.file), tensor=name)
+                    raise LayoutMismatchError(
+                        f"{src.file}: tensor {name}: {src.dtype}{list(src.shape)} but config.json ({variant}) implies {want[0]}{list(want[1])}",
+                        path=str(src.file),
+                        tensor=name,
+                    )
                 pieces.append(Piece(name, src.file, src.start, src.end))
                 shapes.append(src.shape)
                 dtypes.add(src.dtype)
                 consumed[name] += 1
             if len(dtypes) != 1:
-                raise LayoutMismatchError(f"{target}: sources of one parameter have different dtypes {sorted(dtypes)}", path=str(target))
+                raise LayoutMismatchError(
+                    f"{target}: sources of one parameter have different dtypes {sorted(dtypes)}", path=str(target)
+                )
             src_dtype = dtypes.pop()
             dtype = rule.view or src_dtype
             if ITEMSIZE[dtype] != ITEMSIZE[src_dtype]:
-                raise TableError(f"{rule.label}: view {dtype} would change the element size of {src_dtype}", path=str(rule.label))
+                raise TableError(
+                    f"{rule.label}: view {dtype} would change the element size of {src_dtype}", path=str(rule.label)
+                )
             shape = _combined_shape(rule, shapes, cfg, target)
             if target in out:
-                raise DuplicateTargetError(f"{target}: produced twice ({out[target].rule} and {rule.label})", path=str(target))
+                raise DuplicateTargetError(
+                    f"{target}: produced twice ({out[target].rule} and {rule.label})", path=str(target)
+                )
             want_t = layout.get(target)
             if want_t is None:
-                raise LayoutMismatchError(f"{target}: not a tensor of the {table.target} layout for this config", path=str(target))
+                raise LayoutMismatchError(
+                    f"{target}: not a tensor of the {table.target} layout for this config", path=str(target)
+                )
             if (dtype, shape) != want_t:
-                raise LayoutMismatchError(f"{target}: would be {dtype}{list(shape)} but the model expects {want_t[0]}{list(want_t[1])} (sources {pieces[0].source}...)", path=str(target))
+                raise LayoutMismatchError(
+                    f"{target}: would be {dtype}{list(shape)} but the model expects {want_t[0]}{list(want_t[1])} (sources {pieces[0].source}...)",
+                    path=str(target),
+                )
             out[target] = PlannedTensor(target, dtype, shape, tuple(pieces), rule.op, rule.label)
     missing = sorted(set(layout) - set(out))
     if missing:
-        raise MissingSourceError(f"{missing[0]}: no rule of table {table.name} v{table.version} produces this parameter ({len(missing)} missing)", path=str(missing[0]))
+        raise MissingSourceError(
+            f"{missing[0]}: no rule of table {table.name} v{table.version} produces this parameter ({len(missing)} missing)",
+            path=str(missing[0]),
+        )
     once = {n for r in rules if r.op == "copy" for b in rule_bindings(r, cfg) for n in _source_names(r, b, cfg)}
     twice = sorted(n for n, c in consumed.items() if c > 1 and n not in once)
     if twice:
@@ -309,8 +382,32 @@ def plan_conversion(inv: Inventory, table: Table) -> Plan:
     return _plan("forward", inv, cfg, table, table.target, _write_order(list(out.values())), skipped)
 
 
-def _plan(direction: Direction, inv: Inventory, cfg: ModelConfig, table: Table, target: str, tensors: tuple[PlannedTensor, ...], skipped: dict[str, str]) -> Plan:
-    return Plan(direction, inv.location, inv.config, cfg, table.name, table.version, target, tensors, skipped, inv.revision, table.drafter, table.runtime, table.runtime_class, table.config, inv.config_bytes)
+def _plan(
+    direction: Direction,
+    inv: Inventory,
+    cfg: ModelConfig,
+    table: Table,
+    target: str,
+    tensors: tuple[PlannedTensor, ...],
+    skipped: dict[str, str],
+) -> Plan:
+    return Plan(
+        direction,
+        inv.location,
+        inv.config,
+        cfg,
+        table.name,
+        table.version,
+        target,
+        tensors,
+        skipped,
+        inv.revision,
+        table.drafter,
+        table.runtime,
+        table.runtime_class,
+        table.config,
+        inv.config_bytes,
+    )
 
 
 def plan_reverse(inv: Inventory, table: Table) -> Plan:
@@ -327,9 +424,17 @@ def plan_reverse(inv: Inventory, table: Table) -> Plan:
     out: dict[str, PlannedTensor] = {}
     for key, src in inv.tensors.items():
         if key not in layout:
-            raise UncoveredKeyError(f"{src.file}: tensor {key}: not a parameter of the {table.target} layout", path=str(src.file), tensor=key)
+            raise UncoveredKeyError(
+                f"{src.file}: tensor {key}: not a parameter of the {table.target} layout",
+                path=str(src.file),
+                tensor=key,
+            )
         if (src.dtype, src.shape) != layout[key]:
-            raise LayoutMismatchError(f"{src.file}: tensor {key}: {src.dtype}{list(src.shape)} but the model expects {layout[key][0]}{list(layout[key][1])}", path=str(src.file), tensor=key)
+            raise LayoutMismatchError(
+                f"{src.file}: tensor {key}: {src.dtype}{list(src.shape)} but the model expects {layout[key][0]}{list(layout[key][1])}",
+                path=str(src.file),
+                tensor=key,
+            )
     for rule in table.rules_for(cfg.expert_dtype):
         if rule.target is None:
             continue
@@ -337,14 +442,22 @@ def plan_reverse(inv: Inventory, table: Table) -> Plan:
             target = expand(rule.target, binding)
             fused: TensorSource | None = inv.tensors.get(target)
             if fused is None:
-                raise MissingSourceError(f"{target}: parameter missing from the {table.target} checkpoint", path=str(target))
+                raise MissingSourceError(
+                    f"{target}: parameter missing from the {table.target} checkpoint", path=str(target)
+                )
             at = fused.start
             for name in _source_names(rule, binding, cfg):
                 dtype, shape = expected_src[name]
                 n = nbytes(dtype, shape)
                 if name not in out:  # a shared tensor copied into every block comes back once
-                    out[name] = PlannedTensor(name, dtype, shape, (Piece(target, fused.file, at, at + n),), f"split-{rule.op}", rule.label)
+                    out[name] = PlannedTensor(
+                        name, dtype, shape, (Piece(target, fused.file, at, at + n),), f"split-{rule.op}", rule.label
+                    )
                 at += n
             if at != fused.end:
-                raise LayoutMismatchError(f"{fused.file}: tensor {target}: {fused.nbytes} bytes but its native parts add up to {at - fused.start}", path=str(fused.file), tensor=target)
+                raise LayoutMismatchError(
+                    f"{fused.file}: tensor {target}: {fused.nbytes} bytes but its native parts add up to {at - fused.start}",
+                    path=str(fused.file),
+                    tensor=target,
+                )
     return _plan("reverse", inv, cfg, table, "native", _write_order(list(out.values())), {})

@@ -81,16 +81,23 @@ class DraftLayer:
 def draft_layers(model: nn.Module) -> list[DraftLayer]:
     """Every linear-like module of `model` with its quantisation layer name. A plain torch
     Linear or Embedding carries no name at all: it is listed with "" (the seed bug's shape)."""
+    from torch import nn  # start-up time: see _stand_in
+
     from dsv4.model.mtp import Experts
     from dsv4.model.quantized import Embedding, QuantLayer
-    from torch import nn  # start-up time: see _stand_in
 
     out = []
     for path, mod in model.named_modules():
         if not isinstance(mod, (QuantLayer, nn.Linear, nn.Embedding)):
             continue
         name = mod.quant_name if isinstance(mod, QuantLayer) else ""
-        kind: LayerKind = "embedding" if isinstance(mod, (Embedding, nn.Embedding)) else "moe" if isinstance(mod, Experts) else "linear"
+        kind: LayerKind = (
+            "embedding"
+            if isinstance(mod, (Embedding, nn.Embedding))
+            else "moe"
+            if isinstance(mod, Experts)
+            else "linear"
+        )
         out.append(DraftLayer(path, name, kind))
     return out
 
@@ -116,7 +123,9 @@ def layer_map(plan: Plan) -> LayerMap:
     parts: dict[str, dict[str, None]] = {}  # insertion-ordered sets
     for t in plan.tensors:
         segments = t.name.split(".")
-        owner = next((layers[p] for k in range(len(segments) - 1, 0, -1) if (p := ".".join(segments[:k])) in layers), None)
+        owner = next(
+            (layers[p] for k in range(len(segments) - 1, 0, -1) if (p := ".".join(segments[:k])) in layers), None
+        )
         if owner is None:
             continue  # a norm or hyper-connection parameter: not a quantisation layer
         kinds[owner.name] = owner.kind
@@ -170,7 +179,9 @@ class Matcher:
     def __init__(self, config: Mapping[str, Any], where: str, error: type[CheckError]) -> None:
         match = compressed_tensors()
         if match is None:
-            raise error(f"{where}: quantization_config is {CT_METHOD}, which needs the compressed-tensors library: {INSTALL_HINT}")
+            raise error(
+                f"{where}: quantization_config is {CT_METHOD}, which needs the compressed-tensors library: {INSTALL_HINT}"
+            )
         from compressed_tensors.quantization import QuantizationConfig
         from pydantic import ValidationError
 
@@ -178,7 +189,9 @@ class Matcher:
             parsed = QuantizationConfig.model_validate(dict(config))
         except ValidationError as exc:
             first = exc.errors()[0]
-            raise error(f"{where}: quantization_config is not a valid {CT_METHOD} config: {'.'.join(map(str, first['loc']))}: {first['msg']}") from None
+            raise error(
+                f"{where}: quantization_config is not a valid {CT_METHOD} config: {'.'.join(map(str, first['loc']))}: {first['msg']}"
+            ) from None
         self.match = match
         # a target repeated in a later group takes that group, as compressed-tensors' own
         # target -> scheme ordered dict does
@@ -186,7 +199,10 @@ class Matcher:
         for group, scheme in parsed.config_groups.items():
             for target in scheme.targets:
                 self.target_group[target] = group
-        self.schemes = {g: json.dumps(s.model_dump(mode="json", exclude={"targets"}), sort_keys=True) for g, s in parsed.config_groups.items()}
+        self.schemes = {
+            g: json.dumps(s.model_dump(mode="json", exclude={"targets"}), sort_keys=True)
+            for g, s in parsed.config_groups.items()
+        }
         self.ignore: list[str] = list(parsed.ignore or [])
 
     def resolve(self, name: str, kind: LayerKind) -> Resolution:
@@ -205,7 +221,9 @@ class Matcher:
 
     def entries(self) -> list[tuple[str, str]]:
         """(where in the config, entry) for every target and ignore entry."""
-        return [(f"config_groups.{g}.targets", t) for t, g in self.target_group.items()] + [("ignore", e) for e in self.ignore]
+        return [(f"config_groups.{g}.targets", t) for t, g in self.target_group.items()] + [
+            ("ignore", e) for e in self.ignore
+        ]
 
 
 def _refuse_named_siblings(qc: Mapping[str, Any], where: str) -> None:
@@ -215,7 +233,10 @@ def _refuse_named_siblings(qc: Mapping[str, Any], where: str) -> None:
             # llm-compressor writes a dense sparsity_config with no targets: nothing to carry
             value = [*(value.get("targets") or []), *(value.get("ignore") or [])]
         if value:
-            raise QuantCarryError(f"{where}: quantization_config.{key} names layers too; carrying it is not supported (refusing rather than leaving native names in it)", path=str(where))
+            raise QuantCarryError(
+                f"{where}: quantization_config.{key} names layers too; carrying it is not supported (refusing rather than leaving native names in it)",
+                path=str(where),
+            )
 
 
 def rewrite_for_draft(qc: Mapping[str, Any], layers: LayerMap, where: str) -> tuple[dict[str, Any], list[str]]:
@@ -231,13 +252,19 @@ def rewrite_for_draft(qc: Mapping[str, Any], layers: LayerMap, where: str) -> tu
         found = {n: source.resolve(n, kind) for n in natives}
         for native, res in found.items():
             if res.status == "ambiguous":
-                raise QuantCarryError(f"{where}: quantization_config matches {native} with {res.describe()} at the same precedence; which one {draft} should get is undefined", path=str(where))
+                raise QuantCarryError(
+                    f"{where}: quantization_config matches {native} with {res.describe()} at the same precedence; which one {draft} should get is undefined",
+                    path=str(where),
+                )
         outcomes: dict[tuple[str, str | None], str] = {}
         for native, res in found.items():
             outcomes.setdefault(res.outcome, native)
         if len(outcomes) > 1:
             said = "; ".join(f"{n} -> {found[n].describe()}" for n in outcomes.values())
-            raise QuantCarryError(f"{where}: quantization_config cannot be carried: the draft fuses {len(natives)} native modules into {draft}, and they resolve differently ({said}); one layer takes one scheme", path=str(where))
+            raise QuantCarryError(
+                f"{where}: quantization_config cannot be carried: the draft fuses {len(natives)} native modules into {draft}, and they resolve differently ({said}); one layer takes one scheme",
+                path=str(where),
+            )
         expected[draft] = found[natives[0]]
 
     out = copy.deepcopy(dict(qc))
@@ -267,7 +294,10 @@ def rewrite_for_draft(qc: Mapping[str, Any], layers: LayerMap, where: str) -> tu
         want = ("ignored", None) if draft in added else res.outcome
         got = rewritten.resolve(draft, layers.kinds[draft])
         if got.outcome != want:
-            raise QuantCarryError(f"{where}: rewritten quantization_config gives {draft} {got.describe()}, its native parts had {res.describe()}", path=str(where))
+            raise QuantCarryError(
+                f"{where}: rewritten quantization_config gives {draft} {got.describe()}, its native parts had {res.describe()}",
+                path=str(where),
+            )
     return out, added
 
 
@@ -294,12 +324,22 @@ def carried_quantization(plan: Plan) -> tuple[dict[str, Any] | None, dict[str, A
     if method == "fp8":
         named = [k for k in FP8_NAME_LISTS if qc.get(k)]
         if named:
-            raise QuantCarryError(f"{where}: quantization_config.{named[0]} lists native module names; carrying them to the draft is not supported", path=str(where))
+            raise QuantCarryError(
+                f"{where}: quantization_config.{named[0]} lists native module names; carrying them to the draft is not supported",
+                path=str(where),
+            )
         return qc, None
     if method != CT_METHOD:
-        raise QuantCarryError(f"{where}: quantization_config quant_method {method!r} is not one this converter carries (fp8, {CT_METHOD}): its layer names would stay native", path=str(where))
+        raise QuantCarryError(
+            f"{where}: quantization_config quant_method {method!r} is not one this converter carries (fp8, {CT_METHOD}): its layer names would stay native",
+            path=str(where),
+        )
     out, added = rewrite_for_draft(qc, layer_map(plan), where)
-    return out, {"source": qc, "names": "rewritten from native module names to the draft's quantisation layer names", "added_to_ignore": added}
+    return out, {
+        "source": qc,
+        "names": "rewritten from native module names to the draft's quantisation layer names",
+        "added_to_ignore": added,
+    }
 
 
 @dataclass(frozen=True)
@@ -324,7 +364,11 @@ def check_draft_quantization(model: nn.Module, config: Mapping[str, Any], where:
     layers = draft_layers(model)
     qc = config.get("quantization_config")
     ct_config = qc if isinstance(qc, Mapping) and qc.get("quant_method") == CT_METHOD else None
-    matcher = Matcher(ct_config, where, QuantSchemeError) if ct_config is not None and compressed_tensors() is not None else None
+    matcher = (
+        Matcher(ct_config, where, QuantSchemeError)
+        if ct_config is not None and compressed_tensors() is not None
+        else None
+    )
 
     empty = [layer for layer in layers if not layer.name]
     if empty:
@@ -332,16 +376,29 @@ def check_draft_quantization(model: nn.Module, config: Mapping[str, Any], where:
         for layer in empty:
             res = matcher.resolve("", layer.kind) if matcher is not None else Resolution("unmatched")
             if res.status == "unmatched":
-                said.append(f"module {layer.path} has an empty quantisation layer name: {NO_TARGET.format(name='')} (vLLM issue #44817: built without prefix=)")
+                said.append(
+                    f"module {layer.path} has an empty quantisation layer name: {NO_TARGET.format(name='')} (vLLM issue #44817: built without prefix=)"
+                )
             else:
-                said.append(f"module {layer.path} has an empty quantisation layer name: only {res.describe()} reaches it and no ignore entry can name it (vLLM issue #44817: built without prefix=)")
+                said.append(
+                    f"module {layer.path} has an empty quantisation layer name: only {res.describe()} reaches it and no ignore entry can name it (vLLM issue #44817: built without prefix=)"
+                )
         raise EmptyQuantNameError(f"{where}: {'; '.join(said)}", path=str(where))
 
     if ct_config is None:
-        what = "FP8 block quantisation (checked against the scale shapes under config)" if isinstance(qc, Mapping) and qc.get("quant_method") == "fp8" else "no compressed-tensors quantization_config"
+        what = (
+            "FP8 block quantisation (checked against the scale shapes under config)"
+            if isinstance(qc, Mapping) and qc.get("quant_method") == "fp8"
+            else "no compressed-tensors quantization_config"
+        )
         return QuantSummary(len(layers), False, f"{len(layers)} quantisation layer names, none empty; {what}")
     if matcher is None:
-        return QuantSummary(len(layers), False, f"compressed-tensors not installed ({INSTALL_HINT}): schemes not checked; {len(layers)} quantisation layer names, none empty", library_missing=True)
+        return QuantSummary(
+            len(layers),
+            False,
+            f"compressed-tensors not installed ({INSTALL_HINT}): schemes not checked; {len(layers)} quantisation layer names, none empty",
+            library_missing=True,
+        )
 
     # entries naming nothing of the draft first: native names left in explain everything after
     problems = [

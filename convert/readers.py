@@ -76,7 +76,9 @@ class LocalReader:
         try:
             return os.open(self.root / file, os.O_RDONLY | flags)
         except FileNotFoundError:
-            raise MissingShardError(f"{self.root / file}: shard disappeared while converting", path=str(self.root / file)) from None
+            raise MissingShardError(
+                f"{self.root / file}: shard disappeared while converting", path=str(self.root / file)
+            ) from None
 
     def _fd(self, file: str) -> int:
         with self._lock:
@@ -99,7 +101,10 @@ class LocalReader:
             return None if file in self._buffered else self._direct_fds[file]
 
     def _truncated(self, file: str, at: int, offset: int, n: int) -> TruncatedShardError:
-        return TruncatedShardError(f"{self.root / file}: ends at byte {at}, before the planned range {offset}..{offset + n}", path=str(self.root / file))
+        return TruncatedShardError(
+            f"{self.root / file}: ends at byte {at}, before the planned range {offset}..{offset + n}",
+            path=str(self.root / file),
+        )
 
     def read_into(self, file: str, offset: int, buf: memoryview) -> None:
         fd, done = self._fd(file), 0
@@ -144,7 +149,11 @@ class LocalReader:
         stats = {f: (self.root / f).stat() for f in files}
         for f, info in stats.items():
             self._identities.setdefault(f, _identity(info))
-        return {"location": str(self.root.resolve()), "files": {f: s.st_size for f, s in stats.items()}, "mtime_ns": {f: s.st_mtime_ns for f, s in stats.items()}}
+        return {
+            "location": str(self.root.resolve()),
+            "files": {f: s.st_size for f, s in stats.items()},
+            "mtime_ns": {f: s.st_mtime_ns for f, s in stats.items()},
+        }
 
     def verify_unchanged(self, files: list[str]) -> None:
         """Raise SourceChangedError (one line naming the file) when one of `files` is not
@@ -159,11 +168,16 @@ class LocalReader:
                 now = [_identity(os.stat(path))]
             except FileNotFoundError:
                 now = []
-            now += [_identity(os.fstat(fd)) for fd in (self._fds.get(file), self._direct_fds.get(file)) if fd is not None]
+            now += [
+                _identity(os.fstat(fd)) for fd in (self._fds.get(file), self._direct_fds.get(file)) if fd is not None
+            ]
             changed = next((n for n in now if n != noted), None)
             if not now or changed is not None:
                 what = "was removed" if not now else _what_changed(noted, changed)
-                raise SourceChangedError(f"{path}: the source file {what} during the conversion; nothing was published: rerun once the source no longer changes", path=str(path))
+                raise SourceChangedError(
+                    f"{path}: the source file {what} during the conversion; nothing was published: rerun once the source no longer changes",
+                    path=str(path),
+                )
 
     def close(self) -> None:
         with self._lock:
@@ -182,4 +196,6 @@ def _what_changed(then: tuple[int, int, int, int, int], now: tuple[int, int, int
         return f"changed size from {then[2]:,} to {now[2]:,} bytes"
     if then[3] != now[3]:
         return "was rewritten (its modification time changed)"
-    return "changed status (its change time moved: rewritten with its old modification time, or its mode or owner changed)"
+    return (
+        "changed status (its change time moved: rewritten with its old modification time, or its mode or owner changed)"
+    )

@@ -25,7 +25,12 @@ class CheckResult:
     details: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"name": self.name, "status": self.status, "reason": self.reason, "seconds": round(self.seconds, 3)}
+        out: dict[str, Any] = {
+            "name": self.name,
+            "status": self.status,
+            "reason": self.reason,
+            "seconds": round(self.seconds, 3),
+        }
         if self.error is not None:
             out["exit_code"] = self.exit_code
             out["error"] = type(self.error).__name__
@@ -59,7 +64,9 @@ class CheckReport:
     def summary(self) -> str:
         counts = {s: sum(r.status == s for r in self.results) for s in ("pass", "fail", "skip")}
         verdict = "OK" if self.ok else f"FAILED (exit {self.exit_code})"
-        return f"{self.checkpoint}: {verdict}: {counts['pass']} passed, {counts['fail']} failed, {counts['skip']} skipped"
+        return (
+            f"{self.checkpoint}: {verdict}: {counts['pass']} passed, {counts['fail']} failed, {counts['skip']} skipped"
+        )
 
     def raise_for_failure(self) -> None:
         """Raise the first failed check's error (its one-line reason and exit code)."""
@@ -68,16 +75,30 @@ class CheckReport:
             raise r.error
 
     def to_json(self) -> dict[str, Any]:
-        return {"checkpoint": self.checkpoint, "ok": self.ok, "exit_code": self.exit_code, "summary": self.summary(), "checks": [r.to_json() for r in self.results]}
+        return {
+            "checkpoint": self.checkpoint,
+            "ok": self.ok,
+            "exit_code": self.exit_code,
+            "summary": self.summary(),
+            "checks": [r.to_json() for r in self.results],
+        }
 
     def to_junit(self) -> str:
         """JUnit XML: one test case per check; a failure carries the reason, a skip its why."""
         total = sum(r.seconds for r in self.results)
-        counts = {"tests": str(len(self.results)), "failures": str(len(self.failures)), "errors": "0", "skipped": str(sum(r.status == "skip" for r in self.results)), "time": f"{total:.3f}"}
+        counts = {
+            "tests": str(len(self.results)),
+            "failures": str(len(self.failures)),
+            "errors": "0",
+            "skipped": str(sum(r.status == "skip" for r in self.results)),
+            "time": f"{total:.3f}",
+        }
         suites = ET.Element("testsuites", {"name": "convert-dsv4 check", **counts})
         suite = ET.SubElement(suites, "testsuite", {"name": f"convert-dsv4 check {self.checkpoint}", **counts})
         for r in self.results:
-            case = ET.SubElement(suite, "testcase", {"classname": "convert-dsv4.check", "name": r.name, "time": f"{r.seconds:.3f}"})
+            case = ET.SubElement(
+                suite, "testcase", {"classname": "convert-dsv4.check", "name": r.name, "time": f"{r.seconds:.3f}"}
+            )
             if r.status == "fail":
                 failure = ET.SubElement(case, "failure", {"message": r.reason, "type": type(r.error).__name__})
                 failure.text = f"{r.reason} (exit code {r.exit_code})"
@@ -98,6 +119,14 @@ def write_junit(report: CheckReport, path: Path) -> None:
         path.write_text(report.to_junit())
     except OSError as exc:
         # mkdir says "File exists" when the folder's name is taken by a file
-        why = f"{path.parent} is not a directory" if isinstance(exc, FileExistsError) else exc.strerror or str(exc).splitlines()[0]
-        verdict = "all checks passed" if report.ok else f"the checks FAILED (exit {report.exit_code}: {report.failures[0].name})"
+        why = (
+            f"{path.parent} is not a directory"
+            if isinstance(exc, FileExistsError)
+            else exc.strerror or str(exc).splitlines()[0]
+        )
+        verdict = (
+            "all checks passed"
+            if report.ok
+            else f"the checks FAILED (exit {report.exit_code}: {report.failures[0].name})"
+        )
         raise WriteFailedError(f"{path}: cannot write the JUnit report ({why}); {verdict}", path=str(path)) from None

@@ -15,7 +15,9 @@ UNITS = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "KI": 2**10, "M
 # into an OverflowError; float() would accept inf/nan and round. A number is decimal digits
 # with an optional fraction and a short exponent, then an optional unit and "B"; the whole
 # text is bounded so no input makes big-integer arithmetic slow.
-_SIZE = re.compile(r"(?P<sign>[+-]?)(?P<whole>\d*)(?:\.(?P<frac>\d*))?(?:E(?P<exp>[+-]?\d{1,3}))?\s*(?P<unit>[KMGT]I?)?B?")
+_SIZE = re.compile(
+    r"(?P<sign>[+-]?)(?P<whole>\d*)(?:\.(?P<frac>\d*))?(?:E(?P<exp>[+-]?\d{1,3}))?\s*(?P<unit>[KMGT]I?)?B?"
+)
 _MAX_TEXT = 40
 EXAMPLES = "5GB, 500MB, 2GiB or 1000000"
 
@@ -32,7 +34,11 @@ def shard_size(value: str | int) -> int:
         if m is None or not (m["whole"] or m["frac"]):
             raise ValueError(f"{value!r} is not a size like {EXAMPLES}")
         frac = m["frac"] or ""
-        size = Fraction(int(m["whole"] + frac or "0"), 10 ** len(frac)) * Fraction(10) ** int(m["exp"] or 0) * UNITS[m["unit"] or ""]
+        size = (
+            Fraction(int(m["whole"] + frac or "0"), 10 ** len(frac))
+            * Fraction(10) ** int(m["exp"] or 0)
+            * UNITS[m["unit"] or ""]
+        )
         if size.denominator != 1:
             raise ValueError(f"{value!r} is not a whole number of bytes")
         number = -int(size) if m["sign"] == "-" else int(size)

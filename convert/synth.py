@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
+
 from dsv4.convert import progress
 from dsv4.convert.errors import OutputExistsError, WriteFailedError
 from dsv4.convert.writer import ShardWriter, TensorSpec, shard_name
@@ -84,7 +85,9 @@ def _gauss(std: float, mean: float = 0.0, dtype: torch.dtype = torch.float32) ->
 
 def _e8m0(exponents: tuple[int, int]) -> Fill:
     lo, hi = (e + E8M0_BIAS for e in exponents)
-    return lambda shape, gen: torch.randint(lo, hi + 1, shape, generator=gen, dtype=torch.uint8).view(torch.float8_e8m0fnu)
+    return lambda shape, gen: torch.randint(lo, hi + 1, shape, generator=gen, dtype=torch.uint8).view(
+        torch.float8_e8m0fnu
+    )
 
 
 def _f32_pow2(exponents: tuple[int, int]) -> Fill:
@@ -144,7 +147,9 @@ def _filler(name: str, dtype: str, cfg: ModelConfig) -> Fill:
     return _gauss(0.01)  # gate.bias, compressor ape
 
 
-def _fill_tensor(writer: ShardWriter, name: str, dtype: str, shape: tuple[int, ...], cfg: ModelConfig, seed: int) -> None:
+def _fill_tensor(
+    writer: ShardWriter, name: str, dtype: str, shape: tuple[int, ...], cfg: ModelConfig, seed: int
+) -> None:
     """Generate tensor `name` in row blocks and write each at its offset in the file."""
     fill = _filler(name, dtype, cfg)
     gen = torch.Generator().manual_seed(_tensor_seed(seed, name))
@@ -212,7 +217,17 @@ def write_checkpoint(
     return out
 
 
-def synthesize(out: Path, *, preset: str | None, config_path: Path | None, variant: Variant, main_layers: int | str, seed: int, sparse: bool, quiet: bool = True) -> dict[str, Any]:
+def synthesize(
+    out: Path,
+    *,
+    preset: str | None,
+    config_path: Path | None,
+    variant: Variant,
+    main_layers: int | str,
+    seed: int,
+    sparse: bool,
+    quiet: bool = True,
+) -> dict[str, Any]:
     """`synth`: write a synthetic checkpoint into OUT (new or empty) from a preset or a
     config.json, refused with the converter's verdict if it would refuse the config; returns
     what was written (tensors, files, bytes)."""
@@ -221,13 +236,33 @@ def synthesize(out: Path, *, preset: str | None, config_path: Path | None, varia
     # writing into a directory that holds something would replace part of it (a typo for a
     # real download) and leave a mix of two checkpoints
     if out.is_dir() and any(out.iterdir()):
-        raise OutputExistsError(f"{out}: exists and is not empty; synth writes only into a new or empty directory, so nothing was changed", path=str(out))
+        raise OutputExistsError(
+            f"{out}: exists and is not empty; synth writes only into a new or empty directory, so nothing was changed",
+            path=str(out),
+        )
     with config_errors(str(config_path) if config_path else f"preset {preset}"):
         config = parse_config(config_path.read_bytes()) if config_path else None
         try:
-            write_checkpoint(out, preset=preset, config=config, variant=variant, main_layers=main_layers, seed=seed, sparse=sparse, quiet=quiet)
+            write_checkpoint(
+                out,
+                preset=preset,
+                config=config,
+                variant=variant,
+                main_layers=main_layers,
+                seed=seed,
+                sparse=sparse,
+                quiet=quiet,
+            )
         except OSError as exc:  # a write's ENOSPC or EIO names no file: name OUT
-            raise WriteFailedError(f"{exc.filename or out}: {exc.strerror or exc}; the synthetic checkpoint in {out} is incomplete", path=str(out)) from None
+            raise WriteFailedError(
+                f"{exc.filename or out}: {exc.strerror or exc}; the synthetic checkpoint in {out} is incomplete",
+                path=str(out),
+            ) from None
     raw = (out / INDEX_NAME).read_bytes()
     weight_map = load_index(raw, str(out / INDEX_NAME))
-    return {"output": str(out), "tensors": len(weight_map), "files": len(set(weight_map.values())), "bytes": strictjson.loads(raw)["metadata"]["total_size"]}
+    return {
+        "output": str(out),
+        "tensors": len(weight_map),
+        "files": len(set(weight_map.values())),
+        "bytes": strictjson.loads(raw)["metadata"]["total_size"],
+    }

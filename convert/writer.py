@@ -72,7 +72,14 @@ class ShardWriter:
     file's final length; `write` fills tensor bytes at their final offsets in any order.
     With resume=True an existing file with exactly this header is reopened (`resumed`)."""
 
-    def __init__(self, path: str | Path, specs: Sequence[TensorSpec], metadata: dict[str, str] | None = None, *, resume: bool = False):
+    def __init__(
+        self,
+        path: str | Path,
+        specs: Sequence[TensorSpec],
+        metadata: dict[str, str] | None = None,
+        *,
+        resume: bool = False,
+    ):
         self.path = Path(path)
         self.specs = {s.name: s for s in specs}
         head, rel = encode_header(specs, metadata)
@@ -95,7 +102,9 @@ class ShardWriter:
         view = _as_bytes(data)
         spec = self.specs[name]
         if at < 0 or at + len(view) > spec.nbytes:
-            raise ValueError(f"{self.path.name}: write of {len(view)} bytes at {at} overruns tensor {name} ({spec.nbytes} bytes)")
+            raise ValueError(
+                f"{self.path.name}: write of {len(view)} bytes at {at} overruns tensor {name} ({spec.nbytes} bytes)"
+            )
         self._file.seek(self.offsets[name] + at)
         self._file.write(view)
         return len(view)

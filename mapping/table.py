@@ -23,7 +23,14 @@ from functools import cache, cached_property
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from dsv4.mapping.errors import DeadRuleError, DuplicateTargetRuleError, TableError, UnboundPlaceholderError, UnknownOpError, UnknownTargetError
+from dsv4.mapping.errors import (
+    DeadRuleError,
+    DuplicateTargetRuleError,
+    TableError,
+    UnboundPlaceholderError,
+    UnknownOpError,
+    UnknownTargetError,
+)
 from dsv4.mapping.probe import draft_bindings, probe_keys, stage_binding
 from dsv4.model.config import ModelConfig
 
@@ -34,7 +41,15 @@ INCLUDE_DIR = TABLE_DIR / "include"
 # placeholder -> regex of what it matches in a source name. {i}: MTP block, {s}: DSpark
 # stage, {e}: routed expert, {j}: main layer; {first} and {last} name stage 0 and stage S-1
 # (PINNED: each binds one value, which the planner checks a matched key against).
-PLACEHOLDERS = {"i": r"\d+", "s": r"\d+", "first": r"\d+", "last": r"\d+", "e": r"\d+", "j": r"\d+", "rest": r"[A-Za-z0-9_.]+"}
+PLACEHOLDERS = {
+    "i": r"\d+",
+    "s": r"\d+",
+    "first": r"\d+",
+    "last": r"\d+",
+    "e": r"\d+",
+    "j": r"\d+",
+    "rest": r"[A-Za-z0-9_.]+",
+}
 PINNED = {"first", "last"}
 DERIVED = {"L": "i"}  # {L} = num_hidden_layers + {i}; needs {i} bound
 EXPERT_DTYPES = ("fp4", "fp8")
@@ -87,7 +102,7 @@ def compile_pattern(pattern: str) -> re.Pattern[str]:
     repeated placeholder must match the same text."""
     out, seen, pos = [], set(), 0
     for m in _FIELD.finditer(pattern):
-        out.append(re.escape(pattern[pos:m.start()]))
+        out.append(re.escape(pattern[pos : m.start()]))
         name = m.group(1)
         out.append(f"(?P={name})" if name in seen else f"(?P<{name}>{PLACEHOLDERS[name]})")
         seen.add(name)
@@ -120,14 +135,20 @@ class Table:
 def _parse(raw: dict[str, Any], where: str) -> tuple[dict[str, Any], list[Rule]]:
     unknown = set(raw) - SECTIONS
     if unknown:
-        raise UnknownOpError(f"{where}: unknown section(s) {sorted(unknown)}; a table has {sorted(SECTIONS)}", path=str(where))
+        raise UnknownOpError(
+            f"{where}: unknown section(s) {sorted(unknown)}; a table has {sorted(SECTIONS)}", path=str(where)
+        )
     meta = raw.get("table")
     if not isinstance(meta, dict) or not all(isinstance(meta.get(k), str) for k in ("name", "version", "target")):
         raise TableError(f"{where}: [table] needs string name, version and target", path=str(where))
     if meta.get("drafter", "mtp") not in DRAFTERS:
-        raise TableError(f"{where}: [table] drafter = {meta.get('drafter')!r}; expected one of {DRAFTERS}", path=str(where))
+        raise TableError(
+            f"{where}: [table] drafter = {meta.get('drafter')!r}; expected one of {DRAFTERS}", path=str(where)
+        )
     if meta.get("config", "record") not in CONFIG_KINDS:
-        raise TableError(f"{where}: [table] config = {meta.get('config')!r}; expected one of {CONFIG_KINDS}", path=str(where))
+        raise TableError(
+            f"{where}: [table] config = {meta.get('config')!r}; expected one of {CONFIG_KINDS}", path=str(where)
+        )
     for key in ("layout", "runtime", "runtime_class"):
         if not isinstance(meta.get(key, ""), str):
             raise TableError(f"{where}: [table] {key} must be a string", path=str(where))
@@ -144,7 +165,10 @@ def _included_rules(entry: Any, where: str) -> list[Rule]:
         raise TableError(f"{where}: [[include]] needs exactly the strings {sorted(INCLUDE_KEYS)}", path=str(where))
     installed = sorted(p.stem for p in INCLUDE_DIR.glob("*.toml"))
     if entry["file"] not in installed:
-        raise TableError(f"{where}: [[include]] file {entry['file']!r} is not an installed include (installed: {', '.join(installed)}); named, not a path", path=str(where))
+        raise TableError(
+            f"{where}: [[include]] file {entry['file']!r} is not an installed include (installed: {', '.join(installed)}); named, not a path",
+            path=str(where),
+        )
     path = INCLUDE_DIR / f"{entry['file']}.toml"
     try:
         raw = tomllib.loads(path.read_text())
@@ -152,7 +176,10 @@ def _included_rules(entry: Any, where: str) -> list[Rule]:
         raise TableError(f"{path}: not valid TOML ({exc})", path=str(path)) from None
     unknown = set(raw) - INCLUDE_SECTIONS
     if unknown:
-        raise UnknownOpError(f"{path.name}: unknown section(s) {sorted(unknown)}; an include has {sorted(INCLUDE_SECTIONS)}", path=str(path.name))
+        raise UnknownOpError(
+            f"{path.name}: unknown section(s) {sorted(unknown)}; an include has {sorted(INCLUDE_SECTIONS)}",
+            path=str(path.name),
+        )
     return _parse_rules(raw, f"{where} (include {path.name})", entry["source"], entry["target"])
 
 
@@ -174,7 +201,10 @@ def _parse_rules(raw: dict[str, Any], where: str, src: str = "", dst: str = "") 
         if not isinstance(keep, dict) or set(keep) != KEEP_KEYS or not isinstance(keep["names"], list):
             raise TableError(f"{where}: [keep] needs exactly names = [a list of tensor names]", path=str(where))
         if src != dst:  # a kept tensor keeps its name: an include's two prefixes must agree
-            raise TableError(f"{where}: [keep] in an include whose source prefix {src!r} is not its target prefix {dst!r}: a kept tensor keeps its name", path=str(where))
+            raise TableError(
+                f"{where}: [keep] in an include whose source prefix {src!r} is not its target prefix {dst!r}: a kept tensor keeps its name",
+                path=str(where),
+            )
         rules.extend(Rule("keep", (names(n, src),), names(n, src)) for n in keep["names"])
     for d, srcs in raw.get("concat", {}).items():
         if not (isinstance(srcs, list) and len(srcs) >= 2):
@@ -183,8 +213,18 @@ def _parse_rules(raw: dict[str, Any], where: str, src: str = "", dst: str = "") 
     for entry in raw.get("stack", []):
         extra = set(entry) - STACK_KEYS
         if extra:
-            raise UnknownOpError(f"{where}: [[stack]] {entry.get('to')}: unknown key(s) {sorted(extra)}", path=str(where))
-        rules.append(Rule("stack", tuple(names(x, src) for x in entry["cat"]), names(entry["to"], dst), entry.get("view"), entry.get("when")))
+            raise UnknownOpError(
+                f"{where}: [[stack]] {entry.get('to')}: unknown key(s) {sorted(extra)}", path=str(where)
+            )
+        rules.append(
+            Rule(
+                "stack",
+                tuple(names(x, src) for x in entry["cat"]),
+                names(entry["to"], dst),
+                entry.get("view"),
+                entry.get("when"),
+            )
+        )
     for op in ("skip", "refuse"):
         for s, reason in raw.get(op, {}).items():
             if not isinstance(reason, str) or not reason.strip():
@@ -203,10 +243,14 @@ def _check_placeholders(rule: Rule, where: str) -> None:
     for src in rule.sources:
         for ph in placeholders(src):
             if ph not in PLACEHOLDERS:
-                raise UnboundPlaceholderError(f"{where}: {rule.label}: unknown placeholder {{{ph}}} in {src}", path=str(where))
+                raise UnboundPlaceholderError(
+                    f"{where}: {rule.label}: unknown placeholder {{{ph}}} in {src}", path=str(where)
+                )
             bound.add(ph)
     if "rest" in bound and rule.op not in ("skip", "refuse"):
-        raise UnboundPlaceholderError(f"{where}: {rule.label}: {{rest}} is for skip and refuse rules only", path=str(where))
+        raise UnboundPlaceholderError(
+            f"{where}: {rule.label}: {{rest}} is for skip and refuse rules only", path=str(where)
+        )
     if rule.op == "stack" and not all("e" in placeholders(s) for s in rule.sources):
         raise UnboundPlaceholderError(f"{where}: {rule.label}: every stacked source needs {{e}}", path=str(where))
     if rule.target is None:
@@ -217,12 +261,22 @@ def _check_placeholders(rule: Rule, where: str) -> None:
     for ph in placeholders(rule.target):
         need = DERIVED.get(ph, ph)
         if need not in available:
-            raise UnboundPlaceholderError(f"{where}: {rule.label}: target placeholder {{{ph}}} is not bound by its source(s) {list(rule.sources)}", path=str(where))
+            raise UnboundPlaceholderError(
+                f"{where}: {rule.label}: target placeholder {{{ph}}} is not bound by its source(s) {list(rule.sources)}",
+                path=str(where),
+            )
     if rule.op != "copy":
         # a pinned placeholder ({first}, {last}) binds one stage: it may name no target part
-        unused = (bound - {"e"} if rule.op == "stack" else bound) - PINNED - {DERIVED.get(p, p) for p in placeholders(rule.target)}
+        unused = (
+            (bound - {"e"} if rule.op == "stack" else bound)
+            - PINNED
+            - {DERIVED.get(p, p) for p in placeholders(rule.target)}
+        )
         if unused:
-            raise UnboundPlaceholderError(f"{where}: {rule.label}: source placeholder(s) {sorted(unused)} do not appear in the target, so two sources would write one parameter", path=str(where))
+            raise UnboundPlaceholderError(
+                f"{where}: {rule.label}: source placeholder(s) {sorted(unused)} do not appear in the target, so two sources would write one parameter",
+                path=str(where),
+            )
 
 
 def rule_bindings(rule: Rule, cfg: ModelConfig) -> list[dict[str, int]]:
@@ -247,7 +301,13 @@ def pin(pattern: str, pins: Mapping[str, int]) -> str:
     return _FIELD.sub(lambda m: str(pins[m.group(1)]) if m.group(1) in pins else m.group(0), pattern)
 
 
-def validate(table: Table, native_keys: Mapping[str, set[str]], target_keys: Mapping[str, set[str]], bind_target: Callable[[Rule, str], list[str]], pins: Mapping[str, int]) -> None:
+def validate(
+    table: Table,
+    native_keys: Mapping[str, set[str]],
+    target_keys: Mapping[str, set[str]],
+    bind_target: Callable[[Rule, str], list[str]],
+    pins: Mapping[str, int],
+) -> None:
     """Check the table against what the native format allows (`native_keys[expert_dtype]`)
     and the parameters its target's layout has (`target_keys[expert_dtype]`);
     `bind_target(rule, expert_dtype)` expands a rule's target for the probe configuration,
@@ -260,13 +320,19 @@ def validate(table: Table, native_keys: Mapping[str, set[str]], target_keys: Map
         _check_placeholders(rule, where)
         wrong = sorted({ph for p in (*rule.sources, rule.target or "") for ph in placeholders(p)} & foreign)
         if wrong:
-            raise UnboundPlaceholderError(f"{where}: {rule.label}: placeholder {{{wrong[0]}}} belongs to the other drafter kind; a {table.drafter} table binds {sorted(DRAFTER_PLACEHOLDERS[table.drafter])}", path=str(where))
+            raise UnboundPlaceholderError(
+                f"{where}: {rule.label}: placeholder {{{wrong[0]}}} belongs to the other drafter kind; a {table.drafter} table binds {sorted(DRAFTER_PLACEHOLDERS[table.drafter])}",
+                path=str(where),
+            )
         if rule.op != "refuse":  # refuse rules describe other formats by design
             allowed = set().union(*(native_keys[d] for d in EXPERT_DTYPES if rule.applies(d)))
             for src in rule.sources:
                 rx = compile_pattern(pin(src, pins))
                 if not any(rx.match(k) for k in allowed):
-                    raise DeadRuleError(f"{where}: {rule.label}: source pattern {src} matches no tensor the native DeepSeek V4 format has: a dead rule", path=str(where))
+                    raise DeadRuleError(
+                        f"{where}: {rule.label}: source pattern {src} matches no tensor the native DeepSeek V4 format has: a dead rule",
+                        path=str(where),
+                    )
         if rule.target is None:
             continue
         for dtype in EXPERT_DTYPES:
@@ -274,11 +340,16 @@ def validate(table: Table, native_keys: Mapping[str, set[str]], target_keys: Map
                 continue
             prior = seen.get((rule.target, dtype))
             if prior is not None:
-                raise DuplicateTargetRuleError(f"{where}: {rule.label} and {prior.label} both write {rule.target}", path=str(where))
+                raise DuplicateTargetRuleError(
+                    f"{where}: {rule.label} and {prior.label} both write {rule.target}", path=str(where)
+                )
             seen[(rule.target, dtype)] = rule
             for name in bind_target(rule, dtype):
                 if name not in target_keys[dtype]:
-                    raise UnknownTargetError(f"{where}: {rule.label}: {name} is not a parameter of the {table.target} layout ({dtype} experts)", path=str(where))
+                    raise UnknownTargetError(
+                        f"{where}: {rule.label}: {name} is not a parameter of the {table.target} layout ({dtype} experts)",
+                        path=str(where),
+                    )
 
 
 def installed_tables() -> list[str]:
@@ -303,7 +374,13 @@ def _table_headers() -> dict[str, TableHeader]:
     out = {}
     for name in installed_tables():
         meta = tomllib.loads((TABLE_DIR / f"{name}.toml").read_text()).get("table", {})
-        out[name] = TableHeader(meta.get("target"), meta.get("drafter", "mtp"), meta.get("version"), meta.get("runtime", ""), meta.get("runtime_class", ""))
+        out[name] = TableHeader(
+            meta.get("target"),
+            meta.get("drafter", "mtp"),
+            meta.get("version"),
+            meta.get("runtime", ""),
+            meta.get("runtime_class", ""),
+        )
     return out
 
 
@@ -320,7 +397,9 @@ def installed_targets() -> list[str]:
 def require_target(target: str) -> None:
     """TableError (listing the installed targets) unless `target` is one."""
     if target not in installed_targets():
-        raise TableError(f"no target {target!r} (installed: {', '.join(installed_targets())}); a target is chosen by name, not path")
+        raise TableError(
+            f"no target {target!r} (installed: {', '.join(installed_targets())}); a target is chosen by name, not path"
+        )
 
 
 def tables_of_target(target: str) -> list[str]:
@@ -335,7 +414,9 @@ def table_name_for(target: str, drafter: str) -> str:
     names = [name for name, head in _table_headers().items() if (head.target, head.drafter) == (target, drafter)]
     if len(names) != 1:
         have = ", ".join(f"{n} ({h.target}, {h.drafter})" for n, h in _table_headers().items())
-        raise TableError(f"target {target!r} has {'no' if not names else 'more than one'} table for {drafter} drafters (installed: {have})")
+        raise TableError(
+            f"target {target!r} has {'no' if not names else 'more than one'} table for {drafter} drafters (installed: {have})"
+        )
     return names[0]
 
 
@@ -346,7 +427,9 @@ def load_table(name: str = "xpu") -> Table:
     `check` and a later conversion find the same rules (and "../../x" reads nothing)."""
     installed = installed_tables()
     if name not in installed:
-        raise TableError(f"no mapping table {name!r} (installed: {', '.join(installed)}); a table is chosen by name, not path")
+        raise TableError(
+            f"no mapping table {name!r} (installed: {', '.join(installed)}); a table is chosen by name, not path"
+        )
     return load_table_file(TABLE_DIR / f"{name}.toml")
 
 
@@ -360,7 +443,24 @@ def load_table_file(path: Path) -> Table:
     except tomllib.TOMLDecodeError as exc:
         raise TableError(f"{path}: not valid TOML ({exc})", path=str(path)) from None
     meta, rules = _parse(raw, path.name)
-    table = Table(meta["name"], meta["version"], meta["target"], meta.get("layout", ""), tuple(rules), path.name, meta.get("drafter", "mtp"), meta.get("runtime", ""), meta.get("runtime_class", ""), meta.get("config", "record"))
+    table = Table(
+        meta["name"],
+        meta["version"],
+        meta["target"],
+        meta.get("layout", ""),
+        tuple(rules),
+        path.name,
+        meta.get("drafter", "mtp"),
+        meta.get("runtime", ""),
+        meta.get("runtime_class", ""),
+        meta.get("config", "record"),
+    )
     native_keys, target_keys, cfgs, pins = probe_keys(table.drafter, table.target)
-    validate(table, native_keys, target_keys, lambda rule, dtype: sorted({expand(rule.target or "", b) for b in rule_bindings(rule, cfgs[dtype])}), pins)
+    validate(
+        table,
+        native_keys,
+        target_keys,
+        lambda rule, dtype: sorted({expand(rule.target or "", b) for b in rule_bindings(rule, cfgs[dtype])}),
+        pins,
+    )
     return table

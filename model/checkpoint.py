@@ -5,13 +5,20 @@ read indexes through `load_index`)."""
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
-from dsv4.model import strictjson
-from dsv4.model.errors import DSV4Error, MalformedHeaderError, MissingShardError, UnsafeShardPathError, UnsupportedLayoutError
 from huggingface_hub.constants import CONFIG_NAME, SAFETENSORS_INDEX_FILE, SAFETENSORS_SINGLE_FILE
+
+from dsv4.model import strictjson
+from dsv4.model.errors import (
+    DSV4Error,
+    MalformedHeaderError,
+    MissingShardError,
+    UnsafeShardPathError,
+    UnsupportedLayoutError,
+)
 
 INDEX_NAME = SAFETENSORS_INDEX_FILE  # model.safetensors.index.json
 SINGLE_FILE = SAFETENSORS_SINGLE_FILE  # model.safetensors: a checkpoint of one file, no index
@@ -22,14 +29,30 @@ def json_kind(value: Any) -> str:
     """What a JSON value is, for a message: 'an object', 'a list', 'null', ..."""
     if value is None:
         return "null"
-    kinds = ((bool, "a boolean"), (int, "an integer"), (float, "a number"), (str, "a string"), (list, "a list"), (dict, "an object"))
+    kinds = (
+        (bool, "a boolean"),
+        (int, "an integer"),
+        (float, "a number"),
+        (str, "a string"),
+        (list, "a list"),
+        (dict, "an object"),
+    )
     return next(kind for t, kind in kinds if isinstance(value, t))
 
 
 def check_shard_name(name: str, index_file: str) -> None:
     """Index entries name plain files inside the checkpoint, nothing else."""
-    if not isinstance(name, str) or not name or name in (".", "..") or "/" in name or "\\" in name or os.path.isabs(name):
-        raise UnsafeShardPathError(f"{index_file}: shard name {name!r} is not a plain file name inside the checkpoint", path=str(index_file))
+    if (
+        not isinstance(name, str)
+        or not name
+        or name in (".", "..")
+        or "/" in name
+        or "\\" in name
+        or os.path.isabs(name)
+    ):
+        raise UnsafeShardPathError(
+            f"{index_file}: shard name {name!r} is not a plain file name inside the checkpoint", path=str(index_file)
+        )
 
 
 def load_index(raw: bytes, index_file: str) -> dict[str, str]:
@@ -41,22 +64,34 @@ def load_index(raw: bytes, index_file: str) -> dict[str, str]:
     except strictjson.StrictJSONError as exc:
         raise MalformedHeaderError(f"{index_file}: not valid JSON ({exc})", path=str(index_file)) from None
     if not isinstance(index, dict):
-        raise MalformedHeaderError(f"{index_file}: not a safetensors index: the top level is {json_kind(index)}, not an object", path=str(index_file))
+        raise MalformedHeaderError(
+            f"{index_file}: not a safetensors index: the top level is {json_kind(index)}, not an object",
+            path=str(index_file),
+        )
     if "weight_map" not in index:
         raise MalformedHeaderError(f"{index_file}: not a safetensors index: no weight_map", path=str(index_file))
     weight_map = index["weight_map"]
     if not isinstance(weight_map, dict):
-        raise MalformedHeaderError(f"{index_file}: weight_map is {json_kind(weight_map)}, not an object", path=str(index_file))
+        raise MalformedHeaderError(
+            f"{index_file}: weight_map is {json_kind(weight_map)}, not an object", path=str(index_file)
+        )
     if not weight_map:
         raise MalformedHeaderError(f"{index_file}: weight_map lists no tensor", path=str(index_file))
     for name, shard in weight_map.items():
         if not isinstance(shard, str):
-            raise MalformedHeaderError(f"{index_file}: weight_map[{name!r}] is {json_kind(shard)}, not a shard file name", path=str(index_file))
+            raise MalformedHeaderError(
+                f"{index_file}: weight_map[{name!r}] is {json_kind(shard)}, not a shard file name", path=str(index_file)
+            )
     metadata = index.get("metadata", {})
     if not isinstance(metadata, dict):
-        raise MalformedHeaderError(f"{index_file}: metadata is {json_kind(metadata)}, not an object", path=str(index_file))
+        raise MalformedHeaderError(
+            f"{index_file}: metadata is {json_kind(metadata)}, not an object", path=str(index_file)
+        )
     if "total_size" in metadata and not (type(metadata["total_size"]) is int and metadata["total_size"] >= 0):
-        raise MalformedHeaderError(f"{index_file}: metadata.total_size is {metadata['total_size']!r}, not a non-negative integer", path=str(index_file))
+        raise MalformedHeaderError(
+            f"{index_file}: metadata.total_size is {metadata['total_size']!r}, not a non-negative integer",
+            path=str(index_file),
+        )
     for shard in sorted(set(weight_map.values())):
         check_shard_name(shard, index_file)
     return weight_map

@@ -74,7 +74,14 @@ class UnsupportedConfig(ConfigFieldError):
 def _describe(value: Any) -> str:
     """A value as an error message shows it: in JSON spelling, short however large it is,
     with its JSON kind where that is the fault."""
-    kind = {bool: "a boolean", str: "a string", list: "a list", tuple: "a list", dict: "an object", type(None): "null"}.get(type(value))
+    kind = {
+        bool: "a boolean",
+        str: "a string",
+        list: "a list",
+        tuple: "a list",
+        dict: "an object",
+        type(None): "null",
+    }.get(type(value))
     if value is None:
         return "null"
     if type(value) in (bool, str):
@@ -109,7 +116,9 @@ def _int_list(field: str, value: Any, low: int, high: int, lengths: range) -> No
         raise ConfigFieldError(field, f"{field} is {_describe(value)}; expected a list of integers in {low}..{high}")
     if len(value) not in lengths:
         want = f"{lengths.start}..{lengths.stop - 1}" if len(lengths) > 1 else f"exactly {lengths.start}"
-        raise ConfigFieldError(field, f"{field} has {len(value)} entr{'y' if len(value) == 1 else 'ies'}; expected {want}")
+        raise ConfigFieldError(
+            field, f"{field} has {len(value)} entr{'y' if len(value) == 1 else 'ies'}; expected {want}"
+        )
     for k, item in enumerate(value):
         _int(f"{field}[{k}]", item, low, high)
 
@@ -123,8 +132,15 @@ def _check_model_type(model_type: Any) -> None:
     if type(model_type) is not str:
         raise ConfigFieldError("model_type", f"model_type is {_describe(model_type)}; expected a string")
     if model_type != SUPPORTED_MODEL_TYPE:
-        hint = " (DeepSeek V4.1: vLLM 0.33.0 has no XPU draft model for it, mapping/README.md#later-drafters-dspark-and-v41)" if model_type == "deepseek_v41" else ""
-        raise UnsupportedConfig("model_type", f"model_type {model_type!r}{hint}; this tool converts {SUPPORTED_MODEL_TYPE!r} checkpoints only")
+        hint = (
+            " (DeepSeek V4.1: vLLM 0.33.0 has no XPU draft model for it, mapping/README.md#later-drafters-dspark-and-v41)"
+            if model_type == "deepseek_v41"
+            else ""
+        )
+        raise UnsupportedConfig(
+            "model_type",
+            f"model_type {model_type!r}{hint}; this tool converts {SUPPORTED_MODEL_TYPE!r} checkpoints only",
+        )
 
 
 @dataclass(frozen=True)
@@ -206,19 +222,26 @@ class ModelConfig:
         _positive_float("swiglu_limit", self.swiglu_limit, zero_ok=True)  # 0: no clamp
         _positive_float("rope_theta", self.rope_theta)
         if type(self.norm_topk_prob) is not bool:
-            raise ConfigFieldError("norm_topk_prob", f"norm_topk_prob is {_describe(self.norm_topk_prob)}; expected true or false")
+            raise ConfigFieldError(
+                "norm_topk_prob", f"norm_topk_prob is {_describe(self.norm_topk_prob)}; expected true or false"
+            )
         for field in ("scoring_func", "topk_method", "expert_dtype"):
             if type(getattr(self, field)) is not str:
                 raise ConfigFieldError(field, f"{field} is {_describe(getattr(self, field))}; expected a string")
         # the length rule of compress_ratios depends on num_hidden_layers: _check_relations
-        _int_list("compress_ratios", self.compress_ratios, 0, MAX_COMPRESS_RATIO, range(MAX_LAYERS + MAX_NEXTN_LAYERS + 1))
+        _int_list(
+            "compress_ratios", self.compress_ratios, 0, MAX_COMPRESS_RATIO, range(MAX_LAYERS + MAX_NEXTN_LAYERS + 1)
+        )
         _int_list("quantization_config.weight_block_size", self.weight_block_size, 1, MAX_BLOCK, range(2, 3))
 
     def _check_dspark(self) -> None:
         present = [f for f in DSPARK_FIELDS if getattr(self, f) is not None]
         if present and len(present) < len(DSPARK_FIELDS):
             missing = next(f for f in DSPARK_FIELDS if getattr(self, f) is None)
-            raise ConfigFieldError(missing, f"lacks {missing}: a DSpark config has all of {', '.join(DSPARK_FIELDS)} (it has {', '.join(present)})")
+            raise ConfigFieldError(
+                missing,
+                f"lacks {missing}: a DSpark config has all of {', '.join(DSPARK_FIELDS)} (it has {', '.join(present)})",
+            )
         if self.n_mtp_layers is not None:
             _int("n_mtp_layers", self.n_mtp_layers, 1, MAX_DSPARK_STAGES)
         if not present:
@@ -231,46 +254,86 @@ class ModelConfig:
         assert ids is not None  # _int_list refused anything but a list
         repeated = sorted({i for i in ids if ids.count(i) > 1})
         if repeated:
-            raise ConfigFieldError("dspark_target_layer_ids", f"dspark_target_layer_ids names layer {repeated[0]} twice; expected distinct main layers")
+            raise ConfigFieldError(
+                "dspark_target_layer_ids",
+                f"dspark_target_layer_ids names layer {repeated[0]} twice; expected distinct main layers",
+            )
         if self.n_mtp_layers is not None and self.n_mtp_layers != len(ids):
-            raise ConfigFieldError("n_mtp_layers", f"n_mtp_layers is {self.n_mtp_layers} but dspark_target_layer_ids has {len(ids)} entries: the stage counts disagree (mapping/README.md#dspark-source-checkpoint)")
+            raise ConfigFieldError(
+                "n_mtp_layers",
+                f"n_mtp_layers is {self.n_mtp_layers} but dspark_target_layer_ids has {len(ids)} entries: the stage counts disagree (mapping/README.md#dspark-source-checkpoint)",
+            )
 
     def _check_relations(self) -> None:
         rd, D = self.qk_rope_head_dim, self.head_dim
         if rd > D or rd % 2:
-            raise ConfigFieldError("qk_rope_head_dim", f"qk_rope_head_dim is {rd}; RoPE turns pairs of the last dims of a head: expected an even number <= head_dim ({D})")
+            raise ConfigFieldError(
+                "qk_rope_head_dim",
+                f"qk_rope_head_dim is {rd}; RoPE turns pairs of the last dims of a head: expected an even number <= head_dim ({D})",
+            )
         if self.num_attention_heads % self.o_groups:
-            raise ConfigFieldError("o_groups", f"o_groups is {self.o_groups}; the output projection splits the heads into groups: expected a divisor of num_attention_heads ({self.num_attention_heads})")
+            raise ConfigFieldError(
+                "o_groups",
+                f"o_groups is {self.o_groups}; the output projection splits the heads into groups: expected a divisor of num_attention_heads ({self.num_attention_heads})",
+            )
         if self.num_experts_per_tok > self.n_routed_experts:
-            raise ConfigFieldError("num_experts_per_tok", f"num_experts_per_tok is {self.num_experts_per_tok}, more than n_routed_experts ({self.n_routed_experts})")
+            raise ConfigFieldError(
+                "num_experts_per_tok",
+                f"num_experts_per_tok is {self.num_experts_per_tok}, more than n_routed_experts ({self.n_routed_experts})",
+            )
         if self.num_hash_layers > self.num_hidden_layers:
-            raise ConfigFieldError("num_hash_layers", f"num_hash_layers is {self.num_hash_layers}, more than num_hidden_layers ({self.num_hidden_layers})")
+            raise ConfigFieldError(
+                "num_hash_layers",
+                f"num_hash_layers is {self.num_hash_layers}, more than num_hidden_layers ({self.num_hidden_layers})",
+            )
         if self.compress_ratios and self.is_dspark:
             # mapping/README.md#dspark-source-checkpoint: one entry per main layer, then one per drafter stage
             n, want = len(self.compress_ratios), self.num_hidden_layers + self.dspark_stages
             if n != want:
-                raise ConfigFieldError("compress_ratios", f"compress_ratios has {n} entries; expected one per main layer (num_hidden_layers = {self.num_hidden_layers}) and one per DSpark stage ({self.dspark_stages}): {want}")
+                raise ConfigFieldError(
+                    "compress_ratios",
+                    f"compress_ratios has {n} entries; expected one per main layer (num_hidden_layers = {self.num_hidden_layers}) and one per DSpark stage ({self.dspark_stages}): {want}",
+                )
         elif self.compress_ratios:
             # mapping/README.md#config-fields: one entry per main layer, then the MTP layer(s)
-            n, low, high = len(self.compress_ratios), self.num_hidden_layers + 1, self.num_hidden_layers + MAX_NEXTN_LAYERS
+            n, low, high = (
+                len(self.compress_ratios),
+                self.num_hidden_layers + 1,
+                self.num_hidden_layers + MAX_NEXTN_LAYERS,
+            )
             if not low <= n <= high:
-                raise ConfigFieldError("compress_ratios", f"compress_ratios has {n} entries; expected one per main layer (num_hidden_layers = {self.num_hidden_layers}) and one per draft layer: {low}..{high}")
+                raise ConfigFieldError(
+                    "compress_ratios",
+                    f"compress_ratios has {n} entries; expected one per main layer (num_hidden_layers = {self.num_hidden_layers}) and one per draft layer: {low}..{high}",
+                )
 
     def _check_supported(self) -> None:
         if self.num_nextn_predict_layers == 0:
-            raise UnsupportedConfig("num_nextn_predict_layers", "num_nextn_predict_layers is 0: the checkpoint has no MTP draft layer to convert")
+            raise UnsupportedConfig(
+                "num_nextn_predict_layers",
+                "num_nextn_predict_layers is 0: the checkpoint has no MTP draft layer to convert",
+            )
         if self.expert_dtype not in EXPERT_DTYPES:
             raise UnsupportedConfig("expert_dtype", f"unknown expert_dtype {self.expert_dtype!r} (expected fp4 or fp8)")
         # vLLM creates ffn.gate.e_score_correction_bias only for noaux_tc routing (NOTES.md),
         # and the draft's router is sqrtsoftplus (model/README.md#moe-routing)
         for field, want in (("topk_method", "noaux_tc"), ("scoring_func", "sqrtsoftplus")):
             if getattr(self, field) != want:
-                raise UnsupportedConfig(field, f"topk_method {self.topk_method!r}, scoring_func {self.scoring_func!r}; the XPU MTP layout is defined for noaux_tc routing with sqrtsoftplus scores only")
+                raise UnsupportedConfig(
+                    field,
+                    f"topk_method {self.topk_method!r}, scoring_func {self.scoring_func!r}; the XPU MTP layout is defined for noaux_tc routing with sqrtsoftplus scores only",
+                )
         if self.n_shared_experts != 1:
-            raise UnsupportedConfig("n_shared_experts", f"n_shared_experts is {self.n_shared_experts}; the layouts of this tool have exactly one shared expert of width moe_intermediate_size (mapping/README.md#names-of-an-mtp-block)")
+            raise UnsupportedConfig(
+                "n_shared_experts",
+                f"n_shared_experts is {self.n_shared_experts}; the layouts of this tool have exactly one shared expert of width moe_intermediate_size (mapping/README.md#names-of-an-mtp-block)",
+            )
         drafts = self.compress_ratios[self.num_hidden_layers :]
         if any(drafts):
-            raise UnsupportedConfig("compress_ratios", f"compress_ratios gives the draft layer(s) the ratio(s) {list(drafts)}; the MTP layer has no compressor (mapping/README.md#config-fields: its entry is 0)")
+            raise UnsupportedConfig(
+                "compress_ratios",
+                f"compress_ratios gives the draft layer(s) the ratio(s) {list(drafts)}; the MTP layer has no compressor (mapping/README.md#config-fields: its entry is 0)",
+            )
 
     @classmethod
     def from_dict(cls, raw: Any) -> ModelConfig:
@@ -283,10 +346,15 @@ class ModelConfig:
                 values[field] = tuple(values[field])
         for field in (*DSPARK_FIELDS, "n_mtp_layers"):
             if field in values and values[field] is None:  # None means absent in the dataclass
-                raise ConfigFieldError(field, f"{field} is null; expected an integer{' list' if field == 'dspark_target_layer_ids' else ''}")
+                raise ConfigFieldError(
+                    field,
+                    f"{field} is null; expected an integer{' list' if field == 'dspark_target_layer_ids' else ''}",
+                )
         quant = raw.get("quantization_config")
         if quant is not None and not isinstance(quant, dict):
-            raise ConfigFieldError("quantization_config", f"quantization_config is {_describe(quant)}; expected an object")
+            raise ConfigFieldError(
+                "quantization_config", f"quantization_config is {_describe(quant)}; expected an object"
+            )
         if quant and "weight_block_size" in quant:
             block = quant["weight_block_size"]
             values["weight_block_size"] = tuple(block) if type(block) is list else block
@@ -332,7 +400,10 @@ class ModelConfig:
         """Refuse, naming the field, a config that promises more draft blocks than a
         checkpoint holds (`blocks`: the prefixes present, e.g. ["mtp.0"])."""
         if len(blocks) < self.num_nextn_predict_layers:
-            raise UnsupportedConfig("num_nextn_predict_layers", f"num_nextn_predict_layers = {self.num_nextn_predict_layers} but the shards hold {len(blocks)} draft block(s) ({', '.join(blocks) or 'none'}) (keys and config disagree)")
+            raise UnsupportedConfig(
+                "num_nextn_predict_layers",
+                f"num_nextn_predict_layers = {self.num_nextn_predict_layers} but the shards hold {len(blocks)} draft block(s) ({', '.join(blocks) or 'none'}) (keys and config disagree)",
+            )
 
     def mtp_layer_index(self, i: int) -> int:
         """vLLM numbers MTP block i as decoder layer L = num_hidden_layers + i."""

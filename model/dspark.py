@@ -18,11 +18,12 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+from torch import nn
+
 from dsv4.model import kernels
 from dsv4.model.config import ModelConfig
 from dsv4.model.mtp import Block, RMSNorm, fp8_linear_scale_dtype, hc_head, hc_post, sink_attention
 from dsv4.model.quantized import Bf16Linear, Embedding, Fp8Linear, weight_param
-from torch import nn
 
 
 class DraftBlock(NamedTuple):
@@ -68,7 +69,9 @@ class DSparkModel(nn.Module):
         # An nn.ModuleList: parameters are named model.layers.{s}. vLLM builds stage s with the
         # layer prefix model.layers.{N+s} (xpu/dspark.py, DSparkDeepseekV4Model.__init__), so
         # that is its quantisation names' prefix, as for the MTP block (NOTES.md).
-        self.layers = nn.ModuleList(Block(cfg, f"model.layers.{cfg.num_hidden_layers + s}") for s in range(cfg.dspark_stages))
+        self.layers = nn.ModuleList(
+            Block(cfg, f"model.layers.{cfg.num_hidden_layers + s}") for s in range(cfg.dspark_stages)
+        )
         self.norm = RMSNorm(H, cfg.rms_norm_eps)
         self.hc_head_fn = weight_param((n, cfg.hc_dim), torch.float32)
         self.hc_head_base = weight_param((n,), torch.float32)
@@ -82,7 +85,9 @@ class DSparkDraft(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         if not cfg.is_dspark:
-            raise ValueError("DSparkDraft needs a DSpark config (the dspark_* fields of mapping/README.md#dspark-source-checkpoint)")
+            raise ValueError(
+                "DSparkDraft needs a DSpark config (the dspark_* fields of mapping/README.md#dspark-source-checkpoint)"
+            )
         self.config = cfg
         self.model = DSparkModel(cfg)
         self.lm_head = Bf16Linear(cfg.hidden_size, cfg.vocab_size, "lm_head")
@@ -91,7 +96,9 @@ class DSparkDraft(nn.Module):
         """[anchor, noise x (B-1)]: the query block's token ids (model/README.md#dspark-forward step 3)."""
         cfg = self.config
         assert cfg.dspark_block_size is not None and cfg.dspark_noise_token_id is not None
-        ids = torch.full((cfg.dspark_block_size,), cfg.dspark_noise_token_id, dtype=torch.long, device=self.lm_head.weight.device)
+        ids = torch.full(
+            (cfg.dspark_block_size,), cfg.dspark_noise_token_id, dtype=torch.long, device=self.lm_head.weight.device
+        )
         ids[0] = anchor
         return ids
 
@@ -126,7 +133,9 @@ class DSparkDraft(nn.Module):
             # context K/V come from the target features, never from draft hidden states
             context_kv = stage.attn.latent_kv(main_x, ctx_positions)
 
-            def attend(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, ctx: torch.Tensor = context_kv) -> torch.Tensor:
+            def attend(
+                q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, ctx: torch.Tensor = context_kv
+            ) -> torch.Tensor:
                 return sink_attention(q, torch.cat((ctx, kv)), sink, visible)
 
             f, x, post, comb = stage(x, positions, attend)
@@ -155,7 +164,9 @@ class DSparkDraft(nn.Module):
         return logits, tokens
 
     @torch.no_grad()
-    def forward(self, features: torch.Tensor, context_positions: torch.Tensor, anchor: int | torch.Tensor) -> DraftBlock:
+    def forward(
+        self, features: torch.Tensor, context_positions: torch.Tensor, anchor: int | torch.Tensor
+    ) -> DraftBlock:
         """Draft B tokens after the context (model/README.md#dspark-forward).
 
         features [T_ctx, T*H]: the target's h_l for l in dspark_target_layer_ids, concatenated

@@ -18,10 +18,11 @@ from pathlib import Path
 from typing import NamedTuple
 
 import torch
+from safetensors import safe_open
+
 from dsv4.model.checkpoint import local_weight_map
 from dsv4.model.config import ModelConfig
 from dsv4.model.reference import VOCAB_SLICE, NativeReference, _norm, _rotate, fp8_weight
-from safetensors import safe_open
 
 
 class ReferenceBlock(NamedTuple):
@@ -97,7 +98,9 @@ class DSparkReference:
         self.stages = [_StageReference(cfg, self.t, p, self.device) for p in stages]
 
     @torch.no_grad()
-    def hidden_states(self, features: torch.Tensor, context_positions: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def hidden_states(
+        self, features: torch.Tensor, context_positions: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor
+    ) -> torch.Tensor:
         cfg, first = self.cfg, self.stages[0]
         B, n = ids.shape[0], cfg.hc_mult
         window = context_positions >= positions[0] - cfg.sliding_window  # [prefix - window, prefix)

@@ -163,7 +163,6 @@ def launch_config(kernel: str, H: int, T: int) -> LaunchConfig:
 
 
 if triton is not None:
-
     # The interpreter's fp32 -> bf16 cast truncates; compiled code is asked for round to
     # nearest even, which the interpreter gets by integer arithmetic instead: the same bits
     # as torch's .to(bfloat16) for every finite value and infinity. (On an H200 the integer
@@ -185,7 +184,18 @@ if triton is not None:
         return out
 
     @triton.jit
-    def _rms_rows(x, w_ptr, out_ptr, rows, offs, mask, eps, H: tl.constexpr, STORE_CACHE: tl.constexpr, STORE_EVICTION: tl.constexpr):
+    def _rms_rows(
+        x,
+        w_ptr,
+        out_ptr,
+        rows,
+        offs,
+        mask,
+        eps,
+        H: tl.constexpr,
+        STORE_CACHE: tl.constexpr,
+        STORE_EVICTION: tl.constexpr,
+    ):
         # x [ROWS, BLOCK] fp32 of the rows `rows` (of H each); one weight for all rows, loaded
         # before the reduction (after it, as vLLM does, was up to 8.7% slower at T <= 256)
         w = tl.load(w_ptr + offs, mask=offs < H, other=0.0).to(tl.float32)
@@ -195,7 +205,13 @@ if triton is not None:
             out = _to_bf16_rtne(y)
         else:
             out = y.to(out_ptr.dtype.element_ty)
-        tl.store(out_ptr + rows[:, None] * H + offs[None, :], out, mask=mask, cache_modifier=STORE_CACHE, eviction_policy=STORE_EVICTION)
+        tl.store(
+            out_ptr + rows[:, None] * H + offs[None, :],
+            out,
+            mask=mask,
+            cache_modifier=STORE_CACHE,
+            eviction_policy=STORE_EVICTION,
+        )
 
     @triton.jit
     def _fused_mtp_input_rmsnorm_kernel(
@@ -210,7 +226,9 @@ if triton is not None:
         mask = (offs < H)[None, :]
         if task == 0:
             keep = tl.load(pos_ptr + t) != 0
-            x = tl.load(e_ptr + t[:, None] * H + offs[None, :], mask=mask, other=0.0, eviction_policy=LOAD_EVICTION).to(tl.float32)
+            x = tl.load(e_ptr + t[:, None] * H + offs[None, :], mask=mask, other=0.0, eviction_policy=LOAD_EVICTION).to(
+                tl.float32
+            )
             # zero before the norm: 0 * rsqrt(0 + eps) is exactly 0, whatever the weight
             x = tl.where(keep[:, None], x, 0.0)
             _rms_rows(x, ew_ptr, eo_ptr, t, offs, mask, eps, H, STORE_CACHE, STORE_EVICTION)
@@ -220,7 +238,9 @@ if triton is not None:
                 rows = (tl.program_id(0).to(tl.int64) * N_HC + task - 1) * ROWS + tl.arange(0, ROWS)
             else:
                 rows = t * N_HC + task - 1
-            x = tl.load(prev_ptr + rows[:, None] * H + offs[None, :], mask=mask, other=0.0, eviction_policy=LOAD_EVICTION).to(tl.float32)
+            x = tl.load(
+                prev_ptr + rows[:, None] * H + offs[None, :], mask=mask, other=0.0, eviction_policy=LOAD_EVICTION
+            ).to(tl.float32)
             _rms_rows(x, hw_ptr, ho_ptr, rows, offs, mask, eps, H, STORE_CACHE, STORE_EVICTION)
 
     @triton.jit
@@ -231,12 +251,18 @@ if triton is not None:
         t = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
         offs = tl.arange(0, BLOCK)
         mask = (offs < H)[None, :]
-        x = tl.load(x_ptr + t[:, None] * H + offs[None, :], mask=mask, other=0.0, eviction_policy=LOAD_EVICTION).to(tl.float32)
+        x = tl.load(x_ptr + t[:, None] * H + offs[None, :], mask=mask, other=0.0, eviction_policy=LOAD_EVICTION).to(
+            tl.float32
+        )
         _rms_rows(x, w_ptr, out_ptr, t, offs, mask, eps, H, STORE_CACHE, STORE_EVICTION)
 
 
 def _hints(config: LaunchConfig) -> dict[str, str]:
-    return {"LOAD_EVICTION": config.load_eviction, "STORE_CACHE": config.store_cache, "STORE_EVICTION": config.store_eviction}
+    return {
+        "LOAD_EVICTION": config.load_eviction,
+        "STORE_CACHE": config.store_cache,
+        "STORE_EVICTION": config.store_eviction,
+    }
 
 
 def _fused_mtp_input_rmsnorm_into(
@@ -252,11 +278,21 @@ def _fused_mtp_input_rmsnorm_into(
     )  # fmt: skip
 
 
-def _mtp_shared_head_rmsnorm_into(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, eps: float, config: LaunchConfig) -> None:
+def _mtp_shared_head_rmsnorm_into(
+    x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, eps: float, config: LaunchConfig
+) -> None:
     """The shared-head kernel on contiguous tensors, T > 0, into out."""
     T, H = x.shape
     _rmsnorm_kernel[(T // config.rows,)](
-        x, w, out, eps, H=H, BLOCK=triton.next_power_of_2(H), ROWS=config.rows, **_hints(config), num_warps=config.num_warps
+        x,
+        w,
+        out,
+        eps,
+        H=H,
+        BLOCK=triton.next_power_of_2(H),
+        ROWS=config.rows,
+        **_hints(config),
+        num_warps=config.num_warps,
     )
 
 
@@ -282,7 +318,9 @@ def fused_mtp_input_rmsnorm(
     h_out = torch.empty_like(prev)
     if T == 0:
         return e_out, h_out
-    _fused_mtp_input_rmsnorm_into(e, positions, prev, enorm_w, hnorm_w, e_out, h_out, eps, n_hc, launch_config("fused_input", H, T))
+    _fused_mtp_input_rmsnorm_into(
+        e, positions, prev, enorm_w, hnorm_w, e_out, h_out, eps, n_hc, launch_config("fused_input", H, T)
+    )
     return e_out, h_out
 
 

@@ -41,8 +41,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dsv4 import __version__
-from dsv4.model.config import ModelConfig
 from dsv4.model import native
+from dsv4.model.config import ModelConfig
 from dsv4.model.memory import refuse_unless_torch_fits
 from dsv4.model.native import Layout
 from dsv4.model.strictjson import StrictJSONError, json_bytes, loads, read_record_bytes, write_record
@@ -100,6 +100,7 @@ def build_draft_model(cfg: ModelConfig) -> nn.Module:
     the strict loader and the quantisation names all read this one model."""
     refuse_unless_torch_fits("building the draft model's layout")
     import torch  # start-up time: only what builds the model pays for torch
+
     from dsv4.model.dspark import DSparkDraft
     from dsv4.model.mtp import DeepSeekV4MTP
 
@@ -140,7 +141,9 @@ def _read_cached(path: Path, key: dict[str, Any]) -> Layout | None:
             return None
         layout = {}
         for name, (dtype, shape) in entry["layout"].items():
-            if not (isinstance(dtype, str) and isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
+            if not (
+                isinstance(dtype, str) and isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)
+            ):
                 return None
             layout[name] = (dtype, tuple(shape))
         return layout or None

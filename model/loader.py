@@ -16,16 +16,24 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
+
 from dsv4.model.checkpoint import CONFIG, local_weight_map, refuse_full_native
 from dsv4.model.config import ModelConfig, config_errors
 from dsv4.model.dspark import DSparkDraft
 from dsv4.model.dtypes import SAFETENSORS_NAMES
-from dsv4.model.errors import DtypeMismatchError, LoadError, MissingConfigError, MissingKeyError, ShapeMismatchError, UnexpectedKeyError
+from dsv4.model.errors import (
+    DtypeMismatchError,
+    LoadError,
+    MissingConfigError,
+    MissingKeyError,
+    ShapeMismatchError,
+    UnexpectedKeyError,
+)
 from dsv4.model.layout import build_draft_model, draft_layers_present
 from dsv4.model.mtp import DeepSeekV4MTP
 from dsv4.model.record import LayoutRecord, RecordError
 from dsv4.model.strictjson import StrictJSONError, loads, read_record_bytes
-from safetensors import safe_open
 
 
 def default_device() -> torch.device:
@@ -55,7 +63,9 @@ def has_layout_record(root: Path) -> bool:
         return True
 
 
-def load_state(cfg: ModelConfig, state: dict[str, torch.Tensor], device: str | torch.device | None = None) -> DeepSeekV4MTP | DSparkDraft:
+def load_state(
+    cfg: ModelConfig, state: dict[str, torch.Tensor], device: str | torch.device | None = None
+) -> DeepSeekV4MTP | DSparkDraft:
     """The draft model for `cfg` with `state` (the xpu layout's names, e.g. planned in
     memory from a native-named checkpoint) loaded strictly: a missing or extra name is
     MissingKeyError / UnexpectedKeyError, a shape or dtype other than the model's
@@ -70,9 +80,14 @@ def load_state(cfg: ModelConfig, state: dict[str, torch.Tensor], device: str | t
     for name, want in expected.items():
         got = state[name]
         if tuple(got.shape) != tuple(want.shape):
-            raise ShapeMismatchError(f"tensor {name} has shape {list(got.shape)}, the model expects {list(want.shape)}", tensor=name)
+            raise ShapeMismatchError(
+                f"tensor {name} has shape {list(got.shape)}, the model expects {list(want.shape)}", tensor=name
+            )
         if got.dtype != want.dtype:
-            raise DtypeMismatchError(f"tensor {name} has dtype {SAFETENSORS_NAMES[got.dtype]}, the model expects {SAFETENSORS_NAMES[want.dtype]}", tensor=name)
+            raise DtypeMismatchError(
+                f"tensor {name} has dtype {SAFETENSORS_NAMES[got.dtype]}, the model expects {SAFETENSORS_NAMES[want.dtype]}",
+                tensor=name,
+            )
     model.load_state_dict({k: v.to(dev) for k, v in state.items()}, strict=True, assign=True)
     return model.eval()
 
@@ -100,7 +115,11 @@ def load_converted(path: str | Path, device: str | torch.device | None = None) -
     expected = model.state_dict()
     for name in expected:
         if name not in weight_map:
-            raise MissingKeyError(f"{root / index_file}: missing tensor {name} (a parameter of the draft model)", path=str(root / index_file), tensor=name)
+            raise MissingKeyError(
+                f"{root / index_file}: missing tensor {name} (a parameter of the draft model)",
+                path=str(root / index_file),
+                tensor=name,
+            )
 
     by_file: dict[str, list[str]] = {}
     for name, file in weight_map.items():
@@ -114,19 +133,35 @@ def load_converted(path: str | Path, device: str | torch.device | None = None) -
         with safe_open(shard, framework="pt") as f:
             in_file = set(f.keys())
             for name in sorted(in_file - set(names)):
-                raise UnexpectedKeyError(f"{shard}: unexpected tensor {name} (not listed in {index_file})", path=str(shard), tensor=name)
+                raise UnexpectedKeyError(
+                    f"{shard}: unexpected tensor {name} (not listed in {index_file})", path=str(shard), tensor=name
+                )
             for name in sorted(names):
                 if name not in in_file:
-                    raise MissingKeyError(f"{shard}: tensor {name} is listed in {index_file} but absent", path=str(shard), tensor=name)
+                    raise MissingKeyError(
+                        f"{shard}: tensor {name} is listed in {index_file} but absent", path=str(shard), tensor=name
+                    )
                 if name not in expected:
-                    raise UnexpectedKeyError(f"{shard}: unexpected tensor {name} (not a parameter of the draft model)", path=str(shard), tensor=name)
+                    raise UnexpectedKeyError(
+                        f"{shard}: unexpected tensor {name} (not a parameter of the draft model)",
+                        path=str(shard),
+                        tensor=name,
+                    )
                 want = expected[name]
                 sl = f.get_slice(name)
                 dtype, shape = sl.get_dtype(), tuple(sl.get_shape())
                 if shape != tuple(want.shape):
-                    raise ShapeMismatchError(f"{shard}: tensor {name} has shape {list(shape)}, the model expects {list(want.shape)}", path=str(shard), tensor=name)
+                    raise ShapeMismatchError(
+                        f"{shard}: tensor {name} has shape {list(shape)}, the model expects {list(want.shape)}",
+                        path=str(shard),
+                        tensor=name,
+                    )
                 if dtype != SAFETENSORS_NAMES[want.dtype]:
-                    raise DtypeMismatchError(f"{shard}: tensor {name} has dtype {dtype}, the model expects {SAFETENSORS_NAMES[want.dtype]}", path=str(shard), tensor=name)
+                    raise DtypeMismatchError(
+                        f"{shard}: tensor {name} has dtype {dtype}, the model expects {SAFETENSORS_NAMES[want.dtype]}",
+                        path=str(shard),
+                        tensor=name,
+                    )
 
     # safetensors maps each shard privately (copy-on-write) and get_tensor returns a view of
     # that map: on the CPU the parameters ARE those views (no copy; a page is read when the

@@ -23,6 +23,8 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
 from dsv4.model import kernels
 from dsv4.model.config import ModelConfig
 from dsv4.model.native import variant_of
@@ -36,7 +38,6 @@ from dsv4.model.quantized import (
     QuantLayer,
     weight_param,
 )
-from torch import nn
 
 
 def fp8_linear_scale_dtype(cfg: ModelConfig) -> torch.dtype:
@@ -82,7 +83,9 @@ def hc_post(f: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Te
     return (post.unsqueeze(-1) * f.float().unsqueeze(1) + mixed).to(x.dtype)
 
 
-def hc_head(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, eps: float, hc_eps: float) -> torch.Tensor:
+def hc_head(
+    x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, eps: float, hc_eps: float
+) -> torch.Tensor:
     """Streams [T, n, H] -> [T, H]: a pre-style weighted sum, no Sinkhorn."""
     xf = x.flatten(-2).float()
     r = torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)

@@ -84,7 +84,15 @@ def routing_disagreements(mine: RoutingLog, ref: RoutingLog, rel_tie: float = TI
             kth = sel[theirs].min()
             margin = max(float(kth - sel[e]) for e in extra)
             tolerance = rel_tie * float(sel.abs().max())
-            found.append({"call": call, "token": token, "margin": margin, "tolerance": tolerance, "near_tie": margin <= tolerance})
+            found.append(
+                {
+                    "call": call,
+                    "token": token,
+                    "margin": margin,
+                    "tolerance": tolerance,
+                    "near_tie": margin <= tolerance,
+                }
+            )
     return found
 
 
@@ -100,7 +108,9 @@ def top1_agreement_up_to_ties(logits: torch.Tensor, logits_ref: torch.Tensor, re
     return (gap <= tol).float().mean().item()
 
 
-def parity_verdict(report: dict[str, Any], min_top1: float = MIN_TOP1, max_rel_diff: float = MAX_REL_DIFF) -> tuple[bool, str]:
+def parity_verdict(
+    report: dict[str, Any], min_top1: float = MIN_TOP1, max_rel_diff: float = MAX_REL_DIFF
+) -> tuple[bool, str]:
     """(passed, one line saying why) for a smoke report with the reference's figures
     (model/smoke.py): hidden states and logits within max_rel_diff of the reference's
     largest value, top-1 agreement up to near-ties at least min_top1, and every routing
@@ -118,5 +128,12 @@ def parity_verdict(report: dict[str, Any], min_top1: float = MIN_TOP1, max_rel_d
         said += f", routing differs at {len(decisive)} token(s) beyond a near-tie (MoE call {d['call']}, token {d['token']}: margin {d['margin']:.4g} > tolerance {d['tolerance']:.4g})"
     elif routing:
         said += f", routing differs at {len(routing)} near-tie(s) (largest margin {max(d['margin'] for d in routing):.4g}, within {TIE_REL:.0%} of the token's max score; compared with the reference's routing)"
-    passed = math.isfinite(hidden) and math.isfinite(logits) and hidden <= max_rel_diff and logits <= max_rel_diff and top1 >= min_top1 and not decisive
+    passed = (
+        math.isfinite(hidden)
+        and math.isfinite(logits)
+        and hidden <= max_rel_diff
+        and logits <= max_rel_diff
+        and top1 >= min_top1
+        and not decisive
+    )
     return passed, f"{said} (limits {max_rel_diff:.0%} and top-1 {min_top1:.3f})"

@@ -14,8 +14,9 @@ of the routed experts only those some token routes to are ever dequantised.
 from __future__ import annotations
 
 import torch
-from dsv4.model.native import FP4_GROUP, ceil_div
 from torch import nn
+
+from dsv4.model.native import FP4_GROUP, ceil_div
 
 FP8 = torch.float8_e4m3fn
 E8M0 = torch.float8_e8m0fnu

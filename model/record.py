@@ -41,9 +41,20 @@ DIRECTIONS = ("forward", "reverse")
 # config.json fields that vLLM 0.33.0 and SGLang 0.5.23 read from a draft's config.json or
 # build the draft from (shared/spec/05 §5.2): recorded so `check` can name one that changed
 RUNTIME_CONFIG_FIELDS = (
-    "architectures", "model_type", "num_hidden_layers", "num_nextn_predict_layers", "n_routed_experts",
-    "expert_dtype", "hidden_size", "vocab_size", "compress_ratios", "quantization_config",
-    "dspark_block_size", "dspark_noise_token_id", "dspark_target_layer_ids", "dspark_markov_rank",
+    "architectures",
+    "model_type",
+    "num_hidden_layers",
+    "num_nextn_predict_layers",
+    "n_routed_experts",
+    "expert_dtype",
+    "hidden_size",
+    "vocab_size",
+    "compress_ratios",
+    "quantization_config",
+    "dspark_block_size",
+    "dspark_noise_token_id",
+    "dspark_target_layer_ids",
+    "dspark_markov_rank",
 )
 
 
@@ -96,21 +107,35 @@ class SourceRecord:
     config_sha256: str | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {"location": self.location, "revision": self.revision, "files": dict(self.files), "config_sha256": self.config_sha256}
+        return {
+            "location": self.location,
+            "revision": self.revision,
+            "files": dict(self.files),
+            "config_sha256": self.config_sha256,
+        }
 
     @classmethod
     def from_json(cls, value: Any, where: str) -> SourceRecord:
         if not isinstance(value, dict):
             raise RecordError(where, "source", f"source is {_brief(value)}, not an object")
-        location, revision, files, digest = value.get("location"), value.get("revision"), value.get("files", {}), value.get("config_sha256")
+        location, revision, files, digest = (
+            value.get("location"),
+            value.get("revision"),
+            value.get("files", {}),
+            value.get("config_sha256"),
+        )
         if not isinstance(location, str):
             raise RecordError(where, "source.location", f"source.location is {_brief(location)}, not a string")
         if revision is not None and not isinstance(revision, str):
             raise RecordError(where, "source.revision", f"source.revision is {_brief(revision)}, not a commit")
-        if not isinstance(files, dict) or not all(isinstance(k, str) and _is_int(v) and v >= 0 for k, v in files.items()):
+        if not isinstance(files, dict) or not all(
+            isinstance(k, str) and _is_int(v) and v >= 0 for k, v in files.items()
+        ):
             raise RecordError(where, "source.files", f"source.files is {_brief(files)}, not file names and sizes")
         if digest is not None and not (isinstance(digest, str) and SHA256.fullmatch(digest)):
-            raise RecordError(where, "source.config_sha256", f"source.config_sha256 is {_brief(digest)}, not 64 lowercase hex digits")
+            raise RecordError(
+                where, "source.config_sha256", f"source.config_sha256 is {_brief(digest)}, not 64 lowercase hex digits"
+            )
         return cls(location, revision, dict(files), digest)
 
 
@@ -162,7 +187,9 @@ class ConversionRecord:
             "fingerprint": self.fingerprint,
             "skipped": self.skipped,
             "config_fields": self.config_fields,
-            "tensors": {name: {"file": e.file, "nbytes": e.nbytes, "sha256": e.sha256} for name, e in self.tensors.items()},
+            "tensors": {
+                name: {"file": e.file, "nbytes": e.nbytes, "sha256": e.sha256} for name, e in self.tensors.items()
+            },
         }
 
     def write(self, directory: Path) -> None:
@@ -185,7 +212,9 @@ class ConversionRecord:
             if not isinstance(entry.get("file"), str):
                 raise RecordError(where, f"{at}.file", f"{at}.file is {_brief(entry.get('file'))}, not a file name")
             if not _is_int(entry.get("nbytes")):
-                raise RecordError(where, f"{at}.nbytes", f"{at}.nbytes is {_brief(entry.get('nbytes'))}, not a byte count")
+                raise RecordError(
+                    where, f"{at}.nbytes", f"{at}.nbytes is {_brief(entry.get('nbytes'))}, not a byte count"
+                )
         for name, entry in value["tensors"].items():
             sha = entry.get("sha256")
             if not (isinstance(sha, str) and SHA256.fullmatch(sha)) and sha256:
@@ -197,21 +226,48 @@ class ConversionRecord:
         strings = {}
         if isinstance(value.get("fingerprint"), dict):  # a record written before the digest: the same digest
             value = {**value, "fingerprint": fingerprint_digest(value["fingerprint"])}
-        for key, default in (("tool_version", None), ("direction", None), ("table", None), ("table_version", None), ("target", None), ("fingerprint", None), ("drafter", "mtp"), ("runtime", ""), ("runtime_class", ""), ("config", "record")):
+        for key, default in (
+            ("tool_version", None),
+            ("direction", None),
+            ("table", None),
+            ("table_version", None),
+            ("target", None),
+            ("fingerprint", None),
+            ("drafter", "mtp"),
+            ("runtime", ""),
+            ("runtime_class", ""),
+            ("config", "record"),
+        ):
             v = value.get(key, default)
             if not isinstance(v, str):
                 raise RecordError(where, key, f"{key} is {_brief(v)}, not a string")
             strings[key] = v
         if strings["direction"] not in DIRECTIONS:
-            raise RecordError(where, "direction", f"direction is {_brief(strings['direction'])}, not one of {DIRECTIONS}")
+            raise RecordError(
+                where, "direction", f"direction is {_brief(strings['direction'])}, not one of {DIRECTIONS}"
+            )
         skipped, fields = value.get("skipped", 0), value.get("config_fields", {})
         if not _is_int(skipped):
             raise RecordError(where, "skipped", f"skipped is {_brief(skipped)}, not a count")
         if not isinstance(fields, dict):
             raise RecordError(where, "config_fields", f"config_fields is {_brief(fields)}, not an object")
         source = SourceRecord.from_json(value.get("source"), where)
-        return cls(strings["tool_version"], strings["direction"], strings["table"], strings["table_version"], strings["target"], source, strings["fingerprint"], tensors,
-                   strings["drafter"], strings["runtime"], strings["runtime_class"], strings["config"], skipped, fields)
+        return cls(
+            strings["tool_version"],
+            strings["direction"],
+            strings["table"],
+            strings["table_version"],
+            strings["target"],
+            source,
+            strings["fingerprint"],
+            tensors,
+            strings["drafter"],
+            strings["runtime"],
+            strings["runtime_class"],
+            strings["config"],
+            skipped,
+            fields,
+        )
 
     @classmethod
     def read(cls, directory: Path, *, sha256: bool = True) -> ConversionRecord:
@@ -221,7 +277,9 @@ class ConversionRecord:
         try:
             value = strictjson.loads(strictjson.read_record_bytes(path))
         except strictjson.StrictJSONError as exc:
-            raise RecordError(str(path), "", f"not strict JSON ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None
+            raise RecordError(
+                str(path), "", f"not strict JSON ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})"
+            ) from None
         return cls.from_json(value, str(path), sha256=sha256)
 
     @classmethod
@@ -252,7 +310,12 @@ class LayoutRecord:
     quantization_config: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"layout": self.layout, "table": self.table, "table_version": self.table_version, "tool_version": self.tool_version}
+        out: dict[str, Any] = {
+            "layout": self.layout,
+            "table": self.table,
+            "table_version": self.table_version,
+            "tool_version": self.tool_version,
+        }
         if self.quantization_config is not None:
             out["quantization_config"] = self.quantization_config
         return out
@@ -266,11 +329,21 @@ class LayoutRecord:
             return None
         keys = ("layout", "table", "table_version", "tool_version")
         if not isinstance(value, dict) or not all(k in value for k in keys):
-            raise RecordError(where, LAYOUT_RECORD, f"no {LAYOUT_RECORD} record with {', '.join(keys)}: not a checkpoint this converter wrote")
+            raise RecordError(
+                where,
+                LAYOUT_RECORD,
+                f"no {LAYOUT_RECORD} record with {', '.join(keys)}: not a checkpoint this converter wrote",
+            )
         for k in keys:
             if not isinstance(value[k], str):
-                raise RecordError(where, f"{LAYOUT_RECORD}.{k}", f"{LAYOUT_RECORD}.{k} is {_brief(value[k])}, not a string")
+                raise RecordError(
+                    where, f"{LAYOUT_RECORD}.{k}", f"{LAYOUT_RECORD}.{k} is {_brief(value[k])}, not a string"
+                )
         note = value.get("quantization_config")
         if note is not None and not (isinstance(note, dict) and isinstance(note.get("source"), dict)):
-            raise RecordError(where, f"{LAYOUT_RECORD}.quantization_config", f"{LAYOUT_RECORD}.quantization_config is {_brief(note)}, not a note holding the source's config")
+            raise RecordError(
+                where,
+                f"{LAYOUT_RECORD}.quantization_config",
+                f"{LAYOUT_RECORD}.quantization_config is {_brief(note)}, not a note holding the source's config",
+            )
         return cls(value["layout"], value["table"], value["table_version"], value["tool_version"], note)

@@ -19,9 +19,10 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors import safe_open
+
 from dsv4.model.checkpoint import local_weight_map
 from dsv4.model.config import ModelConfig
-from safetensors import safe_open
 
 VOCAB_SLICE = 8192  # rows of the head upcast to fp32 at once in compute_logits: 128 MiB at Flash size
 
@@ -191,7 +192,9 @@ class NativeReference:
         return out.to(X.dtype)
 
     @torch.no_grad()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, previous_hidden_states: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, previous_hidden_states: torch.Tensor
+    ) -> torch.Tensor:
         cfg = self.cfg
         T, n, H = input_ids.shape[0], cfg.hc_mult, cfg.hidden_size
         e = self.t["embed.weight"][input_ids]

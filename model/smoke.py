@@ -12,6 +12,9 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
+from safetensors import SafetensorError, safe_open
+from torch import nn
+
 from dsv4.model import kernels
 from dsv4.model.config import ModelConfig, config_errors
 from dsv4.model.dspark import DraftBlock, DSparkDraft, target_features
@@ -19,10 +22,14 @@ from dsv4.model.dspark_reference import DSparkReference, ReferenceBlock
 from dsv4.model.errors import DtypeMismatchError, LoadError, MissingKeyError, ShapeMismatchError, SmokeCheckError
 from dsv4.model.loader import default_device, load_converted
 from dsv4.model.mtp import MoE
-from dsv4.model.parity import SMOKE_TOKENS, RoutingLog, logging_routing, routing_disagreements, top1_agreement_up_to_ties
+from dsv4.model.parity import (
+    SMOKE_TOKENS,
+    RoutingLog,
+    logging_routing,
+    routing_disagreements,
+    top1_agreement_up_to_ties,
+)
 from dsv4.model.reference import NativeReference
-from safetensors import SafetensorError, safe_open
-from torch import nn
 
 R = TypeVar("R")
 
@@ -44,7 +51,9 @@ def _timed(device: torch.device, fn: Callable[[], R]) -> tuple[R, float]:
 Loader = Callable[[torch.device], torch.nn.Module]  # how a checkpoint becomes the bundled model
 
 
-def _routed_as_the_reference(model: nn.Module, reference_routing: RoutingLog, run: Callable[[], R]) -> tuple[R, list[dict[str, Any]]]:
+def _routed_as_the_reference(
+    model: nn.Module, reference_routing: RoutingLog, run: Callable[[], R]
+) -> tuple[R, list[dict[str, Any]]]:
     """`run()` of the model with its routing logged, and where the model routes otherwise
     than the reference: when every such place is a near-tie (model/parity.py), `run()` again
     with the reference's experts imposed, so that the outputs compared come from the same
@@ -72,7 +81,12 @@ def run_smoke(
     compute_logits (twice: the first includes kernel compilation), check shapes and
     finiteness, and compare with the native reference when given."""
     dev = torch.device(device) if device else default_device()
-    report: dict[str, Any] = {"checkpoint": str(out_dir), "device": str(dev), "kernels": kernels.backend(dev), "tokens": tokens}
+    report: dict[str, Any] = {
+        "checkpoint": str(out_dir),
+        "device": str(dev),
+        "kernels": kernels.backend(dev),
+        "tokens": tokens,
+    }
     model, report["load_ms"] = _timed(dev, lambda: (load or (lambda d: load_converted(out_dir, d)))(dev))
     cfg = model.config
     gen = torch.Generator().manual_seed(seed)
@@ -86,9 +100,14 @@ def run_smoke(
     report["hidden_shape"], report["logits_shape"] = list(h.shape), list(logits.shape)
     where = f"{out_dir}"
     if tuple(h.shape) != (tokens, cfg.hc_dim):
-        raise SmokeCheckError(f"{where}: forward returned {list(h.shape)}, expected {[tokens, cfg.hc_dim]}", path=str(where))
+        raise SmokeCheckError(
+            f"{where}: forward returned {list(h.shape)}, expected {[tokens, cfg.hc_dim]}", path=str(where)
+        )
     if tuple(logits.shape) != (tokens, cfg.vocab_size):
-        raise SmokeCheckError(f"{where}: compute_logits returned {list(logits.shape)}, expected {[tokens, cfg.vocab_size]}", path=str(where))
+        raise SmokeCheckError(
+            f"{where}: compute_logits returned {list(logits.shape)}, expected {[tokens, cfg.vocab_size]}",
+            path=str(where),
+        )
     if not (torch.isfinite(h).all() and torch.isfinite(logits).all()):
         raise SmokeCheckError(f"{where}: non-finite values in the draft's hidden states or logits", path=str(where))
 
@@ -105,7 +124,9 @@ def run_smoke(
         del ref  # one side at a time again: the model comes back for the routing-aware comparison
         gc.collect()
         model = (load or (lambda d: load_converted(out_dir, d)))(dev)
-        h, report["routing_disagreements"] = _routed_as_the_reference(model, ref_routing, lambda: model(ids, positions, prev))
+        h, report["routing_disagreements"] = _routed_as_the_reference(
+            model, ref_routing, lambda: model(ids, positions, prev)
+        )
         logits = model.compute_logits(h)
         report["reference"] = str(reference_dir)
         report["hidden_max_abs_diff"] = (h.float() - h_ref.float()).abs().max().item()
@@ -134,21 +155,38 @@ def read_target_features(path: str | Path, cfg: ModelConfig) -> torch.Tensor:
             for layer in ids:
                 name = f"h_{layer}"
                 if name not in present:
-                    raise MissingKeyError(f"{path}: no tensor {name} (the target features are h_l for dspark_target_layer_ids {list(ids)})", path=str(path), tensor=name)
+                    raise MissingKeyError(
+                        f"{path}: no tensor {name} (the target features are h_l for dspark_target_layer_ids {list(ids)})",
+                        path=str(path),
+                        tensor=name,
+                    )
                 t = f.get_tensor(name)
                 rows = per_layer[0].shape[0] if per_layer else None  # the first one sets T_ctx
                 shape = tuple(t.shape)
                 if len(shape) != 2 or shape[1] != cfg.hidden_size or shape[0] == 0 or shape[0] != (rows or shape[0]):
                     want = f"[{rows or 'T_ctx >= 1'}, {cfg.hidden_size}]"
-                    raise ShapeMismatchError(f"{path}: tensor {name} has shape {list(shape)}, expected {want}", path=str(path), tensor=name)
+                    raise ShapeMismatchError(
+                        f"{path}: tensor {name} has shape {list(shape)}, expected {want}", path=str(path), tensor=name
+                    )
                 if t.dtype not in FEATURE_DTYPES:
-                    raise DtypeMismatchError(f"{path}: tensor {name} has dtype {t.dtype}, expected a float (bf16, f16 or f32)", path=str(path), tensor=name)
+                    raise DtypeMismatchError(
+                        f"{path}: tensor {name} has dtype {t.dtype}, expected a float (bf16, f16 or f32)",
+                        path=str(path),
+                        tensor=name,
+                    )
                 t = t.to(torch.bfloat16)
                 if not bool(torch.isfinite(t).all()):  # else the draft's output is non-finite and the checkpoint blamed
-                    raise LoadError(f"{path}: tensor {name} holds {int((~torch.isfinite(t)).sum()):,} non-finite value(s) (NaN or Inf, in bf16): target features are finite", path=str(path), tensor=name)
+                    raise LoadError(
+                        f"{path}: tensor {name} holds {int((~torch.isfinite(t)).sum()):,} non-finite value(s) (NaN or Inf, in bf16): target features are finite",
+                        path=str(path),
+                        tensor=name,
+                    )
                 per_layer.append(t)
     except (SafetensorError, OSError) as exc:
-        raise LoadError(f"{path}: not a readable safetensors file ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})", path=str(path)) from None
+        raise LoadError(
+            f"{path}: not a readable safetensors file ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})",
+            path=str(path),
+        ) from None
     return target_features(per_layer)
 
 
@@ -169,10 +207,17 @@ def run_dspark_smoke(
     (random, seeded, when None). Checks shapes and finiteness; with `reference_dir` (the
     native checkpoint) compares hidden states, logits and draft tokens with DSparkReference."""
     dev = torch.device(device) if device else default_device()
-    report: dict[str, Any] = {"checkpoint": str(out_dir), "device": str(dev), "kernels": kernels.backend(dev), "layout": "dspark"}
+    report: dict[str, Any] = {
+        "checkpoint": str(out_dir),
+        "device": str(dev),
+        "kernels": kernels.backend(dev),
+        "layout": "dspark",
+    }
     model, report["load_ms"] = _timed(dev, lambda: (load or (lambda d: load_converted(out_dir, d)))(dev))
     if not isinstance(model, DSparkDraft):
-        raise SmokeCheckError(f"{out_dir}: not a DSpark checkpoint (its config.json has no dspark_* fields)", path=str(out_dir))
+        raise SmokeCheckError(
+            f"{out_dir}: not a DSpark checkpoint (its config.json has no dspark_* fields)", path=str(out_dir)
+        )
     cfg = model.config
     gen = torch.Generator().manual_seed(seed)
     if features is None:
@@ -187,7 +232,9 @@ def run_dspark_smoke(
     feats = feats.to(dev)
     ctx = (first_position + torch.arange(feats.shape[0])).to(dev)
     ids, positions = model.block_ids(anchor), model.block_positions(ctx)
-    report.update(context_tokens=feats.shape[0], anchor=anchor, block_positions=positions.tolist(), stages=cfg.dspark_stages)
+    report.update(
+        context_tokens=feats.shape[0], anchor=anchor, block_positions=positions.tolist(), stages=cfg.dspark_stages
+    )
 
     def heads(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         base = model.base_logits(h)
@@ -200,7 +247,10 @@ def run_dspark_smoke(
     report["hidden_shape"], report["logits_shape"] = list(h.shape), list(logits.shape)
     report["draft_tokens"] = tokens.tolist()
     if tuple(h.shape) != (B, cfg.hc_dim) or tuple(logits.shape) != (B, cfg.vocab_size) or tuple(tokens.shape) != (B,):
-        raise SmokeCheckError(f"{out_dir}: the draft returned hidden {list(h.shape)}, logits {list(logits.shape)}, tokens {list(tokens.shape)}; expected {[B, cfg.hc_dim]}, {[B, cfg.vocab_size]}, {[B]}", path=str(out_dir))
+        raise SmokeCheckError(
+            f"{out_dir}: the draft returned hidden {list(h.shape)}, logits {list(logits.shape)}, tokens {list(tokens.shape)}; expected {[B, cfg.hc_dim]}, {[B, cfg.vocab_size]}, {[B]}",
+            path=str(out_dir),
+        )
     if not (torch.isfinite(h).all() and torch.isfinite(base).all() and torch.isfinite(logits).all()):
         raise SmokeCheckError(f"{out_dir}: non-finite values in the draft's hidden states or logits", path=str(out_dir))
 
@@ -209,7 +259,9 @@ def run_dspark_smoke(
         # reference's routing where they differ on a near-tie (model/parity.py)
         with config_errors(f"{reference_dir}/config.json"):  # the reference reads the native config
             ref, report["reference_load_ms"] = _timed(dev, lambda: DSparkReference(reference_dir, dev))
-        (mine, out, routing), report["reference_draft_ms"] = _timed(dev, lambda: dspark_against_reference(model, ref, feats, ctx, anchor))
+        (mine, out, routing), report["reference_draft_ms"] = _timed(
+            dev, lambda: dspark_against_reference(model, ref, feats, ctx, anchor)
+        )
         report["reference"] = str(reference_dir)
         report.update(dspark_parity(mine, out, routing))
         report["reference_draft_tokens"] = out.draft_tokens.tolist()
@@ -233,7 +285,9 @@ def dspark_against_reference(
     with logging_routing(ref.stages, RoutingLog()) as ref_routing:
         expected = ref.forward(features, context_positions, anchor)
     ids, positions = model.block_ids(anchor), model.block_positions(context_positions)
-    h, routing = _routed_as_the_reference(model, ref_routing, lambda: model.hidden_states(features, context_positions, ids, positions))
+    h, routing = _routed_as_the_reference(
+        model, ref_routing, lambda: model.hidden_states(features, context_positions, ids, positions)
+    )
     base = model.base_logits(h)
     _, tokens = model.markov_decode(base, anchor)
     prev = torch.tensor([anchor, *expected.draft_tokens.tolist()[:-1]], device=base.device)

@@ -83,7 +83,9 @@ def loads(raw: bytes | str, *, walk_depth: bool = True) -> Any:
     except UnicodeDecodeError as exc:
         raise StrictJSONError(f"not UTF-8 ({exc.reason} at byte {exc.start})") from None
     try:
-        value = json.loads(text, object_pairs_hook=_object, parse_int=_int, parse_float=_float, parse_constant=_constant)
+        value = json.loads(
+            text, object_pairs_hook=_object, parse_int=_int, parse_float=_float, parse_constant=_constant
+        )
     except StrictJSONError:
         raise
     except RecursionError:
@@ -107,7 +109,9 @@ def read_record_bytes(path: str | Path) -> bytes:
         if not stat.S_ISREG(info.st_mode):
             raise OSError(errno.EINVAL, "not a regular file", str(path))
         if info.st_size > MAX_RECORD_BYTES:
-            raise OSError(errno.EFBIG, f"{info.st_size:,} bytes, over the {MAX_RECORD_BYTES:,}-byte limit on a record", str(path))
+            raise OSError(
+                errno.EFBIG, f"{info.st_size:,} bytes, over the {MAX_RECORD_BYTES:,}-byte limit on a record", str(path)
+            )
         return f.read(MAX_RECORD_BYTES + 1)
 
 

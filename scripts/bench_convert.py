@@ -171,7 +171,11 @@ def converter_memory(src: Path, dst: Path, target: str) -> dict[str, int]:
     conv = report([sys.executable, "-c", CONVERT_AND_REPORT, str(src), str(dst), "--target", target, "-q"])
     base = report([sys.executable, "-c", IMPORT_ONLY], stdin=json.dumps(conv["modules"]))
     shutil.rmtree(dst, ignore_errors=True)
-    return {"peak_MiB": round(conv["peak_kib"] / 1024), "import_baseline_MiB": round(base["peak_kib"] / 1024), "own_MiB": round((conv["peak_kib"] - base["peak_kib"]) / 1024)}
+    return {
+        "peak_MiB": round(conv["peak_kib"] / 1024),
+        "import_baseline_MiB": round(base["peak_kib"] / 1024),
+        "own_MiB": round((conv["peak_kib"] - base["peak_kib"]) / 1024),
+    }
 
 
 def sha256_gbps() -> float:
@@ -193,7 +197,9 @@ def profile(src: Path, dst: Path, target: str) -> None:
     print(f"in-process conversion, cold cache: {time.perf_counter() - t:.2f} s", file=sys.stderr)
     shutil.rmtree(dst, ignore_errors=True)
     stats = pstats.Stats(prof, stream=sys.stdout).sort_stats("cumulative")
-    stats.print_stats(r"(pipeline|execute).py.*\((run_plan|run|_all_zero|still_valid)\)|writer.py.*\((write|start_writeback|sync)\)|_base.py.*\(result\)|\{method 'get' of '_queue|posix.posix_fadvise|method 'write' of '_io|posix.fsync")
+    stats.print_stats(
+        r"(pipeline|execute).py.*\((run_plan|run|_all_zero|still_valid)\)|writer.py.*\((write|start_writeback|sync)\)|_base.py.*\(result\)|\{method 'get' of '_queue|posix.posix_fadvise|method 'write' of '_io|posix.fsync"
+    )
 
 
 def measure(kind: str, src: Path, dst: Path, files: list[Path], nbytes: int, target: str) -> dict:
@@ -214,21 +220,39 @@ def measure(kind: str, src: Path, dst: Path, files: list[Path], nbytes: int, tar
     row |= {"seconds": round(seconds, 2), "user_s": round(user, 2), "sys_s": round(system, 2)}
     if kind == "convert":
         result = json.loads(out)
-        row |= {"copy_s": round(result["seconds"], 2), "startup_s": round(seconds - result["seconds"], 2), "read_vs_plan": round(result["bytes_read"] / result["bytes_planned"], 4)}
+        row |= {
+            "copy_s": round(result["seconds"], 2),
+            "startup_s": round(seconds - result["seconds"], 2),
+            "read_vs_plan": round(result["bytes_read"] / result["bytes_planned"], 4),
+        }
     return row
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--work", default="out/bench", type=Path)
-    ap.add_argument("--rounds", "--repeat", default=5, type=int, help="alternating rounds (--repeat: the earlier name, in BENCHMARKS.md's older commands)")
+    ap.add_argument(
+        "--rounds",
+        "--repeat",
+        default=5,
+        type=int,
+        help="alternating rounds (--repeat: the earlier name, in BENCHMARKS.md's older commands)",
+    )
     ap.add_argument("--clean", action="store_true", help="Delete the source checkpoints afterwards too.")
     ap.add_argument("--profile", action="store_true", help="Profile one cold in-process conversion instead.")
-    ap.add_argument("--variant", choices=["instruct", "dspark"], default="instruct", help="Flash's MTP slice, or V4-Flash-0731's DSpark drafter")
+    ap.add_argument(
+        "--variant",
+        choices=["instruct", "dspark"],
+        default="instruct",
+        help="Flash's MTP slice, or V4-Flash-0731's DSpark drafter",
+    )
     ap.add_argument("--target", default="xpu", help="the converter's --target")
     ap.add_argument("--skip-memory", action="store_true", help="Do not measure the converter's memory.")
     args = ap.parse_args()
-    src, tiny = args.work / ("flash-mtp-slice" if args.variant == "instruct" else "flash-0731-dspark-slice"), args.work / "tiny-real"
+    src, tiny = (
+        args.work / ("flash-mtp-slice" if args.variant == "instruct" else "flash-0731-dspark-slice"),
+        args.work / "tiny-real",
+    )
     if not (src / "config.json").exists():
         t = time.perf_counter()
         write_checkpoint(src, preset="flash", variant=args.variant, main_layers=0, sparse=False, seed=0)
@@ -244,7 +268,11 @@ def main() -> None:
     files = [src / f for f in plan.files_needed]
     nbytes = plan.bytes_to_read
     source_bytes = sum(p.stat().st_size for p in src.rglob("*") if p.is_file())
-    memory = {} if args.skip_memory else {"tiny": converter_memory(tiny, dst, args.target), "slice": converter_memory(src, dst, args.target)}  # also warms the layout cache
+    memory = (
+        {}
+        if args.skip_memory
+        else {"tiny": converter_memory(tiny, dst, args.target), "slice": converter_memory(src, dst, args.target)}
+    )  # also warms the layout cache
     print(json.dumps({"memory": memory}), file=sys.stderr)
     cold = drop_caches()
     rounds = []
@@ -268,26 +296,40 @@ def main() -> None:
         shutil.rmtree(tiny)
     vs_cp = [r["convert_vs_cp_sync"] for r in rounds]
     vs_disk = [r["convert_vs_disk"] for r in rounds]
-    print(json.dumps({
-        "source": str(src),
-        "target": args.target,
-        "bytes_planned": nbytes,
-        "bytes_in_source_dir": source_bytes,
-        "cold_cache": cold,
-        "cpus": len(os.sched_getaffinity(0)),
-        "hasher_lanes": hasher_lanes(),
-        "sha256_one_thread_GB/s": sha256_gbps(),
-        "rounds": rounds,
-        "convert_vs_cp_sync": {"per_round": vs_cp, "median": statistics.median(vs_cp), "min": min(vs_cp)},
-        "convert_vs_disk": {"per_round": vs_disk, "median": statistics.median(vs_disk), "min": min(vs_disk)},
-        "memory": memory,
-    }, indent=2))
+    print(
+        json.dumps(
+            {
+                "source": str(src),
+                "target": args.target,
+                "bytes_planned": nbytes,
+                "bytes_in_source_dir": source_bytes,
+                "cold_cache": cold,
+                "cpus": len(os.sched_getaffinity(0)),
+                "hasher_lanes": hasher_lanes(),
+                "sha256_one_thread_GB/s": sha256_gbps(),
+                "rounds": rounds,
+                "convert_vs_cp_sync": {"per_round": vs_cp, "median": statistics.median(vs_cp), "min": min(vs_cp)},
+                "convert_vs_disk": {"per_round": vs_disk, "median": statistics.median(vs_disk), "min": min(vs_disk)},
+                "memory": memory,
+            },
+            indent=2,
+        )
+    )
     # the per-round table (markdown) on stderr: stdout stays one JSON document
-    print("\n| round | order | load avg | cp -r + sync s | convert s (start-up) | convert user/sys s | disk read + write s | convert / cp+sync | convert / disk |\n|---|---|---|---:|---:|---:|---:|---:|---:|", file=sys.stderr)
+    print(
+        "\n| round | order | load avg | cp -r + sync s | convert s (start-up) | convert user/sys s | disk read + write s | convert / cp+sync | convert / disk |\n|---|---|---|---:|---:|---:|---:|---:|---:|",
+        file=sys.stderr,
+    )
     for row in rounds:
         c, d = row["convert"], row["disk"]
-        print(f"| {row['round']} | {row['order']} | {', '.join(f'{x:.1f}' for x in row['load_avg'])} | {row['cp+sync']['seconds']:.2f} | {c['seconds']:.2f} ({c['startup_s']:.2f}) | {c['user_s']:.1f}/{c['sys_s']:.1f} | {d['read_s']:.2f} + {d['write_s']:.2f} | {row['convert_vs_cp_sync']:.2f}x | {row['convert_vs_disk']:.2f}x |", file=sys.stderr)
-    print(f"\nconvert / cp+sync: median {statistics.median(vs_cp):.3f}, min {min(vs_cp):.3f}; convert / disk: median {statistics.median(vs_disk):.3f}, min {min(vs_disk):.3f}", file=sys.stderr)
+        print(
+            f"| {row['round']} | {row['order']} | {', '.join(f'{x:.1f}' for x in row['load_avg'])} | {row['cp+sync']['seconds']:.2f} | {c['seconds']:.2f} ({c['startup_s']:.2f}) | {c['user_s']:.1f}/{c['sys_s']:.1f} | {d['read_s']:.2f} + {d['write_s']:.2f} | {row['convert_vs_cp_sync']:.2f}x | {row['convert_vs_disk']:.2f}x |",
+            file=sys.stderr,
+        )
+    print(
+        f"\nconvert / cp+sync: median {statistics.median(vs_cp):.3f}, min {min(vs_cp):.3f}; convert / disk: median {statistics.median(vs_disk):.3f}, min {min(vs_disk):.3f}",
+        file=sys.stderr,
+    )
 
 
 if __name__ == "__main__":

@@ -21,8 +21,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from dsv4.convert.synth import write_checkpoint  # noqa: E402
 from hubserver import FakeHub, hub_env, run_cli  # noqa: E402
+
+from dsv4.convert.synth import write_checkpoint  # noqa: E402
 
 REPLICAS = {"flash": {"preset": "flash", "variant": "instruct"}, "flash-0731": {"preset": "flash", "variant": "dspark"}}
 
@@ -51,7 +52,26 @@ def main() -> None:
             for where, source in (("disk", str(src)), ("hub", f"org/{name}")):
                 out = Path(tmp) / f"out-{where}"
                 r = convert(source, out, env)
-                print(json.dumps({"replica": name, "from": where, **{k: r.get(k) for k in ("tensors", "bytes_read", "bytes_planned", "bytes_written", "seconds", "command_wall_s")}}), flush=True)
+                print(
+                    json.dumps(
+                        {
+                            "replica": name,
+                            "from": where,
+                            **{
+                                k: r.get(k)
+                                for k in (
+                                    "tensors",
+                                    "bytes_read",
+                                    "bytes_planned",
+                                    "bytes_written",
+                                    "seconds",
+                                    "command_wall_s",
+                                )
+                            },
+                        }
+                    ),
+                    flush=True,
+                )
                 shutil.rmtree(out)
 
 

@@ -27,8 +27,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from dsv4.convert.synth import write_checkpoint  # noqa: E402
 from hubserver import FakeHub, hub_env  # noqa: E402
+
+from dsv4.convert.synth import write_checkpoint  # noqa: E402
 
 REPO = "org/flash"
 CLI = "from dsv4.convert.cli import main; main()"
@@ -41,7 +42,9 @@ HUB_VARIANTS = {
 def plan_command(program: str, source: str, env: dict[str, str]) -> tuple[float, dict[str, object]]:
     """Wall seconds of `convert-dsv4 plan SOURCE --json` and the plan it printed."""
     t0 = time.monotonic()
-    r = subprocess.run([sys.executable, "-c", program, "plan", source, "--json"], env=env, capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [sys.executable, "-c", program, "plan", source, "--json"], env=env, capture_output=True, text=True, timeout=600
+    )
     wall = time.monotonic() - t0
     if r.returncode:
         raise SystemExit(f"plan {source} failed ({r.returncode}): {r.stderr.strip()}")
@@ -80,15 +83,30 @@ def main() -> None:
         hub.commit_sparse_dir(REPO, src)
         for k in range(args.repeat):  # the variants alternate, so all see the same machine load
             for name, program in HUB_VARIANTS.items():
-                runs[name].append(hub_run(hub, program, Path(tmp) / f"hf-{k}-{name.replace(' ', '-')}"))  # a cold download cache each time
+                runs[name].append(
+                    hub_run(hub, program, Path(tmp) / f"hf-{k}-{name.replace(' ', '-')}")
+                )  # a cold download cache each time
             wall, _ = plan_command(CLI, str(src), hub_env(hub, Path(tmp) / "hf-local"))
             runs["local"].append({"wall_s": round(wall, 3), "load_average": os.getloadavg()[0]})
             for name, rs in runs.items():
                 print(json.dumps({"variant": name, "run": k + 1, **rs[-1]}), flush=True)
             ratios.append(float(runs["parallel"][-1]["wall_s"]) / wall)  # type: ignore[arg-type]
             print(json.dumps({"run": k + 1, "hub_over_local": round(ratios[-1], 3)}), flush=True)
-    medians = {name: {key: statistics.median(float(r[key]) for r in rs) for key in rs[0] if key.endswith("_s")} for name, rs in runs.items()}
-    print(json.dumps({"latency_s": args.latency_s, "cpus": os.cpu_count(), "median": medians, "hub_over_local": {"median": round(statistics.median(ratios), 3), "max": round(max(ratios), 3)}}, indent=2))
+    medians = {
+        name: {key: statistics.median(float(r[key]) for r in rs) for key in rs[0] if key.endswith("_s")}
+        for name, rs in runs.items()
+    }
+    print(
+        json.dumps(
+            {
+                "latency_s": args.latency_s,
+                "cpus": os.cpu_count(),
+                "median": medians,
+                "hub_over_local": {"median": round(statistics.median(ratios), 3), "max": round(max(ratios), 3)},
+            },
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

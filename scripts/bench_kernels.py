@@ -39,6 +39,7 @@ from collections.abc import Callable
 
 import torch
 import triton.testing
+
 from dsv4.model import kernels
 
 N_HC = 4
@@ -83,7 +84,9 @@ def load_vllm(path: str) -> types.ModuleType:
             bound.apply_defaults()
             params = self.kernel.arg_names
             for name, value in bound.arguments.items():
-                target = next((c for c in (name, f"{name}_ptr", name.upper(), f"{name}_PTR".upper()) if c in params), None)
+                target = next(
+                    (c for c in (name, f"{name}_ptr", name.upper(), f"{name}_PTR".upper()) if c in params), None
+                )
                 if name != "self" and target is not None and target not in launch_kwargs:
                     launch_kwargs[target] = value
             if grid is not None:
@@ -98,7 +101,11 @@ def load_vllm(path: str) -> types.ModuleType:
 
     stubs = {
         "vllm.model_executor.warmup.jit_warmup": {"kernel_launcher": kernel_launcher},
-        "vllm.model_executor.warmup.jit_warmup_triton_helper": {"LaunchSpec": tuple, "TritonWarmupTensor": object, "VllmTritonJitKernel": VllmTritonJitKernel},
+        "vllm.model_executor.warmup.jit_warmup_triton_helper": {
+            "LaunchSpec": tuple,
+            "TritonWarmupTensor": object,
+            "VllmTritonJitKernel": VllmTritonJitKernel,
+        },
         "vllm.triton_utils": {"tl": tl, "triton": triton},
         "vllm.utils.math_utils": {"next_power_of_2": triton.next_power_of_2},
     }
@@ -158,7 +165,15 @@ def bf16_ulps(a: torch.Tensor, b: torch.Tensor) -> int:
 def describe(config: kernels.LaunchConfig) -> str:
     """'warps x rows' and the config's cache hints, if any."""
     extras = ["contiguous"] if config.contiguous else []
-    extras += [f"{what} {hint}" for what, hint in (("load", config.load_eviction), ("store", config.store_cache), ("store", config.store_eviction)) if hint]
+    extras += [
+        f"{what} {hint}"
+        for what, hint in (
+            ("load", config.load_eviction),
+            ("store", config.store_cache),
+            ("store", config.store_eviction),
+        )
+        if hint
+    ]
     return ", ".join([f"{config.num_warps} x {config.rows}", *extras])
 
 
@@ -180,7 +195,9 @@ def against_vllm(args: argparse.Namespace) -> None:
     assert dev.type == "cuda" and kernels.backend(dev) == "triton", kernels.backend(dev)
     vllm = load_vllm(args.vllm)
     vllm_fused, vllm_head = vllm._FUSED_MTP_INPUT_RMSNORM_KERNEL, vllm._MTP_SHARED_HEAD_RMSNORM_KERNEL
-    print(f"device: {torch.cuda.get_device_name(dev)}; torch {torch.__version__}, triton {triton.__version__}; vLLM kernels from {args.vllm}")
+    print(
+        f"device: {torch.cuda.get_device_name(dev)}; torch {torch.__version__}, triton {triton.__version__}; vLLM kernels from {args.vllm}"
+    )
     g = torch.Generator(device=dev).manual_seed(0)
     rows = []
     for H in HIDDEN:
@@ -207,7 +224,9 @@ def against_vllm(args: argparse.Namespace) -> None:
                 eo2, ho2, out2 = torch.empty_like(e), torch.empty_like(prev), torch.empty_like(e)
                 cases = {
                     "fused_input": (
-                        lambda cfg: lambda: kernels._fused_mtp_input_rmsnorm_into(e, pos, prev, w1, w2, eo, ho, EPS, N_HC, cfg),
+                        lambda cfg: (
+                            lambda: kernels._fused_mtp_input_rmsnorm_into(e, pos, prev, w1, w2, eo, ho, EPS, N_HC, cfg)
+                        ),
                         lambda: vllm_fused(e, pos, prev, w1, w2, EPS, N_HC, _outputs=(eo2, ho2)),
                     ),
                     "shared_head": (
@@ -221,12 +240,29 @@ def against_vllm(args: argparse.Namespace) -> None:
                     us = graph_us(fns, graph_calls(T))
                     best = min((k for k in us if k != "vllm"), key=us.get)
                     tuned = kernels.launch_config(name, H, T)
-                    rows.append({"kernel": name, "H": H, "T": T, "us": us, "best": best, "tuned": f"w{tuned.num_warps}r{tuned.rows}", "ulps_vs_vllm": ulps[name][0], "ulps_vs_ref": ulps[name][1]})
+                    rows.append(
+                        {
+                            "kernel": name,
+                            "H": H,
+                            "T": T,
+                            "us": us,
+                            "best": best,
+                            "tuned": f"w{tuned.num_warps}r{tuned.rows}",
+                            "ulps_vs_vllm": ulps[name][0],
+                            "ulps_vs_ref": ulps[name][1],
+                        }
+                    )
                     ranked = " ".join(f"{k}={v:.2f}" for k, v in sorted(us.items(), key=lambda kv: kv[1]))
-                    print(f"{name:<12}{H:>6}{T:>7}  best {best} {us[best]:.2f} vs vllm {us['vllm']:.2f} ({us[best] / us['vllm']:.3f})  {ranked}", flush=True)
+                    print(
+                        f"{name:<12}{H:>6}{T:>7}  best {best} {us[best]:.2f} vs vllm {us['vllm']:.2f} ({us[best] / us['vllm']:.3f})  {ranked}",
+                        flush=True,
+                    )
                 continue
             cases = {
-                "fused_input": (lambda: kernels.fused_mtp_input_rmsnorm(e, pos, prev, w1, w2, EPS, N_HC), lambda: vllm_fused(e, pos, prev, w1, w2, EPS, N_HC)),
+                "fused_input": (
+                    lambda: kernels.fused_mtp_input_rmsnorm(e, pos, prev, w1, w2, EPS, N_HC),
+                    lambda: vllm_fused(e, pos, prev, w1, w2, EPS, N_HC),
+                ),
                 "shared_head": (lambda: kernels.mtp_shared_head_rmsnorm(e, w1, EPS), lambda: vllm_head(e, w1, EPS)),
             }
             for name, (ours, theirs) in cases.items():
@@ -239,7 +275,9 @@ def against_vllm(args: argparse.Namespace) -> None:
                     "ours_call_us": eager["ours"], "vllm_call_us": eager["vllm"], "ulps_vs_vllm": ulps[name][0], "ulps_vs_ref": ulps[name][1],
                 })  # fmt: skip
     if not args.sweep:
-        print("| kernel | H | T | warps x rows, hints | ours µs | vLLM µs | ours / vLLM | ours call µs | vLLM call µs | ulps vs vLLM | ulps vs ref |")
+        print(
+            "| kernel | H | T | warps x rows, hints | ours µs | vLLM µs | ours / vLLM | ours call µs | vLLM call µs | ulps vs vLLM | ulps vs ref |"
+        )
         print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         for r in rows:
             ratio = r["ours_us"] / r["vllm_us"]
@@ -260,9 +298,15 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--json", help="write the results here too")
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile baselines")
-    ap.add_argument("--vllm", metavar="FILE", help="vLLM's fused_mtp_input_rmsnorm.py: compare with its kernels under CUDA-graph replay")
+    ap.add_argument(
+        "--vllm",
+        metavar="FILE",
+        help="vLLM's fused_mtp_input_rmsnorm.py: compare with its kernels under CUDA-graph replay",
+    )
     ap.add_argument("--sweep", action="store_true", help="with --vllm: time every launch config of ours")
-    ap.add_argument("--tokens", type=int, nargs="+", default=GRAPH_TOKENS, help="with --vllm: the T values (default: %(default)s)")
+    ap.add_argument(
+        "--tokens", type=int, nargs="+", default=GRAPH_TOKENS, help="with --vllm: the T values (default: %(default)s)"
+    )
     args = ap.parse_args()
     if args.vllm:
         return against_vllm(args)
@@ -274,8 +318,12 @@ def main() -> None:
     compiled_fused = torch.compile(kernels.fused_mtp_input_rmsnorm_ref, dynamic=False)
     compiled_head = torch.compile(kernels.mtp_shared_head_rmsnorm_ref, dynamic=False)
     rows = []
-    print(f"device: {torch.cuda.get_device_name(dev) if dev.type == 'cuda' else dev}; torch {torch.__version__}, triton {triton.__version__}")
-    print(f"{'kernel':<24}{'H':>6}{'T':>7}{'impl':>9}{'gpu_us':>10}{'call_us':>10}{'GB/s':>9}{'copy GB/s':>11}{'% copy':>8}")
+    print(
+        f"device: {torch.cuda.get_device_name(dev) if dev.type == 'cuda' else dev}; torch {torch.__version__}, triton {triton.__version__}"
+    )
+    print(
+        f"{'kernel':<24}{'H':>6}{'T':>7}{'impl':>9}{'gpu_us':>10}{'call_us':>10}{'GB/s':>9}{'copy GB/s':>11}{'% copy':>8}"
+    )
     for H in HIDDEN:
         for T in TOKENS:
             e = torch.randn(T, H, device=dev, dtype=torch.bfloat16)
@@ -312,8 +360,22 @@ def main() -> None:
                     g = gpu_us(fn)
                     c = call_us(fn, dev, n=200 if T >= 4096 else 2000)
                     gbs = nbytes / (g * 1e3)
-                    rows.append({"kernel": name, "H": H, "T": T, "impl": impl, "gpu_us": g, "call_us": c, "GBps": gbs, "copy_GBps": copy_gbs, "bytes": nbytes})
-                    print(f"{name:<24}{H:>6}{T:>7}{impl:>9}{g:>10.2f}{c:>10.2f}{gbs:>9.0f}{copy_gbs:>11.0f}{100 * gbs / copy_gbs:>7.0f}%")
+                    rows.append(
+                        {
+                            "kernel": name,
+                            "H": H,
+                            "T": T,
+                            "impl": impl,
+                            "gpu_us": g,
+                            "call_us": c,
+                            "GBps": gbs,
+                            "copy_GBps": copy_gbs,
+                            "bytes": nbytes,
+                        }
+                    )
+                    print(
+                        f"{name:<24}{H:>6}{T:>7}{impl:>9}{g:>10.2f}{c:>10.2f}{gbs:>9.0f}{copy_gbs:>11.0f}{100 * gbs / copy_gbs:>7.0f}%"
+                    )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -39,7 +39,12 @@ def best_of(n: int, fn):
 
 def command_seconds(src: Path, env: dict[str, str] | None = None) -> float:
     t = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "dsv4", "plan", str(src)], check=True, stdout=subprocess.DEVNULL, env={**os.environ, **(env or {})})
+    subprocess.run(
+        [sys.executable, "-m", "dsv4", "plan", str(src)],
+        check=True,
+        stdout=subprocess.DEVNULL,
+        env={**os.environ, **(env or {})},
+    )
     return time.perf_counter() - t
 
 
@@ -61,18 +66,23 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as empty:
         t_miss = command_seconds(src, {"XDG_CACHE_HOME": empty})
     t_cmd, _ = best_of(5, lambda: command_seconds(src))
-    print(json.dumps({
-        "tensors": len(inv.tensors),
-        "header_bytes_read": inv.header_bytes,
-        "checkpoint_bytes": sum(inv.file_sizes.values()),
-        "inventory_s": round(t_inv, 3),
-        "table_s": round(t_table, 3),
-        "plan_s": round(t_plan, 3),
-        "total_s": round(t_inv + t_table + t_plan, 3),
-        "command_s": round(t_cmd, 3),
-        "command_empty_layout_cache_s": round(t_miss, 3),
-        "bytes_to_read": plan.bytes_to_read,
-    }, indent=2))
+    print(
+        json.dumps(
+            {
+                "tensors": len(inv.tensors),
+                "header_bytes_read": inv.header_bytes,
+                "checkpoint_bytes": sum(inv.file_sizes.values()),
+                "inventory_s": round(t_inv, 3),
+                "table_s": round(t_table, 3),
+                "plan_s": round(t_plan, 3),
+                "total_s": round(t_inv + t_table + t_plan, 3),
+                "command_s": round(t_cmd, 3),
+                "command_empty_layout_cache_s": round(t_miss, 3),
+                "bytes_to_read": plan.bytes_to_read,
+            },
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The test command (README; CI runs exactly this): own virtualenv, the layers contract
-# (import-linter, pyproject.toml), then the whole suite.
+# (import-linter, pyproject.toml), the formatter and linter (ruff), then the whole suite.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/bootstrap.sh test,quant
 .venv/bin/lint-imports --no-logo  # the contracts and their verdicts, without the ASCII-art banner
+.venv/bin/ruff format --check --quiet .  # the formatter (pyproject.toml [tool.ruff]): a diff fails
+.venv/bin/ruff check --quiet .
 exec .venv/bin/python -m pytest -q "$@"

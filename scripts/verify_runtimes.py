@@ -52,8 +52,8 @@ run put there). Exit 0 when every loader passes, 1 otherwise, 2 on a usage error
 """
 
 from __future__ import annotations
-
 import __future__
+
 import argparse
 import ast
 import concurrent.futures
@@ -99,35 +99,49 @@ VLLM_CUTS: dict[str, dict[str, Any]] = {
     "vllm-xpu-mtp": {
         "class": "DeepSeekV4MTP",
         "cuts": {
-            V4 + "xpu/mtp.py": ["_EXPERT_SCALE_RE", "DeepSeekV4MTP.load_weights",
-                                "DeepSeekV4MTP.finalize_mega_moe_weights",
-                                "DeepSeekV4MTP._rewrite_spec_layer_name"],
+            V4 + "xpu/mtp.py": [
+                "_EXPERT_SCALE_RE",
+                "DeepSeekV4MTP.load_weights",
+                "DeepSeekV4MTP.finalize_mega_moe_weights",
+                "DeepSeekV4MTP._rewrite_spec_layer_name",
+            ],
             V4 + "xpu/model.py": ["make_deepseek_v4_expert_params_mapping"],
         },
     },
     "vllm-nvidia-mtp": {
         "class": "DeepSeekV4MTP",
         "cuts": {
-            V4 + "nvidia/mtp.py": ["_EXPERT_SCALE_RE", "DeepSeekV4MTP.load_weights",
-                                   "DeepSeekV4MTP._to_spec_layer_name",
-                                   "DeepSeekV4MTP._rewrite_spec_layer_name"],
-            V4 + "nvidia/model.py": ["make_deepseek_v4_expert_params_mapping",
-                                     "DeepseekV4Model._pad_shared_expert_weight"],
+            V4 + "nvidia/mtp.py": [
+                "_EXPERT_SCALE_RE",
+                "DeepSeekV4MTP.load_weights",
+                "DeepSeekV4MTP._to_spec_layer_name",
+                "DeepSeekV4MTP._rewrite_spec_layer_name",
+            ],
+            V4 + "nvidia/model.py": [
+                "make_deepseek_v4_expert_params_mapping",
+                "DeepseekV4Model._pad_shared_expert_weight",
+            ],
         },
     },
     "vllm-amd-mtp": {
         "class": "DeepSeekV4MTP",
         "cuts": {
-            V4 + "amd/mtp.py": ["_EXPERT_SCALE_RE", "DeepSeekV4MTP.load_weights",
-                                "DeepSeekV4MTP._rewrite_spec_layer_name"],
+            V4 + "amd/mtp.py": [
+                "_EXPERT_SCALE_RE",
+                "DeepSeekV4MTP.load_weights",
+                "DeepSeekV4MTP._rewrite_spec_layer_name",
+            ],
         },
     },
     "vllm-xpu-dspark": {
         "class": "DSparkDeepseekV4ForCausalLM",
         "cuts": {
-            V4 + "xpu/dspark.py": ["_EXPERT_SCALE_RE", "DSparkDeepseekV4ForCausalLM.load_weights",
-                                   "DSparkDeepseekV4ForCausalLM._finalize_moe",
-                                   "DSparkDeepseekV4ForCausalLM._remap_dspark_name"],
+            V4 + "xpu/dspark.py": [
+                "_EXPERT_SCALE_RE",
+                "DSparkDeepseekV4ForCausalLM.load_weights",
+                "DSparkDeepseekV4ForCausalLM._finalize_moe",
+                "DSparkDeepseekV4ForCausalLM._remap_dspark_name",
+            ],
             V4 + "xpu/model.py": ["make_deepseek_v4_expert_params_mapping"],
         },
     },
@@ -135,9 +149,15 @@ VLLM_CUTS: dict[str, dict[str, Any]] = {
 SRT = "sglang/srt/"
 SGLANG_COMMON = {
     SRT + "models/deepseek_v4.py": [
-        "DEEPSEEK_V4_STACKED_PARAMS_MAPPING", "_dequant_fp8_wo_a_streaming", "_prepare_deepseek_v4_weights",
-        "_rename_quark_fp8_block_scales", "_fuse_deepseek_v4_wqkv_a_pair", "_clone_if_runai_streamed_tensor",
-        "DeepseekV4ForCausalLM.load_weights", "DeepseekV4ForCausalLM.remap_weight_name_to_dpsk_hf_format"],
+        "DEEPSEEK_V4_STACKED_PARAMS_MAPPING",
+        "_dequant_fp8_wo_a_streaming",
+        "_prepare_deepseek_v4_weights",
+        "_rename_quark_fp8_block_scales",
+        "_fuse_deepseek_v4_wqkv_a_pair",
+        "_clone_if_runai_streamed_tensor",
+        "DeepseekV4ForCausalLM.load_weights",
+        "DeepseekV4ForCausalLM.remap_weight_name_to_dpsk_hf_format",
+    ],
     SRT + "layers/moe/fused_moe_triton/layer.py": ["FusedMoE.make_expert_params_mapping"],
     SRT + "layers/utils/common.py": ["get_layer_id"],
     SRT + "model_loader/utils.py": ["maybe_executor_submit"],
@@ -149,10 +169,14 @@ SGLANG_CUTS: dict[str, dict[str, Any]] = {
     },
     "sglang-dspark": {
         "class": "DeepseekV4ForCausalLMDSpark",
-        "cuts": {SRT + "models/deepseek_v4_dspark.py": [
-            "_dspark_stage_config", "DeepseekV4ForCausalLMDSpark.load_weights",
-            "DeepseekV4ForCausalLMDSpark._assert_confidence_head_loaded",
-            "DeepseekV4ForCausalLMDSpark._remap_dspark_weight_name"]},
+        "cuts": {
+            SRT + "models/deepseek_v4_dspark.py": [
+                "_dspark_stage_config",
+                "DeepseekV4ForCausalLMDSpark.load_weights",
+                "DeepseekV4ForCausalLMDSpark._assert_confidence_head_loaded",
+                "DeepseekV4ForCausalLMDSpark._remap_dspark_weight_name",
+            ]
+        },
     },
 }
 # SGLang's FusedMoE registers only the fused experts.w13_* / experts.w2_* parameters
@@ -226,12 +250,21 @@ def cut(source: str, filename: str, names: Iterable[str], namespace: dict[str, A
                 body.append(node)
                 found.update(hit)
         elif isinstance(node, ast.ClassDef) and node.name in by_class:
-            methods = [m for m in node.body
-                       if isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef)) and m.name in by_class[node.name]]
+            methods = [
+                m
+                for m in node.body
+                if isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef)) and m.name in by_class[node.name]
+            ]
             found.update(f"{node.name}.{m.name}" for m in methods)
             bases = [b for b in node.bases if isinstance(b, ast.Name) and b.id in namespace]
-            cls = ast.ClassDef(name=node.name, bases=bases, keywords=[], body=methods or [ast.Pass()],
-                               decorator_list=[], type_params=[])
+            cls = ast.ClassDef(
+                name=node.name,
+                bases=bases,
+                keywords=[],
+                body=methods or [ast.Pass()],
+                decorator_list=[],
+                type_params=[],
+            )
             ast.copy_location(cls, node)
             body.append(cls)
     missing = [n for n in wanted if n not in found]
@@ -270,7 +303,8 @@ class Recorder:
         shard = kwargs.get("shard_id", args[-1] if args and not kwargs else None)
         sources = self.made_of.get(id(loaded), [self.current])
         self.records.setdefault(param.name, []).append(
-            Record(", ".join(sources), shard, kwargs.get("expert_id"), loaded))
+            Record(", ".join(sources), shard, kwargs.get("expert_id"), loaded)
+        )
         self.touched.update(sources)
         return True
 
@@ -294,8 +328,11 @@ def attrs(obj: Any) -> Any:
 
 def stand_in_layer() -> Any:
     moe = types.SimpleNamespace(
-        use_mega_moe=False, use_native_mega_moe=False, finalize_mega_moe_weights=lambda: None,
-        experts=types.SimpleNamespace(has_fused_shared_experts=False))
+        use_mega_moe=False,
+        use_native_mega_moe=False,
+        finalize_mega_moe_weights=lambda: None,
+        experts=types.SimpleNamespace(has_fused_shared_experts=False),
+    )
     return types.SimpleNamespace(ffn=moe, mtp_block=types.SimpleNamespace(ffn=moe))
 
 
@@ -343,10 +380,18 @@ class Report:
         return not (self.errors or self.skipped or self.missing or self.unequal)
 
     def summary(self) -> dict[str, Any]:
-        return {"loader": self.loader, "passed": self.passed, "fed": self.fed,
-                "parameters_hit": len(self.hit), "skipped_as_the_table_says": self.dropped,
-                "skipped": self.skipped, "errors": self.errors, "missing": self.missing,
-                "bytes_unequal": self.unequal, "hit": self.hit}
+        return {
+            "loader": self.loader,
+            "passed": self.passed,
+            "fed": self.fed,
+            "parameters_hit": len(self.hit),
+            "skipped_as_the_table_says": self.dropped,
+            "skipped": self.skipped,
+            "errors": self.errors,
+            "missing": self.missing,
+            "bytes_unequal": self.unequal,
+            "hit": self.hit,
+        }
 
 
 def assemble(records: list[Record]) -> bytes:
@@ -370,10 +415,16 @@ def duplicate_shards(records: list[Record]) -> list[str]:
     return dup
 
 
-def run_loader(name: str, load: Callable[[Iterable[tuple[str, torch.Tensor]], bool], Any],
-               recorder: Recorder, draft: Path, expected: dict[str, torch.Tensor],
-               droppable: Callable[[str], bool], shared_params: set[str],
-               on_feed: Callable[[str, torch.Tensor], None] = lambda _n, _t: None) -> Report:
+def run_loader(
+    name: str,
+    load: Callable[[Iterable[tuple[str, torch.Tensor]], bool], Any],
+    recorder: Recorder,
+    draft: Path,
+    expected: dict[str, torch.Tensor],
+    droppable: Callable[[str], bool],
+    shared_params: set[str],
+    on_feed: Callable[[str, torch.Tensor], None] = lambda _n, _t: None,
+) -> Report:
     """Feed every tensor of `draft` to `load(weights, completeness_check)`; on an exception,
     record it against the tensor being loaded and go on with the rest (a fresh call, its
     completeness check off: only the first call's is the runtime's)."""
@@ -420,15 +471,21 @@ def run_loader(name: str, load: Callable[[Iterable[tuple[str, torch.Tensor]], bo
 # --- vLLM --------------------------------------------------------------------------------
 
 
-def vllm_namespace(wheel: Wheel, files: dict[str, list[str]], recorder: Recorder,
-                   completeness: list[bool]) -> dict[str, Any]:
+def vllm_namespace(
+    wheel: Wheel, files: dict[str, list[str]], recorder: Recorder, completeness: list[bool]
+) -> dict[str, Any]:
     """The module globals the cut-out code runs in: the wheel's functions, the stubs."""
     import typing
     from collections.abc import Callable as _Callable
 
     ns: dict[str, Any] = {
-        "__name__": "cut_out_vllm", "re": re, "torch": torch, "typing": typing, "Callable": _Callable,
-        "logger": _Logger(), "default_weight_loader": recorder.load,
+        "__name__": "cut_out_vllm",
+        "re": re,
+        "torch": torch,
+        "typing": typing,
+        "Callable": _Callable,
+        "logger": _Logger(),
+        "default_weight_loader": recorder.load,
         "is_mtp_completeness_check_enabled": lambda: completeness[0],
         "get_tensor_model_parallel_world_size": lambda: 1,
     }
@@ -437,8 +494,9 @@ def vllm_namespace(wheel: Wheel, files: dict[str, list[str]], recorder: Recorder
     return ns
 
 
-def vllm_model(ns: dict[str, Any], cls_name: str, config: dict[str, Any], params: Iterable[str],
-               recorder: Recorder) -> Any:
+def vllm_model(
+    ns: dict[str, Any], cls_name: str, config: dict[str, Any], params: Iterable[str], recorder: Recorder
+) -> Any:
     """The cut-out class mixed with a stand-in holding what its load_weights reads."""
     cfg = attrs(config)
     quant = attrs(config.get("quantization_config") or {})
@@ -457,8 +515,8 @@ def vllm_model(ns: dict[str, Any], cls_name: str, config: dict[str, Any], params
     else:
         start, n = config["num_hidden_layers"], config["num_nextn_predict_layers"]
         model.model = types.SimpleNamespace(
-            layers={str(start + i): stand_in_layer() for i in range(n)},
-            mtp_start_layer_idx=start, num_mtp_layers=n)
+            layers={str(start + i): stand_in_layer() for i in range(n)}, mtp_start_layer_idx=start, num_mtp_layers=n
+        )
         # nvidia/mtp.py:308-310, with sequence parallelism off (one GPU)
         model.pad_shared_expert = getattr(quant, "weight_block_size", None) is not None
     return model
@@ -486,9 +544,12 @@ def table_facts(table: Table, config: dict[str, Any]) -> tuple[Callable[[str], b
     [skip] rules on the draft's own mtp.* names) and the shared parameters (the [copy]
     targets, {L} bound to each MTP layer num_hidden_layers + i)."""
     copies = [r for r in table.rules if r.op == "copy"]
-    allowed = [rx for r in table.rules
-               if r.op == "copy" or (r.op == "skip" and r.sources[0].startswith("mtp."))
-               for rx in r.source_regexes]
+    allowed = [
+        rx
+        for r in table.rules
+        if r.op == "copy" or (r.op == "skip" and r.sources[0].startswith("mtp."))
+        for rx in r.source_regexes
+    ]
     layers = range(config["num_hidden_layers"], config["num_hidden_layers"] + config.get("num_nextn_predict_layers", 1))
     shared = {expand(r.target, {"L": n}) for r in copies for n in layers}
     return (lambda name: any(rx.match(name) for rx in allowed)), shared
@@ -528,20 +589,31 @@ class _Warnings:
         return lambda *a, **k: None
 
 
-def sglang_namespace(wheel: Wheel, files: dict[str, list[str]], recorder: Recorder, params: dict[str, Any],
-                     warnings: _Warnings) -> dict[str, Any]:
+def sglang_namespace(
+    wheel: Wheel, files: dict[str, list[str]], recorder: Recorder, params: dict[str, Any], warnings: _Warnings
+) -> dict[str, Any]:
     def params_dict(*args: Any, **kwargs: Any) -> dict[str, Any]:
         # `dict(self.named_parameters())` in load_weights: hand it the stand-in's mapping
         return params if args and args[0] is _NAMED else dict_(*args, **kwargs)
 
     dict_ = dict
     ns: dict[str, Any] = {
-        "__name__": "cut_out_sglang", "re": re, "torch": torch, "copy": copy, "concurrent": concurrent,
-        "logging": logging, "logger": warnings, "envs": types.SimpleNamespace(
-            SGLANG_OPT_FUSE_WQA_WKV=types.SimpleNamespace(get=lambda: True)),  # its default, environ.py:1885
-        "should_async_load": lambda _w: False, "use_npu_arch35_mxfp8_wo_a": lambda _q: False,
-        "is_wint4afp8_or_wint4a16_config": lambda _q: False, "_is_npu": False,
-        "log_info_on_rank0": lambda *a, **k: None, "default_weight_loader": recorder.load,
+        "__name__": "cut_out_sglang",
+        "re": re,
+        "torch": torch,
+        "copy": copy,
+        "concurrent": concurrent,
+        "logging": logging,
+        "logger": warnings,
+        "envs": types.SimpleNamespace(
+            SGLANG_OPT_FUSE_WQA_WKV=types.SimpleNamespace(get=lambda: True)
+        ),  # its default, environ.py:1885
+        "should_async_load": lambda _w: False,
+        "use_npu_arch35_mxfp8_wo_a": lambda _q: False,
+        "is_wint4afp8_or_wint4a16_config": lambda _q: False,
+        "_is_npu": False,
+        "log_info_on_rank0": lambda *a, **k: None,
+        "default_weight_loader": recorder.load,
         "RUNAI_STREAMER_TENSOR_ATTR": "_sglang_runai_streamer_tensor",
         "dict": params_dict,
     }
@@ -562,7 +634,10 @@ def sglang_namespace(wheel: Wheel, files: dict[str, list[str]], recorder: Record
         # SGLang's _dequant_fp8 needs einops: the FP8 bytes go on unchanged (in both runs),
         # noted as made of the weight and its scale; the pairing around it is the wheel's
         kept = weight.view(weight.dtype)
-        recorder.made_of[id(kept)] = [fed_names.get(id(weight), recorder.current), fed_names.get(id(scale), recorder.current)]
+        recorder.made_of[id(kept)] = [
+            fed_names.get(id(weight), recorder.current),
+            fed_names.get(id(scale), recorder.current),
+        ]
         return kept
 
     ns["_fuse_deepseek_v4_wqkv_a_pair"] = fuse_and_remember  # the wheel's function, its inputs noted
@@ -574,8 +649,9 @@ def sglang_namespace(wheel: Wheel, files: dict[str, list[str]], recorder: Record
 _NAMED = object()  # what the stand-in's named_parameters() returns
 
 
-def sglang_run(wheel: Wheel, loader: str, directory: Path, config: dict[str, Any],
-               parameters: Iterable[str] | None) -> tuple[Report, Recorder, _Warnings]:
+def sglang_run(
+    wheel: Wheel, loader: str, directory: Path, config: dict[str, Any], parameters: Iterable[str] | None
+) -> tuple[Report, Recorder, _Warnings]:
     """SGLang's loader on `directory`, its params_dict holding `parameters` (None: AnyParams)."""
     spec = SGLANG_CUTS[loader]
     recorder, warnings = Recorder(), _Warnings()
@@ -602,15 +678,26 @@ def sglang_run(wheel: Wheel, loader: str, directory: Path, config: dict[str, Any
     model.model = types.SimpleNamespace()
     model.pp_group = types.SimpleNamespace(is_first_rank=True, is_last_rank=True)
     model.confidence_head = object()  # enabled unless ragged verify is STATIC (deepseek_v4_dspark.py:541-542)
-    modules = {"sglang": types.ModuleType("sglang"), "sglang.srt": types.ModuleType("sglang.srt"),
-               "sglang.srt.layers": types.ModuleType("sglang.srt.layers"),
-               "sglang.srt.layers.moe": types.ModuleType("sglang.srt.layers.moe"),
-               "sglang.srt.layers.moe.fused_moe_triton": fake_fused_moe}
+    modules = {
+        "sglang": types.ModuleType("sglang"),
+        "sglang.srt": types.ModuleType("sglang.srt"),
+        "sglang.srt.layers": types.ModuleType("sglang.srt.layers"),
+        "sglang.srt.layers.moe": types.ModuleType("sglang.srt.layers.moe"),
+        "sglang.srt.layers.moe.fused_moe_triton": fake_fused_moe,
+    }
     saved = {k: sys.modules.get(k) for k in modules}
     sys.modules.update(modules)  # load_weights imports FusedMoE inside (deepseek_v4_dspark.py:1026)
     try:
-        report = run_loader(loader, lambda weights, _first: model.load_weights(weights), recorder,
-                            directory, {}, lambda _n: False, set(), ns["_remember_fed"])
+        report = run_loader(
+            loader,
+            lambda weights, _first: model.load_weights(weights),
+            recorder,
+            directory,
+            {},
+            lambda _n: False,
+            set(),
+            ns["_remember_fed"],
+        )
     finally:
         for k, v in saved.items():
             if v is None:
@@ -665,11 +752,15 @@ def verify(draft: Path, expected: Path, native: Path, wheels: Path, loaders: lis
 
 
 def table_lines(reports: list[Report]) -> list[str]:
-    lines = ["| loader | tensors fed | parameters hit | skipped as the table says | other skips | errors and warnings | params missing | bytes unequal | pass |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| loader | tensors fed | parameters hit | skipped as the table says | other skips | errors and warnings | params missing | bytes unequal | pass |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in reports:
-        lines.append(f"| {r.loader} | {r.fed} | {len(r.hit)} | {len(r.dropped)} | {len(r.skipped)} | "
-                     f"{len(r.errors)} | {len(r.missing)} | {len(r.unequal)} | {'yes' if r.passed else 'NO'} |")
+        lines.append(
+            f"| {r.loader} | {r.fed} | {len(r.hit)} | {len(r.dropped)} | {len(r.skipped)} | "
+            f"{len(r.errors)} | {len(r.missing)} | {len(r.unequal)} | {'yes' if r.passed else 'NO'} |"
+        )
     for r in reports:
         for e in r.errors[:3]:
             lines.append(f"{r.loader}: error: {e}")
@@ -683,13 +774,25 @@ def table_lines(reports: list[Report]) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("draft", type=Path, help="the directory fed to the runtimes' loaders")
-    ap.add_argument("--expected", type=Path, required=True,
-                    help="the --target xpu output of the same native checkpoint (parameters and their bytes)")
-    ap.add_argument("--native", type=Path, required=True,
-                    help="the native checkpoint they come from (SGLang's loader on it gives SGLang's parameters and bytes)")
+    ap.add_argument(
+        "--expected",
+        type=Path,
+        required=True,
+        help="the --target xpu output of the same native checkpoint (parameters and their bytes)",
+    )
+    ap.add_argument(
+        "--native",
+        type=Path,
+        required=True,
+        help="the native checkpoint they come from (SGLang's loader on it gives SGLang's parameters and bytes)",
+    )
     ap.add_argument("--wheels", type=Path, default=DEFAULT_WHEELS, help=f"wheel cache (default {DEFAULT_WHEELS})")
-    ap.add_argument("--loader", action="append", choices=sorted(VLLM_CUTS) + sorted(SGLANG_CUTS),
-                    help="run only this loader (repeatable; default: every one for the drafter)")
+    ap.add_argument(
+        "--loader",
+        action="append",
+        choices=sorted(VLLM_CUTS) + sorted(SGLANG_CUTS),
+        help="run only this loader (repeatable; default: every one for the drafter)",
+    )
     ap.add_argument("--json", action="store_true", help="every report as JSON, per tensor")
     args = ap.parse_args(argv)
     try:

@@ -10,6 +10,7 @@ if not torch.cuda.is_available() and not (hasattr(torch, "xpu") and torch.xpu.is
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
+
 from dsv4.convert.pipeline import convert  # noqa: E402
 from dsv4.convert.synth import write_checkpoint  # noqa: E402
 
@@ -42,7 +43,9 @@ def tiny_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 @pytest.fixture(scope="session")
 def tiny_base(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny Base (FP8 experts, F32 scales, MTP emb/head present) native checkpoint."""
-    return write_checkpoint(tmp_path_factory.mktemp("tiny-base") / "native", preset="tiny", variant="base", main_layers="all", seed=0)
+    return write_checkpoint(
+        tmp_path_factory.mktemp("tiny-base") / "native", preset="tiny", variant="base", main_layers="all", seed=0
+    )
 
 
 @pytest.fixture(scope="session")

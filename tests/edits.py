@@ -23,7 +23,9 @@ def raw_tensor_bytes(path: Path) -> dict[str, tuple[str, bytes]]:
     (n,) = struct.unpack("<Q", data[:8])
     header = json.loads(data[8 : 8 + n])
     header.pop("__metadata__", None)
-    return {k: (v["dtype"], data[8 + n + v["data_offsets"][0] : 8 + n + v["data_offsets"][1]]) for k, v in header.items()}
+    return {
+        k: (v["dtype"], data[8 + n + v["data_offsets"][0] : 8 + n + v["data_offsets"][1]]) for k, v in header.items()
+    }
 
 
 def reseal(out: Path) -> None:

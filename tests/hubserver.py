@@ -165,11 +165,18 @@ class Fault:
         return self.reset or self.stall or self.status is not None
 
 
-def on(route: str, path: str | None = None, *, ranged: bool | None = None, method: str | None = None) -> Callable[[str, str | None, str, str | None, tuple[int, int] | None], bool]:
+def on(
+    route: str, path: str | None = None, *, ranged: bool | None = None, method: str | None = None
+) -> Callable[[str, str | None, str, str | None, tuple[int, int] | None], bool]:
     """A Fault's `match`: requests of `route` (and of file `path`, ranged or not, by `method`)."""
 
     def match(m: str, repo: str | None, r: str, p: str | None, rng: tuple[int, int] | None) -> bool:
-        return r == route and (path is None or p == path) and (ranged is None or (rng is not None) == ranged) and (method is None or m == method)
+        return (
+            r == route
+            and (path is None or p == path)
+            and (ranged is None or (rng is not None) == ranged)
+            and (method is None or m == method)
+        )
 
     return match
 
@@ -213,7 +220,16 @@ class FakeHub:
         self.close()
 
     # --- content -----------------------------------------------------------------------
-    def commit(self, repo: str, files: Mapping[str, Content], message: str = "update", *, branch: str = "main", replace: bool = True, deleted: tuple[str, ...] = ()) -> str:
+    def commit(
+        self,
+        repo: str,
+        files: Mapping[str, Content],
+        message: str = "update",
+        *,
+        branch: str = "main",
+        replace: bool = True,
+        deleted: tuple[str, ...] = (),
+    ) -> str:
         """A new commit on `branch`; `replace` drops every file of the parent first."""
         with self._lock:
             r = self.repos.setdefault(repo, Repo())
@@ -222,7 +238,9 @@ class FakeHub:
             for path in deleted:
                 tree.pop(path, None)
             tree.update(files)
-            digest = hashlib.sha1(json.dumps([repo, parent, message, sorted((p, git_blob_oid(d)) for p, d in tree.items())]).encode())
+            digest = hashlib.sha1(
+                json.dumps([repo, parent, message, sorted((p, git_blob_oid(d)) for p, d in tree.items())]).encode()
+            )
             oid = digest.hexdigest()
             r.commits[oid] = Commit(oid, tree, message, parent)
             r.refs[branch] = oid
@@ -267,7 +285,9 @@ class FakeHub:
         oid = r.refs.get(revision, revision)
         return r, r.commits.get(oid)
 
-    def _fault(self, method: str, repo: str | None, route: str, path: str | None, rng: tuple[int, int] | None) -> Fault | None:
+    def _fault(
+        self, method: str, repo: str | None, route: str, path: str | None, rng: tuple[int, int] | None
+    ) -> Fault | None:
         with self._lock:
             for f in self.faults:
                 if f.times > 0 and f.match(method, repo, route, path, rng):
@@ -298,7 +318,9 @@ class _Server(ThreadingHTTPServer):
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"  # keep-alive, as huggingface_hub's HTTP client expects
     timeout = SOCKET_TIMEOUT
-    disable_nagle_algorithm = True  # headers and body go out in separate writes: without this each request stalls ~40 ms
+    disable_nagle_algorithm = (
+        True  # headers and body go out in separate writes: without this each request stalls ~40 ms
+    )
     server: _Server
 
     def log_message(self, format: str, *args: Any) -> None:
@@ -315,7 +337,9 @@ class _Handler(BaseHTTPRequestHandler):
             raise ValueError(f"request body of {n} bytes is over the {MAX_BODY}-byte limit")
         return self.rfile.read(n)
 
-    def _send(self, status: int, body: bytes = b"", headers: dict[str, str] | None = None, *, send_body: bool = True) -> None:
+    def _send(
+        self, status: int, body: bytes = b"", headers: dict[str, str] | None = None, *, send_body: bool = True
+    ) -> None:
         self.send_response(status)
         for k, v in (headers or {}).items():
             self.send_header(k, v)
@@ -333,9 +357,30 @@ class _Handler(BaseHTTPRequestHandler):
             headers["X-Error-Code"] = code
         self._json(status, {"error": message}, headers)
 
-    def _log(self, repo: str | None, route: str, status: int, path: str | None = None, rng: tuple[int, int] | None = None, nbytes: int = 0) -> None:
+    def _log(
+        self,
+        repo: str | None,
+        route: str,
+        status: int,
+        path: str | None = None,
+        rng: tuple[int, int] | None = None,
+        nbytes: int = 0,
+    ) -> None:
         with self.hub._lock:
-            self.hub.requests.append(Request(self.command, repo, route, self._rev, path, rng, status, nbytes, "Authorization" in self.headers, time.monotonic()))
+            self.hub.requests.append(
+                Request(
+                    self.command,
+                    repo,
+                    route,
+                    self._rev,
+                    path,
+                    rng,
+                    status,
+                    nbytes,
+                    "Authorization" in self.headers,
+                    time.monotonic(),
+                )
+            )
             if nbytes:
                 self.hub.bytes_served[repo or ""] += nbytes
 
@@ -425,7 +470,9 @@ class _Handler(BaseHTTPRequestHandler):
         self._answer_fault(fault, repo, route, None, None)
         return True
 
-    def _answer_fault(self, fault: Fault, repo: str | None, route: str, path: str | None, rng: tuple[int, int] | None) -> None:
+    def _answer_fault(
+        self, fault: Fault, repo: str | None, route: str, path: str | None, rng: tuple[int, int] | None
+    ) -> None:
         if fault.stall:  # accepted, never answered: held until the hub closes
             self._log(repo, route, 0, path, rng)
             self.hub.closing.wait()
@@ -447,7 +494,10 @@ class _Handler(BaseHTTPRequestHandler):
         blobs = query.get("blobs", ["false"])[0].lower() == "true" and self.hub.sizes_in_info
         siblings = [{"rfilename": p, **(_blob_info(p, d) if blobs else {})} for p, d in sorted(c.files.items())]
         self._log(repo, "info", 200)
-        self._json(200, {"id": repo, "modelId": repo, "sha": c.oid, "private": self.hub.repos[repo].private, "siblings": siblings})
+        self._json(
+            200,
+            {"id": repo, "modelId": repo, "sha": c.oid, "private": self.hub.repos[repo].private, "siblings": siblings},
+        )
 
     def _entries(self, c: Commit, prefix: str, recursive: bool) -> list[dict[str, Any]]:
         base = f"{prefix}/" if prefix else ""
@@ -464,7 +514,11 @@ class _Handler(BaseHTTPRequestHandler):
                 parts = rest.split("/")[:-1]
                 for k in range(1, len(parts) + 1):
                     folder = base + "/".join(parts[:k])
-                    out[folder] = {"type": "directory", "path": folder, "oid": hashlib.sha1(folder.encode()).hexdigest()}
+                    out[folder] = {
+                        "type": "directory",
+                        "path": folder,
+                        "oid": hashlib.sha1(folder.encode()).hexdigest(),
+                    }
             out[path] = {"type": "file", "path": path, "size": len(data), "oid": git_blob_oid(data)}
         return list(out.values())
 
@@ -495,7 +549,12 @@ class _Handler(BaseHTTPRequestHandler):
         if data is None:
             self._log(repo, "resolve", 404, path)
             return self._error(404, "EntryNotFound", f"{path} does not exist at {c.oid}")
-        headers = {"X-Repo-Commit": c.oid, "ETag": f'"{git_blob_oid(data)}"', "Accept-Ranges": "bytes", "Content-Type": "application/octet-stream"}
+        headers = {
+            "X-Repo-Commit": c.oid,
+            "ETag": f'"{git_blob_oid(data)}"',
+            "Accept-Ranges": "bytes",
+            "Content-Type": "application/octet-stream",
+        }
         rng: tuple[int, int] | None = None
         status, body = 200, data
         if (spec := self.headers.get("Range")) is not None:
@@ -543,8 +602,14 @@ class _Handler(BaseHTTPRequestHandler):
             return
         if repo in self.hub.repos:
             self._log(repo, "create", 409)  # the hub's 409 still names the repo's url, which create_repo reads
-            return self._json(409, {"error": "You already created this model repo", "url": f"{self.hub.url}/{repo}"}, {"X-Error-Message": "You already created this model repo"})
-        self.hub.commit(repo, {".gitattributes": b"*.safetensors filter=lfs diff=lfs merge=lfs -text\n"}, "initial commit")
+            return self._json(
+                409,
+                {"error": "You already created this model repo", "url": f"{self.hub.url}/{repo}"},
+                {"X-Error-Message": "You already created this model repo"},
+            )
+        self.hub.commit(
+            repo, {".gitattributes": b"*.safetensors filter=lfs diff=lfs merge=lfs -text\n"}, "initial commit"
+        )
         self.hub.repos[repo].private = payload.get("visibility") == "private"
         self._log(repo, "create", 200)
         self._json(200, {"url": f"{self.hub.url}/{repo}", "name": repo})
@@ -574,7 +639,12 @@ class _Handler(BaseHTTPRequestHandler):
         if self._write_denied(repo, "preupload") or (c := self._lookup(repo, revision, "preupload")) is None:
             return
         files = [
-            {"path": f["path"], "uploadMode": "regular", "shouldIgnore": False, "oid": git_blob_oid(c.files[f["path"]]) if f["path"] in c.files else None}
+            {
+                "path": f["path"],
+                "uploadMode": "regular",
+                "shouldIgnore": False,
+                "oid": git_blob_oid(c.files[f["path"]]) if f["path"] in c.files else None,
+            }
             for f in payload["files"]
         ]
         self._log(repo, "preupload", 200)
@@ -590,7 +660,11 @@ class _Handler(BaseHTTPRequestHandler):
         header = next(x["value"] for x in lines if x["key"] == "header")
         if header.get("parentCommit") not in (None, c.oid):  # the hub refuses a commit on a moved branch
             self._log(repo, "commit", 412)
-            return self._error(412, None, f"A commit has happened since. Parent commit {header['parentCommit']} is not the head {c.oid} of {revision}")
+            return self._error(
+                412,
+                None,
+                f"A commit has happened since. Parent commit {header['parentCommit']} is not the head {c.oid} of {revision}",
+            )
         added = {x["value"]["path"]: base64.b64decode(x["value"]["content"]) for x in lines if x["key"] == "file"}
         deleted = tuple(x["value"]["path"] for x in lines if x["key"] == "deletedFile")
         if any(x["key"] not in ("header", "file", "deletedFile") for x in lines):
@@ -598,7 +672,13 @@ class _Handler(BaseHTTPRequestHandler):
             return self._error(400, None, "this fake hub accepts inline files and file deletions only")
         branch = revision if revision in self.hub.repos[repo].refs else "main"
         oid = self.hub.commit(repo, added, header["summary"], branch=branch, replace=False, deleted=deleted)
-        record = {"repo": repo, "oid": oid, "parent": c.oid, "message": header["summary"], "description": header.get("description", "")}
+        record = {
+            "repo": repo,
+            "oid": oid,
+            "parent": c.oid,
+            "message": header["summary"],
+            "description": header.get("description", ""),
+        }
         with self.hub._lock:
             self.hub.pushed.append({**record, "files": {p: len(d) for p, d in added.items()}, "deleted": list(deleted)})
         if fault is not None:  # the commit landed; its answer is lost
@@ -619,7 +699,9 @@ def hub_env(hub: FakeHub, hf_home: Path, **extra: str) -> dict[str, str]:
 QUICK_RETRIES = "import dsv4.convert.hub as hub; hub.BACKOFF_S = hub.BACKOFF_MAX_S = 0.05\n"
 
 
-def run_cli(*args: str, env: dict[str, str], prelude: str = "", timeout: float = 300) -> subprocess.CompletedProcess[str]:
+def run_cli(
+    *args: str, env: dict[str, str], prelude: str = "", timeout: float = 300
+) -> subprocess.CompletedProcess[str]:
     """`convert-dsv4 ARGS` in a fresh interpreter: huggingface_hub reads HF_ENDPOINT and
     the rest of its settings once, at import, so each run needs its own process. `prelude`:
     Python run first (QUICK_RETRIES)."""

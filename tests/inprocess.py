@@ -7,12 +7,15 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from dsv4.convert.cli import main
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
-def run_main(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], *args: str | Path) -> tuple[int, str, str]:
+def run_main(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], *args: str | Path
+) -> tuple[int, str, str]:
     """`convert-dsv4 ARGS`: (exit code, stdout, stderr)."""
     monkeypatch.setattr(sys, "argv", ["convert-dsv4", *map(str, args)])
     # main() takes SIGINT, SIGTERM and the unraisable hook over for its process, here

@@ -5,8 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from dsv4.model.checkpoint import local_weight_map
 from safetensors import safe_open
+
+from dsv4.model.checkpoint import local_weight_map
 
 
 def load_all(root: Path) -> dict[str, torch.Tensor]:

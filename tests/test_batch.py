@@ -15,13 +15,14 @@ from typing import Any
 
 import pytest
 from dspark_fixtures import write_half_dspark
+from hubserver import FakeHub, Fault, hub_env, on, run_cli
+from huggingface_hub import ModelCard
+from inprocess import run_main
+
 from dsv4.convert.batch import Source, load_manifest, run_check, select_shard, shard_from_env
 from dsv4.convert.errors import ConfigCheckError, ManifestError
 from dsv4.convert.pipeline import CONVERSION_RECORD, convert
 from dsv4.convert.synth import write_checkpoint
-from huggingface_hub import ModelCard
-from hubserver import FakeHub, Fault, hub_env, on, run_cli
-from inprocess import run_main
 
 TOKEN = "hf_fakeTokenThatMustNeverBeWritten1234"
 REPOS = ("org/alpha", "org/beta", "org/gamma")  # gamma starts broken (a half DSpark checkpoint: exit 35)
@@ -46,9 +47,18 @@ def hub(native: Path) -> Iterator[FakeHub]:
         yield h
 
 
-def write_manifest(path: Path, *, repo_template: str | None = None, sources: tuple[str, ...] = REPOS, check: bool = False, target: str = "xpu") -> Path:
+def write_manifest(
+    path: Path,
+    *,
+    repo_template: str | None = None,
+    sources: tuple[str, ...] = REPOS,
+    check: bool = False,
+    target: str = "xpu",
+) -> Path:
     output = 'dir = "out"\nname = "{name}-{target}"\n' + (f'repo = "{repo_template}"\n' if repo_template else "")
-    path.write_text(f'target = "{target}"\nsources = {json.dumps(list(sources))}\n\n[output]\n{output}\n[options]\ncheck = {str(check).lower()}\n')
+    path.write_text(
+        f'target = "{target}"\nsources = {json.dumps(list(sources))}\n\n[output]\n{output}\n[options]\ncheck = {str(check).lower()}\n'
+    )
     return path
 
 
@@ -61,7 +71,9 @@ def report_of(path: Path) -> dict[str, Any]:
     return json.loads(path.read_text())
 
 
-def test_batch_isolates_failures_reruns_idempotently_and_picks_up_a_fix(native: Path, hub: FakeHub, tmp_path: Path) -> None:
+def test_batch_isolates_failures_reruns_idempotently_and_picks_up_a_fix(
+    native: Path, hub: FakeHub, tmp_path: Path
+) -> None:
     manifest = write_manifest(tmp_path / "batch.toml", check=True)
     report = tmp_path / "out" / "batch-report.json"
     env = hub_env(hub, tmp_path / "hf")
@@ -100,7 +112,9 @@ def test_batch_isolates_failures_reruns_idempotently_and_picks_up_a_fix(native: 
     assert json.loads((tmp_path / "out" / "gamma-xpu" / CONVERSION_RECORD).read_text())["source"]["revision"] == fixed
 
 
-def test_push_uploads_through_the_hub_once_and_never_writes_the_token(native: Path, hub: FakeHub, tmp_path: Path) -> None:
+def test_push_uploads_through_the_hub_once_and_never_writes_the_token(
+    native: Path, hub: FakeHub, tmp_path: Path
+) -> None:
     manifest = write_manifest(tmp_path / "batch.toml", repo_template="dest/{name}-{target}", sources=REPOS[:2])
     report = tmp_path / "out" / "batch-report.json"
     runs = []
@@ -108,7 +122,10 @@ def test_push_uploads_through_the_hub_once_and_never_writes_the_token(native: Pa
     # without a token the fake hub refuses writes: the push fails, and only the push
     runs.append(r := run_cli("batch", str(manifest), "--push", env=hub_env(hub, tmp_path / "hf")))
     assert r.returncode == 66, r.stderr
-    assert {(e["repo"], e["error"]) for e in report_of(report)["failed"]} == {("org/alpha", "PushError"), ("org/beta", "PushError")}
+    assert {(e["repo"], e["error"]) for e in report_of(report)["failed"]} == {
+        ("org/alpha", "PushError"),
+        ("org/beta", "PushError"),
+    }
     assert hub.pushed == []
 
     env = hub_env(hub, tmp_path / "hf", HF_TOKEN=TOKEN)
@@ -126,7 +143,11 @@ def test_push_uploads_through_the_hub_once_and_never_writes_the_token(native: Pa
     # an xpu repo's card says what reads it: no runtime loads this layout from disk
     card = ModelCard(hub.files("dest/alpha-xpu")["README.md"].decode())
     assert (card.data.base_model, card.data.library_name) == ("org/alpha", None) and "target-xpu" in card.data.tags
-    assert "`convert-dsv4 check`" in card.text and "No runtime loads this layout from disk" in card.text and "--target draft" in card.text
+    assert (
+        "`convert-dsv4 check`" in card.text
+        and "No runtime loads this layout from disk" in card.text
+        and "--target draft" in card.text
+    )
     assert "vllm serve" not in card.text and not (tmp_path / "out" / "alpha-xpu" / "README.md").exists()
 
     # the skip must come from the target repo's record: the local outputs are gone
@@ -142,7 +163,9 @@ def test_push_uploads_through_the_hub_once_and_never_writes_the_token(native: Pa
     assert all(e["reason"].startswith("hub:dest/") for e in rep["skipped"])
     assert len(hub.pushed) == pushed_before and source_bytes(hub, "org/alpha") == source_bytes(hub, "org/beta") == 0
 
-    written = [run.stdout + run.stderr for run in runs] + [p.read_text(errors="replace") for p in tmp_path.rglob("*") if p.is_file()]
+    written = [run.stdout + run.stderr for run in runs] + [
+        p.read_text(errors="replace") for p in tmp_path.rglob("*") if p.is_file()
+    ]
     assert not [w for w in written if TOKEN in w]
 
 
@@ -154,7 +177,9 @@ def test_two_shards_cover_every_repo_exactly_once(hub: FakeHub, tmp_path: Path) 
         run_cli("batch", str(manifest), env={**base, "JOB_COMPLETION_INDEX": "1", "DSV4_NUM_SHARDS": "2"}),
     ]
     assert sorted(r.returncode for r in runs) == [0, 66]  # the broken repo fails in exactly one shard
-    planned = [p["repo"] for k in (0, 1) for p in report_of(tmp_path / "out" / f"batch-report-{k}-of-2.json")["planned"]]
+    planned = [
+        p["repo"] for k in (0, 1) for p in report_of(tmp_path / "out" / f"batch-report-{k}-of-2.json")["planned"]
+    ]
     assert sorted(planned) == sorted(REPOS) and len(planned) == len(set(planned))
 
 
@@ -168,7 +193,9 @@ def test_select_shard_partitions_deterministically(count: int) -> None:
     shards = [select_shard(sources, count, k) for k in range(count)]
     assert sorted(s.key for shard in shards for s in shard) == sorted(s.key for s in sources)
     assert max(map(len, shards)) - min(map(len, shards)) <= 1
-    assert shards == [select_shard(list(reversed(sources)), count, k) for k in range(count)]  # manifest order does not matter
+    assert shards == [
+        select_shard(list(reversed(sources)), count, k) for k in range(count)
+    ]  # manifest order does not matter
 
 
 @pytest.mark.parametrize(
@@ -176,8 +203,21 @@ def test_select_shard_partitions_deterministically(count: int) -> None:
     [
         ((None, None), {}, (1, 0)),
         ((4, 2), {"SLURM_ARRAY_TASK_ID": "0", "SLURM_ARRAY_TASK_COUNT": "2"}, (4, 2)),  # options win
-        ((None, None), {"SLURM_ARRAY_TASK_ID": "5", "SLURM_ARRAY_TASK_MIN": "4", "SLURM_ARRAY_TASK_COUNT": "3"}, (3, 1)),
-        ((None, None), {"SLURM_ARRAY_TASK_ID": "7", "SLURM_ARRAY_TASK_MIN": "1", "SLURM_ARRAY_TASK_STEP": "3", "SLURM_ARRAY_TASK_COUNT": "4"}, (4, 2)),
+        (
+            (None, None),
+            {"SLURM_ARRAY_TASK_ID": "5", "SLURM_ARRAY_TASK_MIN": "4", "SLURM_ARRAY_TASK_COUNT": "3"},
+            (3, 1),
+        ),
+        (
+            (None, None),
+            {
+                "SLURM_ARRAY_TASK_ID": "7",
+                "SLURM_ARRAY_TASK_MIN": "1",
+                "SLURM_ARRAY_TASK_STEP": "3",
+                "SLURM_ARRAY_TASK_COUNT": "4",
+            },
+            (4, 2),
+        ),
         ((3, None), {"JOB_COMPLETION_INDEX": "2"}, (3, 2)),
         ((None, None), {"JOB_COMPLETION_INDEX": "1", "DSV4_NUM_SHARDS": "2"}, (2, 1)),
     ],
@@ -194,20 +234,49 @@ def test_shard_from_env(options: tuple[int | None, int | None], env: dict[str, s
         ((None, None), {"SLURM_ARRAY_TASK_ID": "x", "SLURM_ARRAY_TASK_COUNT": "2"}, "SLURM_ARRAY_TASK_ID"),
         ((2, 2), {}, "outside 0..1"),
         # a variable set to what cannot split the manifest: named, never a ZeroDivisionError
-        ((None, None), {"SLURM_ARRAY_TASK_ID": "1", "SLURM_ARRAY_TASK_STEP": "0", "SLURM_ARRAY_TASK_COUNT": "2"}, "SLURM_ARRAY_TASK_STEP='0' is not a positive integer"),
-        ((None, None), {"SLURM_ARRAY_TASK_ID": "0", "SLURM_ARRAY_TASK_COUNT": "0"}, "SLURM_ARRAY_TASK_COUNT='0' is not a positive integer"),
-        ((None, None), {"SLURM_ARRAY_TASK_ID": "2", "SLURM_ARRAY_TASK_MIN": "1", "SLURM_ARRAY_TASK_STEP": "2", "SLURM_ARRAY_TASK_COUNT": "2"}, "SLURM_ARRAY_TASK_ID=2 is not in the array"),
-        ((None, None), {"JOB_COMPLETION_INDEX": "0", "DSV4_NUM_SHARDS": "abc"}, "DSV4_NUM_SHARDS='abc' is not a positive integer"),
-        ((None, None), {"JOB_COMPLETION_INDEX": "-1", "DSV4_NUM_SHARDS": "2"}, "JOB_COMPLETION_INDEX='-1' is not a non-negative integer"),
+        (
+            (None, None),
+            {"SLURM_ARRAY_TASK_ID": "1", "SLURM_ARRAY_TASK_STEP": "0", "SLURM_ARRAY_TASK_COUNT": "2"},
+            "SLURM_ARRAY_TASK_STEP='0' is not a positive integer",
+        ),
+        (
+            (None, None),
+            {"SLURM_ARRAY_TASK_ID": "0", "SLURM_ARRAY_TASK_COUNT": "0"},
+            "SLURM_ARRAY_TASK_COUNT='0' is not a positive integer",
+        ),
+        (
+            (None, None),
+            {
+                "SLURM_ARRAY_TASK_ID": "2",
+                "SLURM_ARRAY_TASK_MIN": "1",
+                "SLURM_ARRAY_TASK_STEP": "2",
+                "SLURM_ARRAY_TASK_COUNT": "2",
+            },
+            "SLURM_ARRAY_TASK_ID=2 is not in the array",
+        ),
+        (
+            (None, None),
+            {"JOB_COMPLETION_INDEX": "0", "DSV4_NUM_SHARDS": "abc"},
+            "DSV4_NUM_SHARDS='abc' is not a positive integer",
+        ),
+        (
+            (None, None),
+            {"JOB_COMPLETION_INDEX": "-1", "DSV4_NUM_SHARDS": "2"},
+            "JOB_COMPLETION_INDEX='-1' is not a non-negative integer",
+        ),
     ],
 )
-def test_shard_from_env_refuses_what_it_cannot_split_on(options: tuple[int | None, int | None], env: dict[str, str], words: str) -> None:
+def test_shard_from_env_refuses_what_it_cannot_split_on(
+    options: tuple[int | None, int | None], env: dict[str, str], words: str
+) -> None:
     with pytest.raises(ValueError, match=words):
         shard_from_env(*options, env=env)
 
 
 @pytest.mark.parametrize(("var", "value"), [("DSV4_NUM_SHARDS", "abc"), ("DSV4_NUM_SHARDS", "0")])
-def test_the_batch_command_names_the_variable_it_cannot_use(var: str, value: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_batch_command_names_the_variable_it_cannot_use(
+    var: str, value: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     monkeypatch.setenv(var, value)
     monkeypatch.setenv("JOB_COMPLETION_INDEX", "0")
     code, _, err = run_main(monkeypatch, capsys, "batch", write_manifest(tmp_path / "batch.toml"))
@@ -223,7 +292,9 @@ def test_manifest_forms_and_outputs(tmp_path: Path) -> None:
     )
     m = load_manifest(path)
     assert [(s.repo, s.revision) for s in m.sources] == [("org/a", None), ("org/b", "v2"), ("org/c", "abc123")]
-    assert [s.output for s in m.sources] == [tmp_path / "converted" / n for n in ("org-a-main", "org-b-v2", "org-c-abc123")]
+    assert [s.output for s in m.sources] == [
+        tmp_path / "converted" / n for n in ("org-a-main", "org-b-v2", "org-c-abc123")
+    ]
     assert [s.push_repo for s in m.sources] == ["me/a-xpu", "me/b-xpu", "me/c-xpu"]
     assert (m.target, m.private, m.max_shard_size, m.check) == ("xpu", True, 1_000_000, True)
     assert load_manifest(path, tmp_path / "elsewhere").sources[0].output == tmp_path / "elsewhere" / "org-a-main"
@@ -263,7 +334,12 @@ def test_manifest_max_shard_size_follows_the_options_rule(tmp_path: Path, value:
 
 def test_push_without_a_target_repo_template_is_refused_before_any_work(tmp_path: Path) -> None:
     manifest = write_manifest(tmp_path / "batch.toml", sources=("org/a",))
-    r = run_cli("batch", str(manifest), "--push", env={"PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")})
+    r = run_cli(
+        "batch",
+        str(manifest),
+        "--push",
+        env={"PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")},
+    )
     assert r.returncode == 64 and "output.repo" in r.stderr, r.stderr
     assert not (tmp_path / "out").exists()
 
@@ -295,7 +371,9 @@ def test_run_check_uses_the_checker_where_installed(monkeypatch: pytest.MonkeyPa
     assert run_check(tmp_path) == "unavailable"
 
 
-def test_a_second_run_on_the_same_report_is_refused_and_the_first_runs_report_is_kept(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_second_run_on_the_same_report_is_refused_and_the_first_runs_report_is_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     import os
     import socket
     import threading
@@ -309,7 +387,9 @@ def test_a_second_run_on_the_same_report_is_refused_and_the_first_runs_report_is
     taken, done = threading.Event(), threading.Event()
 
     def first_run() -> None:  # holds the report as a batch run on this manifest and out-dir does
-        with hold_lock(report, report.parent / ".batch-report.json.lock", report.parent / ".batch-report.json.lock.owner"):
+        with hold_lock(
+            report, report.parent / ".batch-report.json.lock", report.parent / ".batch-report.json.lock.owner"
+        ):
             taken.set()
             done.wait()
 
@@ -322,7 +402,11 @@ def test_a_second_run_on_the_same_report_is_refused_and_the_first_runs_report_is
         done.set()
         thread.join()
     assert code == 47
-    assert err == f"error: {report}: locked by another run (pid {os.getpid()} on host {socket.gethostname()}, running since " + err.split("running since ")[1]
+    assert (
+        err
+        == f"error: {report}: locked by another run (pid {os.getpid()} on host {socket.gethostname()}, running since "
+        + err.split("running since ")[1]
+    )
     assert err.endswith("); nothing was changed; pass --report FILE to write this run's report elsewhere\n")
     assert report.read_text() == '{"the first run": "its report"}\n' and not (tmp_path / "out" / "alpha-xpu").exists()
 
@@ -364,7 +448,9 @@ def drafter_hub(drafters: dict[str, Path]) -> Iterator[FakeHub]:
         yield h
 
 
-def test_batch_target_draft_converts_each_drafter_once_and_names_its_table(drafters: dict[str, Path], drafter_hub: FakeHub, tmp_path: Path) -> None:
+def test_batch_target_draft_converts_each_drafter_once_and_names_its_table(
+    drafters: dict[str, Path], drafter_hub: FakeHub, tmp_path: Path
+) -> None:
     manifest = write_manifest(tmp_path / "batch.toml", sources=tuple(DRAFTERS), check=True, target="draft")
     report = tmp_path / "out" / "batch-report.json"
     env = hub_env(drafter_hub, tmp_path / "hf")
@@ -374,13 +460,17 @@ def test_batch_target_draft_converts_each_drafter_once_and_names_its_table(draft
     rep = report_of(report)
     assert rep["target"] == "draft" and rep["tables"] == {"draft": "1", "draft_dspark": "1"}
     assert [(e["repo"], e["table"]) for e in rep["converted"]] == list(DRAFTERS.items())
-    assert all(e["check"] not in ("disabled", "unavailable") for e in rep["converted"])  # check passed on each draft directory
+    assert all(
+        e["check"] not in ("disabled", "unavailable") for e in rep["converted"]
+    )  # check passed on each draft directory
     for repo in DRAFTERS:
         name = repo.split("/")[1]
         out, local = tmp_path / "out" / f"{name}-draft", drafters[f"{name}-draft-local"]
         assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in local.iterdir())
         for f in ("config.json", "model.safetensors.index.json", "model-00001-of-00001.safetensors"):
-            assert (out / f).read_bytes() == (local / f).read_bytes(), f  # the same directory as `convert --target draft`
+            assert (out / f).read_bytes() == (local / f).read_bytes(), (
+                f
+            )  # the same directory as `convert --target draft`
 
     drafter_hub.reset_counters()
     r = run_cli("batch", str(manifest), env=env)
@@ -392,19 +482,30 @@ def test_batch_target_draft_converts_each_drafter_once_and_names_its_table(draft
     assert all(source_bytes(drafter_hub, repo) == 0 for repo in DRAFTERS)
 
 
-def test_push_of_a_draft_publishes_a_ready_to_serve_card_in_the_same_commit(drafter_hub: FakeHub, tmp_path: Path) -> None:
-    manifest = write_manifest(tmp_path / "batch.toml", repo_template="dest/{name}-{target}", sources=tuple(DRAFTERS), target="draft")
+def test_push_of_a_draft_publishes_a_ready_to_serve_card_in_the_same_commit(
+    drafter_hub: FakeHub, tmp_path: Path
+) -> None:
+    manifest = write_manifest(
+        tmp_path / "batch.toml", repo_template="dest/{name}-{target}", sources=tuple(DRAFTERS), target="draft"
+    )
     r = run_cli("batch", str(manifest), "--push", env=hub_env(drafter_hub, tmp_path / "hf", HF_TOKEN=TOKEN))
     assert r.returncode == 0, r.stderr
     converted = {e["repo"]: e for e in report_of(tmp_path / "out" / "batch-report.json")["converted"]}
-    method = {"org/mtp": ('{"method":"mtp","model":"dest/mtp-draft","num_speculative_tokens":1}', "NEXTN"), "org/spark": ('{"method":"dspark","model":"dest/spark-draft"}', "DSPARK")}
+    method = {
+        "org/mtp": ('{"method":"mtp","model":"dest/mtp-draft","num_speculative_tokens":1}', "NEXTN"),
+        "org/spark": ('{"method":"dspark","model":"dest/spark-draft"}', "DSPARK"),
+    }
     for source, table in DRAFTERS.items():
         name, entry = source.split("/")[1], converted[source]
         dest, commit = f"dest/{name}-draft", entry["commit"]
         (pushed,) = [p for p in drafter_hub.pushed if p["repo"] == dest]
-        assert {"README.md", "conversion.json", "config.json", "model-00001-of-00001.safetensors"} <= set(pushed["files"])  # one commit
+        assert {"README.md", "conversion.json", "config.json", "model-00001-of-00001.safetensors"} <= set(
+            pushed["files"]
+        )  # one commit
         assert entry["pushed"]["commit"] == pushed["oid"]
-        assert not (tmp_path / "out" / f"{name}-draft" / "README.md").exists()  # the local OUT stays the converter's output
+        assert not (
+            tmp_path / "out" / f"{name}-draft" / "README.md"
+        ).exists()  # the local OUT stays the converter's output
 
         card = ModelCard(drafter_hub.files(dest)["README.md"].decode())
         drafter = "dspark" if table == "draft_dspark" else "mtp"
@@ -412,5 +513,8 @@ def test_push_of_a_draft_publishes_a_ready_to_serve_card_in_the_same_commit(draf
         assert {"deepseek_v4", drafter, "speculative-decoding", "draft-model"} <= set(card.data.tags)
         speculative_config, algorithm = method[source]
         assert f"vllm serve {source} --speculative-config '{speculative_config}'" in card.text
-        assert f"python -m sglang.launch_server --model-path {source} --speculative-algorithm {algorithm} --speculative-draft-model-path {dest}" in card.text
+        assert (
+            f"python -m sglang.launch_server --model-path {source} --speculative-algorithm {algorithm} --speculative-draft-model-path {dest}"
+            in card.text
+        )
         assert f"at commit `{commit}`" in card.text and f"table `{table}` version 1" in card.text

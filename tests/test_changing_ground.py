@@ -17,11 +17,12 @@ from functools import partial
 from pathlib import Path
 
 import pytest
+from inprocess import run_main
+
 from dsv4.convert import pipeline
 from dsv4.convert.errors import OutputLockedError, SourceChangedError, WriteFailedError
 from dsv4.convert.exit_codes import code_of
 from dsv4.convert.pipeline import convert
-from inprocess import run_main
 
 
 def files(root: Path) -> dict[str, str]:
@@ -77,8 +78,16 @@ def replace_by_a_copy(path: Path) -> None:
     os.replace(copy, path)
 
 
-@pytest.mark.parametrize(("change", "said"), [(flip_last_byte, "was rewritten (its modification time changed)"), (replace_by_a_copy, "was replaced by another file")])
-def test_a_source_file_changed_mid_run_is_refused_and_a_rerun_converts_the_settled_source(change: Callable[[Path], None], said: str, tiny_native: Path, tmp_path: Path, run, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(
+    ("change", "said"),
+    [
+        (flip_last_byte, "was rewritten (its modification time changed)"),
+        (replace_by_a_copy, "was replaced by another file"),
+    ],
+)
+def test_a_source_file_changed_mid_run_is_refused_and_a_rerun_converts_the_settled_source(
+    change: Callable[[Path], None], said: str, tiny_native: Path, tmp_path: Path, run, monkeypatch: pytest.MonkeyPatch
+) -> None:
     src, out = Path(shutil.copytree(tiny_native, tmp_path / "src")), tmp_path / "out"
     inv, reader = pipeline.open_source(src)
     plan = pipeline.plan_source(inv, reader, "xpu")
@@ -88,31 +97,46 @@ def test_a_source_file_changed_mid_run_is_refused_and_a_rerun_converts_the_settl
     at_first_write(monkeypatch, lambda: change(shard))
     code, _, err = run(src, out, "-q")
     assert code == code_of(SourceChangedError) == 36
-    assert one_line(err).startswith(f"error: {shard}: the source file {said} during the conversion; nothing was published")
-    assert not out.exists() and sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == [".out.lock"]  # no partial work kept
+    assert one_line(err).startswith(
+        f"error: {shard}: the source file {said} during the conversion; nothing was published"
+    )
+    assert not out.exists() and sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == [
+        ".out.lock"
+    ]  # no partial work kept
 
     monkeypatch.undo()  # the source settles
     assert run(src, out, "-q")[0] == 0
     settled = tmp_path / "settled"
     convert(Path(shutil.copytree(src, tmp_path / "settled-src")), settled)
     assert files(out).keys() == files(settled).keys()
-    assert {k: v for k, v in files(out).items() if k != "conversion.json"} == {k: v for k, v in files(settled).items() if k != "conversion.json"}
+    assert {k: v for k, v in files(out).items() if k != "conversion.json"} == {
+        k: v for k, v in files(settled).items() if k != "conversion.json"
+    }
 
 
-def test_a_run_whose_lock_file_was_removed_stops_before_it_writes_on_or_publishes(tiny_native: Path, tmp_path: Path, run, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_run_whose_lock_file_was_removed_stops_before_it_writes_on_or_publishes(
+    tiny_native: Path, tmp_path: Path, run, monkeypatch: pytest.MonkeyPatch
+) -> None:
     out = tmp_path / "out"
     lock = tmp_path / ".out.lock"
     at_first_write(monkeypatch, lambda: lock.unlink())  # by hand, mid-run: a second run could now take OUT
     code, _, err = run(tiny_native, out, "-q", "--max-shard-size", "100KB")
     assert code == code_of(OutputLockedError) == 47
-    assert one_line(err) == f"error: {out}: its lock file {lock} was removed while this run held it, so another run may own OUT; this run stopped without publishing"
+    assert (
+        one_line(err)
+        == f"error: {out}: its lock file {lock} was removed while this run held it, so another run may own OUT; this run stopped without publishing"
+    )
     assert not out.exists()
     monkeypatch.undo()
     assert run(tiny_native, out, "-q")[0] == 0  # the next owner converts (or resumes) as usual
 
 
-@pytest.mark.parametrize("shorter", [5, 25])  # than the limit: `.NAME.lock` is too long; only the lock owner's temporary file is
-def test_an_out_name_its_siblings_cannot_carry_is_42_before_anything_is_created(shorter: int, tiny_native: Path, tmp_path: Path, run) -> None:
+@pytest.mark.parametrize(
+    "shorter", [5, 25]
+)  # than the limit: `.NAME.lock` is too long; only the lock owner's temporary file is
+def test_an_out_name_its_siblings_cannot_carry_is_42_before_anything_is_created(
+    shorter: int, tiny_native: Path, tmp_path: Path, run
+) -> None:
     limit = os.pathconf(tmp_path, "PC_NAME_MAX")
     out = tmp_path / ("o" * (limit - shorter))  # itself a legal name
     code, _, err = run(tiny_native, out, "-q")
@@ -138,7 +162,9 @@ pipeline.convert(sys.argv[1], sys.argv[2])
 
 def test_a_temporary_record_file_a_kill_left_is_never_published(tiny_native: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
-    killed = subprocess.run([sys.executable, "-c", KILL_IN_A_RECORD, str(tiny_native), str(out)], capture_output=True, text=True)
+    killed = subprocess.run(
+        [sys.executable, "-c", KILL_IN_A_RECORD, str(tiny_native), str(out)], capture_output=True, text=True
+    )
     assert killed.returncode == -9, killed.stderr
     assert (tmp_path / ".out.partial" / ".config.json.0123abcd.tmp").exists()
     assert convert(tiny_native, out).status == "resumed"

@@ -14,13 +14,14 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
+from edits import INDEX, SHARD, edit_config, edit_tensors, raw_tensor_bytes, reseal
+from inprocess import run_main
+
 from dsv4.convert.check import run_checks
 from dsv4.convert.cli import cli
 from dsv4.convert.exit_codes import exit_code
 from dsv4.convert.pipeline import convert
 from dsv4.convert.synth import write_checkpoint
-from edits import INDEX, SHARD, edit_config, edit_tensors, raw_tensor_bytes, reseal
-from inprocess import run_main
 
 # "serve" (check --serve-with, tests/test_serve_with.py) is the last check; not asked for here, it skips
 CHECKS = ["index", "readable", "sizes", "checksums", "config", "layout", "quant", "smoke", "native", "serve"]
@@ -173,8 +174,18 @@ def nan_scales(out: Path) -> None:
         (flip_a_byte, "checksums", 74, f"{SHARD}: tensor "),
         (point_at_missing_shard, "index", 71, "model-00002-of-00002.safetensors: named in"),
         (two_mtp_blocks, "config", 75, "MTP layer(s) [2, 3], but the tensors hold layer(s) [2]"),
-        (fp8_experts, "config", 75, f"expert_dtype is 'fp8' but {SHARD}: tensor {B}ffn.experts.routed_experts.w13_weight (U8) holds fp4 experts"),
-        (block_64, "config", 75, f"weight_block_size [64, 64] gives model.layers.{L}.e_proj.weight_scale_inv the shape [4, 4]"),
+        (
+            fp8_experts,
+            "config",
+            75,
+            f"expert_dtype is 'fp8' but {SHARD}: tensor {B}ffn.experts.routed_experts.w13_weight (U8) holds fp4 experts",
+        ),
+        (
+            block_64,
+            "config",
+            75,
+            f"weight_block_size [64, 64] gives model.layers.{L}.e_proj.weight_scale_inv the shape [4, 4]",
+        ),
         (forget_the_record, "config", 75, "no dsv4_convert record"),
         (stray_shard, "index", 71, "model-00002-of-00002.safetensors: shard not named in"),
         (wrong_total_size, "sizes", 73, "metadata.total_size is"),
@@ -182,7 +193,9 @@ def nan_scales(out: Path) -> None:
     ],
     ids=lambda v: v.__name__ if callable(v) else None,
 )
-def test_each_breakage_fails_its_check(out: Path, breakage: Callable[[Path], None], check: str, exit_code: int, named: str) -> None:
+def test_each_breakage_fails_its_check(
+    out: Path, breakage: Callable[[Path], None], check: str, exit_code: int, named: str
+) -> None:
     breakage(out)
     report = run_checks(out, smoke=True)
     failed = report.failures[0]
@@ -228,7 +241,9 @@ def test_json_report(converted: dict[str, Path]) -> None:
     assert result.exit_code == 0, result.output
     report = json.loads(result.output)
     assert report["ok"] and report["exit_code"] == 0
-    assert [(c["name"], c["status"]) for c in report["checks"]] == [(n, "skip" if n in ("smoke", "native", "serve") else "pass") for n in CHECKS]
+    assert [(c["name"], c["status"]) for c in report["checks"]] == [
+        (n, "skip" if n in ("smoke", "native", "serve") else "pass") for n in CHECKS
+    ]
 
 
 def test_the_process_exits_with_the_check_code_and_a_one_line_reason(out: Path) -> None:
@@ -248,12 +263,23 @@ def test_check_under_an_address_space_limit_too_small_for_torch_is_one_line(tiny
     def capped() -> None:
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
 
-    done = subprocess.run([sys.executable, "-c", "from dsv4.convert.entry import main; main()", "check", str(tiny_pair[1])], capture_output=True, text=True, timeout=120, preexec_fn=capped)
+    done = subprocess.run(
+        [sys.executable, "-c", "from dsv4.convert.entry import main; main()", "check", str(tiny_pair[1])],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        preexec_fn=capped,
+    )
     assert done.returncode == 3, done.stderr  # not OpenBLAS's exit(1) inside torch's import
-    assert done.stderr.startswith("error: check: not enough memory: the address-space limit (ulimit -v) is 512 MiB") and done.stderr.count("\n") == 1
+    assert (
+        done.stderr.startswith("error: check: not enough memory: the address-space limit (ulimit -v) is 512 MiB")
+        and done.stderr.count("\n") == 1
+    )
 
 
-def test_check_native_and_smoke_native_give_one_verdict(out: Path, natives: dict[str, Path], monkeypatch, capsys) -> None:
+def test_check_native_and_smoke_native_give_one_verdict(
+    out: Path, natives: dict[str, Path], monkeypatch, capsys
+) -> None:
     # the routed experts stacked in reverse order (a converter stacking them wrongly): the
     # routing is the reference's, the outputs are not. One pass rule (dsv4.model.parity),
     # one message; check keeps its code 85, smoke its 55; the same default token count.
@@ -267,4 +293,6 @@ def test_check_native_and_smoke_native_give_one_verdict(out: Path, natives: dict
     code, _, err = run_main(monkeypatch, capsys, "smoke", out, "--device", "cpu", "--native", natives["instruct"])
     assert code == 55
     verdict = err.removeprefix("error: ").rstrip("\n")
-    assert verdict == report.failures[0].reason and verdict.startswith(f"{out}: differs from the reference on {natives['instruct']}: ")
+    assert verdict == report.failures[0].reason and verdict.startswith(
+        f"{out}: differs from the reference on {natives['instruct']}: "
+    )

@@ -7,6 +7,7 @@ import json
 
 import click
 import pytest
+
 from dsv4.convert.cli import cli, echo_json
 
 

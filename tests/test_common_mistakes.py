@@ -10,11 +10,17 @@ import pytest
 from inprocess import run_main
 
 
-def test_a_converted_checkpoint_given_to_convert_is_named_and_reverse_or_check_suggested(tiny_pair, tmp_path, monkeypatch, capsys):
+def test_a_converted_checkpoint_given_to_convert_is_named_and_reverse_or_check_suggested(
+    tiny_pair, tmp_path, monkeypatch, capsys
+):
     converted = tiny_pair[1]
     code, out, err = run_main(monkeypatch, capsys, converted, tmp_path / "again", "--target", "xpu")
     assert code == 35 and err.count("\n") == 1, err  # was 31, "no rule covers it"
-    assert err.startswith(f"error: {converted}: is a converted checkpoint") and "--reverse" in err and f"convert-dsv4 check {converted}" in err
+    assert (
+        err.startswith(f"error: {converted}: is a converted checkpoint")
+        and "--reverse" in err
+        and f"convert-dsv4 check {converted}" in err
+    )
     assert not (tmp_path / "again").exists()
 
 
@@ -25,11 +31,16 @@ def test_a_native_checkpoint_given_to_reverse_is_named(tiny_native, tmp_path, mo
 
 
 @pytest.mark.parametrize("command", ["smoke", "check"])
-def test_a_native_checkpoint_given_to_smoke_or_check_is_named_with_the_command_that_takes_it(tiny_native, monkeypatch, capsys, command):
+def test_a_native_checkpoint_given_to_smoke_or_check_is_named_with_the_command_that_takes_it(
+    tiny_native, monkeypatch, capsys, command
+):
     code, _, err = run_main(monkeypatch, capsys, command, tiny_native, "--device", "cpu")
     assert code == 35 and err.count("\n") == 1, err  # was 35 "0 draft block(s)" (smoke) and 73 (check)
     assert err.startswith(f"error: {tiny_native}: is a native DeepSeek V4 checkpoint")
-    assert f"convert-dsv4 {tiny_native} OUT --target xpu" in err and f"convert-dsv4 {command} OUT --native {tiny_native}" in err
+    assert (
+        f"convert-dsv4 {tiny_native} OUT --target xpu" in err
+        and f"convert-dsv4 {command} OUT --native {tiny_native}" in err
+    )
 
 
 def test_a_mistyped_subcommand_is_a_usage_error_with_a_suggestion(tmp_path, monkeypatch, capsys):

@@ -17,6 +17,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hubserver import FakeHub, hub_env
+from hubserver import run_cli as hub_cli
+
 from dsv4.convert.check import run_checks
 from dsv4.convert.exit_codes import exit_code
 from dsv4.convert.inventory import read_inventory
@@ -28,8 +31,6 @@ from dsv4.model import errors as model_errors
 from dsv4.model.config import ConfigError, ConfigFieldError, ModelConfig, UnsupportedConfig, parse_config
 from dsv4.model.loader import load_converted
 from dsv4.model.presets import PRESETS, preset_config
-from hubserver import FakeHub, hub_env
-from hubserver import run_cli as hub_cli
 
 ADDRESS_SPACE = 4 << 30  # a CLI run that allocates without bound dies instead of swapping
 CLI_TIMEOUT_S = 120
@@ -41,7 +42,9 @@ def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
     def limit() -> None:
         resource.setrlimit(resource.RLIMIT_AS, (ADDRESS_SPACE, ADDRESS_SPACE))
 
-    return subprocess.run([sys.executable, "-m", "dsv4", *args], capture_output=True, text=True, timeout=CLI_TIMEOUT_S, preexec_fn=limit)
+    return subprocess.run(
+        [sys.executable, "-m", "dsv4", *args], capture_output=True, text=True, timeout=CLI_TIMEOUT_S, preexec_fn=limit
+    )
 
 
 def assert_one_line_error(r: subprocess.CompletedProcess[str], code: int, *named: str) -> None:
@@ -90,10 +93,22 @@ PATHOLOGIES = {
     "nested-100000-deep": (tiny_json()[:-1] + f', "rope_scaling": {DEEP}}}', 18, "nested more than 64 levels deep"),
     "hidden-size-string": (tiny_json(hidden_size="256"), 18, 'hidden_size is "256" (a string); expected an integer'),
     "hidden-size-true": (tiny_json(hidden_size=True), 18, "hidden_size is true (a boolean); expected an integer"),
-    "block-size-length-1": (block_size([128]), 18, "quantization_config.weight_block_size has 1 entry; expected exactly 2"),
-    "block-size-with-0": (block_size([128, 0]), 18, "quantization_config.weight_block_size[1] is 0; expected an integer in 1.."),
+    "block-size-length-1": (
+        block_size([128]),
+        18,
+        "quantization_config.weight_block_size has 1 entry; expected exactly 2",
+    ),
+    "block-size-with-0": (
+        block_size([128, 0]),
+        18,
+        "quantization_config.weight_block_size[1] is 0; expected an integer in 1..",
+    ),
     "integer-of-4301-digits": (tiny_json()[:-1] + f', "vocab_size": {HUGE_INTEGER}}}', 18, "integer of 4301 digits"),
-    "num-nextn-10-million": (tiny_json(num_nextn_predict_layers=10_000_000), 18, "num_nextn_predict_layers is 10000000; expected an integer in 0..16"),
+    "num-nextn-10-million": (
+        tiny_json(num_nextn_predict_layers=10_000_000),
+        18,
+        "num_nextn_predict_layers is 10000000; expected an integer in 0..16",
+    ),
     "v4.1": (tiny_json(model_type="deepseek_v41"), 35, "model_type 'deepseek_v41' (DeepSeek V4.1"),
 }
 
@@ -108,7 +123,9 @@ def test_plan_refuses_a_malformed_config_with_one_line_naming_it(native: Path, t
 def test_num_nextn_beyond_the_blocks_present_names_the_config_field(native: Path, tmp_path: Path) -> None:
     ckpt = with_config(native, tmp_path / "ckpt", tiny_json(num_nextn_predict_layers=2))
     r = run_cli("plan", str(ckpt))
-    assert_one_line_error(r, 35, f"{ckpt}/config.json: num_nextn_predict_layers = 2 but the shards hold 1 draft block(s) (mtp.0)")
+    assert_one_line_error(
+        r, 35, f"{ckpt}/config.json: num_nextn_predict_layers = 2 but the shards hold 1 draft block(s) (mtp.0)"
+    )
     assert "not in the checkpoint" not in r.stderr  # not a missing tensor
 
 
@@ -117,7 +134,9 @@ def test_a_hub_source_gets_the_same_verdict(native: Path, tmp_path: Path) -> Non
     with FakeHub() as hub:
         commit = hub.commit("org/listcfg", {**files, "config.json": b"[1, 2]"})
         r = hub_cli("plan", "org/listcfg", env=hub_env(hub, tmp_path / "hf"))
-    assert_one_line_error(r, 18, f"org/listcfg/config.json@{commit[:12]}: the top level is [1, 2] (a list); expected a JSON object")
+    assert_one_line_error(
+        r, 18, f"org/listcfg/config.json@{commit[:12]}: the top level is [1, 2] (a list); expected a JSON object"
+    )
 
 
 def test_check_on_an_output_config_that_is_a_list_fails_the_config_check(converted: Path, tmp_path: Path) -> None:
@@ -129,7 +148,9 @@ def test_check_on_an_output_config_that_is_a_list_fails_the_config_check(convert
 
 def test_smoke_on_an_output_config_that_is_a_list_exits_18(converted: Path, tmp_path: Path) -> None:
     out = with_config(converted, tmp_path / "out", "[]")
-    assert_one_line_error(run_cli("smoke", str(out), "--device", "cpu"), 18, f"{out}/config.json: the top level is [] (a list)")
+    assert_one_line_error(
+        run_cli("smoke", str(out), "--device", "cpu"), 18, f"{out}/config.json: the top level is [] (a list)"
+    )
 
 
 # --- the same verdict everywhere -------------------------------------------------------
@@ -149,7 +170,9 @@ def loader_verdict(ckpt: Path) -> tuple[int, str]:
     return 0, ""
 
 
-@pytest.mark.parametrize("case", ["top-level-list", "hidden-size-string", "block-size-with-0", "num-nextn-10-million", "v4.1"])
+@pytest.mark.parametrize(
+    "case", ["top-level-list", "hidden-size-string", "block-size-with-0", "num-nextn-10-million", "v4.1"]
+)
 def test_plan_check_and_loader_give_a_config_the_same_verdict(converted: Path, tmp_path: Path, case: str) -> None:
     text, code, said = PATHOLOGIES[case]
     out = with_config(converted, tmp_path / "out", text)
@@ -161,14 +184,28 @@ def test_plan_check_and_loader_give_a_config_the_same_verdict(converted: Path, t
 
 
 def test_loader_names_num_nextn_when_the_shards_hold_fewer_layers(converted: Path, tmp_path: Path) -> None:
-    out = with_config(converted, tmp_path / "out", json.dumps({**json.loads((converted / "config.json").read_text()), "num_nextn_predict_layers": 3}))
-    with pytest.raises(model_errors.UnsupportedLayoutError, match=r"num_nextn_predict_layers = 3 but the shards hold 1 draft block\(s\) \(model\.layers\.2\)"):
+    out = with_config(
+        converted,
+        tmp_path / "out",
+        json.dumps({**json.loads((converted / "config.json").read_text()), "num_nextn_predict_layers": 3}),
+    )
+    with pytest.raises(
+        model_errors.UnsupportedLayoutError,
+        match=r"num_nextn_predict_layers = 3 but the shards hold 1 draft block\(s\) \(model\.layers\.2\)",
+    ):
         load_converted(out, "cpu")
 
 
 def test_reverse_plan_names_num_nextn_when_the_shards_hold_fewer_layers(converted: Path, tmp_path: Path) -> None:
-    out = with_config(converted, tmp_path / "out", json.dumps({**json.loads((converted / "config.json").read_text()), "num_nextn_predict_layers": 2}))
-    with pytest.raises(model_errors.UnsupportedLayoutError, match=r"config.json: num_nextn_predict_layers = 2 but the shards hold 1 draft block\(s\) \(model\.layers\.2\)"):
+    out = with_config(
+        converted,
+        tmp_path / "out",
+        json.dumps({**json.loads((converted / "config.json").read_text()), "num_nextn_predict_layers": 2}),
+    )
+    with pytest.raises(
+        model_errors.UnsupportedLayoutError,
+        match=r"config.json: num_nextn_predict_layers = 2 but the shards hold 1 draft block\(s\) \(model\.layers\.2\)",
+    ):
         plan_reverse(read_inventory(out), load_table("xpu"))
 
 
@@ -192,35 +229,109 @@ def set_field(name: str, value: Any) -> Callable[[dict[str, Any]], None]:
 
 # (edit of the tiny config, error class, field named, message part)
 REFUSALS = [
-    (set_field("num_hidden_layers", -1), ConfigFieldError, "num_hidden_layers", "num_hidden_layers is -1; expected an integer in 1..1024"),
-    (set_field("vocab_size", 2**62), ConfigFieldError, "vocab_size", "vocab_size is 4611686018427387904; expected an integer in 1..16777216"),
-    (set_field("n_routed_experts", 1.0), ConfigFieldError, "n_routed_experts", "n_routed_experts is 1.0; expected an integer"),
+    (
+        set_field("num_hidden_layers", -1),
+        ConfigFieldError,
+        "num_hidden_layers",
+        "num_hidden_layers is -1; expected an integer in 1..1024",
+    ),
+    (
+        set_field("vocab_size", 2**62),
+        ConfigFieldError,
+        "vocab_size",
+        "vocab_size is 4611686018427387904; expected an integer in 1..16777216",
+    ),
+    (
+        set_field("n_routed_experts", 1.0),
+        ConfigFieldError,
+        "n_routed_experts",
+        "n_routed_experts is 1.0; expected an integer",
+    ),
     (set_field("hc_eps", 0), ConfigFieldError, "hc_eps", "hc_eps is 0; expected a finite number > 0 and < 1"),
     (set_field("rope_theta", "1e4"), ConfigFieldError, "rope_theta", 'rope_theta is "1e4" (a string)'),
-    (set_field("rope_theta", 2**64), ConfigFieldError, "rope_theta", "rope_theta is 18446744073709551616; expected a finite number > 0"),
-    (set_field("rms_norm_eps", float("nan")), ConfigFieldError, "rms_norm_eps", "rms_norm_eps is nan; expected a finite number"),
+    (
+        set_field("rope_theta", 2**64),
+        ConfigFieldError,
+        "rope_theta",
+        "rope_theta is 18446744073709551616; expected a finite number > 0",
+    ),
+    (
+        set_field("rms_norm_eps", float("nan")),
+        ConfigFieldError,
+        "rms_norm_eps",
+        "rms_norm_eps is nan; expected a finite number",
+    ),
     (set_field("norm_topk_prob", 1), ConfigFieldError, "norm_topk_prob", "norm_topk_prob is 1; expected true or false"),
     (set_field("expert_dtype", 4), ConfigFieldError, "expert_dtype", "expert_dtype is 4; expected a string"),
-    (set_field("quantization_config", []), ConfigFieldError, "quantization_config", "quantization_config is [] (a list); expected an object"),
-    (set_field("compress_ratios", [4, 128]), ConfigFieldError, "compress_ratios", "compress_ratios has 2 entries; expected one per main layer (num_hidden_layers = 2) and one per draft layer: 3..18"),
-    (set_field("compress_ratios", [4, -128, 0]), ConfigFieldError, "compress_ratios[1]", "compress_ratios[1] is -128; expected an integer in 0.."),
-    (set_field("compress_ratios", "4,128,0"), ConfigFieldError, "compress_ratios", 'compress_ratios is "4,128,0" (a string); expected a list of integers'),
-    (set_field("qk_rope_head_dim", 63), ConfigFieldError, "qk_rope_head_dim", "expected an even number <= head_dim (128)"),
+    (
+        set_field("quantization_config", []),
+        ConfigFieldError,
+        "quantization_config",
+        "quantization_config is [] (a list); expected an object",
+    ),
+    (
+        set_field("compress_ratios", [4, 128]),
+        ConfigFieldError,
+        "compress_ratios",
+        "compress_ratios has 2 entries; expected one per main layer (num_hidden_layers = 2) and one per draft layer: 3..18",
+    ),
+    (
+        set_field("compress_ratios", [4, -128, 0]),
+        ConfigFieldError,
+        "compress_ratios[1]",
+        "compress_ratios[1] is -128; expected an integer in 0..",
+    ),
+    (
+        set_field("compress_ratios", "4,128,0"),
+        ConfigFieldError,
+        "compress_ratios",
+        'compress_ratios is "4,128,0" (a string); expected a list of integers',
+    ),
+    (
+        set_field("qk_rope_head_dim", 63),
+        ConfigFieldError,
+        "qk_rope_head_dim",
+        "expected an even number <= head_dim (128)",
+    ),
     (set_field("o_groups", 3), ConfigFieldError, "o_groups", "expected a divisor of num_attention_heads (4)"),
-    (set_field("num_experts_per_tok", 9), ConfigFieldError, "num_experts_per_tok", "num_experts_per_tok is 9, more than n_routed_experts (8)"),
+    (
+        set_field("num_experts_per_tok", 9),
+        ConfigFieldError,
+        "num_experts_per_tok",
+        "num_experts_per_tok is 9, more than n_routed_experts (8)",
+    ),
     (lambda raw: raw.pop("hidden_size"), ConfigFieldError, "hidden_size", "lacks required field(s): hidden_size"),
-    (set_field("model_type", "llama"), UnsupportedConfig, "model_type", "model_type 'llama'; this tool converts 'deepseek_v4' checkpoints only"),
-    (set_field("num_nextn_predict_layers", 0), UnsupportedConfig, "num_nextn_predict_layers", "the checkpoint has no MTP draft layer"),
+    (
+        set_field("model_type", "llama"),
+        UnsupportedConfig,
+        "model_type",
+        "model_type 'llama'; this tool converts 'deepseek_v4' checkpoints only",
+    ),
+    (
+        set_field("num_nextn_predict_layers", 0),
+        UnsupportedConfig,
+        "num_nextn_predict_layers",
+        "the checkpoint has no MTP draft layer",
+    ),
     (set_field("n_shared_experts", 2), UnsupportedConfig, "n_shared_experts", "n_shared_experts is 2"),
-    (set_field("compress_ratios", [4, 128, 4]), UnsupportedConfig, "compress_ratios", "the MTP layer has no compressor"),
+    (
+        set_field("compress_ratios", [4, 128, 4]),
+        UnsupportedConfig,
+        "compress_ratios",
+        "the MTP layer has no compressor",
+    ),
     (set_field("topk_method", "greedy"), UnsupportedConfig, "topk_method", "topk_method 'greedy'"),
     (set_field("scoring_func", "sigmoid"), UnsupportedConfig, "scoring_func", "scoring_func 'sigmoid'"),
     (set_field("expert_dtype", "mxfp6"), UnsupportedConfig, "expert_dtype", "unknown expert_dtype 'mxfp6'"),
 ]
 
 
-@pytest.mark.parametrize(("edit", "kind", "field", "said"), REFUSALS, ids=[f"{r[2]}-{i}" for i, r in enumerate(REFUSALS)])
-def test_each_refusal_names_its_field(edit: Callable[[dict[str, Any]], None], kind: type[ConfigFieldError], field: str, said: str) -> None:
+@pytest.mark.parametrize(
+    ("edit", "kind", "field", "said"), REFUSALS, ids=[f"{r[2]}-{i}" for i, r in enumerate(REFUSALS)]
+)
+def test_each_refusal_names_its_field(
+    edit: Callable[[dict[str, Any]], None], kind: type[ConfigFieldError], field: str, said: str
+) -> None:
     with pytest.raises(kind) as caught:
         ModelConfig.from_dict(tiny_with(edit))
     assert type(caught.value) is kind and caught.value.field == field

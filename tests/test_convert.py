@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from tensors import load_all
+
 from dsv4.convert import errors
 from dsv4.convert.exit_codes import code_of
 from dsv4.convert.inventory import read_inventory
@@ -21,7 +23,6 @@ from dsv4.convert.writer import ShardWriter
 from dsv4.mapping.table import load_table
 from dsv4.model import errors as model_errors
 from dsv4.model.checkpoint import INDEX_NAME
-from tensors import load_all
 
 L = "model.layers.2."  # tiny: num_hidden_layers = 2
 B = L + "mtp_block."
@@ -32,12 +33,18 @@ def raw(t: torch.Tensor) -> torch.Tensor:
 
 
 def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dsv4", *args], capture_output=True, text=True, env={**os.environ, **(env or {})})
+    return subprocess.run(
+        [sys.executable, "-m", "dsv4", *args], capture_output=True, text=True, env={**os.environ, **(env or {})}
+    )
 
 
 def crashing_cli(point: int, *args: str) -> subprocess.CompletedProcess:
     """The CLI, killed (SIGKILL) once the output stream reaches byte `point` (tests/crashing_cli.py)."""
-    return subprocess.run([sys.executable, str(Path(__file__).with_name("crashing_cli.py")), str(point), *args], capture_output=True, text=True)
+    return subprocess.run(
+        [sys.executable, str(Path(__file__).with_name("crashing_cli.py")), str(point), *args],
+        capture_output=True,
+        text=True,
+    )
 
 
 def tree_bytes(root: Path) -> dict[str, bytes]:
@@ -55,19 +62,34 @@ def test_values_are_what_spec_02_says(tiny_native: Path, tiny_xpu: Path) -> None
     n, x = load_all(tiny_native), load_all(tiny_xpu)
     assert len(x) == 41
     # concat along dim 0
-    assert torch.equal(raw(x[B + "attn.fused_wqa_wkv.weight"]), raw(torch.cat([n["mtp.0.attn.wq_a.weight"], n["mtp.0.attn.wkv.weight"]])))
-    assert torch.equal(raw(x[B + "ffn.shared_experts.gate_up_proj.weight_scale_inv"]), raw(torch.cat([n["mtp.0.ffn.shared_experts.w1.scale"], n["mtp.0.ffn.shared_experts.w3.scale"]])))
+    assert torch.equal(
+        raw(x[B + "attn.fused_wqa_wkv.weight"]),
+        raw(torch.cat([n["mtp.0.attn.wq_a.weight"], n["mtp.0.attn.wkv.weight"]])),
+    )
+    assert torch.equal(
+        raw(x[B + "ffn.shared_experts.gate_up_proj.weight_scale_inv"]),
+        raw(torch.cat([n["mtp.0.ffn.shared_experts.w1.scale"], n["mtp.0.ffn.shared_experts.w3.scale"]])),
+    )
     # weight_scale_inv keeps the source dtype and bytes (E8M0 for instruct)
-    for src, dst in [("mtp.0.e_proj.scale", L + "e_proj.weight_scale_inv"), ("mtp.0.attn.wq_b.scale", B + "attn.wq_b.weight_scale_inv")]:
+    for src, dst in [
+        ("mtp.0.e_proj.scale", L + "e_proj.weight_scale_inv"),
+        ("mtp.0.attn.wq_b.scale", B + "attn.wq_b.weight_scale_inv"),
+    ]:
         assert x[dst].dtype == torch.float8_e8m0fnu and torch.equal(raw(x[dst]), raw(n[src]))
     # row block e of w13 is expert e's w1 then w3, as raw uint8
     w13, w13s = x[B + "ffn.experts.routed_experts.w13_weight"], x[B + "ffn.experts.routed_experts.w13_weight_scale"]
     assert w13.dtype == torch.uint8 and w13s.dtype == torch.uint8
     for e in range(8):
-        assert torch.equal(w13[e], raw(torch.cat([n[f"mtp.0.ffn.experts.{e}.w1.weight"], n[f"mtp.0.ffn.experts.{e}.w3.weight"]])))
+        assert torch.equal(
+            w13[e], raw(torch.cat([n[f"mtp.0.ffn.experts.{e}.w1.weight"], n[f"mtp.0.ffn.experts.{e}.w3.weight"]]))
+        )
         # uint8 expert scales are the source E8M0 bytes, not a numeric cast (2^-7 -> 0)
-        assert torch.equal(w13s[e], raw(torch.cat([n[f"mtp.0.ffn.experts.{e}.w1.scale"], n[f"mtp.0.ffn.experts.{e}.w3.scale"]])))
-        assert torch.equal(x[B + "ffn.experts.routed_experts.w2_weight_scale"][e], raw(n[f"mtp.0.ffn.experts.{e}.w2.scale"]))
+        assert torch.equal(
+            w13s[e], raw(torch.cat([n[f"mtp.0.ffn.experts.{e}.w1.scale"], n[f"mtp.0.ffn.experts.{e}.w3.scale"]]))
+        )
+        assert torch.equal(
+            x[B + "ffn.experts.routed_experts.w2_weight_scale"][e], raw(n[f"mtp.0.ffn.experts.{e}.w2.scale"])
+        )
     numeric_cast = n["mtp.0.ffn.experts.0.w1.scale"].float().to(torch.uint8)  # what the bug class would store
     assert not torch.equal(w13s[0][: numeric_cast.shape[0]], numeric_cast)
     # shared tensors come from the top level
@@ -92,7 +114,12 @@ def test_base_checkpoint_values(tiny_base: Path, tmp_path: Path) -> None:
 
 
 def test_output_directory_records_what_it_holds(tiny_native: Path, tiny_xpu: Path) -> None:
-    assert sorted(p.name for p in tiny_xpu.iterdir()) == ["config.json", "conversion.json", "model-00001-of-00001.safetensors", INDEX_NAME]
+    assert sorted(p.name for p in tiny_xpu.iterdir()) == [
+        "config.json",
+        "conversion.json",
+        "model-00001-of-00001.safetensors",
+        INDEX_NAME,
+    ]
     index = json.loads((tiny_xpu / INDEX_NAME).read_text())
     x = load_all(tiny_xpu)
     assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in x.values())
@@ -158,7 +185,9 @@ def test_killed_runs_resume_to_byte_identical_output(tiny_native: Path, tiny_xpu
     assert tree_bytes(out) == clean
 
 
-def test_resume_redoes_a_journaled_tensor_whose_bytes_are_stale(tiny_native: Path, tiny_xpu: Path, tmp_path: Path) -> None:
+def test_resume_redoes_a_journaled_tensor_whose_bytes_are_stale(
+    tiny_native: Path, tiny_xpu: Path, tmp_path: Path
+) -> None:
     """The journal is not fsynced per tensor: after a machine crash a journaled tensor may
     not be on disk. Resume re-hashes journaled tensors and redoes any that do not match."""
     out = tmp_path / "out"
@@ -241,10 +270,22 @@ def test_non_empty_output_is_refused(tiny_native: Path, tmp_path: Path) -> None:
 
 
 def test_distinct_exit_codes_for_distinct_failures() -> None:
-    assert len({code_of(model_errors.MissingShardError), code_of(model_errors.TruncatedShardError), code_of(errors.OutputExistsError), code_of(errors.WriteFailedError)}) == 4
+    assert (
+        len(
+            {
+                code_of(model_errors.MissingShardError),
+                code_of(model_errors.TruncatedShardError),
+                code_of(errors.OutputExistsError),
+                code_of(errors.WriteFailedError),
+            }
+        )
+        == 4
+    )
 
 
-def test_disk_full_leaves_no_final_directory(tiny_native: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_disk_full_leaves_no_final_directory(
+    tiny_native: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     real_write = ShardWriter.write
     calls = {"n": 0}
 
@@ -290,7 +331,9 @@ def listing(root: Path) -> list[str]:
         ("overwrite-foreign", 48, "--overwrite refused"),
     ],
 )
-def test_dry_run_refuses_what_the_run_would_refuse_and_touches_nothing(tiny_native: Path, tmp_path: Path, case: str, code: int, said: str) -> None:
+def test_dry_run_refuses_what_the_run_would_refuse_and_touches_nothing(
+    tiny_native: Path, tmp_path: Path, case: str, code: int, said: str
+) -> None:
     out, extra = tmp_path / "out", []
     if case == "out-is-source":
         out = tiny_native
@@ -314,7 +357,9 @@ def test_dry_run_says_whether_out_would_be_created_replaced_or_is_up_to_date(tin
     assert cli(str(tiny_native), str(out)).returncode == 0
     up = cli(str(tiny_native), str(out), "--dry-run")
     assert up.returncode == 0 and "is already up to date" in up.stdout
-    assert json.loads(cli(str(tiny_native), str(out), "--dry-run", "--overwrite", "--json").stdout)["would"] == "replace"
+    assert (
+        json.loads(cli(str(tiny_native), str(out), "--dry-run", "--overwrite", "--json").stdout)["would"] == "replace"
+    )
 
 
 def test_json_summary(tiny_native: Path, tmp_path: Path) -> None:
@@ -334,9 +379,9 @@ sys.modules["numpy"] = None  # any import of numpy now fails
 from dsv4.convert.synth import write_checkpoint
 from dsv4.convert.pipeline import convert
 from dsv4.convert.check import run_checks
-src = write_checkpoint({str(tmp_path / 'n')!r}, preset="tiny", seed=3)
-convert(src, {str(tmp_path / 'x')!r})
-report = run_checks({str(tmp_path / 'x')!r})
+src = write_checkpoint({str(tmp_path / "n")!r}, preset="tiny", seed=3)
+convert(src, {str(tmp_path / "x")!r})
+report = run_checks({str(tmp_path / "x")!r})
 assert report.ok, report.summary()
 """
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)

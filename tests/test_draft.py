@@ -15,16 +15,17 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from edits import edit_config, edit_tensors
+from inprocess import run_main
+
 from dsv4.convert.check import run_checks
+from dsv4.convert.errors import OutputExistsError, UncoveredKeyError
 from dsv4.convert.inventory import read_inventory
 from dsv4.convert.pipeline import convert
 from dsv4.convert.plan import choose_table, plan_conversion
 from dsv4.convert.synth import write_checkpoint
 from dsv4.mapping import errors as mapping_errors
-from dsv4.convert.errors import OutputExistsError, UncoveredKeyError
 from dsv4.mapping.table import TABLE_DIR, installed_targets, load_table, load_table_file
-from edits import edit_config, edit_tensors
-from inprocess import run_main
 
 SHARD = "model-00001-of-00001.safetensors"  # a tiny draft fits one shard
 INDEX = "model.safetensors.index.json"
@@ -57,7 +58,9 @@ def expected_draft_names(native: Path) -> set[str]:
 
 @pytest.fixture(scope="module")
 def natives(tiny_native: Path, tiny_base: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    dspark = write_checkpoint(tmp_path_factory.mktemp("tiny-dspark") / "native", preset="tiny", variant="dspark", main_layers="all", seed=0)
+    dspark = write_checkpoint(
+        tmp_path_factory.mktemp("tiny-dspark") / "native", preset="tiny", variant="dspark", main_layers="all", seed=0
+    )
     return {"instruct": tiny_native, "base": tiny_base, "dspark": dspark}
 
 
@@ -79,11 +82,17 @@ def test_draft_is_an_installed_target() -> None:
     for name, drafter in (("draft", "mtp"), ("draft_dspark", "dspark")):
         table = load_table(name)
         assert (table.target, table.drafter, table.config) == ("draft", drafter, "source")
-        assert table.runtime == "vLLM 0.33.0, SGLang 0.5.23" and "vLLM" in table.runtime_class and "SGLang" in table.runtime_class
+        assert (
+            table.runtime == "vLLM 0.33.0, SGLang 0.5.23"
+            and "vLLM" in table.runtime_class
+            and "SGLang" in table.runtime_class
+        )
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_every_tensor_is_the_sources_bytes_under_its_native_name(kind: str, natives: dict[str, Path], drafts: dict[str, Path]) -> None:
+def test_every_tensor_is_the_sources_bytes_under_its_native_name(
+    kind: str, natives: dict[str, Path], drafts: dict[str, Path]
+) -> None:
     source, out = raw_tensors(natives[kind]), raw_tensors(drafts[kind])
     assert set(out) == expected_draft_names(natives[kind])
     for name, tensor in out.items():
@@ -96,9 +105,13 @@ def test_config_json_is_the_sources_byte_for_byte(kind: str, natives: dict[str, 
     assert (drafts[kind] / "config.json").read_bytes() == (natives[kind] / "config.json").read_bytes()
 
 
-def test_the_dspark_draft_keeps_the_confidence_head_sglang_needs(natives: dict[str, Path], drafts: dict[str, Path]) -> None:
+def test_the_dspark_draft_keeps_the_confidence_head_sglang_needs(
+    natives: dict[str, Path], drafts: dict[str, Path]
+) -> None:
     out = raw_tensors(drafts["dspark"])
-    assert out["mtp.2.confidence_head.proj.weight"] == raw_tensors(natives["dspark"])["mtp.2.confidence_head.proj.weight"]
+    assert (
+        out["mtp.2.confidence_head.proj.weight"] == raw_tensors(natives["dspark"])["mtp.2.confidence_head.proj.weight"]
+    )
 
 
 def test_base_mtp_copies_of_embedding_and_head_are_skipped_with_a_reason(natives: dict[str, Path]) -> None:
@@ -109,17 +122,31 @@ def test_base_mtp_copies_of_embedding_and_head_are_skipped_with_a_reason(natives
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_conversion_json_records_table_runtime_source_and_checksums_without_a_local_path(kind: str, natives: dict[str, Path], drafts: dict[str, Path]) -> None:
+def test_conversion_json_records_table_runtime_source_and_checksums_without_a_local_path(
+    kind: str, natives: dict[str, Path], drafts: dict[str, Path]
+) -> None:
     text = (drafts[kind] / "conversion.json").read_text()
     record = json.loads(text)
     table = "draft_dspark" if kind == "dspark" else "draft"
-    assert (record["tool"], record["table"], record["table_version"], record["target"], record["direction"]) == ("dsv4-convert", table, "1", "draft", "forward")
-    assert (record["drafter"], record["runtime"]) == ("dspark" if kind == "dspark" else "mtp", "vLLM 0.33.0, SGLang 0.5.23")
+    assert (record["tool"], record["table"], record["table_version"], record["target"], record["direction"]) == (
+        "dsv4-convert",
+        table,
+        "1",
+        "draft",
+        "forward",
+    )
+    assert (record["drafter"], record["runtime"]) == (
+        "dspark" if kind == "dspark" else "mtp",
+        "vLLM 0.33.0, SGLang 0.5.23",
+    )
     assert record["source"]["location"] == natives[kind].name and record["source"]["revision"] is None
     assert record["source"]["config_sha256"] == hashlib.sha256((natives[kind] / "config.json").read_bytes()).hexdigest()
     # the config fields the runtimes read, as written
     config = json.loads((natives[kind] / "config.json").read_text())
-    assert {k: config[k] for k in ("architectures", "model_type", "num_hidden_layers", "num_nextn_predict_layers")} == {k: record["config_fields"][k] for k in ("architectures", "model_type", "num_hidden_layers", "num_nextn_predict_layers")}
+    assert {k: config[k] for k in ("architectures", "model_type", "num_hidden_layers", "num_nextn_predict_layers")} == {
+        k: record["config_fields"][k]
+        for k in ("architectures", "model_type", "num_hidden_layers", "num_nextn_predict_layers")
+    }
     for name, (_, _, data) in raw_tensors(drafts[kind]).items():
         assert record["tensors"][name]["sha256"] == hashlib.sha256(data).hexdigest()
     # a pushed output publishes no home directory: neither the source's path nor its parent's
@@ -144,7 +171,9 @@ def test_rerun_is_up_to_date_and_overwrite_replaces_a_draft_directory(natives: d
 
 # --- a draft directory is a native source -----------------------------------------------------
 @pytest.mark.parametrize("kind", KINDS)
-def test_draft_to_xpu_equals_native_to_xpu_byte_for_byte(kind: str, natives: dict[str, Path], drafts: dict[str, Path], tmp_path: Path) -> None:
+def test_draft_to_xpu_equals_native_to_xpu_byte_for_byte(
+    kind: str, natives: dict[str, Path], drafts: dict[str, Path], tmp_path: Path
+) -> None:
     direct = convert(natives[kind], tmp_path / "direct", target="xpu").out
     via = convert(drafts[kind], tmp_path / "via", target="xpu").out
     for name in ("config.json", INDEX, SHARD):
@@ -156,18 +185,35 @@ def test_draft_to_xpu_equals_native_to_xpu_byte_for_byte(kind: str, natives: dic
 def test_check_passes_on_a_draft_directory_alone_smoke_included(kind: str, drafts: dict[str, Path]) -> None:
     report = run_checks(drafts[kind], smoke=True)
     assert report.exit_code == 0, report.summary() + "\n" + "\n".join(r.reason for r in report.results)
-    assert {r.name: r.status for r in report.results} == {"index": "pass", "readable": "pass", "sizes": "pass", "checksums": "pass", "config": "pass", "layout": "pass", "quant": "pass", "smoke": "pass", "native": "skip", "serve": "skip"}
+    assert {r.name: r.status for r in report.results} == {
+        "index": "pass",
+        "readable": "pass",
+        "sizes": "pass",
+        "checksums": "pass",
+        "config": "pass",
+        "layout": "pass",
+        "quant": "pass",
+        "smoke": "pass",
+        "native": "skip",
+        "serve": "skip",
+    }
 
 
 @pytest.mark.parametrize("kind", ["instruct", "dspark"])
-def test_check_native_on_a_draft_directory_agrees_with_the_reference(kind: str, natives: dict[str, Path], drafts: dict[str, Path]) -> None:
+def test_check_native_on_a_draft_directory_agrees_with_the_reference(
+    kind: str, natives: dict[str, Path], drafts: dict[str, Path]
+) -> None:
     report = run_checks(drafts[kind], native=natives[kind])
     assert report.exit_code == 0, report.summary() + "\n" + "\n".join(r.reason for r in report.results)
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_smoke_runs_the_bundled_model_on_a_draft_directory(kind: str, drafts: dict[str, Path], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, err = run_main(monkeypatch, capsys, "smoke", drafts[kind], "--device", "cpu", "--native", drafts[kind], "--json")
+def test_smoke_runs_the_bundled_model_on_a_draft_directory(
+    kind: str, drafts: dict[str, Path], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, err = run_main(
+        monkeypatch, capsys, "smoke", drafts[kind], "--device", "cpu", "--native", drafts[kind], "--json"
+    )
     assert code == 0, err
     report = json.loads(out)
     agreement = report["draft_token_agreement"] if kind == "dspark" else report["top1_agreement_up_to_ties"]
@@ -175,7 +221,9 @@ def test_smoke_runs_the_bundled_model_on_a_draft_directory(kind: str, drafts: di
 
 
 def add_a_converted_name(out: Path) -> None:
-    edit_tensors(out, lambda t: t.update({"model.layers.2.mtp_block.attn.wq_b.weight": t["mtp.0.attn.wq_b.weight"].clone()}))
+    edit_tensors(
+        out, lambda t: t.update({"model.layers.2.mtp_block.attn.wq_b.weight": t["mtp.0.attn.wq_b.weight"].clone()})
+    )
 
 
 def drop_enorm(out: Path) -> None:
@@ -213,14 +261,31 @@ def no_architectures(out: Path) -> None:
         (drop_enorm, "layout", 76, "1 missing: mtp.0.enorm.weight"),
         (add_a_main_layer_tensor, "layout", 77, "1 unexpected: layers.0.attn_norm.weight in"),
         (another_num_hidden_layers, "config", 75, "num_hidden_layers is 3, but the conversion wrote 2"),
-        (two_mtp_blocks, "config", 75, "num_nextn_predict_layers = 2 means MTP block(s) mtp.[0, 1], but the tensors hold mtp.[0]"),
-        (fp8_experts, "config", 75, "expert_dtype is 'fp8' but model-00001-of-00001.safetensors: tensor mtp.0.ffn.experts.0.w1.weight (I8) holds fp4 experts"),
+        (
+            two_mtp_blocks,
+            "config",
+            75,
+            "num_nextn_predict_layers = 2 means MTP block(s) mtp.[0, 1], but the tensors hold mtp.[0]",
+        ),
+        (
+            fp8_experts,
+            "config",
+            75,
+            "expert_dtype is 'fp8' but model-00001-of-00001.safetensors: tensor mtp.0.ffn.experts.0.w1.weight (I8) holds fp4 experts",
+        ),
         (four_experts, "config", 75, "n_routed_experts = 4, but the tensors hold routed experts 0..7 (8)"),
-        (no_architectures, "config", 75, "no architectures: vLLM 0.33.0 and SGLang 0.5.23 pick the draft model class from it"),
+        (
+            no_architectures,
+            "config",
+            75,
+            "no architectures: vLLM 0.33.0 and SGLang 0.5.23 pick the draft model class from it",
+        ),
     ],
     ids=lambda v: v.__name__ if callable(v) else None,
 )
-def test_each_breakage_of_a_draft_directory_fails_check_naming_it(draft: Path, breakage: Callable[[Path], None], check: str, code: int, named: str) -> None:
+def test_each_breakage_of_a_draft_directory_fails_check_naming_it(
+    draft: Path, breakage: Callable[[Path], None], check: str, code: int, named: str
+) -> None:
     breakage(draft)
     report = run_checks(draft)
     failed = report.failures[0]
@@ -236,20 +301,29 @@ def test_a_dspark_draft_without_the_confidence_head_fails_check(drafts: dict[str
     assert report.exit_code == 76 and "1 missing: mtp.2.confidence_head.proj.weight" in report.failures[0].reason
 
 
-def test_the_command_exits_with_the_code_and_one_line_naming_the_tensor(draft: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_command_exits_with_the_code_and_one_line_naming_the_tensor(
+    draft: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     add_a_converted_name(draft)
     code, _, err = run_main(monkeypatch, capsys, "check", draft, "-q")
     assert code == 77 and err.count("\n") == 1 and "model.layers.2.mtp_block.attn.wq_b.weight" in err
 
 
 # --- plan ---------------------------------------------------------------------------------------
-def test_plan_shows_the_draft_target_and_its_table(natives: dict[str, Path], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+def test_plan_shows_the_draft_target_and_its_table(
+    natives: dict[str, Path], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     code, out, _ = run_main(monkeypatch, capsys, "plan", natives["dspark"], "--target", "draft")
     assert code == 0 and out.startswith(f"forward plan: {natives['dspark']} -> draft (table draft_dspark v1)")
     code, out, _ = run_main(monkeypatch, capsys, "plan", natives["instruct"], "--target", "draft", "--json")
     plan = json.loads(out)
     # the same flat table keys conversion.json has
-    assert (plan["table"], plan["table_version"], plan["target"], plan["runtime"]) == ("draft", "1", "draft", "vLLM 0.33.0, SGLang 0.5.23")
+    assert (plan["table"], plan["table_version"], plan["target"], plan["runtime"]) == (
+        "draft",
+        "1",
+        "draft",
+        "vLLM 0.33.0, SGLang 0.5.23",
+    )
     assert plan["ops"] == {"keep": len(expected_draft_names(natives["instruct"]))}
 
 
@@ -275,13 +349,17 @@ def test_a_table_missing_a_kept_tensor_cannot_plan(natives: dict[str, Path], tmp
 def test_keep_in_an_include_needs_equal_source_and_target_prefixes(tmp_path: Path) -> None:
     text = (TABLE_DIR / "draft.toml").read_text()
     bad = tmp_path / "bad.toml"
-    bad.write_text(text.replace('source = "mtp.{i}."\ntarget = "mtp.{i}."', 'source = "mtp.{i}."\ntarget = "model.layers.{L}."'))
+    bad.write_text(
+        text.replace('source = "mtp.{i}."\ntarget = "mtp.{i}."', 'source = "mtp.{i}."\ntarget = "model.layers.{L}."')
+    )
     with pytest.raises(mapping_errors.TableError, match="a kept tensor keeps its name"):
         load_table_file(bad)
 
 
 # --- from the hub -------------------------------------------------------------------------------
-def test_a_hub_source_gives_the_same_draft_directory_as_the_local_one(natives: dict[str, Path], drafts: dict[str, Path], tmp_path: Path) -> None:
+def test_a_hub_source_gives_the_same_draft_directory_as_the_local_one(
+    natives: dict[str, Path], drafts: dict[str, Path], tmp_path: Path
+) -> None:
     from hubserver import FakeHub, hub_env, run_cli
 
     with FakeHub() as hub:
@@ -303,8 +381,17 @@ def test_the_full_size_flash_replica_plans_to_the_runtimes_1577_tensors(flash_sp
     (every op moves bytes), read from the embed shard, the head shard and the MTP shard."""
     inv = read_inventory(flash_sparse)
     plan = plan_conversion(inv, choose_table("draft", inv))
-    assert (plan.table, len(plan.tensors), plan.bytes_to_write, len(plan.skipped)) == ("draft", 1_577, 5_711_911_276, 67_610)
-    assert plan.files_needed == ["model-00001-of-00046.safetensors", "model-00045-of-00046.safetensors", "model-00046-of-00046.safetensors"]
+    assert (plan.table, len(plan.tensors), plan.bytes_to_write, len(plan.skipped)) == (
+        "draft",
+        1_577,
+        5_711_911_276,
+        67_610,
+    )
+    assert plan.files_needed == [
+        "model-00001-of-00046.safetensors",
+        "model-00045-of-00046.safetensors",
+        "model-00046-of-00046.safetensors",
+    ]
     assert plan.bytes_to_write == plan_conversion(inv, choose_table("xpu", inv)).bytes_to_write
 
 
@@ -320,7 +407,9 @@ def test_the_full_size_0731_replica_plans_its_stages_with_the_confidence_head(tm
     assert plan.files_needed == [f"model-000{k:02d}-of-00048.safetensors" for k in (1, 45, 46, 47, 48)]
 
 
-def test_a_compressed_tensors_draft_keeps_native_names_and_check_resolves_them_through_the_xpu_table(tmp_path: Path) -> None:
+def test_a_compressed_tensors_draft_keeps_native_names_and_check_resolves_them_through_the_xpu_table(
+    tmp_path: Path,
+) -> None:
     """config.json keeps the source's native module names (the runtimes match them against
     native names); check resolves every linear of the model the xpu table makes of it."""
     pytest.importorskip("compressed_tensors")
@@ -340,7 +429,9 @@ def test_a_changed_source_config_is_not_up_to_date(tiny_native: Path, tmp_path: 
     native = Path(shutil.copytree(tiny_native, tmp_path / "native"))
     out = tmp_path / "d"
     convert(native, out, target="draft")
-    (native / "config.json").write_bytes((native / "config.json").read_bytes().replace(b"\n}", b',\n  "_name_or_path": "edited"\n}'))
+    (native / "config.json").write_bytes(
+        (native / "config.json").read_bytes().replace(b"\n}", b',\n  "_name_or_path": "edited"\n}')
+    )
     with pytest.raises(OutputExistsError):  # not up to date: replacing it takes --overwrite
         convert(native, out, target="draft")
     convert(native, out, target="draft", overwrite=True)

@@ -14,6 +14,9 @@ from typing import Any
 import pytest
 import torch
 from dspark_fixtures import write_half_dspark
+from inprocess import run_main
+from tensors import load_all
+
 from dsv4.convert import quant_config as quant
 from dsv4.convert.check import run_checks
 from dsv4.convert.exit_codes import exit_code
@@ -27,8 +30,6 @@ from dsv4.model import errors as model_errors
 from dsv4.model.config import ModelConfig
 from dsv4.model.layout import build_draft_model, target_layout
 from dsv4.model.presets import DSPARK_FIELDS, preset_config
-from inprocess import run_main
-from tensors import load_all
 
 S = 3  # tiny DSpark: three stages, like the release
 
@@ -53,7 +54,20 @@ def spec04_sources(cfg: ModelConfig) -> dict[str, list[str]]:
     E = cfg.n_routed_experts
     for s in range(cfg.dspark_stages):
         b, m = f"model.layers.{s}.", f"mtp.{s}."
-        for same in ("hc_attn_fn", "hc_attn_base", "hc_attn_scale", "hc_ffn_fn", "hc_ffn_base", "hc_ffn_scale", "attn_norm.weight", "ffn_norm.weight", "attn.attn_sink", "attn.q_norm.weight", "attn.kv_norm.weight", "ffn.gate.weight"):
+        for same in (
+            "hc_attn_fn",
+            "hc_attn_base",
+            "hc_attn_scale",
+            "hc_ffn_fn",
+            "hc_ffn_base",
+            "hc_ffn_scale",
+            "attn_norm.weight",
+            "ffn_norm.weight",
+            "attn.attn_sink",
+            "attn.q_norm.weight",
+            "attn.kv_norm.weight",
+            "ffn.gate.weight",
+        ):
             out[b + same] = [m + same]
         for lin in ("attn.wq_b", "attn.wo_a", "attn.wo_b"):
             out[f"{b}{lin}.weight"] = [f"{m}{lin}.weight"]
@@ -87,7 +101,9 @@ def edit_config(ckpt: Path, edit) -> Path:
 
 @pytest.fixture(scope="module")
 def native(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_checkpoint(tmp_path_factory.mktemp("dspark") / "native", preset="tiny", variant="dspark", main_layers="all", seed=3)
+    return write_checkpoint(
+        tmp_path_factory.mktemp("dspark") / "native", preset="tiny", variant="dspark", main_layers="all", seed=3
+    )
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +123,9 @@ def test_the_plan_picks_the_table_of_the_drafter_the_checkpoint_holds(native: Pa
 
 
 @pytest.mark.parametrize("which", ["dspark", "mtp"])
-def test_plan_says_which_layout(which: str, native: Path, tiny_native: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+def test_plan_says_which_layout(
+    which: str, native: Path, tiny_native: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     code, out, err = run_main(monkeypatch, capsys, "plan", native if which == "dspark" else tiny_native)
     assert code == 0, err
     first, layout = out.splitlines()[:2]
@@ -116,10 +134,18 @@ def test_plan_says_which_layout(which: str, native: Path, tiny_native: Path, mon
     code, out, _ = run_main(monkeypatch, capsys, "plan", native, "--json")
     summary = json.loads(out)
     # one shape for plan --json and conversion.json: flat table and table_version (was "xpu_dspark v1")
-    assert (summary["table"], summary["table_version"], summary["target"], summary["drafter"], summary["tensors_out"]) == ("xpu_dspark", "1", "xpu", "dspark", 98)
+    assert (
+        summary["table"],
+        summary["table_version"],
+        summary["target"],
+        summary["drafter"],
+        summary["tensors_out"],
+    ) == ("xpu_dspark", "1", "xpu", "dspark", 98)
 
 
-def test_planning_and_converting_a_dspark_checkpoint_import_no_torch_once_the_layouts_are_cached(native: Path, tmp_path: Path) -> None:
+def test_planning_and_converting_a_dspark_checkpoint_import_no_torch_once_the_layouts_are_cached(
+    native: Path, tmp_path: Path
+) -> None:
     from test_startup import imported_by
 
     imported_by("plan", str(native))  # fills this session's layout cache if it is not yet
@@ -131,7 +157,11 @@ def test_both_tables_share_the_v4_block_rules() -> None:
     mtp, dspark = load_table("xpu"), load_table("xpu_dspark")
 
     def block(table, src: str, dst: str) -> set[tuple]:
-        return {(r.op, tuple(s.removeprefix(src) for s in r.sources), (r.target or "").removeprefix(dst), r.when) for r in table.rules if r.sources[0].startswith(src) and (r.target or "").startswith(dst)}
+        return {
+            (r.op, tuple(s.removeprefix(src) for s in r.sources), (r.target or "").removeprefix(dst), r.when)
+            for r in table.rules
+            if r.sources[0].startswith(src) and (r.target or "").startswith(dst)
+        }
 
     shared = block(mtp, "mtp.{i}.", "model.layers.{L}.mtp_block.")
     assert len(shared) == 25 + 4 + 4  # 21 renames + 4 concats, then 4 routed-expert stacks for each expert dtype
@@ -148,40 +178,66 @@ def dspark_table_with(tmp_path: Path, old: str, new: str) -> Path:
 
 def test_a_rule_naming_a_stage_needs_no_stage_in_its_target_but_a_per_stage_rule_does(tmp_path: Path) -> None:
     # {last} binds one stage; {s} in the source but not the target: S sources, one parameter
-    bad = dspark_table_with(tmp_path, '"mtp.{last}.norm.weight" = "model.norm.weight"', '"mtp.{s}.norm.weight" = "model.norm.weight"')
-    with pytest.raises(mapping_errors.UnboundPlaceholderError, match=r"source placeholder\(s\) \['s'\] do not appear in the target"):
+    bad = dspark_table_with(
+        tmp_path, '"mtp.{last}.norm.weight" = "model.norm.weight"', '"mtp.{s}.norm.weight" = "model.norm.weight"'
+    )
+    with pytest.raises(
+        mapping_errors.UnboundPlaceholderError, match=r"source placeholder\(s\) \['s'\] do not appear in the target"
+    ):
         load_table_file(bad)
 
 
 def test_a_table_binds_only_its_own_drafters_block_placeholders(tmp_path: Path) -> None:
-    bad = dspark_table_with(tmp_path, '"mtp.{last}.norm.weight" = "model.norm.weight"', '"mtp.{i}.norm.weight" = "model.layers.{L}.norm.weight"')
-    with pytest.raises(mapping_errors.UnboundPlaceholderError, match=r"placeholder \{L\} belongs to the other drafter kind; a dspark table binds \['first', 'last', 's'\]"):
+    bad = dspark_table_with(
+        tmp_path,
+        '"mtp.{last}.norm.weight" = "model.norm.weight"',
+        '"mtp.{i}.norm.weight" = "model.layers.{L}.norm.weight"',
+    )
+    with pytest.raises(
+        mapping_errors.UnboundPlaceholderError,
+        match=r"placeholder \{L\} belongs to the other drafter kind; a dspark table binds \['first', 'last', 's'\]",
+    ):
         load_table_file(bad)
 
 
-@pytest.mark.parametrize("old, new", [('"mtp.{last}.norm.weight"', '"mtp.{first}.norm.weight"'), ('"mtp.{first}.main_proj.scale"', '"mtp.{last}.main_proj.scale"')])
+@pytest.mark.parametrize(
+    "old, new",
+    [
+        ('"mtp.{last}.norm.weight"', '"mtp.{first}.norm.weight"'),
+        ('"mtp.{first}.main_proj.scale"', '"mtp.{last}.main_proj.scale"'),
+    ],
+)
 def test_a_rule_for_a_tensor_of_another_stage_is_a_dead_rule(tmp_path: Path, old: str, new: str) -> None:
     """norm.weight is the last stage's and main_proj stage 0's (mapping/README.md#dspark-source-checkpoint): a rule
     pinned to the other stage can never fire, and the loader says so."""
-    with pytest.raises(mapping_errors.DeadRuleError, match=rf"source pattern {re.escape(new.strip(chr(34)))} matches no tensor"):
+    with pytest.raises(
+        mapping_errors.DeadRuleError, match=rf"source pattern {re.escape(new.strip(chr(34)))} matches no tensor"
+    ):
         load_table_file(dspark_table_with(tmp_path, old, new))
 
 
 @pytest.mark.parametrize("name", ["../xpu", "nope", "/work/x"])
 def test_an_include_is_named_never_a_path(tmp_path: Path, name: str) -> None:
     # two includes are installed since --target draft (v4_block_native: the block in native names)
-    with pytest.raises(mapping_errors.TableError, match=rf"\[\[include\]\] file '{re.escape(name)}' is not an installed include \(installed: v4_block, v4_block_native\)"):
+    with pytest.raises(
+        mapping_errors.TableError,
+        match=rf"\[\[include\]\] file '{re.escape(name)}' is not an installed include \(installed: v4_block, v4_block_native\)",
+    ):
         load_table_file(dspark_table_with(tmp_path, 'file = "v4_block"', f'file = "{name}"'))
 
 
 def test_an_include_names_exactly_file_source_and_target(tmp_path: Path) -> None:
-    with pytest.raises(mapping_errors.TableError, match=r"\[\[include\]\] needs exactly the strings \['file', 'source', 'target'\]"):
+    with pytest.raises(
+        mapping_errors.TableError, match=r"\[\[include\]\] needs exactly the strings \['file', 'source', 'target'\]"
+    ):
         load_table_file(dspark_table_with(tmp_path, 'file = "v4_block"', 'file = "v4_block"\nprefix = "x"'))
 
 
 def test_an_include_with_the_wrong_prefix_writes_parameters_the_model_lacks(tmp_path: Path) -> None:
     bad = dspark_table_with(tmp_path, 'target = "model.layers.{s}."', 'target = "model.layers.{s}.mtp_block."')
-    with pytest.raises(mapping_errors.UnknownTargetError, match=r"model.layers.0.mtp_block.hc_attn_fn is not a parameter"):
+    with pytest.raises(
+        mapping_errors.UnknownTargetError, match=r"model.layers.0.mtp_block.hc_attn_fn is not a parameter"
+    ):
         load_table_file(bad)
 
 
@@ -211,7 +267,9 @@ def test_planning_the_full_size_0731_replica_gives_spec_04s_98_parameters(tmp_pa
     assert {t.name: (t.dtype, t.shape) for t in plan.tensors} == target_layout(ModelConfig.from_dict(inv.config))
 
 
-def test_every_output_tensor_is_its_sources_bytes_from_the_stage_spec_04_names(native: Path, xpu: Path, cfg: ModelConfig) -> None:
+def test_every_output_tensor_is_its_sources_bytes_from_the_stage_spec_04_names(
+    native: Path, xpu: Path, cfg: ModelConfig
+) -> None:
     n, x = load_all(native), load_all(xpu)
     spec = spec04_sources(cfg)
     assert set(x) == set(spec)
@@ -233,7 +291,9 @@ def test_every_output_tensor_is_its_sources_bytes_from_the_stage_spec_04_names(n
 def test_native_to_xpu_to_native_gives_the_drafters_bytes_back(native: Path, xpu: Path, tmp_path: Path) -> None:
     back = convert(xpu, tmp_path / "back", reverse=True).out
     n, b = load_all(native), load_all(back)
-    drafter = {k for k in n if k.startswith("mtp.")} - {"mtp.2.confidence_head.proj.weight"}  # skipped: not in the XPU model
+    drafter = {k for k in n if k.startswith("mtp.")} - {
+        "mtp.2.confidence_head.proj.weight"
+    }  # skipped: not in the XPU model
     assert set(b) == drafter | {"embed.weight", "head.weight"}
     for name, t in b.items():
         assert t.dtype == n[name].dtype and t.shape == n[name].shape and torch.equal(raw(t), raw(n[name])), name
@@ -249,7 +309,9 @@ def test_check_passes_a_converted_dspark_checkpoint(xpu: Path) -> None:
     report = run_checks(xpu)
     status = {r.name: r.status for r in report.results}
     assert report.ok, report.summary()
-    assert all(status[c] == "pass" for c in ("index", "readable", "sizes", "checksums", "config", "layout", "quant")), status
+    assert all(status[c] == "pass" for c in ("index", "readable", "sizes", "checksums", "config", "layout", "quant")), (
+        status
+    )
     config = next(r for r in report.results if r.name == "config")
     assert "DSpark stage layer(s) [0, 1, 2]" in config.reason and config.details["table"] == "xpu_dspark"
 
@@ -277,7 +339,9 @@ def copy_tree(src: Path, dst: Path) -> Path:
 def test_check_refuses_a_dspark_output_recorded_as_the_mtp_table(xpu: Path, tmp_path: Path) -> None:
     out = edit_config(copy_tree(xpu, tmp_path / "out"), lambda c: c["dsv4_convert"].update(table="xpu"))
     record = json.loads((out / "conversion.json").read_text())
-    (out / "conversion.json").write_text(json.dumps({**record, "table": "xpu"}))  # both records agree, on the wrong table
+    (out / "conversion.json").write_text(
+        json.dumps({**record, "table": "xpu"})
+    )  # both records agree, on the wrong table
     report = run_checks(out, fast=True)
     assert (report.failures[0].name, report.exit_code) == ("config", 75)
     assert "maps mtp drafters" in report.failures[0].reason
@@ -298,11 +362,32 @@ def test_quantisation_layer_names_of_the_dspark_draft(cfg: ModelConfig) -> None:
     assert "" not in names
     assert {"model.main_proj", "model.embed_tokens", "lm_head"} <= names
     for L in range(cfg.num_hidden_layers, cfg.num_hidden_layers + S):  # vLLM's layer prefix of stage s: N + s
-        assert {f"model.layers.{L}.attn.fused_wqa_wkv", f"model.layers.{L}.attn.wq_b", f"model.layers.{L}.ffn.shared_experts.gate_up_proj", f"model.layers.{L}.ffn.experts"} <= names
+        assert {
+            f"model.layers.{L}.attn.fused_wqa_wkv",
+            f"model.layers.{L}.attn.wq_b",
+            f"model.layers.{L}.ffn.shared_experts.gate_up_proj",
+            f"model.layers.{L}.ffn.experts",
+        } <= names
 
 
-CT_FP8 = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "block", "block_structure": [128, 128], "dynamic": False, "observer": "static_minmax"}
-CT_INT4 = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32, "dynamic": False, "observer": "minmax"}
+CT_FP8 = {
+    "num_bits": 8,
+    "type": "float",
+    "symmetric": True,
+    "strategy": "block",
+    "block_structure": [128, 128],
+    "dynamic": False,
+    "observer": "static_minmax",
+}
+CT_INT4 = {
+    "num_bits": 4,
+    "type": "int",
+    "symmetric": True,
+    "strategy": "group",
+    "group_size": 32,
+    "dynamic": False,
+    "observer": "minmax",
+}
 
 
 def test_a_compressed_tensors_config_is_carried_to_the_dspark_layer_names(tmp_path: Path) -> None:
@@ -311,8 +396,18 @@ def test_a_compressed_tensors_config_is_carried_to_the_dspark_layer_names(tmp_pa
         "quant_method": "compressed-tensors",
         "format": "mixed-precision",
         "config_groups": {
-            "experts": {"targets": [r"re:^(layers|mtp)\.\d+\.ffn\.experts\.\d+\.w[123]$"], "weights": CT_INT4, "format": "pack-quantized"},
-            "fp8": {"targets": [r"re:^(layers|mtp)\.\d+\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b)|ffn\.shared_experts\.w[123]|main_proj)$"], "weights": CT_FP8, "format": "float-quantized"},
+            "experts": {
+                "targets": [r"re:^(layers|mtp)\.\d+\.ffn\.experts\.\d+\.w[123]$"],
+                "weights": CT_INT4,
+                "format": "pack-quantized",
+            },
+            "fp8": {
+                "targets": [
+                    r"re:^(layers|mtp)\.\d+\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b)|ffn\.shared_experts\.w[123]|main_proj)$"
+                ],
+                "weights": CT_FP8,
+                "format": "float-quantized",
+            },
         },
         "ignore": ["head", "embed", r"re:.*ffn\.gate$", r"re:.*markov_head\..*"],
     }
@@ -322,8 +417,12 @@ def test_a_compressed_tensors_config_is_carried_to_the_dspark_layer_names(tmp_pa
     carried = json.loads((out / "config.json").read_text())["quantization_config"]
     assert "model.main_proj" in carried["config_groups"]["fp8"]["targets"]
     N = json.loads((out / "config.json").read_text())["num_hidden_layers"]  # stage s: vLLM's layer prefix N + s
-    assert {f"model.layers.{N + s}.attn.fused_wqa_wkv" for s in range(S)} <= set(carried["config_groups"]["fp8"]["targets"])
-    assert {f"model.layers.{N + s}.ffn.experts" for s in range(S)} == set(carried["config_groups"]["experts"]["targets"])
+    assert {f"model.layers.{N + s}.attn.fused_wqa_wkv" for s in range(S)} <= set(
+        carried["config_groups"]["fp8"]["targets"]
+    )
+    assert {f"model.layers.{N + s}.ffn.experts" for s in range(S)} == set(
+        carried["config_groups"]["experts"]["targets"]
+    )
     assert "lm_head" in carried["ignore"]
     quant_check = next(r for r in run_checks(out, fast=True).results if r.name == "quant")
     assert quant_check.status == "pass", quant_check.reason
@@ -352,11 +451,20 @@ def refusal(inv: Inventory) -> model_errors.DSV4Error:
         ({"mtp.0.hnorm.weight": "mtp.0.main_norm.weight"}, "mtp.0.hnorm.weight: an MTP block's hnorm"),
         ({"mtp.2.head.weight": "head.weight"}, "mtp.2.head.weight: an MTP block's head"),
         ({"mtp.2.emb.tok_emb.weight": "embed.weight"}, "mtp.2.emb.tok_emb.weight: an MTP block's emb"),
-        ({"mtp.3.attn_norm.weight": "mtp.2.attn_norm.weight"}, "mtp.3.attn_norm.weight: index 3 but config.json has DSpark stages"),
+        (
+            {"mtp.3.attn_norm.weight": "mtp.2.attn_norm.weight"},
+            "mtp.3.attn_norm.weight: index 3 but config.json has DSpark stages",
+        ),
         # vLLM would take these from whatever stage it finds them in (last write wins)
-        ({"mtp.0.norm.weight": "mtp.2.norm.weight"}, "mtp.0.norm.weight: only the last stage mtp.2 holds this tensor, not stage 0"),
+        (
+            {"mtp.0.norm.weight": "mtp.2.norm.weight"},
+            "mtp.0.norm.weight: only the last stage mtp.2 holds this tensor, not stage 0",
+        ),
         ({"mtp.1.markov_head.markov_w1.weight": "mtp.2.markov_head.markov_w1.weight"}, "only the last stage mtp.2"),
-        ({"mtp.2.main_proj.weight": "mtp.0.main_proj.weight"}, "mtp.2.main_proj.weight: only the first stage mtp.0 holds this tensor, not stage 2"),
+        (
+            {"mtp.2.main_proj.weight": "mtp.0.main_proj.weight"},
+            "mtp.2.main_proj.weight: only the first stage mtp.0 holds this tensor, not stage 2",
+        ),
     ],
 )
 def test_tensors_a_dspark_stage_must_not_hold_are_refused(native: Path, add: dict[str, str], words: str) -> None:
@@ -376,23 +484,37 @@ def test_reverse_refuses_a_dspark_output_missing_a_stage(xpu: Path) -> None:
         plan_reverse(inv, choose_table("xpu", inv, "reverse"))
 
 
-def test_main_proj_without_dspark_fields_is_refused_on_the_command_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+def test_main_proj_without_dspark_fields_is_refused_on_the_command_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     native = write_half_dspark(tmp_path / "half")
     code, out, err = run_main(monkeypatch, capsys, native, tmp_path / "out", "-q")
     assert code == 35 and err.count("\n") == 1, err
-    assert "tensor mtp.0.main_proj.weight: a DSpark drafter's projection, but" in err and "no dspark_* fields" in err and "refusing to convert" in err
+    assert (
+        "tensor mtp.0.main_proj.weight: a DSpark drafter's projection, but" in err
+        and "no dspark_* fields" in err
+        and "refusing to convert" in err
+    )
     assert not (tmp_path / "out").exists()
 
 
 def test_dspark_fields_without_main_proj_are_refused(native: Path) -> None:
     inv = read_inventory(native)
     exc = refusal(with_tensors(inv, drop="mtp.0.main_proj."))
-    assert exit_code(exc) == 35 and "dspark_* fields (a DSpark drafter, mapping/README.md#dspark-v4-flash-0731), but the checkpoint has no tensor mtp.0.main_proj.weight" in str(exc)
+    assert (
+        exit_code(exc) == 35
+        and "dspark_* fields (a DSpark drafter, mapping/README.md#dspark-v4-flash-0731), but the checkpoint has no tensor mtp.0.main_proj.weight"
+        in str(exc)
+    )
 
 
 def test_an_mtp_checkpoint_with_dspark_fields_is_refused(tiny_native: Path) -> None:
     inv = read_inventory(tiny_native)
-    config = {**inv.config, **{k: preset_config("tiny", "dspark")[k] for k in DSPARK_FIELDS}, "dspark_target_layer_ids": [0]}
+    config = {
+        **inv.config,
+        **{k: preset_config("tiny", "dspark")[k] for k in DSPARK_FIELDS},
+        "dspark_target_layer_ids": [0],
+    }
     exc = refusal(dataclasses.replace(inv, config=config))
     assert exit_code(exc) == 35 and "no tensor mtp.0.main_proj.weight" in str(exc)
 
@@ -411,16 +533,19 @@ def test_v41_is_refused_with_its_own_message(native: Path) -> None:
     assert exit_code(exc) == 35 and "V4.1" in str(exc)
 
 
-
 # --- batch: one manifest, both layouts ----------------------------------------------------
-def test_batch_converts_mtp_and_dspark_repos_with_their_tables_and_skips_them_on_rerun(native: Path, tiny_native: Path, tmp_path: Path) -> None:
+def test_batch_converts_mtp_and_dspark_repos_with_their_tables_and_skips_them_on_rerun(
+    native: Path, tiny_native: Path, tmp_path: Path
+) -> None:
     from hubserver import FakeHub, hub_env, run_cli
 
     with FakeHub() as hub:
         hub.commit_dir("org/mtp", tiny_native)
         hub.commit_dir("org/dspark", native)
         manifest = tmp_path / "batch.toml"
-        manifest.write_text('target = "xpu"\nsources = ["org/mtp", "org/dspark"]\n\n[output]\ndir = "out"\nname = "{name}-{target}"\n\n[options]\ncheck = true\n')
+        manifest.write_text(
+            'target = "xpu"\nsources = ["org/mtp", "org/dspark"]\n\n[output]\ndir = "out"\nname = "{name}-{target}"\n\n[options]\ncheck = true\n'
+        )
         env = hub_env(hub, tmp_path / "hf")
         r = run_cli("batch", str(manifest), env=env)
         assert r.returncode == 0, r.stderr

@@ -10,6 +10,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from inprocess import run_main
+from safetensors import safe_open
+from safetensors.torch import save_file
+from spec02 import spec_layout
+
 from dsv4.convert.exit_codes import exit_code
 from dsv4.convert.pipeline import convert
 from dsv4.convert.synth import write_checkpoint
@@ -22,13 +27,9 @@ from dsv4.model.errors import DtypeMismatchError, LoadError, MissingKeyError, Sh
 from dsv4.model.layout import target_layout
 from dsv4.model.loader import load_converted
 from dsv4.model.mtp import quant_layer_names
-from dsv4.model.presets import preset_config
 from dsv4.model.parity import TIE_REL, RoutingLog, logging_routing, parity_verdict, top1_agreement_up_to_ties
+from dsv4.model.presets import preset_config
 from dsv4.model.smoke import dspark_against_reference, dspark_parity, read_target_features, run_dspark_smoke
-from inprocess import run_main
-from safetensors import safe_open
-from safetensors.torch import save_file
-from spec02 import spec_layout
 
 INDEX, SHARD = "model.safetensors.index.json", "model-00001-of-00001.safetensors"
 
@@ -53,7 +54,13 @@ def config_0731() -> dict:
 def spec04_layout(cfg: ModelConfig) -> dict[str, tuple[str, tuple[int, ...]]]:
     """mapping/README.md#xpu-dspark-layout transcribed: the model-level rows, then per stage s the 29 `mtp_block.`
     rows of mapping/README.md#mtp-parameters under `model.layers.{s}.`."""
-    H, V, n, R, T = cfg.hidden_size, cfg.vocab_size, cfg.hc_mult, cfg.dspark_markov_rank, len(cfg.dspark_target_layer_ids)
+    H, V, n, R, T = (
+        cfg.hidden_size,
+        cfg.vocab_size,
+        cfg.hc_mult,
+        cfg.dspark_markov_rank,
+        len(cfg.dspark_target_layer_ids),
+    )
     out = {
         "model.embed_tokens.weight": ("BF16", (V, H)),
         "lm_head.weight": ("BF16", (V, H)),
@@ -96,7 +103,11 @@ def test_a_dspark_config_lacking_one_field_is_refused_naming_it(absent):
 @pytest.mark.parametrize(
     ("field", "value", "message"),
     [
-        ("dspark_target_layer_ids", [40, 41, 43], r"dspark_target_layer_ids\[2\] is 43; expected an integer in 0\.\.42"),
+        (
+            "dspark_target_layer_ids",
+            [40, 41, 43],
+            r"dspark_target_layer_ids\[2\] is 43; expected an integer in 0\.\.42",
+        ),
         ("dspark_target_layer_ids", [40, 41, 41], r"names layer 41 twice; expected distinct main layers"),
         ("dspark_target_layer_ids", [], r"dspark_target_layer_ids has 0 entries; expected 1\.\.16"),
         ("dspark_target_layer_ids", "40,41,42", r"dspark_target_layer_ids is \"40,41,42\" \(a string\)"),
@@ -107,7 +118,11 @@ def test_a_dspark_config_lacking_one_field_is_refused_naming_it(absent):
         ("dspark_markov_rank", -1, r"dspark_markov_rank is -1; expected an integer in 1\.\."),
         ("dspark_markov_rank", None, r"dspark_markov_rank is null; expected an integer"),
         ("n_mtp_layers", 2, r"n_mtp_layers is 2 but dspark_target_layer_ids has 3 entries: the stage counts disagree"),
-        ("compress_ratios", [0, 0] + [4, 128] * 20 + [4] + [0], r"compress_ratios has 44 entries; expected one per main layer \(num_hidden_layers = 43\) and one per DSpark stage \(3\): 46"),
+        (
+            "compress_ratios",
+            [0, 0] + [4, 128] * 20 + [4] + [0],
+            r"compress_ratios has 44 entries; expected one per main layer \(num_hidden_layers = 43\) and one per DSpark stage \(3\): 46",
+        ),
     ],
 )
 def test_malformed_dspark_fields_are_refused_naming_the_field(field, value, message):
@@ -128,7 +143,10 @@ def test_an_n_mtp_layers_that_agrees_is_accepted():
 def test_v41_is_refused_with_its_own_message():
     raw = config_0731()
     raw["model_type"] = "deepseek_v41"
-    with pytest.raises(UnsupportedConfig, match=r"model_type 'deepseek_v41' \(DeepSeek V4\.1: vLLM 0\.33\.0 has no XPU draft model for it"):
+    with pytest.raises(
+        UnsupportedConfig,
+        match=r"model_type 'deepseek_v41' \(DeepSeek V4\.1: vLLM 0\.33\.0 has no XPU draft model for it",
+    ):
         ModelConfig.from_dict(raw)
 
 
@@ -163,7 +181,13 @@ def test_every_dspark_linear_carries_its_vllm_quantisation_name():
         L = f"model.layers.{43 + s}"
         assert {f"{L}.attn.fused_wqa_wkv", f"{L}.attn.wq_b", f"{L}.attn.wo_a", f"{L}.attn.wo_b", f"{L}.ffn.gate",
                 f"{L}.ffn.shared_experts.gate_up_proj", f"{L}.ffn.shared_experts.down_proj", f"{L}.ffn.experts"} <= names  # fmt: skip
-    assert {"model.embed_tokens", "model.main_proj", "lm_head", "model.markov_head.markov_w1", "model.markov_head.markov_w2"} <= names
+    assert {
+        "model.embed_tokens",
+        "model.main_proj",
+        "lm_head",
+        "model.markov_head.markov_w1",
+        "model.markov_head.markov_w2",
+    } <= names
     assert len(names) == 5 + 3 * 8
 
 
@@ -273,7 +297,13 @@ def closest_routing_call(native: Path, model: DSparkDraft) -> tuple[int, int, in
         gaps = top.values[:, k - 1] - top.values[:, k]
         token = int(gaps.argmin())
         if best is None or gaps[token] < best[3]:
-            best = (stage, token, int(top.indices[token, k]), float(gaps[token]), TIE_REL * float(call.selection[token].abs().max()))
+            best = (
+                stage,
+                token,
+                int(top.indices[token, k]),
+                float(gaps[token]),
+                TIE_REL * float(call.selection[token].abs().max()),
+            )
     assert best is not None
     return best
 
@@ -296,7 +326,9 @@ def test_a_routing_flip_on_a_near_tie_passes_and_reports_its_margin(tiny_dspark)
     # (other near-ties may flip too on some CPUs: they are forgiven by the same rule)
     assert all(d["near_tie"] for d in routing), routing
     flipped = next(d for d in routing if (d["call"], d["token"]) == (stage, token))
-    assert flipped["margin"] == pytest.approx(margin, abs=1e-4) and flipped["tolerance"] == pytest.approx(tolerance, rel=1e-2)
+    assert flipped["margin"] == pytest.approx(margin, abs=1e-4) and flipped["tolerance"] == pytest.approx(
+        tolerance, rel=1e-2
+    )
     assert_bf16_close(out.hidden_states, ref.hidden_states)
     assert parity_verdict(dspark_parity(out, ref, routing))[0]
 
@@ -345,7 +377,10 @@ def test_the_comparison_catches_stages_in_the_wrong_order(tiny_dspark):
     model.model.layers[2] = model.model.layers[0]
     features, positions, anchor = context(model.config, 12, 2, first=7)
     with pytest.raises(AssertionError):
-        assert_bf16_close(model(features, positions, anchor).hidden_states, DSparkReference(native).forward(features, positions, anchor).hidden_states)
+        assert_bf16_close(
+            model(features, positions, anchor).hidden_states,
+            DSparkReference(native).forward(features, positions, anchor).hidden_states,
+        )
 
 
 # --- non-causal block attention (model/README.md#dspark-forward step 4) -------------------
@@ -474,7 +509,14 @@ def test_smoke_drafts_a_block_and_agrees_with_the_reference(tiny_dspark):
     assert report["draft_tokens"] == report["reference_draft_tokens"] and len(report["draft_tokens"]) == 5
     assert report["draft_token_agreement"] == 1.0 and report["draft_tokens_agree_to"] == 5
     assert report["hidden_max_abs_diff"] < 0.05 and report["logits_max_abs_diff"] < 0.05
-    for stage in ("load_ms", "hidden_first_ms", "hidden_warm_ms", "logits_first_ms", "logits_warm_ms", "reference_draft_ms"):
+    for stage in (
+        "load_ms",
+        "hidden_first_ms",
+        "hidden_warm_ms",
+        "logits_first_ms",
+        "logits_warm_ms",
+        "reference_draft_ms",
+    ):
         assert report[stage] > 0
 
 
@@ -483,7 +525,9 @@ def test_smoke_reads_the_target_features_from_a_file(tiny_dspark, tmp_path):
     cfg = ModelConfig.from_dict(tiny_dspark_config())
     features, _, anchor = context(cfg, 9, 1)
     path = tmp_path / "features.safetensors"
-    per_layer = dict(zip(("h_0", "h_1", "h_2"), (f.contiguous() for f in features.float().split(cfg.hidden_size, dim=-1))))
+    per_layer = dict(
+        zip(("h_0", "h_1", "h_2"), (f.contiguous() for f in features.float().split(cfg.hidden_size, dim=-1)))
+    )
     save_file(per_layer | {"h_3": torch.zeros(9, 256)}, path)  # h_3: not a target layer, not read
     report = run_dspark_smoke(converted, "cpu", features=path, anchor=anchor)
     expected = load_converted(converted, "cpu")(features, torch.arange(9), anchor)
@@ -493,13 +537,41 @@ def test_smoke_reads_the_target_features_from_a_file(tiny_dspark, tmp_path):
 @pytest.mark.parametrize(
     ("tensors", "error", "message"),
     [
-        ({"h_0": torch.zeros(4, 256), "h_1": torch.zeros(4, 256)}, MissingKeyError, r"no tensor h_2 \(the target features are h_l for dspark_target_layer_ids \[0, 1, 2\]\)"),
-        ({"h_0": torch.zeros(4, 256), "h_1": torch.zeros(4, 256), "h_2": torch.zeros(5, 256)}, ShapeMismatchError, r"tensor h_2 has shape \[5, 256\], expected \[4, 256\]"),
-        ({"h_0": torch.zeros(4, 128), "h_1": torch.zeros(4, 256), "h_2": torch.zeros(4, 256)}, ShapeMismatchError, r"tensor h_0 has shape \[4, 128\], expected \[T_ctx >= 1, 256\]"),
-        ({"h_0": torch.zeros(4, 256, dtype=torch.int32), "h_1": torch.zeros(4, 256), "h_2": torch.zeros(4, 256)}, DtypeMismatchError, r"tensor h_0 has dtype torch\.int32"),
+        (
+            {"h_0": torch.zeros(4, 256), "h_1": torch.zeros(4, 256)},
+            MissingKeyError,
+            r"no tensor h_2 \(the target features are h_l for dspark_target_layer_ids \[0, 1, 2\]\)",
+        ),
+        (
+            {"h_0": torch.zeros(4, 256), "h_1": torch.zeros(4, 256), "h_2": torch.zeros(5, 256)},
+            ShapeMismatchError,
+            r"tensor h_2 has shape \[5, 256\], expected \[4, 256\]",
+        ),
+        (
+            {"h_0": torch.zeros(4, 128), "h_1": torch.zeros(4, 256), "h_2": torch.zeros(4, 256)},
+            ShapeMismatchError,
+            r"tensor h_0 has shape \[4, 128\], expected \[T_ctx >= 1, 256\]",
+        ),
+        (
+            {"h_0": torch.zeros(4, 256, dtype=torch.int32), "h_1": torch.zeros(4, 256), "h_2": torch.zeros(4, 256)},
+            DtypeMismatchError,
+            r"tensor h_0 has dtype torch\.int32",
+        ),
         # non-finite features would make the draft's output non-finite, blamed on the checkpoint
-        ({"h_0": torch.zeros(4, 256), "h_1": torch.zeros(4, 256).index_fill_(1, torch.tensor([3]), float("nan")), "h_2": torch.zeros(4, 256)}, LoadError, r"tensor h_1 holds 4 non-finite value\(s\) \(NaN or Inf, in bf16\)"),
-        ({"h_0": torch.zeros(4, 256), "h_1": torch.zeros(4, 256), "h_2": torch.full((4, 256), float("-inf"))}, LoadError, r"tensor h_2 holds 1,024 non-finite value\(s\)"),
+        (
+            {
+                "h_0": torch.zeros(4, 256),
+                "h_1": torch.zeros(4, 256).index_fill_(1, torch.tensor([3]), float("nan")),
+                "h_2": torch.zeros(4, 256),
+            },
+            LoadError,
+            r"tensor h_1 holds 4 non-finite value\(s\) \(NaN or Inf, in bf16\)",
+        ),
+        (
+            {"h_0": torch.zeros(4, 256), "h_1": torch.zeros(4, 256), "h_2": torch.full((4, 256), float("-inf"))},
+            LoadError,
+            r"tensor h_2 holds 1,024 non-finite value\(s\)",
+        ),
     ],
 )
 def test_malformed_target_features_are_refused_naming_the_file_and_tensor(tmp_path, tensors, error, message):
@@ -521,24 +593,61 @@ def test_a_features_file_that_is_not_safetensors_is_a_load_error(tmp_path):
 # --- `convert-dsv4 smoke` on a DSpark output ---------------------------------------------
 def test_the_smoke_command_drafts_a_block_and_compares_with_the_native_reference(tiny_dspark, monkeypatch, capsys):
     native, converted = tiny_dspark[0]
-    code, out, err = run_main(monkeypatch, capsys, "smoke", converted, "--device", "cpu", "--tokens", "12", "--position", "30", "--native", native, "--seed", "4", "--json")
+    code, out, err = run_main(
+        monkeypatch,
+        capsys,
+        "smoke",
+        converted,
+        "--device",
+        "cpu",
+        "--tokens",
+        "12",
+        "--position",
+        "30",
+        "--native",
+        native,
+        "--seed",
+        "4",
+        "--json",
+    )
     assert (code, err) == (0, ""), err
     report = json.loads(out)
     cfg = ModelConfig.from_file(converted / "config.json")
     assert report["layout"] == "dspark" and len(report["draft_tokens"]) == cfg.dspark_block_size
     assert report["draft_tokens"] == report["reference_draft_tokens"] and report["draft_token_agreement"] == 1.0
     assert report["block_positions"] == list(range(42, 42 + cfg.dspark_block_size))  # p+1..p+B after the context 30..41
-    code, out, _ = run_main(monkeypatch, capsys, "smoke", converted, "--device", "cpu", "--tokens", "12", "--position", "30", "--native", native, "--seed", "4")
+    code, out, _ = run_main(
+        monkeypatch,
+        capsys,
+        "smoke",
+        converted,
+        "--device",
+        "cpu",
+        "--tokens",
+        "12",
+        "--position",
+        "30",
+        "--native",
+        native,
+        "--seed",
+        "4",
+    )
     assert code == 0 and f"draft tokens {report['draft_tokens']}" in out and "agreement 1.000" in out
 
 
 def test_the_smoke_command_fails_when_another_model_drafts_other_tokens(tiny_dspark, monkeypatch, capsys):
     other_native, converted = tiny_dspark[1][0], tiny_dspark[0][1]
-    code, out, err = run_main(monkeypatch, capsys, "smoke", converted, "--device", "cpu", "--native", other_native, "--json")
+    code, out, err = run_main(
+        monkeypatch, capsys, "smoke", converted, "--device", "cpu", "--native", other_native, "--json"
+    )
     report = json.loads(out)
     assert report["draft_token_agreement"] < 1.0
     # one verdict with `check --native` (model/parity.py): its message, smoke's exit code
-    assert code == 55 and err.startswith(f"error: {converted}: differs from the reference on {other_native}: ") and err.count("\n") == 1
+    assert (
+        code == 55
+        and err.startswith(f"error: {converted}: differs from the reference on {other_native}: ")
+        and err.count("\n") == 1
+    )
 
 
 def test_the_smoke_command_blames_non_finite_features_on_the_features_file(tiny_dspark, tmp_path, monkeypatch, capsys):
@@ -546,7 +655,10 @@ def test_the_smoke_command_blames_non_finite_features_on_the_features_file(tiny_
     path = tmp_path / "features.safetensors"
     save_file({"h_0": torch.zeros(4, 256), "h_1": torch.full((4, 256), float("nan")), "h_2": torch.zeros(4, 256)}, path)
     code, _, err = run_main(monkeypatch, capsys, "smoke", converted, "--device", "cpu", "--features", path)
-    assert (code, err) == (50, f"error: {path}: tensor h_1 holds 1,024 non-finite value(s) (NaN or Inf, in bf16): target features are finite\n")
+    assert (code, err) == (
+        50,
+        f"error: {path}: tensor h_1 holds 1,024 non-finite value(s) (NaN or Inf, in bf16): target features are finite\n",
+    )
 
 
 def test_dspark_options_on_an_mtp_output_are_a_usage_error(tiny_native, tmp_path, monkeypatch, capsys):

@@ -9,6 +9,7 @@ import os
 from pathlib import Path
 
 import pytest
+
 from dsv4.convert.execute import CHUNK, schedule
 from dsv4.convert.plan import Piece, PlannedTensor
 from dsv4.convert.readers import DIRECT_ALIGN, LocalReader
@@ -20,7 +21,12 @@ def tensor(name: str, nbytes: int) -> PlannedTensor:
 
 
 def test_schedule_reads_the_largest_tensors_first_several_at_a_time() -> None:
-    small, mid, big, huge = tensor("small", 100), tensor("mid", 2 * CHUNK), tensor("big", 3 * CHUNK), tensor("huge", 5 * CHUNK + 1)
+    small, mid, big, huge = (
+        tensor("small", 100),
+        tensor("mid", 2 * CHUNK),
+        tensor("big", 3 * CHUNK),
+        tensor("huge", 5 * CHUNK + 1),
+    )
     writer = object()  # schedule only carries the writer along
     order = schedule([(t, writer) for t in (small, mid, big, huge)], streams=2)  # type: ignore[misc]
 
@@ -51,7 +57,18 @@ def source(tmp_path: Path) -> tuple[Path, bytes]:
     return tmp_path, data
 
 
-@pytest.mark.parametrize("offset,n", [(0, 10), (1, DIRECT_ALIGN), (DIRECT_ALIGN - 1, 2), (DIRECT_ALIGN, 2 * DIRECT_ALIGN), (777, 3 * DIRECT_ALIGN + 5), (5 * DIRECT_ALIGN + 100, 23), (0, 5 * DIRECT_ALIGN + 123)])
+@pytest.mark.parametrize(
+    "offset,n",
+    [
+        (0, 10),
+        (1, DIRECT_ALIGN),
+        (DIRECT_ALIGN - 1, 2),
+        (DIRECT_ALIGN, 2 * DIRECT_ALIGN),
+        (777, 3 * DIRECT_ALIGN + 5),
+        (5 * DIRECT_ALIGN + 100, 23),
+        (0, 5 * DIRECT_ALIGN + 123),
+    ],
+)
 def test_read_view_returns_exactly_the_bytes_asked_for(source: tuple[Path, bytes], offset: int, n: int) -> None:
     root, data = source
     reader = LocalReader(root)

@@ -19,7 +19,12 @@ README = Path(__file__).resolve().parent.parent / "README.md"
 
 def error_classes() -> set[type]:
     modules = (model_errors, mapping_errors, convert_errors, config)
-    return {c for m in modules for c in vars(m).values() if isinstance(c, type) and issubclass(c, model_errors.DSV4Error) and c.__module__ == m.__name__}
+    return {
+        c
+        for m in modules
+        for c in vars(m).values()
+        if isinstance(c, type) and issubclass(c, model_errors.DSV4Error) and c.__module__ == m.__name__
+    }
 
 
 def test_every_error_class_has_its_own_row() -> None:
@@ -29,19 +34,30 @@ def test_every_error_class_has_its_own_row() -> None:
 def test_the_codes_are_the_documented_ones() -> None:
     # a sample across the families, as the README's table has them since they were introduced
     named = {
-        model_errors.MissingShardError: 11, model_errors.MalformedHeaderError: 17, model_errors.MalformedConfigError: 18,
-        config.ConfigFieldError: 18, config.UnsupportedConfig: 35, model_errors.UnsupportedLayoutError: 35,
-        model_errors.SourceNotFoundError: 19, mapping_errors.DeadRuleError: 24, convert_errors.UncoveredKeyError: 31,
-        convert_errors.OutputLockedError: 47, convert_errors.OverwriteRefusedError: 48, model_errors.DtypeMismatchError: 54,
-        model_errors.SmokeCheckError: 55, convert_errors.BatchFailedError: 66, convert_errors.QuantCarryError: 82,
-        convert_errors.SmokeFailedError: 84, convert_errors.NativeParityError: 85,
+        model_errors.MissingShardError: 11,
+        model_errors.MalformedHeaderError: 17,
+        model_errors.MalformedConfigError: 18,
+        config.ConfigFieldError: 18,
+        config.UnsupportedConfig: 35,
+        model_errors.UnsupportedLayoutError: 35,
+        model_errors.SourceNotFoundError: 19,
+        mapping_errors.DeadRuleError: 24,
+        convert_errors.UncoveredKeyError: 31,
+        convert_errors.OutputLockedError: 47,
+        convert_errors.OverwriteRefusedError: 48,
+        model_errors.DtypeMismatchError: 54,
+        model_errors.SmokeCheckError: 55,
+        convert_errors.BatchFailedError: 66,
+        convert_errors.QuantCarryError: 82,
+        convert_errors.SmokeFailedError: 84,
+        convert_errors.NativeParityError: 85,
     }
     assert {cls: code_of(cls) for cls in named} == named
 
 
 def test_every_code_appears_in_the_readme() -> None:
     text = README.read_text()
-    section = text[text.index("## Exit codes"):]
+    section = text[text.index("## Exit codes") :]
     section = section[: section.index("\n## ", 4)]
     documented = {int(n) for n in re.findall(r"\b(\d{1,3})\b", section)}
     # `check`'s table: each row ends with its code(s), "| 71 |" or "| 76 / 77 / 78 / 79 |"
@@ -51,7 +67,10 @@ def test_every_code_appears_in_the_readme() -> None:
 
 
 def test_an_error_carries_the_file_and_tensor_it_names_as_fields() -> None:
-    header = {"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}, "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}}
+    header = {
+        "a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+        "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]},
+    }
     try:
         tensors_from_header(header, "model-00001-of-00002.safetensors", 100, 112)
     except model_errors.MalformedHeaderError as exc:

@@ -33,11 +33,21 @@ def modes(root: Path) -> dict[str, str]:
 
 
 @pytest.mark.parametrize(("mask", "file_mode", "dir_mode"), [(0o022, 0o644, 0o755), (0o077, 0o600, 0o700)])
-def test_every_file_written_has_the_mode_the_umask_gives(mask: int, file_mode: int, dir_mode: int, tiny_native: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+def test_every_file_written_has_the_mode_the_umask_gives(
+    mask: int,
+    file_mode: int,
+    dir_mode: int,
+    tiny_native: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     run = partial(run_main, monkeypatch, capsys)
     out, junit, batch_out = tmp_path / "out", tmp_path / "reports" / "check.xml", tmp_path / "batch"
     manifest = tmp_path / "batch.toml"
-    manifest.write_text(f'target = "xpu"\nsources = ["org/alpha"]\n\n[output]\ndir = "{batch_out}"\n\n[options]\ncheck = false\n')
+    manifest.write_text(
+        f'target = "xpu"\nsources = ["org/alpha"]\n\n[output]\ndir = "{batch_out}"\n\n[options]\ncheck = false\n'
+    )
     with umask(mask), FakeHub() as hub:
         hub.commit_dir("org/alpha", tiny_native)
         assert run(tiny_native, out, "-q", "--max-shard-size", "1MB")[0] == 0
@@ -45,6 +55,13 @@ def test_every_file_written_has_the_mode_the_umask_gives(mask: int, file_mode: i
         done = run_cli("batch", str(manifest), "-q", env=hub_env(hub, tmp_path / "hf"))
         assert done.returncode == 0, done.stderr
     written = {**modes(out), **modes(junit.parent), **modes(batch_out)}
-    assert {"out/config.json", "out/conversion.json", "out/model.safetensors.index.json", "reports/check.xml", "batch/batch-report.json", "batch/alpha-xpu/conversion.json"} <= set(written)
+    assert {
+        "out/config.json",
+        "out/conversion.json",
+        "out/model.safetensors.index.json",
+        "reports/check.xml",
+        "batch/batch-report.json",
+        "batch/alpha-xpu/conversion.json",
+    } <= set(written)
     want = {name: oct(dir_mode if (tmp_path / name).is_dir() else file_mode) for name in written}
     assert written == want

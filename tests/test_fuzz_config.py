@@ -12,17 +12,20 @@ import math
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
 from dsv4.convert.exit_codes import exit_code
 from dsv4.model import errors as model_errors
 from dsv4.model import native
 from dsv4.model.config import ConfigError, ModelConfig, config_errors
 from dsv4.model.layout import target_layout
 from dsv4.model.presets import EXPERT_DTYPE, PRESETS, preset_config
-from hypothesis import HealthCheck, event, given, settings
-from hypothesis import strategies as st
 
 EXAMPLES = 300
-FUZZ = settings(max_examples=EXAMPLES, derandomize=True, database=None, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+FUZZ = settings(
+    max_examples=EXAMPLES, derandomize=True, database=None, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
 
 RELEASED = [preset_config(name, variant) for name in sorted(PRESETS) for variant in ("instruct", "base")]
 
@@ -33,15 +36,35 @@ scalars = st.one_of(
     st.sampled_from([0, 1, -1, 2, 3, 16, 17, 127, 128, 1024, 10_000_000, 2**63]),
     st.floats(allow_nan=True, allow_infinity=True),
     st.text(max_size=12),
-    st.sampled_from(["fp4", "fp8", "mxfp6", "sqrtsoftplus", "sigmoid", "noaux_tc", "greedy", "deepseek_v4", "deepseek_v41", "256", ""]),
+    st.sampled_from(
+        [
+            "fp4",
+            "fp8",
+            "mxfp6",
+            "sqrtsoftplus",
+            "sigmoid",
+            "noaux_tc",
+            "greedy",
+            "deepseek_v4",
+            "deepseek_v41",
+            "256",
+            "",
+        ]
+    ),
 )
-json_values = st.recursive(scalars, lambda inner: st.one_of(st.lists(inner, max_size=5), st.dictionaries(st.text(max_size=8), inner, max_size=5)), max_leaves=12)
+json_values = st.recursive(
+    scalars,
+    lambda inner: st.one_of(st.lists(inner, max_size=5), st.dictionaries(st.text(max_size=8), inner, max_size=5)),
+    max_leaves=12,
+)
 
 
 def numeric_nudge(value: Any) -> st.SearchStrategy[Any]:
     """Values near a released one: off by one, negated, zero, scaled, as a float or a string."""
     if type(value) is int:
-        return st.sampled_from([value - 1, value + 1, -value, 0, value * 1000, float(value), str(value), [value], value > 0])
+        return st.sampled_from(
+            [value - 1, value + 1, -value, 0, value * 1000, float(value), str(value), [value], value > 0]
+        )
     if type(value) is float and math.isfinite(value):
         return st.sampled_from([-value, 0.0, value * 1e300, float("nan"), float("inf"), int(value), str(value)])
     return json_values
@@ -63,10 +86,16 @@ def mutated_configs(draw: st.DrawFn) -> dict[str, Any]:
         elif action == "junk":
             raw[draw(st.text(max_size=10))] = draw(json_values)
         elif action == "block" and isinstance(raw.get("quantization_config"), dict):
-            raw["quantization_config"]["weight_block_size"] = draw(st.one_of(json_values, st.lists(st.integers(-2, 300), max_size=4)))
+            raw["quantization_config"]["weight_block_size"] = draw(
+                st.one_of(json_values, st.lists(st.integers(-2, 300), max_size=4))
+            )
         elif action == "ratios":
             n = raw.get("num_hidden_layers", 0) if type(raw.get("num_hidden_layers")) is int else 0
-            raw["compress_ratios"] = draw(st.lists(st.sampled_from([0, 4, 128, -4, 2**40]), min_size=max(0, min(n, 64) - 1), max_size=min(n, 64) + 2))
+            raw["compress_ratios"] = draw(
+                st.lists(
+                    st.sampled_from([0, 4, 128, -4, 2**40]), min_size=max(0, min(n, 64) - 1), max_size=min(n, 64) + 2
+                )
+            )
     return raw
 
 
@@ -76,7 +105,9 @@ def load_or_refuse(load: Any, raw: Any) -> ModelConfig | ConfigError:
         cfg = load(raw)
     except ConfigError as exc:
         assert str(exc) and "\n" not in str(exc), repr(exc)
-        with pytest.raises((model_errors.MalformedConfigError, model_errors.UnsupportedLayoutError)) as mapped:  # exit 18 or 35
+        with pytest.raises(
+            (model_errors.MalformedConfigError, model_errors.UnsupportedLayoutError)
+        ) as mapped:  # exit 18 or 35
             with config_errors("config.json"):
                 raise exc
         event(f"refused {exit_code(mapped.value)}")
@@ -115,7 +146,9 @@ def test_damaged_config_json_text_gives_a_valid_config_or_its_error(raw: dict[st
     for _ in range(data.draw(st.integers(0, 3))):
         at = data.draw(st.integers(0, len(text)))
         cut = data.draw(st.integers(0, 3))
-        text[at : at + cut] = data.draw(st.binary(max_size=3) | st.sampled_from([b"[", b"{", b'"', b"9" * 30, b"NaN", b"\xff", b", "]))
+        text[at : at + cut] = data.draw(
+            st.binary(max_size=3) | st.sampled_from([b"[", b"{", b'"', b"9" * 30, b"NaN", b"\xff", b", "])
+        )
     outcome = load_or_refuse(ModelConfig.from_json, bytes(text))
     if isinstance(outcome, ModelConfig):
         assert_usable(outcome)

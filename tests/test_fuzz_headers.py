@@ -19,24 +19,41 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from dsv4.convert.inventory import read_local_header
-from dsv4.model.checkpoint import INDEX_NAME, load_index
-from dsv4.model.dtypes import ITEMSIZE, SAFETENSORS_NAMES, nbytes, tensor_bytes
-from dsv4.model.errors import CheckpointError
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from safetensors import safe_open
 
+from dsv4.convert.inventory import read_local_header
+from dsv4.model.checkpoint import INDEX_NAME, load_index
+from dsv4.model.dtypes import ITEMSIZE, SAFETENSORS_NAMES, nbytes, tensor_bytes
+from dsv4.model.errors import CheckpointError
+
 EXAMPLES = 250
-FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+FUZZ = settings(
+    max_examples=EXAMPLES,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 SHARD = "model.safetensors"
 
 # --- building blocks ---------------------------------------------------------------------
 names = st.text(alphabet="abcdefghij._0123456789", min_size=1, max_size=10)
 dtypes = st.sampled_from(sorted(ITEMSIZE))
 shapes = st.lists(st.integers(0, 4), max_size=3)
-json_scalars = st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=8)
-json_values = st.recursive(json_scalars, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3), max_leaves=8)
+json_scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**70), 2**70)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=8)
+)
+json_values = st.recursive(
+    json_scalars,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+    max_leaves=8,
+)
 
 
 def encode(header: dict[str, Any] | bytes, data: bytes, pad: int = 0) -> bytes:
@@ -100,7 +117,9 @@ def mutate_header(draw: st.DrawFn, header: dict[str, Any]) -> dict[str, Any] | b
     elif kind == "drop":
         del header[name]
     elif kind == "copy_offsets":
-        other = header[draw(st.sampled_from([t for t in tensors if isinstance(header[t], dict) and _offset_pair(header[t])]))]
+        other = header[
+            draw(st.sampled_from([t for t in tensors if isinstance(header[t], dict) and _offset_pair(header[t])]))
+        ]
         entry["data_offsets"] = list(other["data_offsets"])
     elif kind == "metadata":
         header["__metadata__"] = draw(json_values)
@@ -108,7 +127,9 @@ def mutate_header(draw: st.DrawFn, header: dict[str, Any]) -> dict[str, Any] | b
         entry[draw(st.text(max_size=6))] = draw(json_values)
     elif kind == "duplicate":  # the same name twice in the JSON text: a dict cannot hold it
         raw = json.dumps(header)
-        twin = json.dumps({name: {**entry, "data_offsets": draw(st.lists(st.integers(0, 50), min_size=2, max_size=2))}})[1:-1]
+        twin = json.dumps(
+            {name: {**entry, "data_offsets": draw(st.lists(st.integers(0, 50), min_size=2, max_size=2))}}
+        )[1:-1]
         return raw.replace("{", "{" + twin + ", ", 1).encode()
     return header
 
@@ -146,7 +167,11 @@ def mutated_shards(draw: st.DrawFn) -> bytes:
 
 
 entry_like = st.fixed_dictionaries(
-    {"dtype": dtypes | json_values, "shape": st.lists(st.integers(-1, 4), max_size=3) | json_values, "data_offsets": st.lists(st.integers(-1, 40), max_size=3) | json_values}
+    {
+        "dtype": dtypes | json_values,
+        "shape": st.lists(st.integers(-1, 4), max_size=3) | json_values,
+        "data_offsets": st.lists(st.integers(-1, 40), max_size=3) | json_values,
+    }
 )
 
 
@@ -198,7 +223,9 @@ def test_random_shards_parse_or_fail_with_the_tools_error(shard_path: Path, raw:
 
 @settings(FUZZ, max_examples=50)
 @given(shard=valid_shards(), pad=st.integers(0, 7))
-def test_valid_shards_are_accepted_with_every_tensor(shard_path: Path, shard: tuple[dict[str, Any], bytes], pad: int) -> None:
+def test_valid_shards_are_accepted_with_every_tensor(
+    shard_path: Path, shard: tuple[dict[str, Any], bytes], pad: int
+) -> None:
     """The generator's unmutated shards are valid: the mutated ones start from accepted files."""
     header, data = shard
     shard_path.write_bytes(encode(header, data, pad))
@@ -214,7 +241,9 @@ shard_names = st.sampled_from(["model-00001-of-00002.safetensors", "model-00002-
 def index_files(draw: st.DrawFn) -> bytes:
     weight_map = draw(st.dictionaries(names, shard_names, min_size=1, max_size=5))
     index: dict[str, Any] = {"metadata": {"total_size": draw(st.integers(0, 10**6))}, "weight_map": weight_map}
-    kind = draw(st.sampled_from(["none", "weight_map", "entry", "metadata", "total_size", "top", "shard_name", "random"]))
+    kind = draw(
+        st.sampled_from(["none", "weight_map", "entry", "metadata", "total_size", "top", "shard_name", "random"])
+    )
     if kind == "weight_map":
         index["weight_map"] = draw(json_values)
     elif kind == "entry":
@@ -226,7 +255,10 @@ def index_files(draw: st.DrawFn) -> bytes:
     elif kind == "top":
         index = draw(json_values)
     elif kind == "shard_name":
-        index["weight_map"][draw(st.sampled_from(sorted(weight_map)))] = draw(st.sampled_from(["../x.safetensors", "/abs.safetensors", "a/b.safetensors", "..", ".", "", "a\\b"]) | st.text(max_size=8))
+        index["weight_map"][draw(st.sampled_from(sorted(weight_map)))] = draw(
+            st.sampled_from(["../x.safetensors", "/abs.safetensors", "a/b.safetensors", "..", ".", "", "a\\b"])
+            | st.text(max_size=8)
+        )
     elif kind == "random":
         return draw(st.binary(max_size=80))
     raw = json.dumps(index).encode()
@@ -241,7 +273,11 @@ def _mutate_text(draw: st.DrawFn, raw: bytes) -> bytes:
     if kind == "flip" and raw:
         return raw[:pos] + bytes([raw[pos] ^ draw(st.integers(1, 255))]) + raw[pos + 1 :]
     if kind == "insert":
-        return raw[:pos] + draw(st.binary(min_size=1, max_size=4) | st.sampled_from([b"-0", b"1e999", b"NaN", b'"x":1,', b"[[[["])) + raw[pos:]
+        return (
+            raw[:pos]
+            + draw(st.binary(min_size=1, max_size=4) | st.sampled_from([b"-0", b"1e999", b"NaN", b'"x":1,', b"[[[["]))
+            + raw[pos:]
+        )
     if kind == "delete":
         return raw[:pos] + raw[pos + draw(st.integers(1, 4)) :]
     return raw

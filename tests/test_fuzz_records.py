@@ -15,16 +15,19 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, currently_in_test_context, event, given, settings
+from hypothesis import strategies as st
+
 from dsv4.convert.batch import Manifest, load_manifest
 from dsv4.convert.check import _Context, check_checksums, check_index, check_readable, check_sizes
 from dsv4.convert.pipeline import convert, read_record
 from dsv4.convert.sizes import MAX_SHARD_SIZE
 from dsv4.model.errors import DSV4Error
-from hypothesis import HealthCheck, currently_in_test_context, event, given, settings
-from hypothesis import strategies as st
 
 EXAMPLES = 200
-FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow], database=None)
+FUZZ = settings(
+    max_examples=EXAMPLES, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow], database=None
+)
 
 # any JSON value, NaN and infinities included (json.dumps writes them; strict JSON refuses them)
 json_values = st.recursive(
@@ -112,11 +115,18 @@ def test_mutated_conversion_records(checked: tuple[_Context, dict[str, Any]], da
     record = json.loads(json.dumps(true))
     names = sorted(record["tensors"])
     for _ in range(data.draw(st.integers(1, 3), label="mutations")):
-        where = data.draw(st.sampled_from(["entry", "field", "drop field", "tensors", "top", "add tensor"]), label="where")
+        where = data.draw(
+            st.sampled_from(["entry", "field", "drop field", "tensors", "top", "add tensor"]), label="where"
+        )
         name = data.draw(st.sampled_from(names), label="tensor")
         field = data.draw(st.sampled_from(["file", "nbytes", "sha256", "other"]), label="field")
-        value = data.draw(json_values | st.sampled_from([true["tensors"][name][f] for f in ("file", "nbytes", "sha256")]), label="value")
-        tensors = record["tensors"] if isinstance(record["tensors"], dict) else {}  # an earlier mutation may have replaced it
+        value = data.draw(
+            json_values | st.sampled_from([true["tensors"][name][f] for f in ("file", "nbytes", "sha256")]),
+            label="value",
+        )
+        tensors = (
+            record["tensors"] if isinstance(record["tensors"], dict) else {}
+        )  # an earlier mutation may have replaced it
         if where == "entry":
             tensors[name] = value
         elif where == "field" and isinstance(tensors.get(name), dict):
@@ -183,11 +193,42 @@ def toml_value(value: Any) -> str:
 
 
 manifest_words = st.sampled_from(
-    ["org/a", "org/b@v2", "org/a@", "@v1", "a/b/c", "org/a@../x", "{name}-{target}", "{org}-{revision}", "{name:>99999999}", "{name.upper}", "{org.x}", "{0}", "{", "..", ".", "x/y", "xpu", "../../x", "", " "]
+    [
+        "org/a",
+        "org/b@v2",
+        "org/a@",
+        "@v1",
+        "a/b/c",
+        "org/a@../x",
+        "{name}-{target}",
+        "{org}-{revision}",
+        "{name:>99999999}",
+        "{name.upper}",
+        "{org.x}",
+        "{0}",
+        "{",
+        "..",
+        ".",
+        "x/y",
+        "xpu",
+        "../../x",
+        "",
+        " ",
+    ]
 )
 manifest_values = st.recursive(
-    manifest_words | st.booleans() | st.integers() | st.floats() | st.text(max_size=10) | st.sampled_from([5_000_000_000, 0, -1, 2**63, 2**63 - 1]),
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.sampled_from(["repo", "revision", "dir", "name", "x"]) | st.text(max_size=6), inner, max_size=3),
+    manifest_words
+    | st.booleans()
+    | st.integers()
+    | st.floats()
+    | st.text(max_size=10)
+    | st.sampled_from([5_000_000_000, 0, -1, 2**63, 2**63 - 1]),
+    lambda inner: (
+        st.lists(inner, max_size=4)
+        | st.dictionaries(
+            st.sampled_from(["repo", "revision", "dir", "name", "x"]) | st.text(max_size=6), inner, max_size=3
+        )
+    ),
     max_leaves=10,
 )
 manifests = st.fixed_dictionaries(
@@ -195,9 +236,21 @@ manifests = st.fixed_dictionaries(
     optional={
         # mostly plausible values, so that some manifests get past the first checks
         "target": st.just("xpu") | manifest_values,
-        "sources": st.lists(st.sampled_from(["org/a", "org/b@v2", "org/a@v3", {"repo": "org/c", "revision": "abc"}]) | manifest_values, max_size=4) | manifest_values,
-        "output": st.dictionaries(st.sampled_from(["dir", "name", "repo", "private", "colour"]), manifest_values, max_size=4) | manifest_values,
-        "options": st.dictionaries(st.sampled_from(["max_shard_size", "check", "speed"]), st.sampled_from([1, 10**9, True]) | manifest_values, max_size=2) | manifest_values,
+        "sources": st.lists(
+            st.sampled_from(["org/a", "org/b@v2", "org/a@v3", {"repo": "org/c", "revision": "abc"}]) | manifest_values,
+            max_size=4,
+        )
+        | manifest_values,
+        "output": st.dictionaries(
+            st.sampled_from(["dir", "name", "repo", "private", "colour"]), manifest_values, max_size=4
+        )
+        | manifest_values,
+        "options": st.dictionaries(
+            st.sampled_from(["max_shard_size", "check", "speed"]),
+            st.sampled_from([1, 10**9, True]) | manifest_values,
+            max_size=2,
+        )
+        | manifest_values,
         "extra": manifest_values,
     },
 )
@@ -238,7 +291,27 @@ def test_mutated_manifests(tmp_path_factory: pytest.TempPathFactory, data: st.Da
 
 
 # values near the valid ones: templates with format tricks, sizes at the edges, odd sources
-PLAUSIBLE = ["{name}-{revision}", "{org}_{name}", "{name.upper}", "{org.x}", "{name:>99999999}", "{name!r}", "{0}", "{{name}}", "x/{name}", "org/{name}", 1, 2**63 - 1, 2**63, 0, True, "org/a@v9", {"repo": "org/d"}, {"repo": "org/e@x"}, []]
+PLAUSIBLE = [
+    "{name}-{revision}",
+    "{org}_{name}",
+    "{name.upper}",
+    "{org.x}",
+    "{name:>99999999}",
+    "{name!r}",
+    "{0}",
+    "{{name}}",
+    "x/{name}",
+    "org/{name}",
+    1,
+    2**63 - 1,
+    2**63,
+    0,
+    True,
+    "org/a@v9",
+    {"repo": "org/d"},
+    {"repo": "org/e@x"},
+    [],
+]
 
 
 @FUZZ

@@ -17,13 +17,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from safetensors import safe_open
+
 from dsv4.convert import errors
 from dsv4.convert.check import run_checks
 from dsv4.convert.exit_codes import code_of
 from dsv4.convert.inventory import MAX_HEADER, parse_header, read_inventory
 from dsv4.model import errors as model_errors
 from dsv4.model.checkpoint import INDEX_NAME, load_index
-from safetensors import safe_open
 
 MTP_SHARD = "model-00005-of-00005.safetensors"  # the tiny preset's shard holding mtp.0.*
 
@@ -82,7 +83,9 @@ def test_duplicate_tensor_key_is_refused_not_converted(tiny_native: Path, tmp_pa
     src = native_copy(tiny_native, tmp_path / "src")
     text, data = header_text(src / MTP_SHARD)
     dup = '"mtp.0.hnorm.weight":{"dtype":"BF16","shape":[256],"data_offsets":[0,512]},'
-    (src / MTP_SHARD).write_bytes(shard_bytes(text.replace('"mtp.0.norm.weight"', dup + '"mtp.0.norm.weight"', 1).encode(), data))
+    (src / MTP_SHARD).write_bytes(
+        shard_bytes(text.replace('"mtp.0.norm.weight"', dup + '"mtp.0.norm.weight"', 1).encode(), data)
+    )
     assert safetensors_refuses(src / MTP_SHARD)
     r = cli(str(src), str(tmp_path / "out"), "-q")
     assert_one_line_exit(r, code_of(model_errors.MalformedHeaderError), MTP_SHARD, "duplicate key 'mtp.0.hnorm.weight'")
@@ -97,14 +100,19 @@ def test_overlapping_offsets_one_norm_reading_another_norms_bytes(tiny_native: P
     (src / MTP_SHARD).write_bytes(shard_bytes(header, data))
     assert safetensors_refuses(src / MTP_SHARD)
     r = cli(str(src), str(tmp_path / "out"), "-q")
-    assert_one_line_exit(r, code_of(model_errors.MalformedHeaderError), MTP_SHARD, "mtp.0.hnorm.weight", "mtp.0.enorm.weight", "overlap")
+    assert_one_line_exit(
+        r, code_of(model_errors.MalformedHeaderError), MTP_SHARD, "mtp.0.hnorm.weight", "mtp.0.enorm.weight", "overlap"
+    )
     assert not (tmp_path / "out").exists()
 
 
 def test_overlap_inside_another_tensor(tmp_path: Path, tiny_native: Path) -> None:
     a, b = entry("U8", [8], 0, 8), entry("U8", [2], 3, 5)
     root = single_file(tmp_path / "c", tiny_native / "config.json", shard_bytes({"a": a, "b": b}, bytes(8)))
-    with pytest.raises(model_errors.MalformedHeaderError, match=r"model.safetensors: tensor b: data_offsets \[3, 5\] overlap tensor a's \[0, 8\]"):
+    with pytest.raises(
+        model_errors.MalformedHeaderError,
+        match=r"model.safetensors: tensor b: data_offsets \[3, 5\] overlap tensor a's \[0, 8\]",
+    ):
         read_inventory(root)
 
 
@@ -119,21 +127,31 @@ def test_gap_in_the_data_section(tiny_native: Path, tmp_path: Path) -> None:
     del index["weight_map"]["mtp.0.hnorm.weight"]
     (src / INDEX_NAME).write_text(json.dumps(index))
     assert safetensors_refuses(src / MTP_SHARD)
-    with pytest.raises(model_errors.MalformedHeaderError, match=rf"{MTP_SHARD}: data bytes 512..1024 before tensor mtp.0.norm.weight belong to no tensor"):
+    with pytest.raises(
+        model_errors.MalformedHeaderError,
+        match=rf"{MTP_SHARD}: data bytes 512..1024 before tensor mtp.0.norm.weight belong to no tensor",
+    ):
         read_inventory(src)
 
 
 def test_data_section_must_start_at_zero(tmp_path: Path, tiny_native: Path) -> None:
-    root = single_file(tmp_path / "c", tiny_native / "config.json", shard_bytes({"a": entry("U8", [2], 2, 4)}, bytes(4)))
+    root = single_file(
+        tmp_path / "c", tiny_native / "config.json", shard_bytes({"a": entry("U8", [2], 2, 4)}, bytes(4))
+    )
     with pytest.raises(model_errors.MalformedHeaderError, match=r"data bytes 0..2 before tensor a belong to no tensor"):
         read_inventory(root)
 
 
 def test_bytes_after_the_last_tensor_are_refused_as_safetensors_does(tmp_path: Path, tiny_native: Path) -> None:
     """safetensors refuses a file its tensors do not cover to the end (MetadataIncompleteBuffer)."""
-    root = single_file(tmp_path / "c", tiny_native / "config.json", shard_bytes({"a": entry("U8", [2], 0, 2)}, bytes(3)))
+    root = single_file(
+        tmp_path / "c", tiny_native / "config.json", shard_bytes({"a": entry("U8", [2], 0, 2)}, bytes(3))
+    )
     assert safetensors_refuses(root / "model.safetensors")
-    with pytest.raises(model_errors.MalformedHeaderError, match=r"model.safetensors: data bytes 2..3 after the last tensor belong to no tensor"):
+    with pytest.raises(
+        model_errors.MalformedHeaderError,
+        match=r"model.safetensors: data bytes 2..3 after the last tensor belong to no tensor",
+    ):
         read_inventory(root)
 
 
@@ -152,7 +170,9 @@ def test_a_150_mib_header_names_the_header_size_limit(tmp_path: Path, tiny_nativ
     root = single_file(tmp_path / "c", tiny_native / "config.json", struct.pack("<Q", n))
     os.truncate(root / "model.safetensors", 8 + n + 64)  # the file does hold that much (as a hole)
     r = cli("plan", str(root))
-    assert_one_line_exit(r, code_of(model_errors.MalformedHeaderError), "model.safetensors", f"{n:,}", f"{MAX_HEADER:,}-byte limit")
+    assert_one_line_exit(
+        r, code_of(model_errors.MalformedHeaderError), "model.safetensors", f"{n:,}", f"{MAX_HEADER:,}-byte limit"
+    )
     assert "truncated" not in r.stderr.lower()
 
 
@@ -183,13 +203,17 @@ def test_header_longer_than_the_file_is_still_a_truncated_shard(tmp_path: Path, 
 def test_deeply_nested_header_exits_17_without_a_traceback(tmp_path: Path, tiny_native: Path) -> None:
     deep = b'{"a":' + b"[" * 100_000 + b"]" * 100_000 + b"}"
     root = single_file(tmp_path / "c", tiny_native / "config.json", shard_bytes(deep))
-    assert_one_line_exit(cli("plan", str(root)), code_of(model_errors.MalformedHeaderError), "model.safetensors", "nested more than")
+    assert_one_line_exit(
+        cli("plan", str(root)), code_of(model_errors.MalformedHeaderError), "model.safetensors", "nested more than"
+    )
 
 
 def test_huge_integer_in_a_header_exits_17_without_a_traceback(tmp_path: Path, tiny_native: Path) -> None:
     huge = b'{"a":{"dtype":"U8","shape":[' + b"7" * 4_301 + b'],"data_offsets":[0,0]}}'
     root = single_file(tmp_path / "c", tiny_native / "config.json", shard_bytes(huge))
-    assert_one_line_exit(cli("plan", str(root)), code_of(model_errors.MalformedHeaderError), "model.safetensors", "4301 digits")
+    assert_one_line_exit(
+        cli("plan", str(root)), code_of(model_errors.MalformedHeaderError), "model.safetensors", "4301 digits"
+    )
 
 
 # --- field types, each refused as safetensors refuses it ---------------------------------------
@@ -219,7 +243,10 @@ SAFETENSORS_ACCEPTS = ("__metadata__ is null", "unknown field")
         ({"a": entry("U8", [2**64, 0], 0, 2)}, r"tensor a: shape .* is not a list of non-negative integers"),
         ({"a": entry("U8", [2**63, 4, 0], 0, 2)}, r"tensor a: shape .* overflows 64 bits"),
         ({"a": entry(["U8"], [2], 0, 2)}, r"tensor a: dtype \['U8'\] is not a string"),
-        ({"a": {**OK, "data_offsets": [0, 2, 4]}}, r"tensor a: data_offsets \[0, 2, 4\] is not a pair of non-negative integers"),
+        (
+            {"a": {**OK, "data_offsets": [0, 2, 4]}},
+            r"tensor a: data_offsets \[0, 2, 4\] is not a pair of non-negative integers",
+        ),
         ({"a": {**OK, "data_offsets": "02"}}, r"tensor a: data_offsets '02' is not a pair of non-negative integers"),
         ({"a": entry("U8", [2], 0.0, 2)}, r"tensor a: data_offsets \[0.0, 2\] is not a pair of non-negative integers"),
         ({"a": entry("U8", [2], 2, 0)}, r"tensor a: data_offsets \[2, 0\] do not fit U8\[2\]"),
@@ -227,7 +254,9 @@ SAFETENSORS_ACCEPTS = ("__metadata__ is null", "unknown field")
     ],
     ids=lambda v: None if isinstance(v, str) else json.dumps(v)[:60],
 )
-def test_malformed_field_is_refused_naming_tensor_and_field(tmp_path: Path, tiny_native: Path, header: dict[str, Any], message: str) -> None:
+def test_malformed_field_is_refused_naming_tensor_and_field(
+    tmp_path: Path, tiny_native: Path, header: dict[str, Any], message: str
+) -> None:
     root = single_file(tmp_path / "c", tiny_native / "config.json", shard_bytes(header, bytes(2)))
     assert safetensors_refuses(root / "model.safetensors") != any(case in message for case in SAFETENSORS_ACCEPTS)
     with pytest.raises(model_errors.MalformedHeaderError, match=r"^model.safetensors: " + message) as exc:
@@ -235,8 +264,12 @@ def test_malformed_field_is_refused_naming_tensor_and_field(tmp_path: Path, tiny
     assert "\n" not in str(exc.value)
 
 
-@pytest.mark.parametrize(("literal", "reason"), [(b"-0", "-0"), (b"2.0e0", "not a list"), (b"1" + b"0" * 20, "21 digits")])
-def test_numbers_safetensors_does_not_read_as_sizes_are_refused(tmp_path: Path, tiny_native: Path, literal: bytes, reason: str) -> None:
+@pytest.mark.parametrize(
+    ("literal", "reason"), [(b"-0", "-0"), (b"2.0e0", "not a list"), (b"1" + b"0" * 20, "21 digits")]
+)
+def test_numbers_safetensors_does_not_read_as_sizes_are_refused(
+    tmp_path: Path, tiny_native: Path, literal: bytes, reason: str
+) -> None:
     raw = b'{"a":{"dtype":"U8","shape":[' + literal + b'],"data_offsets":[0,0]}}'
     root = single_file(tmp_path / "c", tiny_native / "config.json", shard_bytes(raw))
     assert safetensors_refuses(root / "model.safetensors")
@@ -256,10 +289,22 @@ def test_numbers_safetensors_does_not_read_as_sizes_are_refused(tmp_path: Path, 
         (b'{"weight_map": {"x": ["a.safetensors"]}}', r"weight_map\['x'\] is a list, not a shard file name"),
         (b'{"weight_map": {"x": "a.safetensors", "x": "b.safetensors"}}', r"not valid JSON \(duplicate key 'x'\)"),
         (b'{"metadata": [], "weight_map": {"x": "a.safetensors"}}', r"metadata is a list, not an object"),
-        (b'{"metadata": {"total_size": "12"}, "weight_map": {"x": "a.safetensors"}}', r"metadata.total_size is '12', not a non-negative integer"),
-        (b'{"metadata": {"total_size": -1}, "weight_map": {"x": "a.safetensors"}}', r"metadata.total_size is -1, not a non-negative integer"),
-        (b'{"metadata": {"total_size": true}, "weight_map": {"x": "a.safetensors"}}', r"metadata.total_size is True, not a non-negative integer"),
-        (b'{"weight_map": {"x": "a.safetensors"}, "n": ' + b"9" * 4_400 + b"}", r"not valid JSON \(integer of 4400 digits"),
+        (
+            b'{"metadata": {"total_size": "12"}, "weight_map": {"x": "a.safetensors"}}',
+            r"metadata.total_size is '12', not a non-negative integer",
+        ),
+        (
+            b'{"metadata": {"total_size": -1}, "weight_map": {"x": "a.safetensors"}}',
+            r"metadata.total_size is -1, not a non-negative integer",
+        ),
+        (
+            b'{"metadata": {"total_size": true}, "weight_map": {"x": "a.safetensors"}}',
+            r"metadata.total_size is True, not a non-negative integer",
+        ),
+        (
+            b'{"weight_map": {"x": "a.safetensors"}, "n": ' + b"9" * 4_400 + b"}",
+            r"not valid JSON \(integer of 4400 digits",
+        ),
         (b'{"weight_map": ' + b"[" * 50_000 + b"]" * 50_000 + b"}", r"not valid JSON \(nested more than"),
     ],
     ids=lambda v: v[:40].decode() if isinstance(v, bytes) else None,
@@ -275,7 +320,9 @@ def test_malformed_index_through_the_cli(tiny_native: Path, tmp_path: Path) -> N
     index = json.loads((src / INDEX_NAME).read_text())
     index["metadata"]["total_size"] = "many"
     (src / INDEX_NAME).write_text(json.dumps(index))
-    assert_one_line_exit(cli("plan", str(src)), code_of(model_errors.MalformedHeaderError), INDEX_NAME, "metadata.total_size")
+    assert_one_line_exit(
+        cli("plan", str(src)), code_of(model_errors.MalformedHeaderError), INDEX_NAME, "metadata.total_size"
+    )
 
 
 def test_a_valid_index_gives_its_weight_map() -> None:

@@ -11,9 +11,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from inprocess import run_main as run_in_process
+
 from dsv4.convert.pipeline import convert
 from dsv4.convert.synth import write_checkpoint
-from inprocess import run_main as run_in_process
 
 
 @pytest.fixture(scope="module")
@@ -33,11 +34,17 @@ def run_main(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 
 
 def tree_digest(root: Path) -> dict[str, str]:
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(root.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
 
 
 # --- synth never writes over what a directory already holds -------------------------------
-def test_synth_refuses_a_directory_that_is_not_empty(tiny_native: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+def test_synth_refuses_a_directory_that_is_not_empty(
+    tiny_native: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     """`synth` into an existing checkpoint (a typo for a real download) replaced its config,
     index and shards and left the rest: a mix of two checkpoints, exit 0."""
     user = tmp_path / "download"
@@ -49,14 +56,18 @@ def test_synth_refuses_a_directory_that_is_not_empty(tiny_native: Path, tmp_path
     assert tree_digest(user) == before
 
 
-def test_synth_into_an_empty_directory_is_fine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+def test_synth_into_an_empty_directory_is_fine(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     (tmp_path / "empty").mkdir()
     code, line = run_main(monkeypatch, capsys, "synth", str(tmp_path / "empty"), "--preset", "tiny")
     assert (code, line) == (0, "")
     assert (tmp_path / "empty" / "config.json").is_file()
 
 
-def test_synth_on_a_full_disk_names_the_path_and_exits_42(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+def test_synth_on_a_full_disk_names_the_path_and_exits_42(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     """A write's ENOSPC carries no file name: the line said only `error: No space left on device`, exit 1."""
 
     def full_disk(*args: object, **kwargs: object) -> None:
@@ -73,7 +84,14 @@ def test_synth_on_a_full_disk_names_the_path_and_exits_42(tmp_path: Path, monkey
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
 @pytest.mark.parametrize("name", ["config.json", "model.safetensors.index.json", "model-00001-of-00005.safetensors"])
 @pytest.mark.parametrize("kind", ["directory", "fifo"])
-def test_a_source_file_that_is_not_a_regular_file_is_named_so(name: str, kind: str, tiny_native: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_source_file_that_is_not_a_regular_file_is_named_so(
+    name: str,
+    kind: str,
+    tiny_native: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     """A FIFO or directory in place of config.json, the index or a shard was reported as
     missing ("does not exist", "no config.json", "neither ... found")."""
     src = tmp_path / "src"
@@ -93,7 +111,9 @@ def test_synth_library_still_writes_into_an_existing_directory(tmp_path: Path) -
 
 # --- a manifest's target is checked with the rest of the manifest -------------------------
 @pytest.mark.parametrize("target", ["../x", "nosuch"])
-def test_a_manifest_target_that_is_no_installed_table_is_a_bad_manifest(target: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_manifest_target_that_is_no_installed_table_is_a_bad_manifest(
+    target: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     """It failed with exit 20 and a line naming neither the manifest nor its field, or, with
     the default name template, as an output.name of 'b-../x'."""
     manifest = tmp_path / "m.toml"
@@ -101,7 +121,10 @@ def test_a_manifest_target_that_is_no_installed_table_is_a_bad_manifest(target: 
     code, line = run_main(monkeypatch, capsys, "batch", str(manifest))
     assert code == 64
     # two targets are installed since --target draft
-    assert line == f"error: {manifest}: target '{target}' is not an installed mapping table (installed: draft, xpu); a table is chosen by name, not path"
+    assert (
+        line
+        == f"error: {manifest}: target '{target}' is not an installed mapping table (installed: draft, xpu); a table is chosen by name, not path"
+    )
 
 
 # --- a record that is a FIFO or a device is refused, not read forever ----------------------
@@ -127,7 +150,9 @@ def _replace(path: Path, kind: str) -> None:
 @pytest.mark.skipif(not (hasattr(os, "mkfifo") and os.path.exists("/dev/zero")), reason="needs FIFOs and /dev/zero")
 @pytest.mark.parametrize(("name", "code"), [("config.json", 75), ("conversion.json", 73)])
 @pytest.mark.parametrize("kind", ["fifo", "device"])
-def test_check_refuses_a_record_that_is_not_a_regular_file(name: str, code: int, kind: str, converted: Path, tmp_path: Path) -> None:
+def test_check_refuses_a_record_that_is_not_a_regular_file(
+    name: str, code: int, kind: str, converted: Path, tmp_path: Path
+) -> None:
     """check blocked forever on a FIFO config.json or conversion.json, and read /dev/zero until memory ran out."""
     out = tmp_path / "out"
     shutil.copytree(converted, out)
@@ -138,7 +163,9 @@ def test_check_refuses_a_record_that_is_not_a_regular_file(name: str, code: int,
 
 
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
-def test_convert_over_an_out_whose_record_is_a_fifo_is_refused(tiny_native: Path, converted: Path, tmp_path: Path) -> None:
+def test_convert_over_an_out_whose_record_is_a_fifo_is_refused(
+    tiny_native: Path, converted: Path, tmp_path: Path
+) -> None:
     """The up-to-date test and --overwrite's recognition read OUT's conversion.json: a FIFO there blocked them."""
     out = tmp_path / "out"
     shutil.copytree(converted, out)

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 from dspark_fixtures import write_half_dspark
+from hubserver import QUICK_RETRIES, FakeHub, Fault, hub_env, on, run_cli
+
 from dsv4.convert.errors import RepoNotFound
 from dsv4.convert.hub import SPECULATIVE_HEADER_BYTES
 from dsv4.convert.inventory import read_inventory
@@ -23,7 +25,6 @@ from dsv4.convert.plan import plan_conversion
 from dsv4.convert.synth import write_checkpoint
 from dsv4.mapping.table import load_table
 from dsv4.model.checkpoint import INDEX_NAME
-from hubserver import QUICK_RETRIES, FakeHub, Fault, hub_env, on, run_cli
 
 REPO = "org/tiny"
 COMPARED = ("config.json", INDEX_NAME)  # plus every shard; conversion.json names the source, so it differs
@@ -77,7 +78,9 @@ def test_hub_source_is_byte_identical_and_reads_only_planned_ranges(native: Path
     # far from the shards' total (header reads aside: on these tiny shards the speculative
     # reads are 12% of all bytes, on Flash's 46 shards 0.003%)
     assert served - headers < 0.5 * sum(inv.file_sizes.values())
-    shard_gets = [q for q in hub.requests if q.route == "resolve" and q.method == "GET" and q.path.endswith(".safetensors")]
+    shard_gets = [
+        q for q in hub.requests if q.route == "resolve" and q.method == "GET" and q.path.endswith(".safetensors")
+    ]
     assert shard_gets and all(q.range is not None for q in shard_gets)  # never a whole shard
     assert {q.revision for q in hub.requests if q.route == "resolve"} == {commit}  # pinned to the resolved commit
 
@@ -108,7 +111,13 @@ def test_revision_pins_an_older_commit(native: Path, hub: FakeHub, tmp_path: Pat
 
 def _data_range(method: str, repo: str | None, route: str, path: str | None, rng: tuple[int, int] | None) -> bool:
     # a tensor-data read of the MTP shard (offsets past every tiny header)
-    return route == "resolve" and path is not None and path.endswith("00005-of-00005.safetensors") and rng is not None and rng[0] > 65536
+    return (
+        route == "resolve"
+        and path is not None
+        and path.endswith("00005-of-00005.safetensors")
+        and rng is not None
+        and rng[0] > 65536
+    )
 
 
 def test_transient_errors_are_retried(native: Path, hub: FakeHub, tmp_path: Path) -> None:
@@ -145,7 +154,9 @@ def test_a_range_that_keeps_coming_back_short_fails_with_one_line(native: Path, 
         (REPO, {"HF_HUB_OFFLINE": "1"}, 60, "HF_HUB_OFFLINE"),
     ],
 )
-def test_hub_errors_are_one_line_with_their_exit_code(native: Path, hub: FakeHub, tmp_path: Path, spec: str, extra_env: dict[str, str], code: int, words: str) -> None:
+def test_hub_errors_are_one_line_with_their_exit_code(
+    native: Path, hub: FakeHub, tmp_path: Path, spec: str, extra_env: dict[str, str], code: int, words: str
+) -> None:
     hub.commit_dir(REPO, native / "seed0")
     r = run_cli("plan", spec, env=hub_env(hub, tmp_path / "hf", **extra_env))
     assert r.returncode == code, r.stderr
@@ -177,14 +188,21 @@ def test_plan_reads_46_shard_headers_several_at_a_time(flash_sparse: Path, tmp_p
         r = run_cli("plan", "org/flash", "--json", env=hub_env(slow, tmp_path / "hf"))
         assert r.returncode == 0, r.stderr
         assert slow.max_ranges_in_flight >= 4
-        shard_reads = [q.answered_at for q in slow.requests if q.route == "resolve" and q.path and q.path.endswith(".safetensors")]
+        shard_reads = [
+            q.answered_at for q in slow.requests if q.route == "resolve" and q.path and q.path.endswith(".safetensors")
+        ]
     assert len(shard_reads) == 46  # one read per header (was two: the length, then the JSON)
     # from the first shard request's arrival (one latency before its answer) to the last answer;
     # the bound is generous for a loaded machine and still under the 4.6 s of latency alone
     assert max(shard_reads) - min(shard_reads) + 0.05 <= 3.0
     inv = read_inventory(flash_sparse)
     local = plan_conversion(inv, load_table("xpu")).to_json()
-    assert json.loads(r.stdout) == {**local, "source": "hub:org/flash", "revision": commit, "header_bytes_read": inv.header_bytes}
+    assert json.loads(r.stdout) == {
+        **local,
+        "source": "hub:org/flash",
+        "revision": commit,
+        "header_bytes_read": inv.header_bytes,
+    }
 
 
 def test_the_first_bad_shard_in_shard_order_is_the_one_reported(native: Path, hub: FakeHub, tmp_path: Path) -> None:
@@ -197,14 +215,22 @@ def test_the_first_bad_shard_in_shard_order_is_the_one_reported(native: Path, hu
     hub.commit(REPO, files)
     # the early shard's header answers half a second after the late shard's failure (its
     # one header read starts at byte 0: was byte 8 when the length came in a read of its own)
-    hub.faults.append(Fault(lambda m, repo, route, path, rng: path == early and rng is not None and rng[0] == 0, status=None, delay_s=0.5))
+    hub.faults.append(
+        Fault(
+            lambda m, repo, route, path, rng: path == early and rng is not None and rng[0] == 0,
+            status=None,
+            delay_s=0.5,
+        )
+    )
     r = run_cli("plan", REPO, env=hub_env(hub, tmp_path / "hf"))
     assert r.returncode == 17, r.stderr  # MalformedHeaderError
     assert r.stderr.count("\n") == 1 and early in r.stderr and "not valid JSON" in r.stderr
     assert hub.faults[0].times == 0  # the delayed read happened
 
 
-@pytest.mark.parametrize("spec", ["org/name", "org/name@main", "org/name@refs/pr/1", "org/name@0123456789abcdef0123456789abcdef01234567"])
+@pytest.mark.parametrize(
+    "spec", ["org/name", "org/name@main", "org/name@refs/pr/1", "org/name@0123456789abcdef0123456789abcdef01234567"]
+)
 def test_parse_spec_accepts_repo_ids_with_revisions(spec: str) -> None:
     repo, _, revision = spec.partition("@")
     assert parse_hub_spec(spec) == HubSpec(repo, revision or None)
@@ -226,13 +252,18 @@ SHARD = "model-00005-of-00005.safetensors"
         ("503 on model info", Fault(on("info"), status=503)),
         ("503 on config.json", Fault(on("resolve", "config.json"), status=503)),
         ("reset on the index", Fault(on("resolve", INDEX_NAME), reset=True)),
-        ("503 on the first shard header", Fault(on("resolve", "model-00001-of-00005.safetensors", ranged=True), status=503)),
+        (
+            "503 on the first shard header",
+            Fault(on("resolve", "model-00001-of-00005.safetensors", ranged=True), status=503),
+        ),
         ("reset on a tensor range", Fault(_data_range, reset=True)),
         ("stall on a tensor range", Fault(_data_range, stall=True)),
         ("429 with Retry-After: 1", Fault(on("info"), status=429, headers={"Retry-After": "1"})),
     ],
 )
-def test_a_transient_failure_anywhere_is_retried_with_one_warning_of_ours(native: Path, hub: FakeHub, tmp_path: Path, name: str, fault: Fault) -> None:
+def test_a_transient_failure_anywhere_is_retried_with_one_warning_of_ours(
+    native: Path, hub: FakeHub, tmp_path: Path, name: str, fault: Fault
+) -> None:
     hub.commit_dir(REPO, native / "seed0")
     hub.faults.append(fault)
     r = run_cli("convert", REPO, str(tmp_path / "out"), env=hub_env(hub, tmp_path / "hf", HF_HUB_DOWNLOAD_TIMEOUT="1"))
@@ -246,13 +277,19 @@ def test_a_transient_failure_anywhere_is_retried_with_one_warning_of_ours(native
         assert "in 1 s" in lines[0] and "rate limited" in lines[0]
 
 
-def test_a_hub_that_never_answers_fails_with_one_line_after_the_retries(native: Path, hub: FakeHub, tmp_path: Path) -> None:
+def test_a_hub_that_never_answers_fails_with_one_line_after_the_retries(
+    native: Path, hub: FakeHub, tmp_path: Path
+) -> None:
     hub.commit_dir(REPO, native / "seed0")
     hub.faults.append(Fault(on("info"), stall=True, times=100))
     r = run_cli("plan", REPO, env=hub_env(hub, tmp_path / "hf", HF_HUB_DOWNLOAD_TIMEOUT="1"), prelude=QUICK_RETRIES)
     assert r.returncode == 60, r.stderr  # HubError
     *waits, line = r.stderr.strip().splitlines()
-    assert line.startswith("error: ") and f"hub:{REPO}@default branch: no answer within 1 s" in line and "on each of 6 attempts" in line
+    assert (
+        line.startswith("error: ")
+        and f"hub:{REPO}@default branch: no answer within 1 s" in line
+        and "on each of 6 attempts" in line
+    )
     assert len(waits) == 5 and all(w.startswith("warning: ") for w in waits)
     assert len([q for q in hub.requests if q.route == "info"]) == 6
 
@@ -263,7 +300,12 @@ def test_a_retry_after_beyond_the_cap_fails_at_once_naming_the_wait(native: Path
     out = tmp_path / "out"
     r = run_cli("convert", REPO, str(out), env=hub_env(hub, tmp_path / "hf"), timeout=60)
     assert r.returncode == 63, r.stderr  # DownloadError: a tensor range
-    assert r.stderr.count("\n") == 1 and "HTTP 429 (rate limited)" in r.stderr and "3600 s" in r.stderr and "300 s" in r.stderr
+    assert (
+        r.stderr.count("\n") == 1
+        and "HTTP 429 (rate limited)" in r.stderr
+        and "3600 s" in r.stderr
+        and "300 s" in r.stderr
+    )
     assert not out.exists()
 
 
@@ -277,7 +319,9 @@ def test_a_range_from_another_offset_is_retried_and_never_written(native: Path, 
     assert "the hub sent bytes" in r.stderr and "retry 1 of 5" in r.stderr
 
 
-def test_a_range_that_always_comes_from_another_offset_is_refused_naming_file_and_range(native: Path, hub: FakeHub, tmp_path: Path) -> None:
+def test_a_range_that_always_comes_from_another_offset_is_refused_naming_file_and_range(
+    native: Path, hub: FakeHub, tmp_path: Path
+) -> None:
     hub.commit_dir(REPO, native / "seed0")
     hub.faults.append(Fault(_data_range, status=None, shift=4096, times=10_000))
     out = tmp_path / "out"
@@ -295,8 +339,11 @@ def test_a_mirror_that_leaves_sizes_out_of_model_info_converts(native: Path, tmp
         r = run_cli("convert", REPO, str(tmp_path / "out"), env=hub_env(mirror, tmp_path / "hf"))
     assert r.returncode == 0, r.stderr
     same_output(native / "seed0-converted", tmp_path / "out")
-    assert json.loads((tmp_path / "out" / CONVERSION_RECORD).read_text())["source"]["files"] == {SHARD: (native / "seed0" / SHARD).stat().st_size} | {
-        f: (native / "seed0" / f).stat().st_size for f in json.loads((tmp_path / "out" / CONVERSION_RECORD).read_text())["source"]["files"]
+    assert json.loads((tmp_path / "out" / CONVERSION_RECORD).read_text())["source"]["files"] == {
+        SHARD: (native / "seed0" / SHARD).stat().st_size
+    } | {
+        f: (native / "seed0" / f).stat().st_size
+        for f in json.loads((tmp_path / "out" / CONVERSION_RECORD).read_text())["source"]["files"]
     }
 
 
@@ -318,7 +365,9 @@ def test_revision_and_token_options_mean_what_they_mean_to_hf(native: Path, tmp_
         r = run_cli("convert", REPO, str(tmp_path / "old"), "--revision", old, "--token", secret, env=env)
         assert r.returncode == 0, r.stderr
         same_output(native / "seed0-converted", tmp_path / "old")
-        assert all(q.authorized for q in hub.requests) and {q.revision for q in hub.requests if q.route == "resolve"} == {old}
+        assert all(q.authorized for q in hub.requests) and {
+            q.revision for q in hub.requests if q.route == "resolve"
+        } == {old}
         r = run_cli("plan", f"{REPO}@main", "--revision", old, "--token", secret, env=env)
         assert r.returncode == 2 and r.stderr.count("\n") == 1 and "--revision" in r.stderr, r.stderr
         r = run_cli("plan", str(native / "seed0"), "--revision", old, env=env)
@@ -326,7 +375,9 @@ def test_revision_and_token_options_mean_what_they_mean_to_hf(native: Path, tmp_
         assert secret not in "".join(p.read_text(errors="replace") for p in tmp_path.rglob("*") if p.is_file())
 
 
-def test_offline_mode_converts_from_the_cache_when_the_pinned_files_are_there(native: Path, hub: FakeHub, tmp_path: Path) -> None:
+def test_offline_mode_converts_from_the_cache_when_the_pinned_files_are_there(
+    native: Path, hub: FakeHub, tmp_path: Path
+) -> None:
     from huggingface_hub import snapshot_download
 
     commit = hub.commit_dir(REPO, native / "seed0")
@@ -345,10 +396,14 @@ def test_offline_mode_converts_from_the_cache_when_the_pinned_files_are_there(na
 # --- issue 18 item 3: --verify-source ------------------------------------------------------------
 def _whole_file_chunk(method: str, repo: str | None, route: str, path: str | None, rng: tuple[int, int] | None) -> bool:
     # --verify-source's download of the MTP shard (its chunk from byte 0, longer than a header read)
-    return route == "resolve" and path == SHARD and rng is not None and rng[0] == 0 and rng[1] > SPECULATIVE_HEADER_BYTES
+    return (
+        route == "resolve" and path == SHARD and rng is not None and rng[0] == 0 and rng[1] > SPECULATIVE_HEADER_BYTES
+    )
 
 
-def test_verify_source_checks_whole_files_against_the_hubs_sha256_reading_each_once(native: Path, hub: FakeHub, tmp_path: Path) -> None:
+def test_verify_source_checks_whole_files_against_the_hubs_sha256_reading_each_once(
+    native: Path, hub: FakeHub, tmp_path: Path
+) -> None:
     hub.commit_dir(REPO, native / "seed0")
     r = run_cli("convert", REPO, str(tmp_path / "out"), "--verify-source", env=hub_env(hub, tmp_path / "hf"))
     assert r.returncode == 0, r.stderr
@@ -367,7 +422,11 @@ def test_a_flipped_byte_is_caught_only_by_verify_source(native: Path, hub: FakeH
     hub.faults.append(Fault(_whole_file_chunk, status=None, flip=SPECULATIVE_HEADER_BYTES + 1000))
     r = run_cli("convert", REPO, str(tmp_path / "verified"), "--verify-source", env=env)
     assert r.returncode == 63, r.stderr  # DownloadError
-    assert r.stderr.count("\n") == 1 and f"hub:{REPO}/{SHARD}@" in r.stderr and "do not match the sha256 the hub publishes" in r.stderr
+    assert (
+        r.stderr.count("\n") == 1
+        and f"hub:{REPO}/{SHARD}@" in r.stderr
+        and "do not match the sha256 the hub publishes" in r.stderr
+    )
     assert not (tmp_path / "verified").exists() and hub.faults[0].times == 0
 
     hub.faults.append(Fault(_data_range, status=None, flip=10))

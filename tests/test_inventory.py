@@ -11,17 +11,20 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
 from dsv4.convert.exit_codes import code_of
 from dsv4.convert.inventory import read_inventory
 from dsv4.model import errors as model_errors
 from dsv4.model.checkpoint import INDEX_NAME
-from safetensors import safe_open
-from safetensors.torch import save_file
 
 CONFIG = {"model_type": "deepseek_v4"}
 
 
-def make_checkpoint(root: Path, shards: dict[str, dict[str, torch.Tensor]], weight_map: dict[str, str] | None = None) -> Path:
+def make_checkpoint(
+    root: Path, shards: dict[str, dict[str, torch.Tensor]], weight_map: dict[str, str] | None = None
+) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     (root / "config.json").write_text(json.dumps(CONFIG))
     for name, tensors in shards.items():
@@ -37,7 +40,10 @@ def two_shards(root: Path) -> Path:
         root,
         {
             "model-00001-of-00002.safetensors": {"embed.weight": torch.ones(4, 8, dtype=torch.bfloat16)},
-            "model-00002-of-00002.safetensors": {"mtp.0.e_proj.weight": torch.zeros(8, 8).to(torch.float8_e4m3fn), "mtp.0.e_proj.scale": torch.ones(1, 1).to(torch.float8_e8m0fnu)},
+            "model-00002-of-00002.safetensors": {
+                "mtp.0.e_proj.weight": torch.zeros(8, 8).to(torch.float8_e4m3fn),
+                "mtp.0.e_proj.scale": torch.ones(1, 1).to(torch.float8_e8m0fnu),
+            },
         },
     )
 
@@ -87,18 +93,28 @@ def test_index_key_not_in_named_shard(tmp_path: Path) -> None:
         {"a.safetensors": {"x": torch.zeros(2)}, "b.safetensors": {"y": torch.zeros(2)}},
         weight_map={"x": "b.safetensors", "y": "b.safetensors"},
     )
-    with pytest.raises(model_errors.IndexMismatchError, match=r"b.safetensors: tensor x is listed in .* but not in the shard.s header"):
+    with pytest.raises(
+        model_errors.IndexMismatchError, match=r"b.safetensors: tensor x is listed in .* but not in the shard.s header"
+    ):
         read_inventory(root)
 
 
 def test_index_key_missing_from_every_shard(tmp_path: Path) -> None:
-    root = make_checkpoint(tmp_path / "c", {"a.safetensors": {"x": torch.zeros(2)}}, weight_map={"x": "a.safetensors", "ghost": "a.safetensors"})
+    root = make_checkpoint(
+        tmp_path / "c",
+        {"a.safetensors": {"x": torch.zeros(2)}},
+        weight_map={"x": "a.safetensors", "ghost": "a.safetensors"},
+    )
     with pytest.raises(model_errors.IndexMismatchError, match="tensor ghost"):
         read_inventory(root)
 
 
 def test_key_in_two_shards(tmp_path: Path) -> None:
-    root = make_checkpoint(tmp_path / "c", {"a.safetensors": {"x": torch.zeros(2)}, "b.safetensors": {"x": torch.zeros(2), "y": torch.zeros(2)}}, weight_map={"x": "a.safetensors", "y": "b.safetensors"})
+    root = make_checkpoint(
+        tmp_path / "c",
+        {"a.safetensors": {"x": torch.zeros(2)}, "b.safetensors": {"x": torch.zeros(2), "y": torch.zeros(2)}},
+        weight_map={"x": "a.safetensors", "y": "b.safetensors"},
+    )
     with pytest.raises(model_errors.DuplicateTensorError, match="tensor x is in both a.safetensors and b.safetensors"):
         read_inventory(root)
 
@@ -140,7 +156,9 @@ def test_header_not_json(tmp_path: Path) -> None:
     raw = bytearray(shard.read_bytes())
     raw[8] = ord("#")
     shard.write_bytes(bytes(raw))
-    with pytest.raises(model_errors.MalformedHeaderError, match="model-00001-of-00002.safetensors: header is not valid JSON"):
+    with pytest.raises(
+        model_errors.MalformedHeaderError, match="model-00001-of-00002.safetensors: header is not valid JSON"
+    ):
         read_inventory(root)
 
 
@@ -171,6 +189,16 @@ def test_missing_config(tmp_path: Path) -> None:
 
 
 def test_each_failure_has_its_own_exit_code() -> None:
-    classes = [model_errors.MissingShardError, model_errors.TruncatedShardError, model_errors.IndexMismatchError, model_errors.DuplicateTensorError, model_errors.UnknownDtypeError, model_errors.UnsafeShardPathError, model_errors.MalformedHeaderError, model_errors.MissingConfigError, model_errors.SourceNotFoundError]
+    classes = [
+        model_errors.MissingShardError,
+        model_errors.TruncatedShardError,
+        model_errors.IndexMismatchError,
+        model_errors.DuplicateTensorError,
+        model_errors.UnknownDtypeError,
+        model_errors.UnsafeShardPathError,
+        model_errors.MalformedHeaderError,
+        model_errors.MissingConfigError,
+        model_errors.SourceNotFoundError,
+    ]
     codes = [code_of(c) for c in classes]
     assert len(set(codes)) == len(codes)

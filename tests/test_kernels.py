@@ -11,9 +11,12 @@ import warnings
 
 import pytest
 import torch
+
 from dsv4.model import kernels
 
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "xpu" if hasattr(torch, "xpu") and torch.xpu.is_available() else "cpu")
+DEVICE = torch.device(
+    "cuda" if torch.cuda.is_available() else "xpu" if hasattr(torch, "xpu") and torch.xpu.is_available() else "cpu"
+)
 EPS = 1e-6
 N_HC = 4
 
@@ -120,7 +123,11 @@ def test_every_call_launches_through_tritons_public_kernel_grid_launch(monkeypat
     outs.append(kernels.mtp_shared_head_rmsnorm(x[:5], w, EPS))  # other T: same compiled kernel
     outs.append(kernels.mtp_shared_head_rmsnorm(_unaligned(x), w, EPS))
     assert counting.jit_launches == 5, "one kernel[grid](...) launch per call, no launch around Triton's"
-    assert all(torch.equal(o, outs[0]) for o in outs[1:3]) and torch.equal(outs[3], outs[0][:5]) and torch.equal(outs[4], outs[0])
+    assert (
+        all(torch.equal(o, outs[0]) for o in outs[1:3])
+        and torch.equal(outs[3], outs[0][:5])
+        and torch.equal(outs[4], outs[0])
+    )
 
 
 def test_launches_of_one_shape_with_other_warps_each_match_the_reference(monkeypatch):
@@ -229,7 +236,9 @@ def test_without_triton_the_torch_reference_runs_and_says_so_once(monkeypatch):
     finally:
         kernels.log.removeHandler(notices)
     # one notice through logging (the CLI prints it as one line), no Python warning
-    assert [(r.name, r.levelname, r.getMessage()) for r in notices.records] == [("dsv4.model.kernels", "WARNING", "triton is not importable; running the torch reference instead")]
+    assert [(r.name, r.levelname, r.getMessage()) for r in notices.records] == [
+        ("dsv4.model.kernels", "WARNING", "triton is not importable; running the torch reference instead")
+    ]
     assert caught == []
     e_ref, h_ref = kernels.fused_mtp_input_rmsnorm_ref(e, positions, prev, ew, hw, EPS, N_HC)
     assert torch.equal(e_out, e_ref) and torch.equal(h_out, h_ref)
@@ -237,7 +246,9 @@ def test_without_triton_the_torch_reference_runs_and_says_so_once(monkeypatch):
     assert kernels.backend(DEVICE) == "torch fallback (triton is not importable)"
 
 
-TUNED = sorted({(kernel, block, config) for (kernel, block), entries in kernels._TUNED.items() for _, config in entries})
+TUNED = sorted(
+    {(kernel, block, config) for (kernel, block), entries in kernels._TUNED.items() for _, config in entries}
+)
 
 
 @pytest.mark.parametrize(("kernel", "block", "config"), TUNED)
@@ -289,7 +300,9 @@ def test_launch_config_takes_the_first_bound_at_or_above_T_and_one_row_where_row
 @pytest.mark.parametrize("T", [8, 6])
 def test_several_rows_per_program_norm_each_row_by_its_own_rms(monkeypatch, T):
     # 4 rows per program; at T = 6 (not a multiple of 4) one row per program, every row written
-    monkeypatch.setattr(kernels, "_TUNED", {(k, 1024): ((1 << 62, kernels.LaunchConfig(4, 4)),) for k in ("fused_input", "shared_head")})
+    monkeypatch.setattr(
+        kernels, "_TUNED", {(k, 1024): ((1 << 62, kernels.LaunchConfig(4, 4)),) for k in ("fused_input", "shared_head")}
+    )
     e, positions, prev, ew, hw = _inputs(T, 1000, seed=T)
     prev[:, 2] *= 64  # rows of one program at very different scales
     e_out, h_out = kernels.fused_mtp_input_rmsnorm(e, positions, prev, ew, hw, EPS, N_HC)
@@ -315,6 +328,7 @@ def test_nan_patterns_are_nans():
 if kernels.triton is not None:
     import triton
     import triton.language as tl
+
     from dsv4.model.kernels import _to_bf16_rtne
 
     @triton.jit
@@ -336,9 +350,13 @@ def test_kernel_bf16_rounding_keeps_every_nan_a_nan_and_rounds_the_rest_like_tor
     out = torch.empty(x.shape, dtype=torch.bfloat16, device=DEVICE)
     _round_to_bf16_kernel[(triton.cdiv(x.numel(), 4096),)](x, out, x.numel(), BLOCK=4096)
     nan = torch.isnan(x)
-    assert torch.isnan(out[nan]).all(), f"NaN in, not NaN out: {[hex(b) for b in bits[nan.cpu() & ~torch.isnan(out).cpu()].tolist()[:4]]}"
+    assert torch.isnan(out[nan]).all(), (
+        f"NaN in, not NaN out: {[hex(b) for b in bits[nan.cpu() & ~torch.isnan(out).cpu()].tolist()[:4]]}"
+    )
     want = x[~nan].to(torch.bfloat16)
-    assert torch.equal(out[~nan].view(torch.int16), want.view(torch.int16)), "finite values and infinities: torch's bits"
+    assert torch.equal(out[~nan].view(torch.int16), want.view(torch.int16)), (
+        "finite values and infinities: torch's bits"
+    )
 
 
 @pytest.mark.parametrize("nan_bits", NAN_BITS, ids=hex)
@@ -354,5 +372,7 @@ def test_a_nan_weight_gives_nan_from_every_kernel_path_that_rounds(nan_bits):
     e_out, h_out = kernels.fused_mtp_input_rmsnorm(e, positions, prev, w, w, EPS, N_HC)
     head = kernels.mtp_shared_head_rmsnorm(e, w, EPS)
     paths = {"enorm": e_out, "hnorm": h_out, "shared head": head}
-    assert {name: out[..., col].flatten().tolist() for name, out in paths.items() if not torch.isnan(out[..., col]).all()} == {}
+    assert {
+        name: out[..., col].flatten().tolist() for name, out in paths.items() if not torch.isnan(out[..., col]).all()
+    } == {}
     assert not any(torch.isnan(out[..., col + 1 :]).any() for out in paths.values())

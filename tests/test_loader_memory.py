@@ -10,18 +10,21 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
 from dsv4.model import quantized as quant
 from dsv4.model import reference, smoke
 from dsv4.model.loader import load_converted
 from dsv4.model.reference import NativeReference
-from torch.utils._python_dispatch import TorchDispatchMode
 
 INDEX = "model.safetensors.index.json"
 L = "model.layers.2."
 EXPERTS = L + "mtp_block.ffn.experts.routed_experts."
 BIG = ["model.embed_tokens.weight", L + "shared_head.head.weight", EXPERTS + "w13_weight", EXPERTS + "w2_weight"]
 
-pytestmark = pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads the process's mappings from Linux's /proc")
+pytestmark = pytest.mark.skipif(
+    not Path("/proc/self/maps").exists(), reason="reads the process's mappings from Linux's /proc"
+)
 
 
 def file_maps() -> dict[str, list[tuple[int, int]]]:
@@ -98,7 +101,10 @@ def test_the_logits_need_no_fp32_copy_of_the_head(tiny_pair, monkeypatch):
     g = torch.Generator().manual_seed(0)
     ids, positions = torch.randint(0, head.shape[0], (4,), generator=g), torch.arange(4)
     prev = torch.randn(4, model.config.hc_dim, generator=g).to(torch.bfloat16)
-    runs = ((model.compute_logits, model(ids, positions, prev)), (ref.compute_logits, ref.forward(ids, positions, prev)))
+    runs = (
+        (model.compute_logits, model(ids, positions, prev)),
+        (ref.compute_logits, ref.forward(ids, positions, prev)),
+    )
     in_one_step = [compute_logits(hidden) for compute_logits, hidden in runs]  # the tiny head fits one step
     # steps of 100 rows (the real ones are 64-128 MiB): the tiny head's 512 rows take several
     monkeypatch.setattr(quant, "FP32_STEP_BYTES", 100 * head.shape[1] * 4, raising=False)
@@ -106,7 +112,9 @@ def test_the_logits_need_no_fp32_copy_of_the_head(tiny_pair, monkeypatch):
     for (compute_logits, hidden), whole in zip(runs, in_one_step):
         with LargestFp32() as seen:
             logits = compute_logits(hidden)
-        assert seen.nbytes < head.numel() * 4, f"{compute_logits.__qualname__}: an fp32 tensor of {seen.nbytes} bytes, the head's size in fp32"
+        assert seen.nbytes < head.numel() * 4, (
+            f"{compute_logits.__qualname__}: an fp32 tensor of {seen.nbytes} bytes, the head's size in fp32"
+        )
         assert logits.dtype == torch.float32 and logits.shape == (4, head.shape[0])
         torch.testing.assert_close(logits, whole, rtol=1e-6, atol=1e-6)
 

@@ -8,10 +8,11 @@ import socket
 from pathlib import Path
 
 import pytest
-from dsv4.convert.location import HubSpec, locate, parse_hub_spec
-from dsv4.model.errors import SourceNotFoundError
 from hubserver import FakeHub, hub_env, run_cli
 from inprocess import run_main
+
+from dsv4.convert.location import HubSpec, locate, parse_hub_spec
+from dsv4.model.errors import SourceNotFoundError
 
 
 @pytest.fixture
@@ -30,8 +31,16 @@ def no_network(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return attempts
 
 
-@pytest.mark.parametrize("spec", ["does/not/exist", "./typo", "../typo/dir", "/no/such/checkpoint", "org/name/extra@main"])
-def test_a_path_that_can_only_be_local_and_does_not_exist_exits_19_without_a_request(spec: str, no_network: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "spec", ["does/not/exist", "./typo", "../typo/dir", "/no/such/checkpoint", "org/name/extra@main"]
+)
+def test_a_path_that_can_only_be_local_and_does_not_exist_exits_19_without_a_request(
+    spec: str,
+    no_network: list[str],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+) -> None:
     monkeypatch.chdir(tmp_path)
     code, out, err = run_main(monkeypatch, capsys, "plan", spec)
     assert (code, out) == (19, "")
@@ -39,7 +48,9 @@ def test_a_path_that_can_only_be_local_and_does_not_exist_exits_19_without_a_req
     assert no_network == []
 
 
-def test_the_socket_guard_itself_catches_a_hub_request(no_network: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+def test_the_socket_guard_itself_catches_a_hub_request(
+    no_network: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
     """The guard above would see a request: a bare org/name is tried on the hub."""
     monkeypatch.setenv("HF_ENDPOINT", "http://hub.invalid")
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
@@ -53,13 +64,24 @@ def test_the_socket_guard_itself_catches_a_hub_request(no_network: list[str], mo
     assert no_network  # it tried
 
 
-@pytest.mark.parametrize(("spec", "want"), [("hf://org/name", HubSpec("org/name", None, True)), ("hf://org/name@refs/pr/1", HubSpec("org/name", "refs/pr/1", True)), ("org/name@v1", HubSpec("org/name", "v1", False))])
-def test_hub_specs_bare_or_with_the_hf_scheme(spec: str, want: HubSpec, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(
+    ("spec", "want"),
+    [
+        ("hf://org/name", HubSpec("org/name", None, True)),
+        ("hf://org/name@refs/pr/1", HubSpec("org/name", "refs/pr/1", True)),
+        ("org/name@v1", HubSpec("org/name", "v1", False)),
+    ],
+)
+def test_hub_specs_bare_or_with_the_hf_scheme(
+    spec: str, want: HubSpec, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.chdir(tmp_path)
     assert locate(spec) == want == parse_hub_spec(spec)
 
 
-def test_an_existing_directory_is_local_even_when_it_reads_like_a_repo_id(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_existing_directory_is_local_even_when_it_reads_like_a_repo_id(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     (tmp_path / "org" / "name").mkdir(parents=True)
     monkeypatch.chdir(tmp_path)
     assert locate("org/name") == Path("org/name")
@@ -78,5 +100,7 @@ def test_a_bare_repo_id_the_hub_does_not_have_names_both_readings(tmp_path: Path
         bare = run_cli("plan", "org/missing", env=env)
         explicit = run_cli("plan", "hf://org/missing", env=env)
     assert bare.returncode == explicit.returncode == 61  # RepoNotFound
-    assert bare.stderr.startswith("error: org/missing: no such local directory, and as a hub repository: hub:org/missing")
+    assert bare.stderr.startswith(
+        "error: org/missing: no such local directory, and as a hub repository: hub:org/missing"
+    )
     assert "no such local directory" not in explicit.stderr and "repository not found" in explicit.stderr

@@ -8,6 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from spec02 import spec_layout
+from torch import nn
+
 from dsv4.convert.exit_codes import exit_code
 from dsv4.convert.pipeline import convert
 from dsv4.convert.synth import write_checkpoint
@@ -20,10 +25,6 @@ from dsv4.model.mtp import DeepSeekV4MTP, hc_post, quant_layer_names
 from dsv4.model.presets import preset_config
 from dsv4.model.quantized import Fp8Linear, dequant_fp4
 from dsv4.model.reference import NativeReference, fp4_weight
-from safetensors import safe_open
-from safetensors.torch import save_file
-from spec02 import spec_layout
-from torch import nn
 
 INDEX = "model.safetensors.index.json"
 
@@ -176,7 +177,13 @@ def test_the_draft_applies_the_final_hc_post(tiny_pairs):
     ids, positions, prev = draft_inputs(cfg, T, seed=5)
     out = model(ids, positions, prev)
     e_n, h_n = kernels.fused_mtp_input_rmsnorm(
-        model.model.embed_tokens(ids), positions, prev.view(T, n, H), layer.enorm.weight, layer.hnorm.weight, cfg.rms_norm_eps, n
+        model.model.embed_tokens(ids),
+        positions,
+        prev.view(T, n, H),
+        layer.enorm.weight,
+        layer.hnorm.weight,
+        cfg.rms_norm_eps,
+        n,
     )
     with torch.no_grad():
         f, streams, post, comb = layer.mtp_block(layer.h_proj(h_n) + layer.e_proj(e_n).unsqueeze(-2), positions)
@@ -209,7 +216,9 @@ def rewrite(src: Path, dst: Path, edit) -> Path:
     dst.mkdir()
     shutil.copy(src / "config.json", dst / "config.json")
     save_file(tensors, dst / "model-00001-of-00001.safetensors")
-    (dst / INDEX).write_text(json.dumps({"metadata": {}, "weight_map": dict.fromkeys(tensors, "model-00001-of-00001.safetensors")}))
+    (dst / INDEX).write_text(
+        json.dumps({"metadata": {}, "weight_map": dict.fromkeys(tensors, "model-00001-of-00001.safetensors")})
+    )
     return dst
 
 
@@ -271,7 +280,9 @@ def test_device_preference_is_xpu_then_cuda_then_cpu(monkeypatch):
     # torch.accelerator names the build's accelerator (xpu on an XPU build, cuda on a CUDA one)
     def machine(accelerator):
         monkeypatch.setattr(torch.accelerator, "is_available", lambda: accelerator is not None)
-        monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda *a, **k: torch.device(accelerator) if accelerator else None)
+        monkeypatch.setattr(
+            torch.accelerator, "current_accelerator", lambda *a, **k: torch.device(accelerator) if accelerator else None
+        )
 
     machine(None)
     assert default_device() == torch.device("cpu")
@@ -291,8 +302,12 @@ def test_the_shared_expert_swiglu_is_clamped_like_the_routed_ones():
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for lin in (shared.gate_up_proj, shared.down_proj):
-            lin.weight = nn.Parameter((torch.randn(lin.weight.shape, generator=g) * 4).to(torch.float8_e4m3fn), requires_grad=False)
-            lin.weight_scale_inv = nn.Parameter(torch.full(lin.weight_scale_inv.shape, 1.0).to(torch.float8_e8m0fnu), requires_grad=False)
+            lin.weight = nn.Parameter(
+                (torch.randn(lin.weight.shape, generator=g) * 4).to(torch.float8_e4m3fn), requires_grad=False
+            )
+            lin.weight_scale_inv = nn.Parameter(
+                torch.full(lin.weight_scale_inv.shape, 1.0).to(torch.float8_e8m0fnu), requires_grad=False
+            )
     x = (torch.randn(3, H, generator=g) * 4).to(torch.bfloat16)
     gate, up = (x @ shared.gate_up_proj.dequantized().T).float().split(I, dim=-1)
     limit = cfg.swiglu_limit

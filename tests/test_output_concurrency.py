@@ -79,7 +79,10 @@ def kinds(a: Path, b: Path) -> list[tuple[str, list[list[str]]]]:
     return [
         ("same source, no --wait", [[str(a), "{out}", "-q"], [str(a), "{out}", "-q"]]),
         ("same source, the second waits", [[str(a), "{out}", "-q"], [str(a), "{out}", "-q", "--wait"]]),
-        ("two sources, both wait and overwrite", [[str(a), "{out}", "-q", "--wait", "--overwrite"], [str(b), "{out}", "-q", "--wait", "--overwrite"]]),
+        (
+            "two sources, both wait and overwrite",
+            [[str(a), "{out}", "-q", "--wait", "--overwrite"], [str(b), "{out}", "-q", "--wait", "--overwrite"]],
+        ),
     ]
 
 
@@ -91,9 +94,23 @@ def test_two_converters_on_one_out_leave_exactly_one_complete_output(tiny_native
         out = tmp_path / f"round-{k:02d}" / "out"
         out.parent.mkdir()
         delay = STAGGER[(k // 3) % len(STAGGER)]  # every kind of round meets every stagger
-        plan.append({"kind": kind, "out": out, "delay": delay, "logs": [str(out.parent / "first.log"), str(out.parent / "second.log")], "runs": [[0.0, [a.format(out=out) for a in runs[0]]], [delay, [a.format(out=out) for a in runs[1]]]]})
-    spec = {"warm_up": [str(tiny_native), str(tmp_path / "warm-up")], "write_delay": 0.004, "rounds": [{"runs": p["runs"], "logs": p["logs"]} for p in plan]}
-    launched = subprocess.run([sys.executable, "-c", LAUNCHER, json.dumps(spec)], capture_output=True, text=True, timeout=300)
+        plan.append(
+            {
+                "kind": kind,
+                "out": out,
+                "delay": delay,
+                "logs": [str(out.parent / "first.log"), str(out.parent / "second.log")],
+                "runs": [[0.0, [a.format(out=out) for a in runs[0]]], [delay, [a.format(out=out) for a in runs[1]]]],
+            }
+        )
+    spec = {
+        "warm_up": [str(tiny_native), str(tmp_path / "warm-up")],
+        "write_delay": 0.004,
+        "rounds": [{"runs": p["runs"], "logs": p["logs"]} for p in plan],
+    }
+    launched = subprocess.run(
+        [sys.executable, "-c", LAUNCHER, json.dumps(spec)], capture_output=True, text=True, timeout=300
+    )
     assert launched.returncode == 0, launched.stderr[-3000:]
     results = json.loads(launched.stdout)
     host = socket.gethostname()

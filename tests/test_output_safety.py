@@ -18,6 +18,9 @@ from functools import partial
 from pathlib import Path
 
 import pytest
+from filelock import FileLock
+from inprocess import run_main
+
 from dsv4.convert import errors
 from dsv4.convert.check import run_checks
 from dsv4.convert.exit_codes import code_of
@@ -25,8 +28,6 @@ from dsv4.convert.output import claim_output
 from dsv4.convert.pipeline import convert
 from dsv4.convert.synth import write_checkpoint
 from dsv4.model import errors as model_errors
-from filelock import FileLock
-from inprocess import run_main
 
 
 def tree(root: Path) -> dict[str, str]:
@@ -104,7 +105,9 @@ def test_out_equal_to_the_source_is_refused_and_the_source_stays_byte_identical(
     assert tree(src.parent) == before
 
 
-def test_out_containing_the_source_is_refused_and_the_source_stays_byte_identical(tiny_native: Path, tmp_path: Path, run) -> None:
+def test_out_containing_the_source_is_refused_and_the_source_stays_byte_identical(
+    tiny_native: Path, tmp_path: Path, run
+) -> None:
     project = tmp_path / "P"
     shutil.copytree(tiny_native, project / "native")
     before = tree(tmp_path)
@@ -141,7 +144,9 @@ def test_out_whose_parent_is_a_file_is_refused_with_its_own_code(tiny_native: Pa
 
 
 # --- --overwrite replaces only this tool's output ----------------------------------------
-def test_overwrite_refuses_a_directory_that_is_not_an_output_of_this_tool(tiny_native: Path, tmp_path: Path, run) -> None:
+def test_overwrite_refuses_a_directory_that_is_not_an_output_of_this_tool(
+    tiny_native: Path, tmp_path: Path, run
+) -> None:
     out = tmp_path / "out"
     (out / "sub").mkdir(parents=True)
     (out / "precious.txt").write_text("keep me")
@@ -153,7 +158,9 @@ def test_overwrite_refuses_a_directory_that_is_not_an_output_of_this_tool(tiny_n
     assert tree(tmp_path) == {**before, ".out.lock": EMPTY}  # only the (empty) lock file was added beside OUT
 
 
-def test_overwrite_refuses_a_previous_output_holding_a_file_it_did_not_write(tiny_native: Path, tmp_path: Path, run) -> None:
+def test_overwrite_refuses_a_previous_output_holding_a_file_it_did_not_write(
+    tiny_native: Path, tmp_path: Path, run
+) -> None:
     out = tmp_path / "out"
     convert(tiny_native, out)
     (out / "notes.md").write_text("my notes about this checkpoint")
@@ -184,7 +191,12 @@ def test_a_symlinked_out_is_followed_and_the_link_is_kept(tiny_native: Path, tmp
     code, stdout, err = run(tiny_native, link, "-q")
     assert code == 0, err
     assert link.is_symlink() and os.readlink(link) == str(target)
-    assert sorted(p.name for p in target.iterdir()) == ["config.json", "conversion.json", "model-00001-of-00001.safetensors", "model.safetensors.index.json"]
+    assert sorted(p.name for p in target.iterdir()) == [
+        "config.json",
+        "conversion.json",
+        "model-00001-of-00001.safetensors",
+        "model.safetensors.index.json",
+    ]
     assert run_checks(link).ok
     # replacing it keeps the link too, and leaves nothing beside the link or the target
     assert run(tiny_native, link, "--overwrite", "-q")[0] == 0
@@ -207,10 +219,14 @@ convert(sys.argv[1], sys.argv[2], overwrite=True)
 """
 
 
-def test_a_kill_between_the_two_renames_leaves_nothing_the_next_owner_does_not_remove(tiny_native: Path, tmp_path: Path, run) -> None:
+def test_a_kill_between_the_two_renames_leaves_nothing_the_next_owner_does_not_remove(
+    tiny_native: Path, tmp_path: Path, run
+) -> None:
     out = tmp_path / "out"
     convert(tiny_native, out)
-    killed = subprocess.run([sys.executable, "-c", KILL_BETWEEN_THE_RENAMES, str(tiny_native), str(out)], capture_output=True, text=True)
+    killed = subprocess.run(
+        [sys.executable, "-c", KILL_BETWEEN_THE_RENAMES, str(tiny_native), str(out)], capture_output=True, text=True
+    )
     assert killed.returncode == -9, killed.stderr
     assert not out.exists() and any(name.startswith(".out.old-") for name in siblings(out))
     (tmp_path / ".out.old-keep").mkdir()  # not a name this tool gives: never removed
@@ -226,7 +242,9 @@ def test_a_kill_between_the_two_renames_leaves_nothing_the_next_owner_does_not_r
 
 
 # --- one run per OUT -------------------------------------------------------------------------
-def test_a_run_finding_out_locked_exits_47_naming_the_owner_and_changes_nothing(tiny_native: Path, tmp_path: Path, run) -> None:
+def test_a_run_finding_out_locked_exits_47_naming_the_owner_and_changes_nothing(
+    tiny_native: Path, tmp_path: Path, run
+) -> None:
     out = tmp_path / "out"
     with held(out):
         before = tree(tmp_path)
@@ -249,7 +267,9 @@ def test_with_wait_a_run_waits_for_the_owner_then_converts(tiny_native: Path, tm
 
 
 # --- every OSError of output handling is exit 42, with the path and the reason ----------------
-def test_a_read_only_output_file_system_is_exit_42(tiny_native: Path, tmp_path: Path, run, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_read_only_output_file_system_is_exit_42(
+    tiny_native: Path, tmp_path: Path, run, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # running as root, chmod cannot make a directory read-only: the file system calls that
     # create entries in it fail instead, as on a read-only mount
     parent = tmp_path / "ro"
@@ -282,7 +302,9 @@ def test_a_read_only_output_file_system_is_exit_42(tiny_native: Path, tmp_path: 
     assert list(parent.iterdir()) == []
 
 
-def test_a_disk_full_at_the_start_is_exit_42_and_a_later_run_converts(tiny_native: Path, tmp_path: Path, run, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_disk_full_at_the_start_is_exit_42_and_a_later_run_converts(
+    tiny_native: Path, tmp_path: Path, run, monkeypatch: pytest.MonkeyPatch
+) -> None:
     out = tmp_path / "out"
     real_mkdir = os.mkdir
 
@@ -300,7 +322,9 @@ def test_a_disk_full_at_the_start_is_exit_42_and_a_later_run_converts(tiny_nativ
     assert convert(tiny_native, out).status == "converted" and run_checks(out).ok
 
 
-def test_a_failed_publish_puts_the_previous_output_back(tiny_native: Path, tmp_path: Path, run, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_failed_publish_puts_the_previous_output_back(
+    tiny_native: Path, tmp_path: Path, run, monkeypatch: pytest.MonkeyPatch
+) -> None:
     other = write_checkpoint(tmp_path / "other", preset="tiny", main_layers="all", seed=7)
     out = tmp_path / "out"
     convert(tiny_native, out)
@@ -322,7 +346,9 @@ def test_a_failed_publish_puts_the_previous_output_back(tiny_native: Path, tmp_p
     assert run(other, out, "--overwrite", "-q")[0] == 0 and run_checks(out).ok
 
 
-def test_a_failure_after_publishing_says_that_out_was_published(tiny_native: Path, tmp_path: Path, run, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_failure_after_publishing_says_that_out_was_published(
+    tiny_native: Path, tmp_path: Path, run, monkeypatch: pytest.MonkeyPatch
+) -> None:
     other = write_checkpoint(tmp_path / "other", preset="tiny", main_layers="all", seed=7)
     out = tmp_path / "out"
     convert(tiny_native, out)
@@ -337,7 +363,11 @@ def test_a_failure_after_publishing_says_that_out_was_published(tiny_native: Pat
     code, _, err = run(other, out, "--overwrite", "-q")
     assert code == 42
     line = one_line(err)
-    assert "Input/output error" in line and f"{out} was published complete" in line and "no output directory was created" not in line
+    assert (
+        "Input/output error" in line
+        and f"{out} was published complete" in line
+        and "no output directory was created" not in line
+    )
     assert run_checks(out).ok
     monkeypatch.undo()
     assert run(other, out, "-q")[0] == 0  # up to date; and as OUT's next owner it removed the leftover

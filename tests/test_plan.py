@@ -10,6 +10,8 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from spec02 import spec_layout
+
 from dsv4.convert import errors
 from dsv4.convert.inventory import Inventory, TensorSource, read_inventory
 from dsv4.convert.plan import plan_conversion
@@ -19,7 +21,6 @@ from dsv4.model import errors as model_errors
 from dsv4.model import layout
 from dsv4.model.config import ModelConfig
 from dsv4.model.presets import preset_config
-from spec02 import spec_layout
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +42,9 @@ def test_plan_yields_the_41_spec_parameters(preset: str, variant: str, table, tm
     mtp_keys = {k for k in inv.tensors if k.startswith("mtp.")}
     for key in mtp_keys:
         assert (consumed[key] == 1) != (key in plan.skipped), key
-    assert {k for k in plan.skipped if k.startswith("mtp.")} == ({"mtp.0.emb.tok_emb.weight", "mtp.0.head.weight"} if variant == "base" else set())
+    assert {k for k in plan.skipped if k.startswith("mtp.")} == (
+        {"mtp.0.emb.tok_emb.weight", "mtp.0.head.weight"} if variant == "base" else set()
+    )
     assert all(plan.skipped.values())
     assert set(consumed) | set(plan.skipped) == set(inv.tensors)
 
@@ -57,7 +60,12 @@ def test_pieces_follow_the_ops(tiny_native: Path, table) -> None:
     fused = plan["model.layers.2.mtp_block.attn.fused_wqa_wkv.weight"]
     assert [p.source for p in fused.pieces] == ["mtp.0.attn.wq_a.weight", "mtp.0.attn.wkv.weight"]
     w13 = plan["model.layers.2.mtp_block.ffn.experts.routed_experts.w13_weight"]
-    assert [p.source for p in w13.pieces[:4]] == ["mtp.0.ffn.experts.0.w1.weight", "mtp.0.ffn.experts.0.w3.weight", "mtp.0.ffn.experts.1.w1.weight", "mtp.0.ffn.experts.1.w3.weight"]
+    assert [p.source for p in w13.pieces[:4]] == [
+        "mtp.0.ffn.experts.0.w1.weight",
+        "mtp.0.ffn.experts.0.w3.weight",
+        "mtp.0.ffn.experts.1.w1.weight",
+        "mtp.0.ffn.experts.1.w3.weight",
+    ]
     assert plan["model.embed_tokens.weight"].pieces[0].source == "embed.weight"
     assert plan["model.layers.2.shared_head.head.weight"].pieces[0].source == "head.weight"
 
@@ -78,7 +86,10 @@ def test_missing_source(tiny_native: Path, table) -> None:
     inv = read_inventory(tiny_native)
     tensors = dict(inv.tensors)
     del tensors["mtp.0.ffn.experts.5.w3.scale"]
-    with pytest.raises(errors.MissingSourceError, match=r"w13_weight_scale: its source tensor mtp.0.ffn.experts.5.w3.scale is not in the checkpoint"):
+    with pytest.raises(
+        errors.MissingSourceError,
+        match=r"w13_weight_scale: its source tensor mtp.0.ffn.experts.5.w3.scale is not in the checkpoint",
+    ):
         plan_conversion(with_tensors(inv, tensors), table)
 
 
@@ -86,7 +97,10 @@ def test_shape_that_disagrees_with_config(tiny_native: Path, table) -> None:
     inv = read_inventory(tiny_native)
     src = inv.tensors["mtp.0.attn.wkv.weight"]
     bad = dataclasses.replace(src, shape=(src.shape[0] // 2, src.shape[1] * 2))
-    with pytest.raises(errors.LayoutMismatchError, match=r"tensor mtp.0.attn.wkv.weight: F8_E4M3\[64, 512\] but config.json \(instruct\) implies F8_E4M3\[128, 256\]"):
+    with pytest.raises(
+        errors.LayoutMismatchError,
+        match=r"tensor mtp.0.attn.wkv.weight: F8_E4M3\[64, 512\] but config.json \(instruct\) implies F8_E4M3\[128, 256\]",
+    ):
         plan_conversion(with_tensors(inv, {**inv.tensors, src.name: bad}), table)
 
 
@@ -100,7 +114,11 @@ def test_dtype_that_disagrees_with_config(tiny_native: Path, table) -> None:
 
 def test_num_nextn_inconsistent_with_keys(tiny_native: Path, table) -> None:
     inv = read_inventory(tiny_native)
-    extra = {k.replace("mtp.0.", "mtp.1.", 1): dataclasses.replace(v, name=k.replace("mtp.0.", "mtp.1.", 1)) for k, v in inv.tensors.items() if k.startswith("mtp.0.")}
+    extra = {
+        k.replace("mtp.0.", "mtp.1.", 1): dataclasses.replace(v, name=k.replace("mtp.0.", "mtp.1.", 1))
+        for k, v in inv.tensors.items()
+        if k.startswith("mtp.0.")
+    }
     with pytest.raises(model_errors.UnsupportedLayoutError, match=r"tensor mtp.1.* num_nextn_predict_layers = 1"):
         plan_conversion(with_tensors(inv, {**inv.tensors, **extra}), table)
 
@@ -153,4 +171,8 @@ def test_planning_full_flash_reads_no_tensor_data(flash_sparse: Path, table, mon
     monkeypatch.undo()
     assert len(plan.tensors) == 41
     assert plan.bytes_to_read == 3_593_787_756 + 2 * 129280 * 4096 * 2  # MTP + embed + head
-    assert plan.files_needed == ["model-00001-of-00046.safetensors", "model-00045-of-00046.safetensors", "model-00046-of-00046.safetensors"]
+    assert plan.files_needed == [
+        "model-00001-of-00046.safetensors",
+        "model-00045-of-00046.safetensors",
+        "model-00046-of-00046.safetensors",
+    ]

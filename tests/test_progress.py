@@ -21,7 +21,9 @@ def on_a_terminal(*args: str, env: dict[str, str] | None = None) -> tuple[int, s
     leader, follower = pty.openpty()
     fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))  # bars take the terminal's width
     base = {k: v for k, v in os.environ.items() if k != "HF_HUB_DISABLE_PROGRESS_BARS"}
-    proc = subprocess.Popen([sys.executable, "-m", "dsv4", *args], stdout=subprocess.DEVNULL, stderr=follower, env=base | (env or {}))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dsv4", *args], stdout=subprocess.DEVNULL, stderr=follower, env=base | (env or {})
+    )
     os.close(follower)
     drawn = b""
     while True:
@@ -54,14 +56,17 @@ def test_long_commands_show_progress_on_a_terminal_unless_hidden(tiny_pair, tmp_
 
 
 def test_a_bar_counts_bytes_in_decimal_units_like_the_summaries() -> None:
-    from dsv4.convert.progress import BYTES
     from tqdm import tqdm
+
+    from dsv4.convert.progress import BYTES
 
     meter = tqdm.format_meter(5_712_000_000, 5_712_000_000, 1, **BYTES)
     assert "5.71G/5.71G" in meter  # the summary says 5.712 GB; binary units would say 5.32G
 
 
-def test_plan_of_a_hub_repository_counts_its_shard_headers_on_a_terminal_unless_hidden(tiny_pair, tmp_path: Path) -> None:
+def test_plan_of_a_hub_repository_counts_its_shard_headers_on_a_terminal_unless_hidden(
+    tiny_pair, tmp_path: Path
+) -> None:
     # a request per shard, each a round trip to the hub: seconds for Flash's 46 shards
     sys.path.insert(0, str(Path(__file__).parent))
     from hubserver import FakeHub, hub_env
@@ -74,5 +79,7 @@ def test_plan_of_a_hub_repository_counts_its_shard_headers_on_a_terminal_unless_
         for hidden, extra in ((["-q"], {}), (["--json"], {}), ([], {"HF_HUB_DISABLE_PROGRESS_BARS": "1"})):
             code, drawn = on_a_terminal("plan", "org/tiny", *hidden, env=env | extra)
             assert code == 0 and "shard headers" not in drawn, drawn
-        code, drawn = on_a_terminal("plan", str(tiny_pair[0]), env=env)  # a local plan reads its headers in well under a second
+        code, drawn = on_a_terminal(
+            "plan", str(tiny_pair[0]), env=env
+        )  # a local plan reads its headers in well under a second
         assert code == 0 and "shard headers" not in drawn, drawn

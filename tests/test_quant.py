@@ -13,6 +13,8 @@ from typing import Any
 
 import pytest
 import torch
+from torch import nn
+
 from dsv4.convert import quant_config as quant
 from dsv4.convert.check import run_checks
 from dsv4.convert.errors import EmptyQuantNameError, QuantCarryError, QuantSchemeError
@@ -22,7 +24,6 @@ from dsv4.convert.synth import write_checkpoint
 from dsv4.model.config import ModelConfig
 from dsv4.model.mtp import DeepSeekV4MTP, quant_layer_names
 from dsv4.model.presets import preset_config
-from torch import nn
 
 match = pytest.importorskip("compressed_tensors.utils.match")
 from compressed_tensors.quantization import QuantizationConfig  # noqa: E402
@@ -30,9 +31,33 @@ from compressed_tensors.quantization import QuantizationConfig  # noqa: E402
 L, I, E = 2, 0, 8  # tiny: MTP block 0 is decoder layer 2; 8 routed experts
 ISSUE_44817 = "Unable to find matching target for  in the compressed-tensors config"
 
-INT4_GROUP = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32, "dynamic": False, "observer": "minmax"}
-FP8_BLOCK = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "block", "block_structure": [128, 128], "dynamic": False, "observer": "static_minmax"}
-FP8_DYNAMIC = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "group", "group_size": 128, "dynamic": True, "observer": None}
+INT4_GROUP = {
+    "num_bits": 4,
+    "type": "int",
+    "symmetric": True,
+    "strategy": "group",
+    "group_size": 32,
+    "dynamic": False,
+    "observer": "minmax",
+}
+FP8_BLOCK = {
+    "num_bits": 8,
+    "type": "float",
+    "symmetric": True,
+    "strategy": "block",
+    "block_structure": [128, 128],
+    "dynamic": False,
+    "observer": "static_minmax",
+}
+FP8_DYNAMIC = {
+    "num_bits": 8,
+    "type": "float",
+    "symmetric": True,
+    "strategy": "group",
+    "group_size": 128,
+    "dynamic": True,
+    "observer": None,
+}
 
 
 def ct_config(groups: dict[str, tuple[list[str], dict, dict | None, str]], ignore: list[str]) -> dict[str, Any]:
@@ -42,7 +67,13 @@ def ct_config(groups: dict[str, tuple[list[str], dict, dict | None, str]], ignor
         "format": "mixed-precision",
         "quantization_status": "compressed",
         "config_groups": {
-            name: {"targets": targets, "weights": weights, "input_activations": acts, "output_activations": None, "format": fmt}
+            name: {
+                "targets": targets,
+                "weights": weights,
+                "input_activations": acts,
+                "output_activations": None,
+                "format": fmt,
+            }
             for name, (targets, weights, acts, fmt) in groups.items()
         },
         "ignore": ignore,
@@ -59,7 +90,11 @@ REGEX = ct_config(
     {
         "group_0": ([r"re:^(layers|mtp)\.\d+\.ffn\.experts\.\d+\.w[123]$"], INT4_GROUP, None, "pack-quantized"),
         "group_1": (
-            [r"re:^(layers|mtp)\.\d+\.attn\.(wq_a|wq_b|wkv|wo_a|wo_b)$", r"re:^mtp\.\d+\.[eh]_proj$", r"re:^(layers|mtp)\.\d+\.ffn\.shared_experts\.w[123]$"],
+            [
+                r"re:^(layers|mtp)\.\d+\.attn\.(wq_a|wq_b|wkv|wo_a|wo_b)$",
+                r"re:^mtp\.\d+\.[eh]_proj$",
+                r"re:^(layers|mtp)\.\d+\.ffn\.shared_experts\.w[123]$",
+            ],
             FP8_BLOCK,
             FP8_DYNAMIC,
             "float-quantized",
@@ -115,7 +150,9 @@ def assignment(qc: dict[str, Any], names: list[str]) -> dict[str, str | None]:
         if match.is_match(name, module, parsed.ignore or []) or not matched:
             out[name] = None
         else:
-            out[name] = json.dumps(target_to_scheme[matched[0]].model_dump(mode="json", exclude={"targets"}), sort_keys=True)
+            out[name] = json.dumps(
+                target_to_scheme[matched[0]].model_dump(mode="json", exclude={"targets"}), sort_keys=True
+            )
     return out
 
 
@@ -159,10 +196,17 @@ def test_rewritten_config_gives_every_layer_the_scheme_its_native_parts_had(tmp_
         return w["type"], w["num_bits"]
 
     assert weights(f"{d}ffn.experts") == ("int", 4)
-    assert weights(f"{d}e_proj") == weights(f"{d}attn.fused_wqa_wkv") == weights(f"{d}ffn.shared_experts.gate_up_proj") == ("float", 8)
+    assert (
+        weights(f"{d}e_proj")
+        == weights(f"{d}attn.fused_wqa_wkv")
+        == weights(f"{d}ffn.shared_experts.gate_up_proj")
+        == ("float", 8)
+    )
     assert draft[f"{d}ffn.gate"] is draft[f"{d}shared_head.head"] is draft["model.embed_tokens"] is None
     assert set(draft_qc["ignore"]) == {f"{d}ffn.gate", f"{d}shared_head.head"}
-    assert {k: v for k, v in draft_qc.items() if k not in ("config_groups", "ignore")} == {k: v for k, v in qc.items() if k not in ("config_groups", "ignore")}
+    assert {k: v for k, v in draft_qc.items() if k not in ("config_groups", "ignore")} == {
+        k: v for k, v in qc.items() if k not in ("config_groups", "ignore")
+    }
 
 
 def test_the_layers_compared_are_exactly_the_draft_models_quantisation_layers(draft: DeepSeekV4MTP) -> None:
@@ -233,8 +277,14 @@ def test_names_in_a_sparsity_config_are_refused(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("qc", "said"),
     [
-        ({"quant_method": "fp8", "weight_block_size": [128, 128], "modules_to_not_convert": ["head"]}, "modules_to_not_convert lists native module names"),
-        ({"quant_method": "awq", "bits": 4, "modules_to_not_convert": ["head"]}, "quant_method 'awq' is not one this converter carries"),
+        (
+            {"quant_method": "fp8", "weight_block_size": [128, 128], "modules_to_not_convert": ["head"]},
+            "modules_to_not_convert lists native module names",
+        ),
+        (
+            {"quant_method": "awq", "bits": 4, "modules_to_not_convert": ["head"]},
+            "quant_method 'awq' is not one this converter carries",
+        ),
     ],
     ids=["fp8-with-names", "other-method"],
 )
@@ -242,12 +292,16 @@ def test_configs_whose_names_cannot_be_carried_are_refused(tmp_path: Path, qc: d
     assert said in refuse(tmp_path, qc)
 
 
-def test_without_the_library_convert_refuses_and_check_skips(regex_out: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_without_the_library_convert_refuses_and_check_skips(
+    regex_out: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(quant, "compressed_tensors", lambda: None)
     assert "pip install 'dsv4-convert[quant]'" in refuse(tmp_path, REGEX)
     report = run_checks(regex_out, fast=True)
     assert report.ok
-    assert report.result("quant").status == "skip" and "compressed-tensors not installed" in report.result("quant").reason
+    assert (
+        report.result("quant").status == "skip" and "compressed-tensors not installed" in report.result("quant").reason
+    )
 
 
 # --- check: what would fail in vLLM ----------------------------------------------------------
@@ -259,7 +313,9 @@ def draft() -> DeepSeekV4MTP:
 
 
 @pytest.mark.parametrize("unnamed", ["empty prefix", "plain torch Linear"])
-def test_an_e_proj_without_a_quantisation_name_is_reported_as_issue_44817(regex_out: Path, draft: DeepSeekV4MTP, unnamed: str) -> None:
+def test_an_e_proj_without_a_quantisation_name_is_reported_as_issue_44817(
+    regex_out: Path, draft: DeepSeekV4MTP, unnamed: str
+) -> None:
     layer = draft.model.layers[str(L)]
     if unnamed == "empty prefix":
         layer.e_proj.quant_name = ""
@@ -273,19 +329,27 @@ def test_an_e_proj_without_a_quantisation_name_is_reported_as_issue_44817(regex_
 
 def test_an_unnamed_linear_that_only_a_class_target_reaches_is_still_reported(draft: DeepSeekV4MTP) -> None:
     draft.model.layers[str(L)].h_proj.quant_name = ""
-    with pytest.raises(EmptyQuantNameError, match=r"h_proj has an empty quantisation layer name: only group_0 \(via 'Linear'\) reaches it"):
+    with pytest.raises(
+        EmptyQuantNameError,
+        match=r"h_proj has an empty quantisation layer name: only group_0 \(via 'Linear'\) reaches it",
+    ):
         quant.check_draft_quantization(draft, {"quantization_config": CLASS}, "out/config.json")
 
 
 @pytest.mark.parametrize(
     ("edit", "said"),
     [
-        ("unmatched", f"model.layers.{L}.e_proj: Unable to find matching target for model.layers.{L}.e_proj in the compressed-tensors config"),
+        (
+            "unmatched",
+            f"model.layers.{L}.e_proj: Unable to find matching target for model.layers.{L}.e_proj in the compressed-tensors config",
+        ),
         ("ambiguous", f"model.layers.{L}.e_proj: matched by targets"),
         ("native names", "matches no layer of the draft"),
     ],
 )
-def test_check_reports_linears_without_exactly_one_scheme(regex_out: Path, tmp_path: Path, edit: str, said: str) -> None:
+def test_check_reports_linears_without_exactly_one_scheme(
+    regex_out: Path, tmp_path: Path, edit: str, said: str
+) -> None:
     out = Path(shutil.copytree(regex_out, tmp_path / "out"))
     config = config_of(out)
     groups = config["quantization_config"]["config_groups"]

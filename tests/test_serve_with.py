@@ -8,10 +8,10 @@ import json
 from pathlib import Path
 
 import pytest
+
 from dsv4.convert.check import run_checks
 from dsv4.convert.pipeline import convert
 from dsv4.convert.synth import write_checkpoint
-
 from tests.inprocess import run_main
 
 
@@ -44,11 +44,18 @@ def test_a_draft_serves_beside_the_checkpoint_it_came_from(pair: tuple[Path, Pat
 def test_a_differently_quantised_target_fails_naming_the_field(pair: tuple[Path, Path], tmp_path: Path) -> None:
     # a compressed-tensors re-export of the same model: vLLM would build W4A16 layers for FP8 tensors
     native, draft = pair
-    target = target_config(tmp_path, native, quantization_config={"quant_method": "compressed-tensors", "format": "pack-quantized"})
+    target = target_config(
+        tmp_path, native, quantization_config={"quant_method": "compressed-tensors", "format": "pack-quantized"}
+    )
     result = serve_result(draft, target)
     assert (result.status, result.exit_code) == ("fail", 86)
-    assert result.error is not None and result.error.fields() == {"path": str(target), "field": "quantization_config.activation_scheme"}
-    assert result.reason.startswith(f"{target}: quantization_config.activation_scheme is '(absent)', the draft's is 'dynamic'")
+    assert result.error is not None and result.error.fields() == {
+        "path": str(target),
+        "field": "quantization_config.activation_scheme",
+    }
+    assert result.reason.startswith(
+        f"{target}: quantization_config.activation_scheme is '(absent)', the draft's is 'dynamic'"
+    )
 
 
 def test_another_architecture_fails_naming_the_field(pair: tuple[Path, Path], tmp_path: Path) -> None:
@@ -68,8 +75,9 @@ def test_not_asked_or_not_a_draft_directory_skips(pair: tuple[Path, Path], tmp_p
     assert result.status == "skip" and "only a --target draft output" in result.reason
 
 
-def test_the_command_exits_86_with_one_line(pair: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                            capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_command_exits_86_with_one_line(
+    pair: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     native, draft = pair
     target = target_config(tmp_path, native, expert_dtype="fp8")
     code, _out, err = run_main(monkeypatch, capsys, "check", draft, "--serve-with", target, "-q")

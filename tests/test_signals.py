@@ -16,9 +16,10 @@ import time
 from pathlib import Path
 
 import pytest
+from inprocess import run_main
+
 from dsv4.convert import check
 from dsv4.convert.pipeline import convert
-from inprocess import run_main
 
 # A test-only launcher (as in test_output_concurrency.py): one Python that has imported
 # the tool and run a conversion and a check once forks each round's command, which runs
@@ -115,7 +116,9 @@ def files(root: Path) -> dict[str, str]:
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(root.iterdir())}
 
 
-def test_sigint_and_sigterm_at_random_moments_end_in_one_line_or_a_completed_run(tiny_native: Path, tmp_path: Path) -> None:
+def test_sigint_and_sigterm_at_random_moments_end_in_one_line_or_a_completed_run(
+    tiny_native: Path, tmp_path: Path
+) -> None:
     reference = tmp_path / "reference"
     convert(tiny_native, reference, max_shard_size=MAX_SHARD)
     assert len(list(reference.glob("*.safetensors"))) > 10
@@ -126,12 +129,36 @@ def test_sigint_and_sigterm_at_random_moments_end_in_one_line_or_a_completed_run
         root = tmp_path / f"round-{k:02d}"
         root.mkdir()
         target = root / "out"
-        args = [str(tiny_native), str(target), "-q", "--max-shard-size", str(MAX_SHARD)] if kind == "convert" else ["check", str(reference), "-q"]
+        args = (
+            [str(tiny_native), str(target), "-q", "--max-shard-size", str(MAX_SHARD)]
+            if kind == "convert"
+            else ["check", str(reference), "-q"]
+        )
         late = signum if k >= 2 * ROUNDS else None  # the last four rounds: the signal lands after the result line
         burst = 3 if k % 5 == 4 else 1  # every fifth round a burst of signals
-        rounds.append({"kind": kind, "signal": signum, "burst": burst, "late": late, "args": args, "target": str(target), "out": str(root / "stdout"), "err": str(root / "stderr")})
-    spec = {"seed": 18, "native": str(tiny_native), "warm_up": str(tmp_path / "warm-up"), "max_shard_size": MAX_SHARD, "write_delay": 0.003, "rounds": rounds}
-    launched = subprocess.run([sys.executable, "-c", LAUNCHER, json.dumps(spec)], capture_output=True, text=True, timeout=300)
+        rounds.append(
+            {
+                "kind": kind,
+                "signal": signum,
+                "burst": burst,
+                "late": late,
+                "args": args,
+                "target": str(target),
+                "out": str(root / "stdout"),
+                "err": str(root / "stderr"),
+            }
+        )
+    spec = {
+        "seed": 18,
+        "native": str(tiny_native),
+        "warm_up": str(tmp_path / "warm-up"),
+        "max_shard_size": MAX_SHARD,
+        "write_delay": 0.003,
+        "rounds": rounds,
+    }
+    launched = subprocess.run(
+        [sys.executable, "-c", LAUNCHER, json.dumps(spec)], capture_output=True, text=True, timeout=300
+    )
     assert launched.returncode == 0, launched.stderr[-3000:]
     results = json.loads(launched.stdout)["rounds"]
     interrupted = completed = 0
@@ -145,10 +172,16 @@ def test_sigint_and_sigterm_at_random_moments_end_in_one_line_or_a_completed_run
             assert (code, err) == (0, ""), where
             completed += 1
         if code == 0 or r["late"]:  # the command finished: its result line is there
-            assert out.startswith(("converted", "resumed")) if r["kind"] == "convert" else re.fullmatch(rf"{re.escape(r['args'][1])}: OK: \d+ passed, 0 failed, \d+ skipped\n", out), where
+            assert (
+                out.startswith(("converted", "resumed"))
+                if r["kind"] == "convert"
+                else re.fullmatch(rf"{re.escape(r['args'][1])}: OK: \d+ passed, 0 failed, \d+ skipped\n", out)
+            ), where
         if r["kind"] == "convert":  # the launcher's rerun resumed or found OUT up to date
             assert files(Path(r["target"])) == files(reference), where
-            assert sorted(p.name for p in Path(r["target"]).parent.iterdir() if p.name.startswith(".")) == [".out.lock"], where
+            assert sorted(p.name for p in Path(r["target"]).parent.iterdir() if p.name.startswith(".")) == [
+                ".out.lock"
+            ], where
     assert interrupted >= ROUNDS // 2 and completed  # both outcomes really happened
 
 
@@ -174,7 +207,9 @@ sys.exit(main())
     assert (done.returncode, done.stdout, done.stderr) == (INTERRUPTED[signum], "", "interrupted\n")
 
 
-def test_an_interruption_a_library_wrapped_in_its_own_error_is_no_finding_of_check(tiny_pair: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+def test_an_interruption_a_library_wrapped_in_its_own_error_is_no_finding_of_check(
+    tiny_pair: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     read = check._read_tensor
     signalled = []
 

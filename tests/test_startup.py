@@ -17,13 +17,14 @@ from functools import partial
 from pathlib import Path
 
 import pytest
+from inprocess import run_main
+
 from dsv4.convert import execute, pipeline
 from dsv4.model import layout
 from dsv4.model.checkpoint import INDEX_NAME
 from dsv4.model.config import ModelConfig
 from dsv4.model.dtypes import ITEMSIZE, TORCH_DTYPES
 from dsv4.model.presets import preset_config
-from inprocess import run_main
 
 # Imports a whole conversion (or plan) in a child process and reports which heavy modules
 # it loaded; the child inherits the session's layout cache.
@@ -55,7 +56,9 @@ def test_a_local_plan_imports_no_http_stack(tiny_native: Path) -> None:
     """issue 20: importing huggingface_hub's HTTP client cost a local `plan` ~0.3 s; only hub
     sources (and a conversion's progress bar) need it."""
     probe = IMPORTED.replace('"httpx")', '"httpx", "httpx2", "huggingface_hub.utils")')
-    done = subprocess.run([sys.executable, "-c", probe, "plan", str(tiny_native)], capture_output=True, text=True, check=True)
+    done = subprocess.run(
+        [sys.executable, "-c", probe, "plan", str(tiny_native)], capture_output=True, text=True, check=True
+    )
     assert json.loads(done.stdout.rsplit("IMPORTED", 1)[1].strip().replace("'", '"')) == []
 
 
@@ -98,13 +101,19 @@ def test_layout_cache_key_follows_the_config_and_the_model_code(monkeypatch: pyt
 def test_a_bad_layout_cache_entry_is_ignored_and_rebuilt(layout_cache: Path, damage) -> None:
     c = cfg(vocab_size=preset_config("tiny", "instruct")["vocab_size"] + 8)
     good = layout.target_layout(c)
-    (entry,) = [p for p in layout_cache.glob("layout-*.json") if json.loads(p.read_text())["key"]["config"]["vocab_size"] == c.vocab_size]
+    (entry,) = [
+        p
+        for p in layout_cache.glob("layout-*.json")
+        if json.loads(p.read_text())["key"]["config"]["vocab_size"] == c.vocab_size
+    ]
     entry.write_bytes(damage(entry.read_text()).encode("utf-8", "surrogateescape"))
     assert layout.target_layout(c) == good
     assert json.loads(entry.read_text())["layout"]  # rewritten whole
 
 
-def test_an_edited_layout_cache_entry_cannot_fail_a_good_checkpoint(tiny_native: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+def test_an_edited_layout_cache_entry_cannot_fail_a_good_checkpoint(
+    tiny_native: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     run = partial(run_main, monkeypatch, capsys)
     c = ModelConfig.from_dict(json.loads((tiny_native / "config.json").read_text()))
     good = layout.target_layout(c)
@@ -135,8 +144,13 @@ def test_a_layout_cache_entry_that_is_a_fifo_is_rebuilt_without_waiting(tmp_path
     entry.parent.mkdir(parents=True, exist_ok=True)
     entry.unlink(missing_ok=True)
     os.mkfifo(entry)  # a reader that opened it plainly would wait for a writer forever
-    done = subprocess.run([sys.executable, "-c", FIFO_READER, json.dumps(raw)], capture_output=True, text=True, timeout=120)
-    assert (done.returncode, done.stdout.strip()) == (0, str(len(layout.build_target_layout(ModelConfig.from_dict(raw))))), done.stderr
+    done = subprocess.run(
+        [sys.executable, "-c", FIFO_READER, json.dumps(raw)], capture_output=True, text=True, timeout=120
+    )
+    assert (done.returncode, done.stdout.strip()) == (
+        0,
+        str(len(layout.build_target_layout(ModelConfig.from_dict(raw)))),
+    ), done.stderr
     assert entry.is_file()  # the FIFO was replaced by a good entry
 
 
@@ -171,7 +185,9 @@ def shard_tensor_bytes(root: Path) -> dict[str, bytes]:
 
 
 @pytest.mark.parametrize("lanes", [1, 3])
-def test_each_tensor_keeps_one_sha256_over_its_bytes_in_order(tiny_native: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, lanes: int) -> None:
+def test_each_tensor_keeps_one_sha256_over_its_bytes_in_order(
+    tiny_native: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, lanes: int
+) -> None:
     reference = tmp_path / "reference"
     pipeline.convert(tiny_native, reference)
     # chunks far smaller than the tensors: every big tensor is hashed in many updates while
@@ -183,6 +199,8 @@ def test_each_tensor_keeps_one_sha256_over_its_bytes_in_order(tiny_native: Path,
     record = json.loads((out / "conversion.json").read_text())
     data = shard_tensor_bytes(out)
     assert max(len(b) for b in data.values()) > 50 * 1000
-    assert {name: hashlib.sha256(b).hexdigest() for name, b in data.items()} == {name: t["sha256"] for name, t in record["tensors"].items()}
+    assert {name: hashlib.sha256(b).hexdigest() for name, b in data.items()} == {
+        name: t["sha256"] for name, t in record["tensors"].items()
+    }
     assert data == shard_tensor_bytes(reference)
     assert record["tensors"] == json.loads((reference / "conversion.json").read_text())["tensors"]

@@ -1,11 +1,16 @@
 """The strict JSON parser refuses what safetensors refuses, and fails only with its own error."""
 
 import pytest
+
 from dsv4.model.strictjson import MAX_DEPTH, StrictJSONError, loads
 
 
 def test_a_valid_document_parses_as_json_does():
-    assert loads(b'{"a": [1, 2.5, {"b": null}], "c": true, "d": "x"}') == {"a": [1, 2.5, {"b": None}], "c": True, "d": "x"}
+    assert loads(b'{"a": [1, 2.5, {"b": null}], "c": true, "d": "x"}') == {
+        "a": [1, 2.5, {"b": None}],
+        "c": True,
+        "d": "x",
+    }
 
 
 @pytest.mark.parametrize(

@@ -12,12 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
+from safetensors import safe_open
+
 from dsv4.convert import synth
 from dsv4.convert.cli import cli
 from dsv4.convert.synth import INDEX_NAME, pack_e2m1, write_checkpoint
 from dsv4.model.config import ModelConfig
 from dsv4.model.presets import PRESETS, preset_config
-from safetensors import safe_open
 
 # mapping/README.md#storage-dtypes, written out here rather than imported so the test checks the code
 E2M1_LUT = [0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6]
@@ -215,7 +216,15 @@ def test_dspark_variant(tmp_path: Path) -> None:
     ckpt = write_checkpoint(tmp_path, variant="dspark")
     names = set(all_headers(ckpt))
     first = {"main_proj.weight", "main_proj.scale", "main_norm.weight"}
-    last = {"norm.weight", "hc_head_fn", "hc_head_base", "hc_head_scale", "markov_head.markov_w1.weight", "markov_head.markov_w2.weight", "confidence_head.proj.weight"}
+    last = {
+        "norm.weight",
+        "hc_head_fn",
+        "hc_head_base",
+        "hc_head_scale",
+        "markov_head.markov_w1.weight",
+        "markov_head.markov_w2.weight",
+        "confidence_head.proj.weight",
+    }
     for s in range(3):
         stage = {n.removeprefix(f"mtp.{s}.") for n in names if n.startswith(f"mtp.{s}.")}
         assert first <= stage if s == 0 else not first & stage, s
@@ -229,11 +238,19 @@ def test_dspark_variant(tmp_path: Path) -> None:
 
 
 def test_dspark_variant_of_each_preset(tmp_path: Path) -> None:
-    result = CliRunner().invoke(cli, ["synth", str(tmp_path / "t"), "--preset", "tiny", "--variant", "dspark", "--sparse"])
+    result = CliRunner().invoke(
+        cli, ["synth", str(tmp_path / "t"), "--preset", "tiny", "--variant", "dspark", "--sparse"]
+    )
     # 6 top-level + 3 stages x (29 + 6 x 8 experts) + 3 (stage 0) + 7 (last stage); embed, top, one file per stage
     assert result.exit_code == 0 and result.output.startswith("synth: 247 tensors in 5 files,"), result.output
-    result = CliRunner().invoke(cli, ["synth", str(tmp_path / "p"), "--preset", "pro", "--variant", "dspark", "--sparse"])
-    assert result.exit_code == 2 and "unknown preset 'pro' for variant dspark" in result.output and not (tmp_path / "p").exists()
+    result = CliRunner().invoke(
+        cli, ["synth", str(tmp_path / "p"), "--preset", "pro", "--variant", "dspark", "--sparse"]
+    )
+    assert (
+        result.exit_code == 2
+        and "unknown preset 'pro' for variant dspark" in result.output
+        and not (tmp_path / "p").exists()
+    )
 
 
 # mapping/README.md#dspark-source-checkpoint: the V4-Flash-0731 release
@@ -244,7 +261,9 @@ FLASH_0731_DRAFTER_BYTES = 10_862_838_300
 def test_dspark_flash_replica_is_the_0731_release(tmp_path: Path) -> None:
     """`synth --variant dspark --sparse --main-layers all` (the dspark variant's preset is the
     release, flash) = the release's census."""
-    result = CliRunner().invoke(cli, ["synth", str(tmp_path / "c"), "--variant", "dspark", "--main-layers", "all", "--sparse"])
+    result = CliRunner().invoke(
+        cli, ["synth", str(tmp_path / "c"), "--variant", "dspark", "--main-layers", "all", "--sparse"]
+    )
     assert result.exit_code == 0, result.output
     ckpt = tmp_path / "c"
     headers = all_headers(ckpt)
@@ -261,7 +280,12 @@ def test_dspark_flash_replica_is_the_0731_release(tmp_path: Path) -> None:
     config = json.loads((ckpt / "config.json").read_text())
     assert len(config["compress_ratios"]) == 46 and config["compress_ratios"][43:] == [0, 0, 0]
     assert (config["expert_dtype"], config["num_nextn_predict_layers"]) == ("fp4", 1)
-    assert {k: config[k] for k in config if k.startswith("dspark_")} == {"dspark_block_size": 5, "dspark_noise_token_id": 128799, "dspark_target_layer_ids": [40, 41, 42], "dspark_markov_rank": 256}
+    assert {k: config[k] for k in config if k.startswith("dspark_")} == {
+        "dspark_block_size": 5,
+        "dspark_noise_token_id": 128799,
+        "dspark_target_layer_ids": [40, 41, 42],
+        "dspark_markov_rank": 256,
+    }
 
 
 # --- storage formats (mapping/README.md#storage-dtypes) ---------------------------------
@@ -308,7 +332,9 @@ def test_chunked_writes_fill_every_row(tmp_path: Path, monkeypatch: pytest.Monke
 
 
 def test_cli(tmp_path: Path) -> None:
-    result = CliRunner().invoke(cli, ["synth", str(tmp_path / "c"), "--preset", "tiny", "--main-layers", "all", "--sparse"])
+    result = CliRunner().invoke(
+        cli, ["synth", str(tmp_path / "c"), "--preset", "tiny", "--main-layers", "all", "--sparse"]
+    )
     assert result.exit_code == 0, result.output
     assert result.output.startswith("synth: 262 tensors in 5 files,")
     bad = CliRunner().invoke(cli, ["synth", str(tmp_path / "d"), "--main-layers", "some"])

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from dsv4.mapping import errors as mapping_errors
 from dsv4.mapping.table import TABLE_DIR, load_table, load_table_file
 
@@ -41,21 +42,35 @@ def test_gate_bias_goes_to_e_score_correction_bias() -> None:
     assert rule.target == "model.layers.{L}.mtp_block.ffn.gate.e_score_correction_bias"
 
 
-@pytest.mark.parametrize("key", ["mtp.0.attn.q_norm.weight", "mtp.0.attn.kv_norm.weight", "mtp.0.attn_norm.weight", "mtp.0.ffn_norm.weight", "mtp.0.enorm.weight", "mtp.0.hnorm.weight"])
+@pytest.mark.parametrize(
+    "key",
+    [
+        "mtp.0.attn.q_norm.weight",
+        "mtp.0.attn.kv_norm.weight",
+        "mtp.0.attn_norm.weight",
+        "mtp.0.ffn_norm.weight",
+        "mtp.0.enorm.weight",
+        "mtp.0.hnorm.weight",
+    ],
+)
 def test_norm_rules_are_anchored(key: str) -> None:
     """The seed bug class: `.norm.weight` as a substring rule would also catch these."""
     norm_rules = [r for r in load_table().rules if r.sources in (("mtp.{i}.norm.weight",), ("norm.weight",))]
     assert len(norm_rules) == 2
     for r in norm_rules:
         assert not r.source_regexes[0].match(key)
-    assert norm_rules[0].source_regexes[0].match("mtp.0.norm.weight") or norm_rules[1].source_regexes[0].match("mtp.0.norm.weight")
+    assert norm_rules[0].source_regexes[0].match("mtp.0.norm.weight") or norm_rules[1].source_regexes[0].match(
+        "mtp.0.norm.weight"
+    )
 
 
 def test_old_buggy_norm_gate_entries_are_rejected(tmp_path: Path) -> None:
     """vLLM's XPU remap sent ffn.gate.tid2eid into ffn.norm_gate: the MTP block has no
     tid2eid, so such a rule can never fire: the loader names it as dead."""
     bad = add_to_section("rename", '"mtp.{i}.ffn.gate.tid2eid" = "model.layers.{L}.mtp_block.ffn.norm_gate.tid2eid"')
-    with pytest.raises(mapping_errors.DeadRuleError, match=r"\[rename\] model.layers.\{L\}.mtp_block.ffn.norm_gate.tid2eid.*dead rule"):
+    with pytest.raises(
+        mapping_errors.DeadRuleError, match=r"\[rename\] model.layers.\{L\}.mtp_block.ffn.norm_gate.tid2eid.*dead rule"
+    ):
         load_table_file(table_with(tmp_path, bad))
 
 
@@ -68,7 +83,10 @@ def test_rule_reading_a_norm_gate_source_is_dead(tmp_path: Path) -> None:
 def test_target_that_is_not_a_parameter(tmp_path: Path) -> None:
     # the block's ffn_norm rule lives in mapping/include/v4_block.toml: this rule writes it elsewhere
     bad = add_to_section("rename", '"mtp.{i}.ffn_norm.weight" = "model.layers.{L}.mtp_block.ffn.norm_gate.norm.weight"')
-    with pytest.raises(mapping_errors.UnknownTargetError, match=r"model.layers.2.mtp_block.ffn.norm_gate.norm.weight is not a parameter"):
+    with pytest.raises(
+        mapping_errors.UnknownTargetError,
+        match=r"model.layers.2.mtp_block.ffn.norm_gate.norm.weight is not a parameter",
+    ):
         load_table_file(table_with(tmp_path, bad))
 
 

@@ -17,11 +17,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from dsv4.convert.pipeline import convert
-from dsv4.convert.synth import write_checkpoint
 from safetensors.torch import save_file
 
-_SPEC = importlib.util.spec_from_file_location("verify_runtimes", Path(__file__).parents[1] / "scripts" / "verify_runtimes.py")
+from dsv4.convert.pipeline import convert
+from dsv4.convert.synth import write_checkpoint
+
+_SPEC = importlib.util.spec_from_file_location(
+    "verify_runtimes", Path(__file__).parents[1] / "scripts" / "verify_runtimes.py"
+)
 assert _SPEC and _SPEC.loader
 vr = importlib.util.module_from_spec(_SPEC)
 sys.modules["verify_runtimes"] = vr
@@ -41,8 +44,12 @@ def write_dir(root: Path, tensors: dict[str, torch.Tensor]) -> Path:
 
 # A stand-in runtime: `a.*` loads into parameter A (two shards, in order), `b` into B.
 EXPECTED = {"A": torch.arange(8, dtype=torch.int8), "B": torch.ones(3), "SHARED": torch.zeros(2)}
-GOOD = {"a.0": torch.arange(4, dtype=torch.int8), "a.1": torch.arange(4, 8, dtype=torch.int8),
-        "b": torch.ones(3), "embed": torch.zeros(2)}
+GOOD = {
+    "a.0": torch.arange(4, dtype=torch.int8),
+    "a.1": torch.arange(4, 8, dtype=torch.int8),
+    "b": torch.ones(3),
+    "embed": torch.zeros(2),
+}
 
 
 def stand_in_loader(recorder: vr.Recorder) -> object:
@@ -63,8 +70,9 @@ def stand_in_loader(recorder: vr.Recorder) -> object:
 def report_on(tmp_path: Path, tensors: dict[str, torch.Tensor]) -> vr.Report:
     recorder = vr.Recorder()
     directory = write_dir(tmp_path / "d", tensors)
-    return vr.run_loader("stand-in", stand_in_loader(recorder), recorder, directory, EXPECTED,
-                         lambda name: name == "embed", {"SHARED"})
+    return vr.run_loader(
+        "stand-in", stand_in_loader(recorder), recorder, directory, EXPECTED, lambda name: name == "embed", {"SHARED"}
+    )
 
 
 def test_a_directory_the_loader_takes_whole_passes(tmp_path: Path) -> None:
@@ -74,11 +82,14 @@ def test_a_directory_the_loader_takes_whole_passes(tmp_path: Path) -> None:
     assert report.dropped == ["embed"]
 
 
-@pytest.mark.parametrize(("change", "field", "offender"), [
-    ({"c": torch.ones(1)}, "skipped", "c"),  # a tensor the loader does not take
-    ({"b": torch.full((3,), 2.0)}, "unequal", "B"),  # different bytes
-    ({"boom": torch.ones(1)}, "errors", "boom: KeyError: 'no such parameter'"),  # the loader raises
-])
+@pytest.mark.parametrize(
+    ("change", "field", "offender"),
+    [
+        ({"c": torch.ones(1)}, "skipped", "c"),  # a tensor the loader does not take
+        ({"b": torch.full((3,), 2.0)}, "unequal", "B"),  # different bytes
+        ({"boom": torch.ones(1)}, "errors", "boom: KeyError: 'no such parameter'"),  # the loader raises
+    ],
+)
 def test_a_wrong_directory_fails_naming_the_offender(tmp_path: Path, change: dict, field: str, offender: str) -> None:
     report = report_on(tmp_path, {**GOOD, **change})
     assert not report.passed
@@ -124,11 +135,15 @@ def test_cut_refuses_a_name_the_file_does_not_have() -> None:
 
 # --- the wheels' own loaders (only where the wheels are already cached) -------------------
 
+
 def _wheels_present() -> bool:
     return all(sorted(WHEELS.glob(f"{p}-{pin.split('==')[1]}-*.whl")) for p, pin in vr.WHEELS.items())
 
 
-needs_wheels = pytest.mark.skipif(not _wheels_present(), reason=f"vllm 0.33.0 and sglang 0.5.23 wheels not in {WHEELS} (scripts/verify_runtimes.py downloads them)")
+needs_wheels = pytest.mark.skipif(
+    not _wheels_present(),
+    reason=f"vllm 0.33.0 and sglang 0.5.23 wheels not in {WHEELS} (scripts/verify_runtimes.py downloads them)",
+)
 
 
 @pytest.fixture(scope="module")
@@ -140,17 +155,34 @@ def tiny_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         native = write_checkpoint(root / variant / "native", preset=preset, variant=variant, seed=0)
         convert(native, root / variant / "draft", target="draft")
         convert(native, root / variant / "xpu", target="xpu")
-        dirs.update({f"{variant}/native": native, f"{variant}/draft": root / variant / "draft", f"{variant}/xpu": root / variant / "xpu"})
+        dirs.update(
+            {
+                f"{variant}/native": native,
+                f"{variant}/draft": root / variant / "draft",
+                f"{variant}/xpu": root / variant / "xpu",
+            }
+        )
     return dirs
 
 
 @needs_wheels
-@pytest.mark.parametrize(("variant", "loaders", "hit"), [
-    ("instruct", ["vllm-xpu-mtp", "vllm-nvidia-mtp", "vllm-amd-mtp", "sglang-nextn"], 39),  # 41 less embedding and head
-    ("dspark", ["vllm-xpu-dspark", "sglang-dspark"], 96),  # 98 less embedding and head
-])
-def test_every_runtime_loads_a_draft_directory_whole(tiny_dirs: dict[str, Path], variant: str, loaders: list[str], hit: int) -> None:
-    reports = vr.verify(tiny_dirs[f"{variant}/draft"], tiny_dirs[f"{variant}/xpu"], tiny_dirs[f"{variant}/native"], WHEELS)
+@pytest.mark.parametrize(
+    ("variant", "loaders", "hit"),
+    [
+        (
+            "instruct",
+            ["vllm-xpu-mtp", "vllm-nvidia-mtp", "vllm-amd-mtp", "sglang-nextn"],
+            39,
+        ),  # 41 less embedding and head
+        ("dspark", ["vllm-xpu-dspark", "sglang-dspark"], 96),  # 98 less embedding and head
+    ],
+)
+def test_every_runtime_loads_a_draft_directory_whole(
+    tiny_dirs: dict[str, Path], variant: str, loaders: list[str], hit: int
+) -> None:
+    reports = vr.verify(
+        tiny_dirs[f"{variant}/draft"], tiny_dirs[f"{variant}/xpu"], tiny_dirs[f"{variant}/native"], WHEELS
+    )
     assert [r.loader for r in reports] == loaders
     for r in reports:
         assert r.passed, r.summary()
@@ -161,7 +193,9 @@ def test_every_runtime_loads_a_draft_directory_whole(tiny_dirs: dict[str, Path],
 @needs_wheels
 @pytest.mark.parametrize("variant", ["instruct", "dspark"])
 def test_no_runtime_loads_the_xpu_layout(tiny_dirs: dict[str, Path], variant: str) -> None:
-    reports = vr.verify(tiny_dirs[f"{variant}/xpu"], tiny_dirs[f"{variant}/xpu"], tiny_dirs[f"{variant}/native"], WHEELS)
+    reports = vr.verify(
+        tiny_dirs[f"{variant}/xpu"], tiny_dirs[f"{variant}/xpu"], tiny_dirs[f"{variant}/native"], WHEELS
+    )
     assert not any(r.passed for r in reports)
     if variant == "instruct":  # vLLM prefixes a second mtp_block. (xpu/mtp.py:504-506)
         assert any("KeyError: 'model.layers.2.mtp_block.mtp_block." in e for e in reports[0].errors)
