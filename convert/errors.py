@@ -1,172 +1,77 @@
-"""The errors of the converter, the hub and batch jobs, and `check` (exit codes:
-convert/exit_codes.py). The model layer's errors (reading checkpoint files, loading the
-model) and the table's are in dsv4.model.errors and dsv4.mapping.errors."""
+"""The error families of the converter, the hub and batch jobs, and `check` (their kinds'
+exit codes: convert/exit_codes.py). The model layer's (reading checkpoint files, loading
+the model) and the table's are in dsv4.model.errors and dsv4.mapping.errors."""
 
 from __future__ import annotations
 
 from dsv4.model.errors import DSV4Error
 
 
-# --- planning ---------------------------------------------------------------------------
 class PlanError(DSV4Error):
-    """The checkpoint cannot be converted by the table as it stands."""
+    """The checkpoint cannot be converted by the table as it stands, or changed under the
+    conversion."""
+
+    KINDS = (
+        "plan_failed",  # a tensor consumed by more than one rule
+        "uncovered_key",  # a source key no rule covers
+        "missing_source",
+        "layout_mismatch",  # a shape or dtype disagrees with the config or the model
+        "duplicate_target",
+        "source_changed",  # a source file changed between planning and publishing: nothing is published
+        "quant_carry",  # the quantization_config cannot be carried to the draft's layer names unchanged
+    )
 
 
-class UncoveredKeyError(PlanError):
-    pass
-
-
-class MissingSourceError(PlanError):
-    pass
-
-
-class LayoutMismatchError(PlanError):
-    pass
-
-
-class DuplicateTargetError(PlanError):
-    pass
-
-
-class SourceChangedError(PlanError):
-    """A source file changed (rewritten, replaced, resized) between planning and publishing:
-    the plan no longer describes it, so the output is not published."""
-
-
-class QuantCarryError(PlanError):
-    """The source quantization_config cannot be carried to the draft's layer names unchanged."""
-
-
-# --- writing the output -------------------------------------------------------------------
 class OutputError(DSV4Error):
     """OUT cannot be (or was not) written safely."""
 
-
-class OutputExistsError(OutputError):
-    pass
-
-
-class WriteFailedError(OutputError):
-    """An OSError while writing or publishing OUT; the message names the path, the OS
-    reason and what became of OUT."""
-
-
-class OutputIsSourceError(OutputError):
-    """OUT is the source directory (after resolving symlinks)."""
+    KINDS = (
+        "output_exists",
+        "write_failed",  # an OSError writing or publishing OUT: path, OS reason, what became of OUT
+        "output_is_source",  # after resolving symlinks
+        "output_in_source",
+        "source_in_output",  # or inside one of OUT's hidden working directories
+        "output_parent",  # OUT's parent is not a directory, or cannot be created
+        "output_locked",  # another run holds OUT's lock (pid, host named)
+        "overwrite_refused",  # --overwrite given, but OUT is not a previous output of this tool
+    )
 
 
-class OutputInSourceError(OutputError):
-    pass
-
-
-class SourceInOutputError(OutputError):
-    """The source lies inside OUT (or inside one of OUT's hidden working directories)."""
-
-
-class OutputParentError(OutputError):
-    """OUT's parent is not a directory, or cannot be created."""
-
-
-class OutputLockedError(OutputError):
-    """Another run holds OUT's lock; the message names it (pid, host)."""
-
-
-class OverwriteRefusedError(OutputError):
-    """--overwrite given, but OUT is not a previous output of this tool."""
-
-
-# --- model hub and batch --------------------------------------------------------------------
 class HubError(DSV4Error):
-    """The hub refused or failed a request."""
+    """The hub refused or failed a request, or a batch job (its manifest, a repository of
+    it) failed."""
+
+    KINDS = (
+        "hub_request_failed",
+        "repo_not_found",
+        "revision_not_found",
+        "download_failed",  # a planned byte range not fetched whole (wrong length, retries exhausted)
+        "bad_manifest",
+        "push_failed",
+        "batch_failed",  # at least one repository of a batch failed; the others were still processed
+    )
 
 
-class RepoNotFound(HubError):
-    pass
-
-
-class RevisionNotFound(HubError):
-    pass
-
-
-class DownloadError(HubError):
-    """A planned byte range could not be fetched whole (wrong length, retries exhausted)."""
-
-
-class ManifestError(HubError):
-    pass
-
-
-class PushError(HubError):
-    pass
-
-
-class BatchFailedError(HubError):
-    """At least one repository of a batch failed; the others were still processed."""
-
-
-# --- check: one class per failed check, so CI can tell the failures apart -----------------------
 class CheckError(DSV4Error):
-    pass
+    """A check of `convert-dsv4 check` failed; the kind names the check, so CI can tell the
+    failures apart."""
 
-
-class IndexCheckError(CheckError):
-    """Index and shard headers disagree: names, missing or stray shards, offsets, gaps."""
-
-
-class UnreadableTensorError(CheckError):
-    pass
-
-
-class SizeCheckError(CheckError):
-    """index total_size or conversion.json sizes/files disagree with the shards."""
-
-
-class ChecksumMismatchError(CheckError):
-    pass
-
-
-class ConfigCheckError(CheckError):
-    """config.json lacks the conversion record or disagrees with the tensors."""
-
-
-class MissingTensorsError(CheckError):
-    pass
-
-
-class UnexpectedTensorsError(CheckError):
-    pass
-
-
-class TensorShapeError(CheckError):
-    pass
-
-
-class TensorDtypeError(CheckError):
-    pass
-
-
-class QuantSchemeError(CheckError):
-    """A linear of the draft resolves to no scheme, or to several, and is not ignored."""
-
-
-class EmptyQuantNameError(CheckError):
-    """A linear with an empty quantisation layer name (vLLM issue #44817)."""
-
-
-class SmokeFailedError(CheckError):
-    """The strict load or the few-token forward failed."""
-
-
-class NativeParityError(CheckError):
-    """The converted draft disagrees with the reference run on the native checkpoint."""
-
-
-class ServeMismatchError(CheckError):
-    """The target model a draft directory is to be served beside would build the draft's
-    layers differently: vLLM 0.33.0 builds an MTP or DSpark draft from the target's config
-    and quantisation, so the draft's tensors would not load (NOTES.md, "Serving a draft").
-    `field` is the first config field that differs."""
-
-    def __init__(self, message: str, *, path: str | None = None, field: str | None = None) -> None:
-        super().__init__(message, path=path)
-        self.field = field
+    KINDS = (
+        "index_check",  # index and shard headers disagree: names, missing or stray shards, offsets, gaps
+        "unreadable_tensor",
+        "size_check",  # index total_size or conversion.json sizes/files disagree with the shards
+        "checksum_mismatch",
+        "config_check",  # config.json lacks the conversion record or disagrees with the tensors
+        "missing_tensors",
+        "unexpected_tensors",
+        "tensor_shape",
+        "tensor_dtype",
+        "quant_scheme",  # a linear resolves to no scheme, or to several, and is not ignored
+        "empty_quant_name",  # a linear with an empty quantisation layer name (vLLM issue #44817)
+        "smoke_failed",  # the strict load or the few-token forward failed
+        "native_parity",  # the converted draft disagrees with the reference run on the native checkpoint
+        # --serve-with: the target model would build the draft's layers differently (vLLM 0.33.0
+        # builds an MTP or DSpark draft from the target's config and quantisation; NOTES.md,
+        # "Serving a draft"); `field` is the first config field that differs
+        "serve_mismatch",
+    )

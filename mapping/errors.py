@@ -9,22 +9,11 @@ from dsv4.model.errors import DSV4Error
 class TableError(DSV4Error):
     """A table that is not valid TOML, not installed, or breaks the table format."""
 
-
-class UnknownOpError(TableError):
-    pass
-
-
-class UnboundPlaceholderError(TableError):
-    pass
-
-
-class DuplicateTargetRuleError(TableError):
-    pass
-
-
-class DeadRuleError(TableError):
-    """A rule no native name of any supported config can match."""
-
-
-class UnknownTargetError(TableError):
-    """A rule writes a parameter the bundled model does not have."""
+    KINDS = (
+        "malformed_table",  # not TOML, not installed, a section or field of the wrong shape
+        "unknown_op",
+        "unbound_placeholder",
+        "duplicate_target_rule",  # two rules write one target
+        "dead_rule",  # a rule no native name of any supported config can match
+        "unknown_target",  # a rule writes a parameter the bundled model does not have
+    )

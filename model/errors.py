@@ -1,26 +1,45 @@
 """The errors of the model layer, and the root every error of the tool derives from.
 
-Each class is one failure a user must tell apart; the message is one line naming the file
-and/or tensor at fault. Exit codes are not decided here: the command line's table
-(convert/exit_codes.py) maps each class to its documented code.
+An error is a family (the class: what went wrong where) and a `kind` (which failure of
+the family: a short stable identifier such as "missing_shard", unique across the tool, so
+a kind alone names the failure). The message is one line naming the file and/or tensor at
+fault; `path`, `tensor` and `field` say them again for a program to read. Exit codes are
+not decided here: the command line's one table (convert/exit_codes.py) maps each kind to
+its documented code.
 """
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 
 class DSV4Error(Exception):
-    """Any refusal of this tool. `path` (the file at fault) and `tensor` are there for a
-    program to read; the message already says them."""
+    """Any refusal of this tool. A family subclasses it and lists its kinds in `KINDS`; an
+    error of a kind its family does not list is a bug of the tool (ValueError)."""
 
-    def __init__(self, message: str, *, path: str | None = None, tensor: str | None = None) -> None:
+    KINDS: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        kind: str,
+        path: str | None = None,
+        tensor: str | None = None,
+        field: str | None = None,
+    ) -> None:
+        if kind not in self.KINDS:
+            raise ValueError(f"{type(self).__name__} has no kind {kind!r} (its kinds: {', '.join(self.KINDS)})")
         super().__init__(message)
+        self.kind = kind
         self.path = path
         self.tensor = tensor
+        self.field = field
 
     def fields(self) -> dict[str, str]:
-        """The structured fields that are set (the file at fault, the tensor, a config
-        field), for JSON reports: what a program reads instead of parsing the message."""
-        named = {"path": self.path, "tensor": self.tensor, "field": getattr(self, "field", None)}
+        """The kind and the structured fields that are set (the file at fault, the tensor, a
+        config field), for JSON reports: what a program reads instead of parsing the message."""
+        named = {"kind": self.kind, "path": self.path, "tensor": self.tensor, "field": self.field}
         return {k: v for k, v in named.items() if isinstance(v, str)}
 
 
@@ -28,77 +47,38 @@ class OutOfMemoryError(DSV4Error):
     """The memory the command needs is not there (an address-space limit too small to load
     torch, or an allocation that failed)."""
 
+    KINDS = ("out_of_memory",)
 
-# --- reading a checkpoint's files: the inventory of a source, the index, the loader -----
+
 class CheckpointError(DSV4Error):
-    """A checkpoint directory's files are missing or malformed."""
+    """A checkpoint directory (the source, or a converted one the loader reads) cannot be
+    used: its files are missing or malformed, its config.json is missing, malformed (`field`
+    names the field) or describes a layout this tool has no conversion or model for."""
+
+    KINDS = (
+        "missing_shard",
+        "truncated_shard",
+        "index_mismatch",  # index and shard headers disagree
+        "duplicate_tensor",  # one tensor name in two shards
+        "unknown_dtype",
+        "unsafe_shard_path",  # a shard name that leaves the directory
+        "malformed_header",  # a shard header or the index
+        "missing_config",
+        "malformed_config",  # not strict JSON, not an object, a field missing, mistyped or out of range
+        "source_not_found",
+        "unsupported_layout",  # well-formed, but no conversion or model for it (V4.1, unknown expert_dtype, ...)
+    )
 
 
-class MissingShardError(CheckpointError):
-    pass
-
-
-class TruncatedShardError(CheckpointError):
-    pass
-
-
-class IndexMismatchError(CheckpointError):
-    pass
-
-
-class DuplicateTensorError(CheckpointError):
-    pass
-
-
-class UnknownDtypeError(CheckpointError):
-    pass
-
-
-class UnsafeShardPathError(CheckpointError):
-    pass
-
-
-class MalformedHeaderError(CheckpointError):
-    pass
-
-
-class MissingConfigError(CheckpointError):
-    pass
-
-
-class MalformedConfigError(CheckpointError):
-    """config.json is not strict JSON, not an object, or a field the tool uses is missing,
-    of the wrong type or out of range (the message names the field)."""
-
-
-class SourceNotFoundError(CheckpointError):
-    pass
-
-
-class UnsupportedLayoutError(DSV4Error):
-    """A well-formed checkpoint whose layout this tool has no conversion or model for."""
-
-
-# --- loading into the bundled model and running it --------------------------------------
 class LoadError(DSV4Error):
-    """A converted checkpoint does not load strictly into the bundled draft model."""
+    """A converted checkpoint does not load strictly into the bundled model, or the loaded
+    model's output fails a check (shape, finiteness, agreement)."""
 
-
-class MissingKeyError(LoadError):
-    pass
-
-
-class UnexpectedKeyError(LoadError):
-    pass
-
-
-class ShapeMismatchError(LoadError):
-    pass
-
-
-class DtypeMismatchError(LoadError):
-    pass
-
-
-class SmokeCheckError(DSV4Error):
-    """A loaded model ran but its output failed a check (shape, finiteness, agreement)."""
+    KINDS = (
+        "load_failed",  # an unreadable file (a shard, target features)
+        "missing_key",
+        "unexpected_key",
+        "shape_mismatch",
+        "dtype_mismatch",
+        "smoke_output",  # the model ran, its output failed a check
+    )

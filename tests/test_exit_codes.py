@@ -1,58 +1,93 @@
-"""The exit-code table (convert/exit_codes.py): every error class of the tool has its row, and
-the documented codes stay what users' CI scripts depend on."""
+"""The exit-code table (convert/exit_codes.py): every kind of every error family has its row,
+the documented codes stay what users' CI scripts depend on, and every raise names a kind its
+family has."""
 
 from __future__ import annotations
 
+import ast
 import re
 from pathlib import Path
 
 from dsv4.convert import errors as convert_errors
-from dsv4.convert.exit_codes import EXIT_CODES, code_of
+from dsv4.convert.exit_codes import EXIT_CODES, INTERNAL_ERROR, code_of, exit_code
 from dsv4.convert.inventory import tensors_from_header
 from dsv4.mapping import errors as mapping_errors
 from dsv4.model import config
 from dsv4.model import errors as model_errors
 from dsv4.model.presets import preset_config
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
 
 
-def error_classes() -> set[type]:
-    modules = (model_errors, mapping_errors, convert_errors, config)
+def families() -> dict[str, type[model_errors.DSV4Error]]:
+    modules = (model_errors, mapping_errors, convert_errors)
     return {
-        c
+        c.__name__: c
         for m in modules
         for c in vars(m).values()
-        if isinstance(c, type) and issubclass(c, model_errors.DSV4Error) and c.__module__ == m.__name__
+        if isinstance(c, type) and issubclass(c, model_errors.DSV4Error) and c is not model_errors.DSV4Error
     }
 
 
-def test_every_error_class_has_its_own_row() -> None:
-    assert error_classes() == set(EXIT_CODES)
+def test_every_kind_has_its_own_row() -> None:
+    kinds = [k for family in families().values() for k in family.KINDS]
+    assert len(kinds) == len(set(kinds)), "a kind alone names the failure: no two families share one"
+    assert set(kinds) == set(EXIT_CODES)
+
+
+def test_an_error_family_refuses_a_kind_it_does_not_have() -> None:
+    try:
+        convert_errors.CheckError("x", kind="missing_shard")
+    except ValueError as exc:
+        assert "CheckError has no kind 'missing_shard'" in str(exc)
+    else:
+        raise AssertionError("CheckError took a CheckpointError's kind")
+
+
+def test_every_raise_names_a_kind_its_family_has() -> None:
+    known = families()
+    unknown = []
+    for file in sorted(p for d in ("model", "mapping", "convert", "scripts") for p in (ROOT / d).rglob("*.py")):
+        for node in ast.walk(ast.parse(file.read_text())):
+            if not isinstance(node, ast.Call):
+                continue
+            name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", None)
+            kind = next((k.value for k in node.keywords if k.arg == "kind"), None)
+            if name not in known:
+                continue
+            if kind is None:
+                unknown.append(f"{file.relative_to(ROOT)}:{node.lineno}: {name} without a kind")
+            elif isinstance(kind, ast.Constant) and kind.value not in known[name].KINDS:
+                unknown.append(f"{file.relative_to(ROOT)}:{node.lineno}: {name} kind {kind.value!r}")
+    assert unknown == []
+
+
+def test_an_exception_that_is_not_a_refusal_is_an_internal_error() -> None:
+    assert exit_code(KeyError("x")) == INTERNAL_ERROR == 1
+    assert exit_code(model_errors.OutOfMemoryError("", kind="out_of_memory")) == 3
 
 
 def test_the_codes_are_the_documented_ones() -> None:
     # a sample across the families, as the README's table has them since they were introduced
     named = {
-        model_errors.MissingShardError: 11,
-        model_errors.MalformedHeaderError: 17,
-        model_errors.MalformedConfigError: 18,
-        config.ConfigFieldError: 18,
-        config.UnsupportedConfig: 35,
-        model_errors.UnsupportedLayoutError: 35,
-        model_errors.SourceNotFoundError: 19,
-        mapping_errors.DeadRuleError: 24,
-        convert_errors.UncoveredKeyError: 31,
-        convert_errors.OutputLockedError: 47,
-        convert_errors.OverwriteRefusedError: 48,
-        model_errors.DtypeMismatchError: 54,
-        model_errors.SmokeCheckError: 55,
-        convert_errors.BatchFailedError: 66,
-        convert_errors.QuantCarryError: 82,
-        convert_errors.SmokeFailedError: 84,
-        convert_errors.NativeParityError: 85,
+        "missing_shard": 11,
+        "malformed_header": 17,
+        "malformed_config": 18,
+        "unsupported_layout": 35,
+        "source_not_found": 19,
+        "dead_rule": 24,
+        "uncovered_key": 31,
+        "output_locked": 47,
+        "overwrite_refused": 48,
+        "dtype_mismatch": 54,
+        "smoke_output": 55,
+        "batch_failed": 66,
+        "quant_carry": 82,
+        "smoke_failed": 84,
+        "native_parity": 85,
     }
-    assert {cls: code_of(cls) for cls in named} == named
+    assert {kind: code_of(kind) for kind in named} == named
 
 
 def test_every_code_appears_in_the_readme() -> None:
@@ -73,8 +108,8 @@ def test_an_error_carries_the_file_and_tensor_it_names_as_fields() -> None:
     }
     try:
         tensors_from_header(header, "model-00001-of-00002.safetensors", 100, 112)
-    except model_errors.MalformedHeaderError as exc:
-        assert exc.fields() == {"path": "model-00001-of-00002.safetensors", "tensor": "b"}
+    except model_errors.CheckpointError as exc:
+        assert exc.fields() == {"kind": "malformed_header", "path": "model-00001-of-00002.safetensors", "tensor": "b"}
         assert str(exc).startswith("model-00001-of-00002.safetensors: tensor b:")
     else:
         raise AssertionError("overlapping tensors were accepted")
@@ -83,7 +118,7 @@ def test_an_error_carries_the_file_and_tensor_it_names_as_fields() -> None:
 def test_a_config_error_carries_its_field() -> None:
     try:
         config.ModelConfig.from_dict({**preset_config("tiny"), "hidden_size": "256"})
-    except config.ConfigFieldError as exc:
-        assert exc.fields() == {"field": "hidden_size"}
+    except model_errors.CheckpointError as exc:
+        assert exc.fields() == {"kind": "malformed_config", "field": "hidden_size"}
     else:
         raise AssertionError("a string hidden_size was accepted")
