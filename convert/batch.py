@@ -23,6 +23,7 @@ from collections.abc import Callable, Mapping, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +34,7 @@ from huggingface_hub.utils import validate_repo_id
 from dsv4 import __version__
 from dsv4.convert import interrupts
 from dsv4.convert.card import model_card, with_card
-from dsv4.convert.errors import HubError, ManifestError, PushError, RepoNotFound, WriteFailedError
+from dsv4.convert.errors import HubError, OutputError
 from dsv4.convert.exit_codes import exit_code
 from dsv4.convert.hub import download, hub_errors, open_hub_source, resolve_commit
 from dsv4.convert.location import HF_PREFIX, HUB_SCHEME, HubSpec, parse_hub_spec
@@ -84,10 +85,14 @@ class Manifest:
 
 def _table(raw: Any, where: str, keys: set[str]) -> dict[str, Any]:
     if not isinstance(raw, dict):
-        raise ManifestError(f"{where}: must be a table", path=str(where))
+        raise HubError(f"{where}: must be a table", kind="bad_manifest", path=str(where))
     unknown = sorted(set(raw) - keys)
     if unknown:
-        raise ManifestError(f"{where}: unknown key {unknown[0]!r} (known: {', '.join(sorted(keys))})", path=str(where))
+        raise HubError(
+            f"{where}: unknown key {unknown[0]!r} (known: {', '.join(sorted(keys))})",
+            kind="bad_manifest",
+            path=str(where),
+        )
     return raw
 
 
@@ -110,8 +115,9 @@ def _fill(template: str, hub: HubSpec, target: str, where: str) -> str:
             raise ValueError(f"{bad} is not a placeholder")
         return template.format(**values)
     except ValueError as exc:
-        raise ManifestError(
+        raise HubError(
             f"{where}: bad template {template!r} ({exc}); placeholders are {', '.join('{' + p + '}' for p in PLACEHOLDERS)}",
+            kind="bad_manifest",
             path=str(where),
         ) from None
 
@@ -121,23 +127,28 @@ def _parse_source(entry: Any, where: str, base: Path) -> HubSpec:
         entry = _table(entry, where, {"repo", "revision"})
         repo, revision = entry.get("repo"), entry.get("revision")
         if not isinstance(repo, str) or "@" in repo or not (revision is None or isinstance(revision, str)):
-            raise ManifestError(
-                f'{where}: needs repo = "org/name" and optionally revision = "branch, tag or commit"', path=str(where)
+            raise HubError(
+                f'{where}: needs repo = "org/name" and optionally revision = "branch, tag or commit"',
+                kind="bad_manifest",
+                path=str(where),
             )
         entry = f"{repo}@{revision}" if revision else repo
     if not isinstance(entry, str):
-        raise ManifestError(
-            f'{where}: a source is "org/name[@revision]" or {{repo = ..., revision = ...}}', path=str(where)
+        raise HubError(
+            f'{where}: a source is "org/name[@revision]" or {{repo = ..., revision = ...}}',
+            kind="bad_manifest",
+            path=str(where),
         )
     if not entry.startswith(HF_PREFIX) and (Path(entry).is_dir() or (base / entry).is_dir()):
-        raise ManifestError(
+        raise HubError(
             f"{where}: {entry!r} is a local directory; batch takes hub repositories only (convert a local checkpoint with convert-dsv4 {entry} OUT --target xpu)",
+            kind="bad_manifest",
             path=str(where),
         )
     try:
         return parse_hub_spec(entry)
     except DSV4Error as exc:
-        raise ManifestError(f"{where}: {exc}", path=str(where)) from None
+        raise HubError(f"{where}: {exc}", kind="bad_manifest", path=str(where)) from None
 
 
 def load_manifest(path: str | Path, out_dir: str | Path | None = None) -> Manifest:
@@ -146,9 +157,9 @@ def load_manifest(path: str | Path, out_dir: str | Path | None = None) -> Manife
     try:
         raw = tomllib.loads(path.read_text())
     except (OSError, UnicodeDecodeError) as exc:
-        raise ManifestError(f"{path}: cannot read the manifest ({exc})", path=str(path)) from None
+        raise HubError(f"{path}: cannot read the manifest ({exc})", kind="bad_manifest", path=str(path)) from None
     except tomllib.TOMLDecodeError as exc:
-        raise ManifestError(f"{path}: not valid TOML ({exc})", path=str(path)) from None
+        raise HubError(f"{path}: not valid TOML ({exc})", kind="bad_manifest", path=str(path)) from None
     _table(raw, str(path), TOP_KEYS)
     output = _table(raw.get("output", {}), f"{path}: [output]", OUTPUT_KEYS)
     options = _table(raw.get("options", {}), f"{path}: [options]", OPTION_KEYS)
@@ -156,29 +167,34 @@ def load_manifest(path: str | Path, out_dir: str | Path | None = None) -> Manife
     name_t, repo_t, private = output.get("name", DEFAULT_NAME), output.get("repo"), output.get("private")
     max_shard, check = options.get("max_shard_size", DEFAULT_MAX_SHARD), options.get("check", True)
     if not isinstance(target, str) or not isinstance(name_t, str) or not (repo_t is None or isinstance(repo_t, str)):
-        raise ManifestError(f"{path}: target, output.name and output.repo are strings", path=str(path))
+        raise HubError(f"{path}: target, output.name and output.repo are strings", kind="bad_manifest", path=str(path))
     if target not in installed_targets():  # before it fills a template or names a path
-        raise ManifestError(
+        raise HubError(
             f"{path}: target {target!r} is not an installed mapping table (installed: {', '.join(installed_targets())}); a table is chosen by name, not path",
+            kind="bad_manifest",
             path=str(path),
         )
     if not (private is None or isinstance(private, bool)) or not isinstance(check, bool):
-        raise ManifestError(f"{path}: output.private and options.check are true or false", path=str(path))
+        raise HubError(
+            f"{path}: output.private and options.check are true or false", kind="bad_manifest", path=str(path)
+        )
     try:
         max_shard = shard_size(max_shard)  # the rule --max-shard-size follows
     except ValueError as exc:
-        raise ManifestError(f"{path}: options.max_shard_size: {exc}", path=str(path)) from None
+        raise HubError(f"{path}: options.max_shard_size: {exc}", kind="bad_manifest", path=str(path)) from None
     if out_dir is None:
         dir_raw = output.get("dir", DEFAULT_DIR)
         if not isinstance(dir_raw, str):
-            raise ManifestError(f"{path}: output.dir is a string", path=str(path))
+            raise HubError(f"{path}: output.dir is a string", kind="bad_manifest", path=str(path))
         out_root = path.parent / dir_raw  # relative to the manifest, so jobs may start anywhere
     else:
         out_root = Path(out_dir)
 
     entries = raw.get("sources")
     if not isinstance(entries, list) or not entries:
-        raise ManifestError(f'{path}: sources must be a non-empty list of "org/name[@revision]"', path=str(path))
+        raise HubError(
+            f'{path}: sources must be a non-empty list of "org/name[@revision]"', kind="bad_manifest", path=str(path)
+        )
     sources: dict[str, Source] = {}
     names: dict[str, str] = {}
     for k, entry in enumerate(entries):
@@ -186,7 +202,11 @@ def load_manifest(path: str | Path, out_dir: str | Path | None = None) -> Manife
         hub = _parse_source(entry, where, Path(path).parent)
         local = _fill(name_t, hub, target, f"{path}: output.name")
         if not local or local in (".", "..") or "/" in local or "\\" in local:
-            raise ManifestError(f"{where}: output.name gives {local!r}, not a plain directory name", path=str(where))
+            raise HubError(
+                f"{where}: output.name gives {local!r}, not a plain directory name",
+                kind="bad_manifest",
+                path=str(where),
+            )
         push_repo = _fill(repo_t, hub, target, f"{path}: output.repo") if repo_t else None
         if push_repo is not None:
             try:
@@ -194,16 +214,19 @@ def load_manifest(path: str | Path, out_dir: str | Path | None = None) -> Manife
                 if push_repo.count("/") != 1:
                     raise HFValidationError("needs org/name")
             except HFValidationError:
-                raise ManifestError(
-                    f"{where}: output.repo gives {push_repo!r}, not a repo id org/name", path=str(where)
+                raise HubError(
+                    f"{where}: output.repo gives {push_repo!r}, not a repo id org/name",
+                    kind="bad_manifest",
+                    path=str(where),
                 ) from None
         src = Source(hub.repo, hub.revision, out_root / local, push_repo)
         if src.key in sources:
-            raise ManifestError(f"{where}: {src.key} is listed twice", path=str(where))
+            raise HubError(f"{where}: {src.key} is listed twice", kind="bad_manifest", path=str(where))
         for label, value in (("local output", local), ("target repo", push_repo)):
             if value is not None and (other := names.get(f"{label}:{value}")) is not None:
-                raise ManifestError(
+                raise HubError(
                     f"{where}: {src.key} and {other} get the same {label} {value!r}; tell them apart in the template ({{org}}, {{revision}})",
+                    kind="bad_manifest",
                     path=str(where),
                 )
             names[f"{label}:{value}"] = src.key
@@ -293,11 +316,11 @@ def pushed_record(repo: str) -> tuple[str | None, ConversionRecord | None]:
     hub = HubSpec(repo, None, explicit=True)
     try:
         head = resolve_commit(hub)
-    except RepoNotFound:
-        return None, None
     except HubError as exc:
-        raise PushError(str(exc), path=f"{HUB_SCHEME}{repo}") from None
-    raw = download(hub, head, CONVERSION_RECORD, PushError, missing_ok=True)
+        if exc.kind == "repo_not_found":
+            return None, None
+        raise HubError(str(exc), kind="push_failed", path=f"{HUB_SCHEME}{repo}") from None
+    raw = download(hub, head, CONVERSION_RECORD, partial(HubError, kind="push_failed"), missing_ok=True)
     try:
         return head, None if raw is None else ConversionRecord.from_json(
             strictjson.loads(raw), f"{HUB_SCHEME}{repo}/{CONVERSION_RECORD}"
@@ -328,12 +351,12 @@ def push(
     """
     api = HfApi()
     where = f"{HUB_SCHEME}{repo}"
-    with hub_errors(where, PushError):
+    with hub_errors(where, partial(HubError, kind="push_failed")):
         if head is None:
             api.create_repo(repo, private=private, exist_ok=True)
             head = resolve_commit(HubSpec(repo, None, explicit=True))
     try:
-        with hub_errors(where, PushError), with_card(out, card) as folder:
+        with hub_errors(where, partial(HubError, kind="push_failed")), with_card(out, card) as folder:
             return api.upload_folder(
                 repo_id=repo,
                 folder_path=folder,
@@ -342,12 +365,14 @@ def push(
                 delete_patterns=STALE_SHARDS,
                 parent_commit=head,
             ).oid
-    except PushError:
+    except HubError as exc:
+        if exc.kind != "push_failed":
+            raise
         now = HubSpec(repo, None, explicit=True)
         landed = resolve_commit(now)
         if (
             landed == head
-            or download(now, landed, CONVERSION_RECORD, PushError, missing_ok=True)
+            or download(now, landed, CONVERSION_RECORD, partial(HubError, kind="push_failed"), missing_ok=True)
             != (out / CONVERSION_RECORD).read_bytes()
         ):
             raise
@@ -434,7 +459,9 @@ def _write_report(path: Path, report: dict[str, Any]) -> None:
     except OSError as exc:
         # mkdir says "File exists" when the folder's name is taken by a file
         why = f"{path.parent} is not a directory" if isinstance(exc, FileExistsError) else exc.strerror or str(exc)
-        raise WriteFailedError(f"{path}: cannot write the batch report ({why})", path=str(path)) from None
+        raise OutputError(
+            f"{path}: cannot write the batch report ({why})", kind="write_failed", path=str(path)
+        ) from None
 
 
 def _own_report(path: Path, stack: ExitStack) -> None:
@@ -453,7 +480,9 @@ def _own_report(path: Path, stack: ExitStack) -> None:
         )
     except OSError as exc:
         why = f"{path.parent} is not a directory" if isinstance(exc, FileExistsError) else exc.strerror or str(exc)
-        raise WriteFailedError(f"{path}: cannot write the batch report ({why})", path=str(path)) from None
+        raise OutputError(
+            f"{path}: cannot write the batch report ({why})", kind="write_failed", path=str(path)
+        ) from None
 
 
 def default_report_path(manifest: Manifest, num_shards: int, shard_index: int) -> Path:
@@ -473,8 +502,10 @@ def run_batch(
     """Process this shard's sources; returns the report (also written to `report_path`)."""
     start, started = time.monotonic(), datetime.now(UTC).isoformat(timespec="seconds")
     if push_to_hub and any(s.push_repo is None for s in manifest.sources):
-        raise ManifestError(
-            f"{manifest.path}: --push needs output.repo, the target repo name template", path=str(manifest.path)
+        raise HubError(
+            f"{manifest.path}: --push needs output.repo, the target repo name template",
+            kind="bad_manifest",
+            path=str(manifest.path),
         )
     tables = {name: load_table(name) for name in tables_of_target(manifest.target)}
     mine = select_shard(manifest.sources, num_shards, shard_index)

@@ -44,7 +44,7 @@ import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
-from functools import cache
+from functools import cache, partial
 from pathlib import Path
 from typing import Any
 
@@ -52,23 +52,7 @@ import torch
 from safetensors import safe_open
 
 from dsv4.convert import interrupts, progress
-from dsv4.convert.errors import (
-    CheckError,
-    ChecksumMismatchError,
-    ConfigCheckError,
-    IndexCheckError,
-    MissingTensorsError,
-    NativeParityError,
-    QuantCarryError,
-    QuantSchemeError,
-    ServeMismatchError,
-    SizeCheckError,
-    SmokeFailedError,
-    TensorDtypeError,
-    TensorShapeError,
-    UnexpectedTensorsError,
-    UnreadableTensorError,
-)
+from dsv4.convert.errors import CheckError
 from dsv4.convert.exit_codes import exit_code
 from dsv4.convert.inventory import Inventory, TensorSource, merge_shards, read_local_shards
 from dsv4.convert.quant_config import check_draft_quantization
@@ -77,9 +61,9 @@ from dsv4.mapping.errors import TableError
 from dsv4.mapping.table import installed_tables, load_table
 from dsv4.model import strictjson
 from dsv4.model.checkpoint import INDEX_NAME, load_index
-from dsv4.model.config import ConfigError, ModelConfig, parse_config
+from dsv4.model.config import ModelConfig, parse_config
 from dsv4.model.dtypes import tensor_bytes
-from dsv4.model.errors import DSV4Error
+from dsv4.model.errors import CheckpointError, DSV4Error
 from dsv4.model.layout import DRAFT_TARGET, build_draft_model, layout_of
 from dsv4.model.parity import MAX_REL_DIFF, MIN_TOP1, SMOKE_TOKENS, parity_verdict
 from dsv4.model.record import (
@@ -152,7 +136,9 @@ def _first_line(exc: BaseException) -> str:
 def check_index(ctx: _Context, details: dict[str, Any]) -> str:
     index_path = ctx.root / INDEX_NAME
     if not index_path.is_file():
-        raise IndexCheckError(f"{index_path}: missing (the converter always writes one)", path=str(index_path))
+        raise CheckError(
+            f"{index_path}: missing (the converter always writes one)", kind="index_check", path=str(index_path)
+        )
     try:
         weight_map = load_index(strictjson.read_record_bytes(index_path), INDEX_NAME)
         files = sorted(set(weight_map.values()))
@@ -162,11 +148,12 @@ def check_index(ctx: _Context, details: dict[str, Any]) -> str:
     except CheckError:
         raise
     except DSV4Error as exc:  # the inventory's typed errors: the message names file and tensor
-        raise IndexCheckError(str(exc)) from None
+        raise CheckError(str(exc), kind="index_check") from None
     stray = sorted(p.name for p in ctx.root.glob("*.safetensors") if p.name not in sizes)
     if stray:
-        raise IndexCheckError(
+        raise CheckError(
             f"{ctx.where(stray[0])}: shard not named in {INDEX_NAME} (a loader that globs *.safetensors would read it; {len(stray)} such file(s))",
+            kind="index_check",
             path=str(ctx.where(stray[0])),
         )
     ctx.inv = Inventory(str(ctx.root), ctx.config or {}, tensors, sizes)
@@ -252,9 +239,10 @@ def check_readable(ctx: _Context, details: dict[str, Any]) -> str:
     if failed:
         details["unreadable"] = failed
         names = sorted(failed)
-        raise UnreadableTensorError(
+        raise CheckError(
             f"{len(failed)} tensor(s) unreadable: {failed[names[0]]}"
-            + (f" (and {_short(names[1:])})" if len(names) > 1 else "")
+            + (f" (and {_short(names[1:])})" if len(names) > 1 else ""),
+            kind="unreadable_tensor",
         )
     total = sum(src.nbytes for src in inv.tensors.values())
     details["bytes"] = total
@@ -269,13 +257,15 @@ def _conversion_record(ctx: _Context) -> ConversionRecord:
     try:
         record = ConversionRecord.read(ctx.root, sha256=False)
     except FileNotFoundError:
-        raise SizeCheckError(
-            f"{path}: missing (the converter writes every tensor's file, size and sha256 there)", path=str(path)
+        raise CheckError(
+            f"{path}: missing (the converter writes every tensor's file, size and sha256 there)",
+            kind="size_check",
+            path=str(path),
         ) from None
     except OSError as exc:
-        raise SizeCheckError(f"{path}: unreadable ({_first_line(exc)})", path=str(path)) from None
+        raise CheckError(f"{path}: unreadable ({_first_line(exc)})", kind="size_check", path=str(path)) from None
     except RecordError as exc:
-        raise SizeCheckError(str(exc), path=str(path)) from None
+        raise CheckError(str(exc), kind="size_check", path=str(path)) from None
     ctx.checksum_error = None
     try:  # the checksums check reports a malformed sha256 (and --fast skips it)
         ConversionRecord.read(ctx.root)
@@ -301,10 +291,10 @@ def _declared_total_size(ctx: _Context) -> Any:
     try:
         index = strictjson.loads(strictjson.read_record_bytes(path))
     except (OSError, strictjson.StrictJSONError) as exc:
-        raise SizeCheckError(f"{path}: unreadable ({_first_line(exc)})", path=str(path)) from None
+        raise CheckError(f"{path}: unreadable ({_first_line(exc)})", kind="size_check", path=str(path)) from None
     metadata = index.get("metadata", {}) if isinstance(index, dict) else None
     if not isinstance(metadata, dict):
-        raise SizeCheckError(f"{path}: metadata is {_brief(metadata)}, not an object", path=str(path))
+        raise CheckError(f"{path}: metadata is {_brief(metadata)}, not an object", kind="size_check", path=str(path))
     return metadata.get("total_size")
 
 
@@ -313,29 +303,33 @@ def check_sizes(ctx: _Context, details: dict[str, Any]) -> str:
     total = sum(src.nbytes for src in inv.tensors.values())
     declared = _declared_total_size(ctx)
     if not _is_int(declared) or declared != total:
-        raise SizeCheckError(
+        raise CheckError(
             f"{ctx.where(INDEX_NAME)}: metadata.total_size is {_brief(declared)} but the {len(inv.tensors)} tensors hold {total:,} bytes",
+            kind="size_check",
             path=str(ctx.where(INDEX_NAME)),
         )
     record = _conversion_record(ctx)
     listed = record.tensors
     missing = sorted(set(inv.tensors) - set(listed))
     if missing:
-        raise SizeCheckError(
+        raise CheckError(
             f"{ctx.where(CONVERSION_RECORD)}: does not list {len(missing)} tensor(s) the shards hold: {_short(missing)}",
+            kind="size_check",
             path=str(ctx.where(CONVERSION_RECORD)),
         )
     extra = sorted(set(listed) - set(inv.tensors))
     if extra:
-        raise SizeCheckError(
+        raise CheckError(
             f"{ctx.where(CONVERSION_RECORD)}: lists {len(extra)} tensor(s) no shard holds: {_short([repr(n) for n in extra])}",
+            kind="size_check",
             path=str(ctx.where(CONVERSION_RECORD)),
         )
     for name, src in sorted(inv.tensors.items()):
         entry = listed[name]
         if entry.file != src.file or entry.nbytes != src.nbytes:
-            raise SizeCheckError(
+            raise CheckError(
                 f"{ctx.where(CONVERSION_RECORD)}: tensor {name}: recorded as {entry.nbytes!r} bytes in {entry.file!r}, but it is {src.nbytes:,} bytes in {src.file}",
+                kind="size_check",
                 path=str(ctx.where(CONVERSION_RECORD)),
                 tensor=name,
             )
@@ -351,15 +345,16 @@ def check_checksums(ctx: _Context, details: dict[str, Any]) -> str:
     if ctx.record is None:
         raise _Skipped(f"needs {CONVERSION_RECORD} with every tensor (sizes check failed)")
     if ctx.checksum_error is not None:
-        raise ChecksumMismatchError(ctx.checksum_error, path=str(ctx.where(CONVERSION_RECORD)))
+        raise CheckError(ctx.checksum_error, kind="checksum_mismatch", path=str(ctx.where(CONVERSION_RECORD)))
     listed = ctx.record.tensors  # each sha256 well-formed: the record's reader checked it
     wrong = sorted(n for n, h in ctx.hashes.items() if listed[n].sha256 != h)
     details.update(hashed=len(ctx.hashes), differ=wrong, unreadable=sorted(ctx.unreadable))
     if wrong:
         first = inv.tensors[wrong[0]]
-        raise ChecksumMismatchError(
+        raise CheckError(
             f"{ctx.where(first.file)}: tensor {first.name}: sha256 differs from {CONVERSION_RECORD}"
-            + (f" ({len(wrong)} tensors differ: {_short(wrong)})" if len(wrong) > 1 else "")
+            + (f" ({len(wrong)} tensors differ: {_short(wrong)})" if len(wrong) > 1 else ""),
+            kind="checksum_mismatch",
         )
     note = f"; {len(ctx.unreadable)} unreadable tensor(s) not hashed" if ctx.unreadable else ""
     return f"{len(ctx.hashes)} tensors match {CONVERSION_RECORD}'s sha256{note}"
@@ -404,13 +399,14 @@ def _recorded_layout(ctx: _Context, where: str) -> tuple[str, str, str, str]:
         layout_record = LayoutRecord.of(ctx.config, where)
     except RecordError as exc:
         installed = f" (installed: {', '.join(installed_tables())})" if exc.field == f"{LAYOUT_RECORD}.table" else ""
-        raise ConfigCheckError(f"{exc}{installed}", path=str(where)) from None
+        raise CheckError(f"{exc}{installed}", kind="config_check", path=str(where)) from None
     conv = ctx.record
     if layout_record is None:
         if conv is None or conv.has_layout_record:
             said = "" if conv is not None else f", and no readable {CONVERSION_RECORD} names the layout"
-            raise ConfigCheckError(
+            raise CheckError(
                 f"{where}: no {LAYOUT_RECORD} record with layout, table, table_version, tool_version{said}: not a checkpoint this converter wrote",
+                kind="config_check",
                 path=str(where),
             )
         return conv.table, conv.table_version, conv.target, f"{CONVERSION_RECORD} table"
@@ -420,31 +416,36 @@ def _recorded_layout(ctx: _Context, where: str) -> tuple[str, str, str, str]:
 def check_config(ctx: _Context, details: dict[str, Any]) -> str:
     where = ctx.where("config.json")
     if ctx.config is None or ctx.cfg is None:
-        raise ConfigCheckError(f"{where}: {ctx.config_error}", path=str(where))
+        raise CheckError(f"{where}: {ctx.config_error}", kind="config_check", path=str(where))
     inv = ctx.need_inventory()
     config, cfg = ctx.config, ctx.cfg
     table_name, table_version, target, field = _recorded_layout(ctx, where)
     try:
         table = load_table(table_name)
     except TableError as exc:
-        raise ConfigCheckError(
-            f"{where}: {field} {table_name!r} is not a table this tool has ({_first_line(exc)})", path=str(where)
+        raise CheckError(
+            f"{where}: {field} {table_name!r} is not a table this tool has ({_first_line(exc)})",
+            kind="config_check",
+            path=str(where),
         ) from None
     if (target, table_version) != (table.target, table.version):
-        raise ConfigCheckError(
+        raise CheckError(
             f"{where}: converted to layout {target!r} with table {table_name} v{table_version}, but this tool's table {table.name} is v{table.version} for layout {table.target!r}: reconvert",
+            kind="config_check",
             path=str(where),
         )
     if ctx.record is not None and (ctx.record.table, ctx.record.target) != (table_name, target):
-        raise ConfigCheckError(
+        raise CheckError(
             f"{where}: {LAYOUT_RECORD} says table {table_name!r} / layout {target!r}, {CONVERSION_RECORD} says {ctx.record.table!r} / {ctx.record.target!r}",
+            kind="config_check",
             path=str(where),
         )
 
     drafter = "dspark" if cfg.is_dspark else "mtp"
     if table.drafter != drafter:
-        raise ConfigCheckError(
+        raise CheckError(
             f"{where}: {field} {table_name!r} maps {table.drafter} drafters, but config.json describes a{'' if cfg.is_dspark else 'n'} {drafter} drafter{' (dspark_* fields)' if cfg.is_dspark else ' (no dspark_* fields)'}",
+            kind="config_check",
             path=str(where),
         )
     draft = target == DRAFT_TARGET
@@ -467,20 +468,22 @@ def check_config(ctx: _Context, details: dict[str, Any]) -> str:
             meaning = f"num_nextn_predict_layers = {cfg.num_nextn_predict_layers} and num_hidden_layers = {cfg.num_hidden_layers} mean MTP layer(s) {sorted(expected_layers)}"
         held = f"layer(s) {sorted(present)}"
     if present != expected_layers:
-        raise ConfigCheckError(f"{where}: {meaning}, but the tensors hold {held}", path=str(where))
+        raise CheckError(f"{where}: {meaning}, but the tensors hold {held}", kind="config_check", path=str(where))
 
     for name, src in sorted(inv.tensors.items()):
         implied = _expert_dtype_of(name, src.dtype)
         if implied is not None and implied != cfg.expert_dtype:
-            raise ConfigCheckError(
+            raise CheckError(
                 f"{where}: expert_dtype is {cfg.expert_dtype!r} but {src.file}: tensor {name} ({src.dtype}) holds {implied} experts",
+                kind="config_check",
                 path=str(where),
                 tensor=name,
             )
     experts = {int(m.group(1)) for name in inv.tensors if (m := NATIVE_EXPERT.match(name))}
     if draft and experts != set(range(cfg.n_routed_experts)):
-        raise ConfigCheckError(
+        raise CheckError(
             f"{where}: n_routed_experts = {cfg.n_routed_experts}, but the tensors hold routed experts {min(experts, default=None)}..{max(experts, default=None)} ({len(experts)})",
+            kind="config_check",
             path=str(where),
         )
 
@@ -490,8 +493,10 @@ def check_config(ctx: _Context, details: dict[str, Any]) -> str:
     block = None
     if isinstance(quant, dict) and quant.get("quant_method") == "fp8":
         if "weight_block_size" not in quant:
-            raise ConfigCheckError(
-                f"{where}: quantization_config.weight_block_size is None, not two positive integers", path=str(where)
+            raise CheckError(
+                f"{where}: quantization_config.weight_block_size is None, not two positive integers",
+                kind="config_check",
+                path=str(where),
             )
         block = list(cfg.weight_block_size)
         layout = layout_of(target, cfg)
@@ -500,15 +505,17 @@ def check_config(ctx: _Context, details: dict[str, Any]) -> str:
             if weight is None or weight.dtype != "F8_E4M3" or name not in layout or weight.name not in layout:
                 continue
             if weight.shape == layout[weight.name][1] and src.shape != layout[name][1]:
-                raise ConfigCheckError(
+                raise CheckError(
                     f"{where}: quantization_config.weight_block_size {block} gives {name} the shape {list(layout[name][1])}, but {src.file} holds {list(src.shape)} for {weight.name} {list(weight.shape)}",
+                    kind="config_check",
                     path=str(where),
                 )
     if draft:  # vLLM reads architectures[0] and model_type before anything else (shared/spec/05 §5.2)
         for key in ("architectures", "model_type"):
             if key not in config:
-                raise ConfigCheckError(
+                raise CheckError(
                     f"{where}: no {key}: vLLM 0.33.0 and SGLang 0.5.23 pick the draft model class from it",
+                    kind="config_check",
                     path=str(where),
                 )
         if not (
@@ -516,8 +523,9 @@ def check_config(ctx: _Context, details: dict[str, Any]) -> str:
             and config["architectures"]
             and isinstance(config["architectures"][0], str)
         ):
-            raise ConfigCheckError(
+            raise CheckError(
                 f"{where}: architectures is {_brief(config['architectures'])}, not a list of class names",
+                kind="config_check",
                 path=str(where),
             )
     # a draft directory's config.json is the runtimes' (the source's, unchanged): the fields
@@ -527,8 +535,9 @@ def check_config(ctx: _Context, details: dict[str, Any]) -> str:
         for key in RUNTIME_CONFIG_FIELDS:
             was, now = ctx.record.config_fields.get(key, ABSENT), config.get(key, ABSENT)
             if was != now:
-                raise ConfigCheckError(
+                raise CheckError(
                     f"{where}: {key} is {_brief(now)}, but the conversion wrote {_brief(was)} ({CONVERSION_RECORD} config_fields; the runtimes read it)",
+                    kind="config_check",
                     path=str(where),
                 )
     what = (
@@ -560,7 +569,9 @@ def _layout_target(ctx: _Context) -> str:
         return ctx.target
     try:
         return _recorded_layout(ctx, ctx.where("config.json"))[2]
-    except ConfigCheckError:
+    except CheckError as exc:
+        if exc.kind != "config_check":
+            raise
         return ctx.record.target if ctx.record is not None else "xpu"
 
 
@@ -582,20 +593,20 @@ def check_layout(ctx: _Context, details: dict[str, Any]) -> str:
         if inv.tensors[n].dtype != want[n][0]
     ]
     details.update(missing=missing, unexpected=unexpected, shape=shape, dtype=dtype)
-    findings: list[tuple[type[CheckError], str]] = []
+    findings: list[tuple[Callable[..., CheckError], str]] = []
     if missing:
-        findings.append((MissingTensorsError, f"{len(missing)} missing: {_short(missing)}"))
+        findings.append((partial(CheckError, kind="missing_tensors"), f"{len(missing)} missing: {_short(missing)}"))
     if unexpected:
         findings.append(
             (
-                UnexpectedTensorsError,
+                partial(CheckError, kind="unexpected_tensors"),
                 f"{len(unexpected)} unexpected: {_short([f'{n} in {inv.tensors[n].file}' for n in unexpected])}",
             )
         )
     if shape:
-        findings.append((TensorShapeError, f"{len(shape)} mis-shaped: {_short(shape)}"))
+        findings.append((partial(CheckError, kind="tensor_shape"), f"{len(shape)} mis-shaped: {_short(shape)}"))
     if dtype:
-        findings.append((TensorDtypeError, f"{len(dtype)} of the wrong dtype: {_short(dtype)}"))
+        findings.append((partial(CheckError, kind="tensor_dtype"), f"{len(dtype)} of the wrong dtype: {_short(dtype)}"))
     if findings:
         raise findings[0][0](
             f"{ctx.where(INDEX_NAME)}: not the {cfg.expert_dtype} {target} layout: "
@@ -617,9 +628,9 @@ def check_quant(ctx: _Context, details: dict[str, Any]) -> str:
 
         try:
             config = output_config(xpu_plan(ctx.root))
-        except QuantCarryError as exc:  # the xpu conversion would refuse this quantization_config
-            raise QuantSchemeError(str(exc)) from None
         except DSV4Error as exc:
+            if exc.kind == "quant_carry":  # the xpu conversion would refuse this quantization_config
+                raise CheckError(str(exc), kind="quant_scheme") from None
             raise _Skipped(f"needs the xpu plan of this draft directory: {_first_line(exc)}") from None
     summary = check_draft_quantization(build_draft_model(cfg), config, ctx.where("config.json"))
     if summary.library_missing:
@@ -649,7 +660,7 @@ def check_smoke(ctx: _Context, details: dict[str, Any]) -> str:
     except Exception as exc:  # a failed load or forward, whatever raised it, is this check's finding
         interrupts.raise_if_interrupted()
         said = _first_line(exc)
-        raise SmokeFailedError(said if str(ctx.root) in said else f"{ctx.root}: {said}") from None
+        raise CheckError(said if str(ctx.root) in said else f"{ctx.root}: {said}", kind="smoke_failed") from None
     ctx.smoke_report = report
     if dspark:
         details.update(
@@ -682,7 +693,9 @@ def check_native(ctx: _Context, details: dict[str, Any]) -> str:
     passed, said = parity_verdict(ctx.smoke_report, ctx.min_top1, ctx.max_rel_diff)  # the rule of `smoke --native`
     details.update({k: v for k, v in ctx.smoke_report.items() if k in PARITY_DETAILS})
     if not passed:
-        raise NativeParityError(f"{ctx.root}: differs from the reference on {ctx.native}: {said}", path=str(ctx.root))
+        raise CheckError(
+            f"{ctx.root}: differs from the reference on {ctx.native}: {said}", kind="native_parity", path=str(ctx.root)
+        )
     return f"agrees with the reference on {ctx.native}: {said}"
 
 
@@ -722,9 +735,11 @@ def check_serve(ctx: _Context, details: dict[str, Any]) -> str:
     where = ctx.serve_with / "config.json" if ctx.serve_with.is_dir() else ctx.serve_with
     try:
         target = parse_config(where.read_bytes())
-    except (OSError, ConfigError) as exc:
-        raise ServeMismatchError(
-            f"{where}: cannot read the target's config: {_first_line(exc)}", path=str(where)
+    except (OSError, CheckpointError) as exc:
+        if isinstance(exc, CheckpointError) and exc.kind not in ("malformed_config", "unsupported_layout"):
+            raise
+        raise CheckError(
+            f"{where}: cannot read the target's config: {_first_line(exc)}", kind="serve_mismatch", path=str(where)
         ) from None
     for key in _serve_fields():
         mine, theirs = ctx.config.get(key, ABSENT), target.get(key, ABSENT)
@@ -737,9 +752,10 @@ def check_serve(ctx: _Context, details: dict[str, Any]) -> str:
             )
         if mine != theirs:
             details.update(field=key)
-            raise ServeMismatchError(
+            raise CheckError(
                 f"{where}: {key} is {_brief(theirs)}, the draft's is {_brief(mine)}: vLLM 0.33.0 builds the draft's layers from the "
                 "target's config and quantisation, so this draft would not load beside it (serve it beside the checkpoint it was converted from)",
+                kind="serve_mismatch",
                 path=str(where),
                 field=key,
             )
@@ -772,7 +788,9 @@ def _load_config(ctx: _Context) -> None:
         ctx.config_error = "no config.json in the checkpoint directory"
     except OSError as exc:
         ctx.config_error = f"cannot be read ({exc.strerror})"
-    except ConfigError as exc:
+    except CheckpointError as exc:
+        if exc.kind not in ("malformed_config", "unsupported_layout"):
+            raise
         ctx.config_error = str(exc)
 
 

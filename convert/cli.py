@@ -475,7 +475,7 @@ def smoke_command(
     from dsv4.convert import progress
     from dsv4.convert.inmemory import model_loader
     from dsv4.model.checkpoint import refuse_full_native
-    from dsv4.model.errors import SmokeCheckError
+    from dsv4.model.errors import LoadError
     from dsv4.model.loader import converted_config  # start-up time: torch and the kernels
     from dsv4.model.parity import parity_verdict
     from dsv4.model.smoke import run_dspark_smoke, run_smoke
@@ -503,7 +503,9 @@ def smoke_command(
     else:
         _print_smoke(report, native, quiet)
     if verdict is not None and not verdict[0]:
-        raise SmokeCheckError(f"{out}: differs from the reference on {native}: {verdict[1]}", path=str(out))
+        raise LoadError(
+            f"{out}: differs from the reference on {native}: {verdict[1]}", kind="smoke_output", path=str(out)
+        )
 
 
 def _print_smoke(report: dict[str, Any], native: Path | None, quiet: bool) -> None:
@@ -671,7 +673,7 @@ def batch_command(
         run_batch,
         shard_from_env,
     )  # start-up time: the hub client
-    from dsv4.convert.errors import BatchFailedError
+    from dsv4.convert.errors import HubError
 
     try:
         n, k = shard_from_env(num_shards, shard_index)
@@ -696,8 +698,9 @@ def batch_command(
             f"shard {k}/{n}: {done}; {report['bytes_fetched']:,} bytes fetched in {report['seconds']:.1f} s; report {path}"
         )
     if counts["failed"]:
-        raise BatchFailedError(
+        raise HubError(
             f"{manifest}: {counts['failed']} of {counts['planned']} repositories failed; reasons in {path}",
+            kind="batch_failed",
             path=str(path),
         )
 
@@ -817,7 +820,7 @@ def _run_command() -> None:
             raise
         except MemoryError:  # an allocation failed: the memory limit, not a bug
             click.echo("error: not enough memory: an allocation failed; raise the memory limit", err=True)
-            sys.exit(exit_code(OutOfMemoryError("")))
+            sys.exit(exit_code(OutOfMemoryError("", kind="out_of_memory")))
         except BrokenPipeError:  # stdout closed early (`... --json | head`): nothing left to say
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's flush cannot fail again
             sys.exit(1)

@@ -55,13 +55,13 @@ from huggingface_hub.hf_api import RepoSibling
 from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
 
 from dsv4.convert import progress
-from dsv4.convert.errors import DownloadError, HubError, RepoNotFound, RevisionNotFound
+from dsv4.convert.errors import HubError
 from dsv4.convert.inventory import Inventory, TensorSource, merge_shards, parse_header, tensors_from_header
 from dsv4.convert.location import HubSpec, parse_hub_spec
 from dsv4.convert.readers import LocalReader
 from dsv4.model.checkpoint import INDEX_NAME, SINGLE_FILE, load_index
 from dsv4.model.config import config_errors, parse_config
-from dsv4.model.errors import DSV4Error, MissingConfigError, MissingShardError, TruncatedShardError
+from dsv4.model.errors import CheckpointError, DSV4Error
 
 T = TypeVar("T")
 log = logging.getLogger("dsv4.hub")
@@ -109,23 +109,29 @@ def _transient(exc: BaseException) -> _Transient | None:
     return None
 
 
-def _hub_error(exc: BaseException, what: str, fallback: type[HubError]) -> DSV4Error:
+REQUEST_FAILED = partial(HubError, kind="hub_request_failed")  # a failed request, unless the caller says
+
+
+def _hub_error(exc: BaseException, what: str, fallback: Callable[..., HubError]) -> DSV4Error:
     """huggingface_hub's exception `exc` as this tool's one-line error about `what`."""
     if isinstance(exc, GatedRepoError):
-        return RepoNotFound(
+        return HubError(
             f"{what}: gated repository; accept its terms on the hub, then set HF_TOKEN or run `hf auth login`",
+            kind="repo_not_found",
             path=str(what),
         )
     if isinstance(exc, RepositoryNotFoundError):
-        return RepoNotFound(
+        return HubError(
             f"{what}: repository not found (if it is private or gated, set HF_TOKEN or run `hf auth login`)",
+            kind="repo_not_found",
             path=str(what),
         )
     if isinstance(exc, RevisionNotFoundError):
-        return RevisionNotFound(f"{what}: revision not found in the repository", path=str(what))
+        return HubError(f"{what}: revision not found in the repository", kind="revision_not_found", path=str(what))
     if isinstance(exc, OfflineModeIsEnabled):
         return HubError(
             f"{what}: HF_HUB_OFFLINE is set and the cache does not hold this repository's files; download them first (`hf download`) or unset HF_HUB_OFFLINE",
+            kind="hub_request_failed",
             path=str(what),
         )
     status = getattr(getattr(exc, "response", None), "status_code", None)
@@ -136,7 +142,7 @@ def _hub_error(exc: BaseException, what: str, fallback: type[HubError]) -> DSV4E
 
 
 @contextmanager
-def hub_errors(what: str, fallback: type[HubError] = HubError) -> Iterator[None]:
+def hub_errors(what: str, fallback: Callable[..., HubError] = REQUEST_FAILED) -> Iterator[None]:
     """Turn huggingface_hub's exceptions into this tool's one-line errors about `what`."""
     try:
         yield
@@ -146,7 +152,7 @@ def hub_errors(what: str, fallback: type[HubError] = HubError) -> Iterator[None]
         raise _hub_error(exc, what, fallback) from None
 
 
-def with_retries(what: str, attempt: Callable[[], T], fallback: type[HubError] = HubError) -> T:
+def with_retries(what: str, attempt: Callable[[], T], fallback: Callable[..., HubError] = REQUEST_FAILED) -> T:
     """`attempt()`, retried on transient failures (module docstring), as one-line errors about `what`."""
     backoff, retry = BACKOFF_S, 0
     while True:
@@ -240,13 +246,16 @@ class HubReader:
             response = _get(hf_hub_url(self.repo, file, revision=self.commit), headers)
         except HfHubHTTPError as exc:
             if exc.response is not None and exc.response.status_code == 404:
-                raise MissingShardError(
-                    f"{self._where(file)}: not in the repository at this commit", path=self._where(file)
+                raise CheckpointError(
+                    f"{self._where(file)}: not in the repository at this commit",
+                    kind="missing_shard",
+                    path=self._where(file),
                 ) from None
             raise
         if response.status_code != 206:  # the Range was ignored: retrying would pull whole shards again
-            raise DownloadError(
+            raise HubError(
                 f"{self._where(file)}: bytes {offset}..{offset + n}: the hub answered HTTP {response.status_code}, not 206 Partial Content",
+                kind="download_failed",
                 path=self._where(file),
             )
         m = CONTENT_RANGE.match(response.headers.get("Content-Range", "").strip())
@@ -274,12 +283,15 @@ class HubReader:
         counts tensor data)."""
         size = self.sizes.get(file)
         if size is not None and offset + n > size:
-            raise TruncatedShardError(
+            raise CheckpointError(
                 f"{self._where(file)}: ends at byte {size}, before the planned range {offset}..{offset + n}",
+                kind="truncated_shard",
                 path=self._where(file),
             )
         return with_retries(
-            f"{self._where(file)}: bytes {offset}..{offset + n}", partial(self._ranged, file, offset, n), DownloadError
+            f"{self._where(file)}: bytes {offset}..{offset + n}",
+            partial(self._ranged, file, offset, n),
+            partial(HubError, kind="download_failed"),
         )
 
     def read_into(self, file: str, offset: int, buf: memoryview) -> None:
@@ -289,8 +301,9 @@ class HubReader:
         else:
             data = self.fetch(file, offset, len(buf))
         if len(data) != len(buf):
-            raise TruncatedShardError(
+            raise CheckpointError(
                 f"{self._where(file)}: ends at byte {offset + len(data)}, before the planned range {offset}..{offset + len(buf)}",
+                kind="truncated_shard",
                 path=self._where(file),
             )
         buf[:] = data
@@ -308,8 +321,9 @@ class HubReader:
                 return fd
             published = (self.published or {}).get(file)
             if published is None:
-                raise DownloadError(
+                raise HubError(
                     f"{self._where(file)}: the hub publishes no sha256 or git id for this file, so --verify-source cannot check it",
+                    kind="download_failed",
                     path=self._where(file),
                 )
             if self._spill is None:
@@ -322,8 +336,9 @@ class HubReader:
                     digest.update(chunk)
                     out.write(chunk)
             if digest.hexdigest() != published.digest:
-                raise DownloadError(
+                raise HubError(
                     f"{self._where(file)}: the {size:,} bytes downloaded do not match the {published.kind} the hub publishes ({published.digest[:16]}...): refused, nothing written from it",
+                    kind="download_failed",
                     path=self._where(file),
                 )
             fd = os.open(copy, os.O_RDONLY)
@@ -331,8 +346,9 @@ class HubReader:
                 n = struct.unpack("<Q", os.pread(fd, 8, 0))[0]
                 if hashlib.sha256(os.pread(fd, 8 + n, 0)).hexdigest() != header:
                     os.close(fd)
-                    raise DownloadError(
+                    raise HubError(
                         f"{self._where(file)}: the header the plan was made from differs from the verified file's: refused",
+                        kind="download_failed",
                         path=self._where(file),
                     )
             self._verified[file] = fd
@@ -388,6 +404,7 @@ def _model_info(hub: HubSpec, *, files_metadata: bool = False) -> tuple[str, Mod
     if not info.sha:
         raise HubError(
             f"{hub.location}: the hub did not say which commit {hub.revision or 'the default branch'} is",
+            kind="hub_request_failed",
             path=str(hub.location),
         )
     return info.sha, info
@@ -399,7 +416,12 @@ def resolve_commit(hub: HubSpec) -> str:
 
 
 def download(
-    hub: HubSpec, commit: str, file: str, fallback: type[HubError] = HubError, *, missing_ok: bool = False
+    hub: HubSpec,
+    commit: str,
+    file: str,
+    fallback: Callable[..., HubError] = REQUEST_FAILED,
+    *,
+    missing_ok: bool = False,
 ) -> bytes | None:
     """A small file at `commit`: from huggingface_hub's cache when it is there, else fetched.
     None for a file the commit does not have, when `missing_ok`."""
@@ -427,15 +449,17 @@ def _small_file(reader: HubReader | CachedHubReader, hub: HubSpec, file: str) ->
     if published is not None:
         where = f"{hub.location}/{file}@{reader.commit[:12]}"
         if file not in published:
-            raise DownloadError(
+            raise HubError(
                 f"{where}: the hub publishes no sha256 or git id for this file, so --verify-source cannot check it",
+                kind="download_failed",
                 path=where,
             )
         digest = published[file].hasher(len(data))
         digest.update(data)
         if digest.hexdigest() != published[file].digest:
-            raise DownloadError(
+            raise HubError(
                 f"{where}: the {len(data):,} bytes downloaded do not match the {published[file].kind} the hub publishes: refused",
+                kind="download_failed",
                 path=where,
             )
     return data
@@ -448,8 +472,9 @@ def _read_shard_header(reader: HubReader, file: str) -> tuple[dict[str, TensorSo
     first = reader.fetch(file, 0, min(SPECULATIVE_HEADER_BYTES, reader.sizes.get(file, SPECULATIVE_HEADER_BYTES)))
     size = reader.sizes.get(file)  # known now from model info or this answer's Content-Range, unless neither said
     if size is None:
-        raise DownloadError(
+        raise HubError(
             f"{reader.location}/{file}@{reader.commit[:12]}: the hub gives no size for this file (neither model info nor Content-Range)",
+            kind="download_failed",
             path=file,
         )
 
@@ -473,6 +498,7 @@ def _cached(hub: HubSpec) -> tuple[str, CachedHubReader]:
         what = f"{hub.location}@{hub.revision or 'default branch'}"
         raise HubError(
             f"{what}: HF_HUB_OFFLINE is set and huggingface_hub's cache has no config.json of it; download the repository first (`hf download {hub.repo}`) or unset HF_HUB_OFFLINE",
+            kind="hub_request_failed",
             path=what,
         )
     snapshot = Path(config).parent  # .../snapshots/<commit>/, its files linked to the cache's blobs
@@ -489,6 +515,7 @@ def open_hub_source(spec: str | HubSpec, *, quiet: bool = True) -> tuple[Invento
         if hub.verify_files:
             raise HubError(
                 f"{hub.location}: --verify-source checks files against the digests the hub publishes, and HF_HUB_OFFLINE is set",
+                kind="hub_request_failed",
                 path=hub.location,
             )
         commit, reader = _cached(hub)
@@ -500,7 +527,9 @@ def open_hub_source(spec: str | HubSpec, *, quiet: bool = True) -> tuple[Invento
             if hub.explicit:
                 raise
             # a bare org/name may also have been meant as a local path: say both readings
-            raise type(exc)(f"{hub.repo}: no such local directory, and as a hub repository: {exc}") from None
+            raise type(exc)(
+                f"{hub.repo}: no such local directory, and as a hub repository: {exc}", kind=exc.kind
+            ) from None
         names = {s.rfilename for s in info.siblings or []}
         sizes = {s.rfilename: s.size for s in info.siblings or [] if s.size is not None}  # a mirror may leave sizes out
         published = (
@@ -512,7 +541,9 @@ def open_hub_source(spec: str | HubSpec, *, quiet: bool = True) -> tuple[Invento
 
     config_where = f"{hub.location}/config.json@{commit[:12]}"
     if "config.json" not in names:
-        raise MissingConfigError(f"{config_where}: no config.json in the repository", path=str(config_where))
+        raise CheckpointError(
+            f"{config_where}: no config.json in the repository", kind="missing_config", path=str(config_where)
+        )
     raw_config = _small_file(reader, hub, "config.json")
     with config_errors(config_where):
         config = parse_config(raw_config)
@@ -523,11 +554,14 @@ def open_hub_source(spec: str | HubSpec, *, quiet: bool = True) -> tuple[Invento
     elif SINGLE_FILE in names:
         weight_map, files = None, [SINGLE_FILE]
     else:
-        raise MissingShardError(f"{hub.location}@{commit[:12]}: neither {INDEX_NAME} nor {SINGLE_FILE} found")
+        raise CheckpointError(
+            f"{hub.location}@{commit[:12]}: neither {INDEX_NAME} nor {SINGLE_FILE} found", kind="missing_shard"
+        )
     for file in files:
         if file not in names:
-            raise MissingShardError(
-                f"{hub.location}/{file}@{commit[:12]}: shard named in {INDEX_NAME} is not in the repository"
+            raise CheckpointError(
+                f"{hub.location}/{file}@{commit[:12]}: shard named in {INDEX_NAME} is not in the repository",
+                kind="missing_shard",
             )
 
     try:

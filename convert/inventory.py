@@ -32,16 +32,7 @@ from dsv4.model import strictjson
 from dsv4.model.checkpoint import INDEX_NAME, SINGLE_FILE, json_kind, load_index
 from dsv4.model.config import config_errors, parse_config
 from dsv4.model.dtypes import ITEMSIZE
-from dsv4.model.errors import (
-    DuplicateTensorError,
-    IndexMismatchError,
-    MalformedHeaderError,
-    MissingConfigError,
-    MissingShardError,
-    TruncatedShardError,
-    UnknownDtypeError,
-    UnsafeShardPathError,
-)
+from dsv4.model.errors import CheckpointError
 
 MAX_HEADER = 100_000_000  # safetensors' MAX_HEADER_SIZE, in bytes (not MiB): it refuses a longer header
 U64_MAX = 2**64 - 1  # safetensors reads shapes and offsets as 64-bit sizes
@@ -85,26 +76,37 @@ def parse_header(
     """Decode a safetensors header; returns (header dict, bytes before the data section).
     `read_header(n)` is called only once the length is known to be within the limit."""
     if len(raw_len) != 8:
-        raise TruncatedShardError(f"{file}: shorter than a safetensors header ({file_size} bytes)", path=str(file))
+        raise CheckpointError(
+            f"{file}: shorter than a safetensors header ({file_size} bytes)", kind="truncated_shard", path=str(file)
+        )
     (n,) = struct.unpack("<Q", raw_len)
     if n > MAX_HEADER:
-        raise MalformedHeaderError(
+        raise CheckpointError(
             f"{file}: header of {n:,} bytes exceeds the {MAX_HEADER:,}-byte limit on a safetensors header (safetensors refuses it too)",
+            kind="malformed_header",
             path=str(file),
         )
     if 8 + n > file_size:
-        raise TruncatedShardError(f"{file}: header claims {n} bytes but the file has {file_size}", path=str(file))
+        raise CheckpointError(
+            f"{file}: header claims {n} bytes but the file has {file_size}", kind="truncated_shard", path=str(file)
+        )
     raw = read_header(n)
     if len(raw) != n:
-        raise TruncatedShardError(f"{file}: header claims {n} bytes but only {len(raw)} could be read", path=str(file))
+        raise CheckpointError(
+            f"{file}: header claims {n} bytes but only {len(raw)} could be read", kind="truncated_shard", path=str(file)
+        )
     try:
         # tensors_from_header checks every entry's shape (depth 3 at most), so the generic
         # nesting walk, which costs more than the parse itself here, is left out
         header = strictjson.loads(raw, walk_depth=False)
     except strictjson.StrictJSONError as exc:
-        raise MalformedHeaderError(f"{file}: header is not valid JSON ({exc})", path=str(file)) from None
+        raise CheckpointError(
+            f"{file}: header is not valid JSON ({exc})", kind="malformed_header", path=str(file)
+        ) from None
     if not isinstance(header, dict):
-        raise MalformedHeaderError(f"{file}: header is {json_kind(header)}, not a JSON object", path=str(file))
+        raise CheckpointError(
+            f"{file}: header is {json_kind(header)}, not a JSON object", kind="malformed_header", path=str(file)
+        )
     return header, 8 + n
 
 
@@ -120,16 +122,22 @@ def _utf8(text: str) -> bool:
 
 def _check_metadata(metadata: Any, file: str) -> None:
     if not isinstance(metadata, dict):
-        raise MalformedHeaderError(
-            f"{file}: __metadata__ is {json_kind(metadata)}, not an object of strings", path=str(file)
+        raise CheckpointError(
+            f"{file}: __metadata__ is {json_kind(metadata)}, not an object of strings",
+            kind="malformed_header",
+            path=str(file),
         )
     for key, value in metadata.items():
         if not isinstance(value, str):
-            raise MalformedHeaderError(
-                f"{file}: __metadata__[{key!r}] is {json_kind(value)}, not a string", path=str(file)
+            raise CheckpointError(
+                f"{file}: __metadata__[{key!r}] is {json_kind(value)}, not a string",
+                kind="malformed_header",
+                path=str(file),
             )
         if not (_utf8(key) and _utf8(value)):
-            raise MalformedHeaderError(f"{file}: __metadata__[{key!r}] is not valid Unicode", path=str(file))
+            raise CheckpointError(
+                f"{file}: __metadata__[{key!r}] is not valid Unicode", kind="malformed_header", path=str(file)
+            )
 
 
 def _tensor_entry(name: str, entry: Any, file: str, data_start: int) -> TensorSource:
@@ -137,44 +145,59 @@ def _tensor_entry(name: str, entry: Any, file: str, data_start: int) -> TensorSo
     Written as plain loops: a Flash checkpoint has 69,187 entries."""
     where = f"{file}: tensor {name}"
     if not (name.isascii() or _utf8(name)):
-        raise MalformedHeaderError(f"{file}: tensor {name!r}: the name is not valid Unicode", path=str(file))
+        raise CheckpointError(
+            f"{file}: tensor {name!r}: the name is not valid Unicode", kind="malformed_header", path=str(file)
+        )
     if not isinstance(entry, dict):
-        raise MalformedHeaderError(f"{where}: entry is {json_kind(entry)}, not an object", path=str(where))
+        raise CheckpointError(
+            f"{where}: entry is {json_kind(entry)}, not an object", kind="malformed_header", path=str(where)
+        )
     if entry.keys() != ENTRY_KEYS:
         missing = [f for f in ENTRY_FIELDS if f not in entry]
         if missing:
-            raise MalformedHeaderError(f"{where}: entry lacks {'/'.join(missing)}", path=str(where))
+            raise CheckpointError(f"{where}: entry lacks {'/'.join(missing)}", kind="malformed_header", path=str(where))
         unknown = sorted(set(entry) - ENTRY_KEYS)
-        raise MalformedHeaderError(
+        raise CheckpointError(
             f"{where}: unknown field {unknown[0]!r} in its entry (a safetensors entry has {', '.join(ENTRY_FIELDS)})",
+            kind="malformed_header",
             path=str(where),
         )
     dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
     if not isinstance(dtype, str):
-        raise MalformedHeaderError(f"{where}: dtype {dtype!r} is not a string", path=str(where))
+        raise CheckpointError(f"{where}: dtype {dtype!r} is not a string", kind="malformed_header", path=str(where))
     if dtype not in ITEMSIZE:
-        raise UnknownDtypeError(f"{where}: unknown dtype {dtype}", path=str(where))
+        raise CheckpointError(f"{where}: unknown dtype {dtype}", kind="unknown_dtype", path=str(where))
     if type(shape) is not list:
-        raise MalformedHeaderError(f"{where}: shape {shape!r} is not a list of non-negative integers", path=str(where))
+        raise CheckpointError(
+            f"{where}: shape {shape!r} is not a list of non-negative integers", kind="malformed_header", path=str(where)
+        )
     elements = 1
     for d in shape:  # safetensors multiplies left to right and refuses any overflow on the way
         if type(d) is not int or not 0 <= d <= U64_MAX:  # bool is an int to Python, not to JSON
-            raise MalformedHeaderError(
-                f"{where}: shape {shape!r} is not a list of non-negative integers", path=str(where)
+            raise CheckpointError(
+                f"{where}: shape {shape!r} is not a list of non-negative integers",
+                kind="malformed_header",
+                path=str(where),
             )
         elements *= d
         if elements > U64_MAX:
-            raise MalformedHeaderError(f"{where}: shape {shape} overflows 64 bits", path=str(where))
+            raise CheckpointError(f"{where}: shape {shape} overflows 64 bits", kind="malformed_header", path=str(where))
     size = elements * ITEMSIZE[dtype]
     if size * 8 > U64_MAX:  # safetensors counts bits
-        raise MalformedHeaderError(f"{where}: shape {shape} of {dtype} overflows 64 bits", path=str(where))
+        raise CheckpointError(
+            f"{where}: shape {shape} of {dtype} overflows 64 bits", kind="malformed_header", path=str(where)
+        )
     if not (type(offsets) is list and len(offsets) == 2 and all(type(o) is int and 0 <= o <= U64_MAX for o in offsets)):
-        raise MalformedHeaderError(
-            f"{where}: data_offsets {offsets!r} is not a pair of non-negative integers", path=str(where)
+        raise CheckpointError(
+            f"{where}: data_offsets {offsets!r} is not a pair of non-negative integers",
+            kind="malformed_header",
+            path=str(where),
         )
     lo, hi = offsets
     if hi - lo != size:
-        raise MalformedHeaderError(f"{where}: data_offsets [{lo}, {hi}] do not fit {dtype}{shape}", path=str(where))
+        raise CheckpointError(
+            f"{where}: data_offsets [{lo}, {hi}] do not fit {dtype}{shape}", kind="malformed_header", path=str(where)
+        )
     return TensorSource(name, file, dtype, tuple(shape), data_start + lo, data_start + hi)
 
 
@@ -185,27 +208,31 @@ def _check_tiling(tensors: Iterable[TensorSource], file: str, data_start: int, f
     for src in sorted(tensors, key=lambda s: (s.start, s.end)):
         lo, hi = src.start - data_start, src.end - data_start
         if previous is not None and src.start < previous.end:
-            raise MalformedHeaderError(
+            raise CheckpointError(
                 f"{file}: tensor {src.name}: data_offsets [{lo}, {hi}] overlap tensor {previous.name}'s [{previous.start - data_start}, {previous.end - data_start}]",
+                kind="malformed_header",
                 path=str(file),
                 tensor=src.name,
             )
         if src.start > at:
-            raise MalformedHeaderError(
+            raise CheckpointError(
                 f"{file}: data bytes {at - data_start}..{lo} before tensor {src.name} belong to no tensor",
+                kind="malformed_header",
                 path=str(file),
                 tensor=src.name,
             )
         if src.end > file_size:
-            raise TruncatedShardError(
+            raise CheckpointError(
                 f"{file}: tensor {src.name}: bytes {src.start}..{src.end} lie past the end of the file ({file_size} bytes)",
+                kind="truncated_shard",
                 path=str(file),
                 tensor=src.name,
             )
         at, previous = src.end, src
     if at != file_size:
-        raise MalformedHeaderError(
+        raise CheckpointError(
             f"{file}: data bytes {at - data_start}..{file_size - data_start} after the last tensor belong to no tensor (safetensors refuses such a file)",
+            kind="malformed_header",
             path=str(file),
         )
 
@@ -240,18 +267,23 @@ def merge_shards(
     for file, found in shards:
         for name, src in found.items():
             if name in tensors:
-                raise DuplicateTensorError(
+                raise CheckpointError(
                     f"{location}: tensor {name} is in both {tensors[name].file} and {file}",
+                    kind="duplicate_tensor",
                     path=str(location),
                     tensor=name,
                 )
             if weight_map is not None and name not in weight_map:
-                raise IndexMismatchError(
-                    f"{file}: tensor {name} is not listed in {INDEX_NAME}", path=str(file), tensor=name
+                raise CheckpointError(
+                    f"{file}: tensor {name} is not listed in {INDEX_NAME}",
+                    kind="index_mismatch",
+                    path=str(file),
+                    tensor=name,
                 )
             if weight_map is not None and weight_map[name] != file:
-                raise IndexMismatchError(
+                raise CheckpointError(
                     f"{file}: tensor {name} is listed in {INDEX_NAME} under {weight_map[name]}",
+                    kind="index_mismatch",
                     path=str(file),
                     tensor=name,
                 )
@@ -259,8 +291,9 @@ def merge_shards(
     if weight_map is not None:
         for name, file in weight_map.items():
             if name not in tensors:
-                raise IndexMismatchError(
+                raise CheckpointError(
                     f"{file}: tensor {name} is listed in {INDEX_NAME} but not in the shard's header",
+                    kind="index_mismatch",
                     path=str(file),
                     tensor=name,
                 )
@@ -303,16 +336,20 @@ def read_local_shards(root: Path, weight_map: Mapping[str, str] | None, files: l
     for file in files:
         shard = root / file
         if (odd := not_a_regular_file(shard)) is not None:
-            raise MissingShardError(odd)
+            raise CheckpointError(odd, kind="missing_shard")
         if not shard.is_file():
             named = sorted(n for n, f in (weight_map or {}).items() if f == file)
             what = (
                 f" for {named[0]}" + (f" and {len(named) - 1} more tensors" if len(named) > 1 else "") if named else ""
             )
-            raise MissingShardError(f"{shard}: named in {INDEX_NAME}{what} but does not exist", path=str(shard))
+            raise CheckpointError(
+                f"{shard}: named in {INDEX_NAME}{what} but does not exist", kind="missing_shard", path=str(shard)
+            )
         if shard.resolve().parent != real_root:
-            raise UnsafeShardPathError(
-                f"{shard}: resolves to {shard.resolve()}, outside the checkpoint directory", path=str(shard)
+            raise CheckpointError(
+                f"{shard}: resolves to {shard.resolve()}, outside the checkpoint directory",
+                kind="unsafe_shard_path",
+                path=str(shard),
             )
         found, data_start = read_local_header(shard)
         out.append(LocalShard(file, found, data_start, shard.stat().st_size))
@@ -325,26 +362,32 @@ def read_inventory(path: str | Path) -> Inventory:
     root = Path(path)
     config_path = root / "config.json"
     if (odd := not_a_regular_file(config_path)) is not None:
-        raise MissingConfigError(odd)
+        raise CheckpointError(odd, kind="missing_config")
     if not config_path.is_file():
-        raise MissingConfigError(f"{config_path}: no config.json in the checkpoint directory", path=str(config_path))
+        raise CheckpointError(
+            f"{config_path}: no config.json in the checkpoint directory", kind="missing_config", path=str(config_path)
+        )
     try:
         raw_config = strictjson.read_record_bytes(config_path)
     except OSError as exc:
-        raise MissingConfigError(f"{config_path}: cannot be read ({exc.strerror})", path=str(config_path)) from None
+        raise CheckpointError(
+            f"{config_path}: cannot be read ({exc.strerror})", kind="missing_config", path=str(config_path)
+        ) from None
     with config_errors(str(config_path)):
         config = parse_config(raw_config)
 
     index_path = root / INDEX_NAME
     if (odd := not_a_regular_file(index_path if os.path.lexists(index_path) else root / SINGLE_FILE)) is not None:
-        raise MissingShardError(odd)
+        raise CheckpointError(odd, kind="missing_shard")
     if index_path.is_file():
         weight_map: dict[str, str] | None = load_index(strictjson.read_record_bytes(index_path), INDEX_NAME)
         files = sorted(set(weight_map.values()))
     elif (root / SINGLE_FILE).is_file():
         weight_map, files = None, [SINGLE_FILE]
     else:
-        raise MissingShardError(f"{root}: neither {INDEX_NAME} nor {SINGLE_FILE} found", path=str(root))
+        raise CheckpointError(
+            f"{root}: neither {INDEX_NAME} nor {SINGLE_FILE} found", kind="missing_shard", path=str(root)
+        )
 
     shards = read_local_shards(root, weight_map, files)
     file_sizes = {s.file: s.size for s in shards}

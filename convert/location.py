@@ -16,8 +16,8 @@ from pathlib import Path
 
 import click
 
-from dsv4.convert.errors import RepoNotFound
-from dsv4.model.errors import SourceNotFoundError
+from dsv4.convert.errors import HubError
+from dsv4.model.errors import CheckpointError
 
 HF_PREFIX = "hf://"  # the hub's URL scheme in huggingface_hub's file system (HfFileSystem)
 HUB_SCHEME = "hub:"  # how records and messages name a hub location: hub:org/name
@@ -39,7 +39,7 @@ class HubSpec:
 
 def parse_hub_spec(spec: str) -> HubSpec:
     """`org/name`, `org/name@revision` (a branch, tag or commit; may contain '/'), either
-    optionally written `hf://...`; anything else is refused (RepoNotFound)."""
+    optionally written `hf://...`; anything else is refused (repo_not_found)."""
     # start-up time: huggingface_hub.utils brings its HTTP stack, which a local source never needs
     from huggingface_hub.errors import HFValidationError
     from huggingface_hub.utils import validate_repo_id
@@ -52,8 +52,10 @@ def parse_hub_spec(spec: str) -> HubSpec:
     except HFValidationError:
         ok = False
     if not ok:
-        raise RepoNotFound(
-            f"{spec}: neither an existing local directory nor a hub repo id [hf://]org/name[@revision]", path=str(spec)
+        raise HubError(
+            f"{spec}: neither an existing local directory nor a hub repo id [hf://]org/name[@revision]",
+            kind="repo_not_found",
+            path=str(spec),
         )
     return HubSpec(repo, revision or None, explicit)
 
@@ -61,7 +63,7 @@ def parse_hub_spec(spec: str) -> HubSpec:
 def locate(
     source: str | Path | HubSpec, *, revision: str | None = None, token: str | None = None, verify_files: bool = False
 ) -> Path | HubSpec:
-    """The local directory `source` names, or the hub repository; SourceNotFoundError (19)
+    """The local directory `source` names, or the hub repository; source_not_found (19)
     when it can only be a local path that does not exist. `revision`, `token` and
     `verify_files` are the hub options `--revision` and `--token` (as in the `hf` CLI) and
     `--verify-source`: a revision given twice, by option and by `@rev`, must be the same
@@ -92,10 +94,14 @@ def _locate(source: str | Path) -> Path | HubSpec:
         return path
     repo = text.partition("@")[0]
     if text.startswith(LOCAL_PREFIXES) or repo.count("/") > 1:
-        raise SourceNotFoundError(f"{text}: no such local directory", path=text)
+        raise CheckpointError(f"{text}: no such local directory", kind="source_not_found", path=text)
     try:
         return parse_hub_spec(text)
-    except RepoNotFound:
-        raise SourceNotFoundError(
-            f"{text}: no such local directory (nor a hub repo id [hf://]org/name[@revision])", path=text
+    except HubError as exc:
+        if exc.kind != "repo_not_found":
+            raise
+        raise CheckpointError(
+            f"{text}: no such local directory (nor a hub repo id [hf://]org/name[@revision])",
+            kind="source_not_found",
+            path=text,
         ) from None

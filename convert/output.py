@@ -29,16 +29,7 @@ from typing import Any
 
 from filelock import FileLock, Timeout
 
-from dsv4.convert.errors import (
-    OutputExistsError,
-    OutputInSourceError,
-    OutputIsSourceError,
-    OutputLockedError,
-    OutputParentError,
-    OverwriteRefusedError,
-    SourceInOutputError,
-    WriteFailedError,
-)
+from dsv4.convert.errors import OutputError
 from dsv4.model.checkpoint import INDEX_NAME
 from dsv4.model.record import CONVERSION_RECORD, LAYOUT_RECORD, TOOL, ConversionRecord, LayoutRecord, RecordError
 from dsv4.model.strictjson import (
@@ -93,34 +84,41 @@ def resolve_output(out: Path, source: Path | None) -> Path:
     source has none). Reads the file system only."""
     real = Path(os.path.realpath(out))
     if real.parent == real:
-        raise OutputParentError(f"{out}: OUT cannot be a file system root", path=str(out))
+        raise OutputError(f"{out}: OUT cannot be a file system root", kind="output_parent", path=str(out))
     if source is not None:
         src = Path(os.path.realpath(source))
         if real == src:
-            raise OutputIsSourceError(
+            raise OutputError(
                 f"{out}: OUT is the source directory {source} itself; write the output to another directory",
+                kind="output_is_source",
                 path=str(out),
             )
         if _is_within(real, src):
-            raise OutputInSourceError(
-                f"{out}: OUT is inside the source directory {source}; write the output outside it", path=str(out)
+            raise OutputError(
+                f"{out}: OUT is inside the source directory {source}; write the output outside it",
+                kind="output_in_source",
+                path=str(out),
             )
         if _is_within(src, real):
-            raise SourceInOutputError(
+            raise OutputError(
                 f"{source}: the source is inside OUT {out}; write the output to a directory that does not contain the source",
+                kind="source_in_output",
                 path=str(source),
             )
         if _is_within(src, real.parent) and _sibling_pattern(real).fullmatch(src.relative_to(real.parent).parts[0]):
-            raise SourceInOutputError(
+            raise OutputError(
                 f"{source}: the source is inside {real.parent / src.relative_to(real.parent).parts[0]}, a working directory of OUT {out} that a run removes",
+                kind="source_in_output",
                 path=str(source),
             )
     ancestor = real.parent
     while not ancestor.exists():
         ancestor = ancestor.parent
     if not ancestor.is_dir():
-        raise OutputParentError(
-            f"{ancestor}: is not a directory, so OUT {out} cannot be created under it", path=str(ancestor)
+        raise OutputError(
+            f"{ancestor}: is not a directory, so OUT {out} cannot be created under it",
+            kind="output_parent",
+            path=str(ancestor),
         )
     return real
 
@@ -142,8 +140,9 @@ def _refuse_names_too_long(out: Path, real: Path) -> None:
     ]
     longest = max(names, key=lambda n: len(os.fsencode(n)))
     if len(os.fsencode(longest)) > limit:
-        raise WriteFailedError(
+        raise OutputError(
             f"{out}: the name is too long: this run writes {longest!r} beside it, {len(os.fsencode(longest))} bytes, and {ancestor}'s file system allows {limit} bytes per name; nothing was changed: choose a name {len(os.fsencode(longest)) - limit} bytes shorter",
+            kind="write_failed",
             path=str(out),
         )
 
@@ -189,7 +188,7 @@ def hold_lock(
 ) -> Iterator[tuple[int, int]]:
     """Own `what` for the block through the lock file `lock_path` (filelock: flock), with an
     owner record (pid, host, start) at `owner_path` so a refused run can name the owner.
-    Held by another run: OutputLockedError (47) naming it and saying what to do `instead`,
+    Held by another run: output_locked (47) naming it and saying what to do `instead`,
     or with `wait` wait for it. Yields the lock file's (device, inode), by which the holder
     can tell later that the file at `lock_path` is still the one it locked."""
     lock = FileLock(lock_path)
@@ -205,8 +204,10 @@ def hold_lock(
                 continue
             holder = holder or f"whose owner record {owner_path.name} is missing"
             if not wait:
-                raise OutputLockedError(
-                    f"{what}: locked by another run ({holder}); nothing was changed; {instead}", path=str(what)
+                raise OutputError(
+                    f"{what}: locked by another run ({holder}); nothing was changed; {instead}",
+                    kind="output_locked",
+                    path=str(what),
                 ) from None
             if on_wait is not None:
                 on_wait(f"{what}: waiting for another run ({holder}) to release it")
@@ -253,7 +254,7 @@ class OutputClaim:
             yield
 
     def ensure_owner(self) -> None:
-        """Raise OutputLockedError (47) unless the lock file at OUT's lock path is still the
+        """Raise output_locked (47) unless the lock file at OUT's lock path is still the
         one this run locked. Removed by hand (or replaced), it no longer keeps another run
         out: that run may own OUT now, so this one must not write on or publish."""
         try:
@@ -262,8 +263,9 @@ class OutputClaim:
         except FileNotFoundError:
             now = None
         if now != self._lock_file:
-            raise OutputLockedError(
+            raise OutputError(
                 f"{self.out}: its lock file {self.lock_path} was {'removed' if now is None else 'replaced'} while this run held it, so another run may own OUT; this run stopped without publishing",
+                kind="output_locked",
                 path=str(self.out),
             )
 
@@ -292,14 +294,16 @@ class OutputClaim:
         if not os.path.lexists(self.path) or (self.path.is_dir() and not any(self.path.iterdir())):
             return
         if not overwrite:
-            raise OutputExistsError(
+            raise OutputError(
                 f"{self.out}: exists and is not empty (and is not this conversion's up-to-date output); pass --overwrite to replace it",
+                kind="output_exists",
                 path=str(self.out),
             )
         reason = self._not_an_output()
         if reason is not None:
-            raise OverwriteRefusedError(
+            raise OutputError(
                 f"{self.out}: --overwrite refused: {reason}; only a previous output of {TOOL} is replaced, so move or delete it yourself",
+                kind="overwrite_refused",
                 path=str(self.out),
             )
 
@@ -373,7 +377,7 @@ class OutputClaim:
             _remove(self._aside)
             self._aside = None
 
-    def write_failed(self, exc: OSError) -> WriteFailedError:
+    def write_failed(self, exc: OSError) -> OutputError:
         """The exit-42 error for an OSError met while this run owned OUT, saying truly
         what became of OUT."""
         where = exc.filename or self.partial
@@ -390,7 +394,7 @@ class OutputClaim:
             after = f"{self.out} was not changed; rerun to resume from {self.partial}"
         else:
             after = f"{self.out} was not changed"
-        return WriteFailedError(f"{where}: {reason}; {after}")
+        return OutputError(f"{where}: {reason}; {after}", kind="write_failed")
 
 
 @contextmanager
@@ -408,14 +412,17 @@ def claim_output(
         claim = OutputClaim(out, resolve_output(out, source))
         _refuse_names_too_long(out, claim.path)
     except OSError as exc:
-        raise WriteFailedError(
-            f"{exc.filename or out}: {exc.strerror or exc}; nothing was changed", path=str(exc.filename or out)
+        raise OutputError(
+            f"{exc.filename or out}: {exc.strerror or exc}; nothing was changed",
+            kind="write_failed",
+            path=str(exc.filename or out),
         ) from None
     try:
         claim.path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise OutputParentError(
+        raise OutputError(
             f"{exc.filename or claim.path.parent}: OUT's parent directory cannot be created ({exc.strerror or exc})",
+            kind="output_parent",
             path=str(exc.filename or claim.path.parent),
         ) from None
     raised: OSError | None = None

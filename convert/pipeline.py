@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from dsv4 import __version__
 from dsv4.convert import progress
-from dsv4.convert.errors import SourceChangedError, WriteFailedError
+from dsv4.convert.errors import OutputError, PlanError
 from dsv4.convert.execute import Executor, still_valid
 from dsv4.convert.inventory import Inventory, read_local_header
 from dsv4.convert.location import HubSpec, locate
@@ -150,14 +150,18 @@ def _verify(
         for t in tensors:
             src = found.get(t.name)
             if src is None or (src.dtype, src.shape, src.nbytes) != (t.dtype, t.shape, t.nbytes):
-                raise WriteFailedError(
+                raise OutputError(
                     f"{partial / name}: tensor {t.name} does not read back as planned",
+                    kind="write_failed",
                     path=str(partial / name),
                     tensor=t.name,
                 )
             if t.name not in journal:
-                raise WriteFailedError(
-                    f"{partial / name}: tensor {t.name} was never finished", path=str(partial / name), tensor=t.name
+                raise OutputError(
+                    f"{partial / name}: tensor {t.name} was never finished",
+                    kind="write_failed",
+                    path=str(partial / name),
+                    tensor=t.name,
                 )
 
 
@@ -257,7 +261,9 @@ def _write_output(
         if isinstance(reader, LocalReader):  # a hub source is pinned to its commit
             reader.verify_unchanged([CONFIG, INDEX_NAME, *plan.files_needed])
         claim.publish()
-    except SourceChangedError:
+    except PlanError as exc2:
+        if exc2.kind != "source_changed":
+            raise
         claim.discard_partial()  # its tensors may hold bytes of either version: a rerun starts over
         raise
     except OSError as exc:

@@ -13,13 +13,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
-from dsv4.convert.errors import (
-    DuplicateTargetError,
-    LayoutMismatchError,
-    MissingSourceError,
-    PlanError,
-    UncoveredKeyError,
-)
+from dsv4.convert.errors import PlanError
 from dsv4.convert.inventory import Inventory, TensorSource
 from dsv4.mapping.errors import TableError
 from dsv4.mapping.probe import stage_binding
@@ -28,7 +22,7 @@ from dsv4.model import native
 from dsv4.model.checkpoint import is_full_native
 from dsv4.model.config import ModelConfig, config_errors
 from dsv4.model.dtypes import ITEMSIZE, nbytes
-from dsv4.model.errors import UnsupportedLayoutError
+from dsv4.model.errors import CheckpointError
 from dsv4.model.layout import TARGET_LAYER, draft_layers_present, layout_of
 from dsv4.model.record import LAYOUT_RECORD
 
@@ -137,7 +131,7 @@ class Plan:
 
 
 def model_config(inv: Inventory) -> ModelConfig:
-    """The validated config of `inv` (MalformedConfigError 18, UnsupportedLayoutError 35)."""
+    """The validated config of `inv` (malformed_config 18, unsupported_layout 35)."""
     with config_errors(f"{inv.location}/config.json"):
         return ModelConfig.from_dict(inv.config)
 
@@ -149,17 +143,19 @@ DSPARK_MARKER: dict[Direction, str] = {"forward": "mtp.0.main_proj.weight", "rev
 
 def drafter_of(inv: Inventory, cfg: ModelConfig, direction: Direction = "forward") -> str:
     """ "dspark" or "mtp": which draft layout `inv` holds, from its config AND its tensors,
-    which must agree (UnsupportedLayoutError 35 otherwise)."""
+    which must agree (unsupported_layout 35 otherwise)."""
     marker = DSPARK_MARKER[direction]
     if marker in inv.tensors and not cfg.is_dspark:
-        raise UnsupportedLayoutError(
+        raise CheckpointError(
             f"{inv.tensors[marker].file}: tensor {marker}: a DSpark drafter's projection, but {inv.location}/config.json has no dspark_* fields (mapping/README.md#dspark-source-checkpoint); refusing to convert",
+            kind="unsupported_layout",
             path=str(inv.tensors[marker].file),
             tensor=marker,
         )
     if cfg.is_dspark and marker not in inv.tensors:
-        raise UnsupportedLayoutError(
-            f"{inv.location}/config.json: dspark_* fields (a DSpark drafter, mapping/README.md#dspark-v4-flash-0731), but the checkpoint has no tensor {marker}; refusing to convert"
+        raise CheckpointError(
+            f"{inv.location}/config.json: dspark_* fields (a DSpark drafter, mapping/README.md#dspark-v4-flash-0731), but the checkpoint has no tensor {marker}; refusing to convert",
+            kind="unsupported_layout",
         )
     return "dspark" if cfg.is_dspark else "mtp"
 
@@ -167,18 +163,20 @@ def drafter_of(inv: Inventory, cfg: ModelConfig, direction: Direction = "forward
 def choose_table(target: str, inv: Inventory, direction: Direction = "forward") -> Table:
     """The installed table of `target` for the draft layout `inv` holds (MTP or DSpark).
     A converted checkpoint given to a forward conversion, or a full native one given to a
-    reverse conversion, is refused naming the command that takes it (UnsupportedLayoutError)."""
+    reverse conversion, is refused naming the command that takes it (unsupported_layout)."""
     where = inv.location
     if direction == "forward" and isinstance(inv.config.get(LAYOUT_RECORD), dict):
-        raise UnsupportedLayoutError(
+        raise CheckpointError(
             f"{where}: is a converted checkpoint (its config.json has the {LAYOUT_RECORD} layout record), not a native one: "
             f"convert-dsv4 {where} OUT --reverse turns it back into native names, convert-dsv4 check {where} verifies it",
+            kind="unsupported_layout",
             path=str(where),
         )
     if direction == "reverse" and is_full_native(inv.tensors):
-        raise UnsupportedLayoutError(
+        raise CheckpointError(
             f"{where}: is a native DeepSeek V4 checkpoint (the main model's layers.* tensors), not a converted one: "
             f"convert-dsv4 {where} OUT --target {target} converts it (without --reverse)",
+            kind="unsupported_layout",
             path=str(where),
         )
     return load_table(table_name_for(target, drafter_of(inv, model_config(inv), direction)))
@@ -192,8 +190,9 @@ def _refuse(inv: Inventory, table: Table) -> None:
         refused = [key for key in inv.tensors if rx.match(key)]
         if refused:
             key = min(refused)  # the same key in every run, without sorting all 69,187
-            raise UnsupportedLayoutError(
+            raise CheckpointError(
                 f"{inv.tensors[key].file}: tensor {key}: {rule.reason}; refusing to convert",
+                kind="unsupported_layout",
                 path=str(inv.tensors[key].file),
                 tensor=key,
             )
@@ -233,28 +232,34 @@ def _classify(inv: Inventory, rules: list[Rule], cfg: ModelConfig) -> dict[str, 
     for key, src in inv.tensors.items():
         hits = [(r, m) for r, rx in by_head.get(key.split(".", 1)[0], anywhere) if (m := rx.match(key))]
         if not hits:
-            raise UncoveredKeyError(
+            raise PlanError(
                 f"{src.file}: tensor {key}: no rule of the mapping table covers it (unknown key; refusing to drop it silently)",
+                kind="uncovered_key",
                 path=str(src.file),
                 tensor=key,
             )
         if len(hits) > 1 and len({r.label for r, _ in hits}) > 1:
-            raise TableError(f"tensor {key} is matched by several rules: {sorted({r.label for r, _ in hits})}")
+            raise TableError(
+                f"tensor {key} is matched by several rules: {sorted({r.label for r, _ in hits})}",
+                kind="malformed_table",
+            )
         rule, m = hits[0]
         groups = m.groupdict()
         for ph, (limit, what) in bounds.items():
             value = groups.get(ph)
             if value is not None and int(value) >= limit:
-                raise UnsupportedLayoutError(
+                raise CheckpointError(
                     f"{src.file}: tensor {key}: index {value} but config.json has {what} = {limit} (keys and config disagree)",
+                    kind="unsupported_layout",
                     path=str(src.file),
                     tensor=key,
                 )
         if PINNED & groups.keys():
             for ph, want in stage_binding(cfg).items():
                 if groups.get(ph) is not None and int(groups[ph]) != want:
-                    raise UnsupportedLayoutError(
+                    raise CheckpointError(
                         f"{src.file}: tensor {key}: only the {ph} stage mtp.{want} holds this tensor, not stage {groups[ph]} (mapping/README.md#dspark-source-checkpoint)",
+                        kind="unsupported_layout",
                         path=str(src.file),
                         tensor=key,
                     )
@@ -274,8 +279,10 @@ def _combined_shape(rule: Rule, parts: list[tuple[int, ...]], cfg: ModelConfig, 
         return parts[0]
     per_row = parts[0][1:]
     if any(p[1:] != per_row for p in parts):
-        raise LayoutMismatchError(
-            f"{target}: sources {[list(p) for p in parts]} cannot be concatenated along dim 0", path=str(target)
+        raise PlanError(
+            f"{target}: sources {[list(p) for p in parts]} cannot be concatenated along dim 0",
+            kind="layout_mismatch",
+            path=str(target),
         )
     if rule.op == "concat":
         return (sum(p[0] for p in parts), *per_row)
@@ -294,8 +301,9 @@ def _require_stages(inv: Inventory, cfg: ModelConfig, stages: set[int]) -> None:
     S fails _classify or, in reverse, is a key the layout does not have)."""
     missing = sorted(set(range(cfg.dspark_stages)) - stages)
     if missing:
-        raise UnsupportedLayoutError(
-            f"{inv.location}/config.json: {cfg.dspark_stages} DSpark stages (len(dspark_target_layer_ids)) but the tensors hold stage(s) {sorted(stages)}: stage {missing[0]} is missing (keys and config disagree)"
+        raise CheckpointError(
+            f"{inv.location}/config.json: {cfg.dspark_stages} DSpark stages (len(dspark_target_layer_ids)) but the tensors hold stage(s) {sorted(stages)}: stage {missing[0]} is missing (keys and config disagree)",
+            kind="unsupported_layout",
         )
 
 
@@ -327,15 +335,17 @@ def plan_conversion(inv: Inventory, table: Table) -> Plan:
             for name in _source_names(rule, binding, cfg):
                 src = inv.tensors.get(name)
                 if src is None:
-                    raise MissingSourceError(
+                    raise PlanError(
                         f"{target}: its source tensor {name} is not in the checkpoint ({rule.label})",
+                        kind="missing_source",
                         path=str(target),
                         tensor=name,
                     )
                 want = expected_src[name]
                 if (src.dtype, src.shape) != want:
-                    raise LayoutMismatchError(
+                    raise PlanError(
                         f"{src.file}: tensor {name}: {src.dtype}{list(src.shape)} but config.json ({variant}) implies {want[0]}{list(want[1])}",
+                        kind="layout_mismatch",
                         path=str(src.file),
                         tensor=name,
                     )
@@ -344,41 +354,51 @@ def plan_conversion(inv: Inventory, table: Table) -> Plan:
                 dtypes.add(src.dtype)
                 consumed[name] += 1
             if len(dtypes) != 1:
-                raise LayoutMismatchError(
-                    f"{target}: sources of one parameter have different dtypes {sorted(dtypes)}", path=str(target)
+                raise PlanError(
+                    f"{target}: sources of one parameter have different dtypes {sorted(dtypes)}",
+                    kind="layout_mismatch",
+                    path=str(target),
                 )
             src_dtype = dtypes.pop()
             dtype = rule.view or src_dtype
             if ITEMSIZE[dtype] != ITEMSIZE[src_dtype]:
                 raise TableError(
-                    f"{rule.label}: view {dtype} would change the element size of {src_dtype}", path=str(rule.label)
+                    f"{rule.label}: view {dtype} would change the element size of {src_dtype}",
+                    kind="malformed_table",
+                    path=str(rule.label),
                 )
             shape = _combined_shape(rule, shapes, cfg, target)
             if target in out:
-                raise DuplicateTargetError(
-                    f"{target}: produced twice ({out[target].rule} and {rule.label})", path=str(target)
+                raise PlanError(
+                    f"{target}: produced twice ({out[target].rule} and {rule.label})",
+                    kind="duplicate_target",
+                    path=str(target),
                 )
             want_t = layout.get(target)
             if want_t is None:
-                raise LayoutMismatchError(
-                    f"{target}: not a tensor of the {table.target} layout for this config", path=str(target)
+                raise PlanError(
+                    f"{target}: not a tensor of the {table.target} layout for this config",
+                    kind="layout_mismatch",
+                    path=str(target),
                 )
             if (dtype, shape) != want_t:
-                raise LayoutMismatchError(
+                raise PlanError(
                     f"{target}: would be {dtype}{list(shape)} but the model expects {want_t[0]}{list(want_t[1])} (sources {pieces[0].source}...)",
+                    kind="layout_mismatch",
                     path=str(target),
                 )
             out[target] = PlannedTensor(target, dtype, shape, tuple(pieces), rule.op, rule.label)
     missing = sorted(set(layout) - set(out))
     if missing:
-        raise MissingSourceError(
+        raise PlanError(
             f"{missing[0]}: no rule of table {table.name} v{table.version} produces this parameter ({len(missing)} missing)",
+            kind="missing_source",
             path=str(missing[0]),
         )
     once = {n for r in rules if r.op == "copy" for b in rule_bindings(r, cfg) for n in _source_names(r, b, cfg)}
     twice = sorted(n for n, c in consumed.items() if c > 1 and n not in once)
     if twice:
-        raise PlanError(f"tensor {twice[0]} is consumed by more than one rule")
+        raise PlanError(f"tensor {twice[0]} is consumed by more than one rule", kind="plan_failed")
     return _plan("forward", inv, cfg, table, table.target, _write_order(list(out.values())), skipped)
 
 
@@ -424,14 +444,16 @@ def plan_reverse(inv: Inventory, table: Table) -> Plan:
     out: dict[str, PlannedTensor] = {}
     for key, src in inv.tensors.items():
         if key not in layout:
-            raise UncoveredKeyError(
+            raise PlanError(
                 f"{src.file}: tensor {key}: not a parameter of the {table.target} layout",
+                kind="uncovered_key",
                 path=str(src.file),
                 tensor=key,
             )
         if (src.dtype, src.shape) != layout[key]:
-            raise LayoutMismatchError(
+            raise PlanError(
                 f"{src.file}: tensor {key}: {src.dtype}{list(src.shape)} but the model expects {layout[key][0]}{list(layout[key][1])}",
+                kind="layout_mismatch",
                 path=str(src.file),
                 tensor=key,
             )
@@ -442,8 +464,10 @@ def plan_reverse(inv: Inventory, table: Table) -> Plan:
             target = expand(rule.target, binding)
             fused: TensorSource | None = inv.tensors.get(target)
             if fused is None:
-                raise MissingSourceError(
-                    f"{target}: parameter missing from the {table.target} checkpoint", path=str(target)
+                raise PlanError(
+                    f"{target}: parameter missing from the {table.target} checkpoint",
+                    kind="missing_source",
+                    path=str(target),
                 )
             at = fused.start
             for name in _source_names(rule, binding, cfg):
@@ -455,8 +479,9 @@ def plan_reverse(inv: Inventory, table: Table) -> Plan:
                     )
                 at += n
             if at != fused.end:
-                raise LayoutMismatchError(
+                raise PlanError(
                     f"{fused.file}: tensor {target}: {fused.nbytes} bytes but its native parts add up to {at - fused.start}",
+                    kind="layout_mismatch",
                     path=str(fused.file),
                     tensor=target,
                 )

@@ -25,15 +25,15 @@ from __future__ import annotations
 import copy
 import json
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from functools import cache
+from functools import cache, partial
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, Literal
 
-from dsv4.convert.errors import CheckError, EmptyQuantNameError, QuantCarryError, QuantSchemeError
+from dsv4.convert.errors import CheckError, PlanError
 from dsv4.convert.plan import Plan
-from dsv4.model.errors import MalformedConfigError
+from dsv4.model.errors import CheckpointError
 from dsv4.model.layout import build_draft_model
 from dsv4.model.record import LayoutRecord, RecordError
 
@@ -176,7 +176,7 @@ class Matcher:
     with different schemes are ambiguous: the two orders could pick different ones.
     """
 
-    def __init__(self, config: Mapping[str, Any], where: str, error: type[CheckError]) -> None:
+    def __init__(self, config: Mapping[str, Any], where: str, error: Callable[..., CheckError | PlanError]) -> None:
         match = compressed_tensors()
         if match is None:
             raise error(
@@ -233,8 +233,9 @@ def _refuse_named_siblings(qc: Mapping[str, Any], where: str) -> None:
             # llm-compressor writes a dense sparsity_config with no targets: nothing to carry
             value = [*(value.get("targets") or []), *(value.get("ignore") or [])]
         if value:
-            raise QuantCarryError(
+            raise PlanError(
                 f"{where}: quantization_config.{key} names layers too; carrying it is not supported (refusing rather than leaving native names in it)",
+                kind="quant_carry",
                 path=str(where),
             )
 
@@ -245,15 +246,16 @@ def rewrite_for_draft(qc: Mapping[str, Any], layers: LayerMap, where: str) -> tu
     plus the draft linears that no entry matched, which go to `ignore` (no scheme either
     way, but vLLM refuses a linear that matches nothing)."""
     _refuse_named_siblings(qc, where)
-    source = Matcher(qc, where, QuantCarryError)
+    source = Matcher(qc, where, partial(PlanError, kind="quant_carry"))
     expected: dict[str, Resolution] = {}
     for draft, natives in layers.parts.items():
         kind = layers.native_kind(draft)
         found = {n: source.resolve(n, kind) for n in natives}
         for native, res in found.items():
             if res.status == "ambiguous":
-                raise QuantCarryError(
+                raise PlanError(
                     f"{where}: quantization_config matches {native} with {res.describe()} at the same precedence; which one {draft} should get is undefined",
+                    kind="quant_carry",
                     path=str(where),
                 )
         outcomes: dict[tuple[str, str | None], str] = {}
@@ -261,8 +263,9 @@ def rewrite_for_draft(qc: Mapping[str, Any], layers: LayerMap, where: str) -> tu
             outcomes.setdefault(res.outcome, native)
         if len(outcomes) > 1:
             said = "; ".join(f"{n} -> {found[n].describe()}" for n in outcomes.values())
-            raise QuantCarryError(
+            raise PlanError(
                 f"{where}: quantization_config cannot be carried: the draft fuses {len(natives)} native modules into {draft}, and they resolve differently ({said}); one layer takes one scheme",
+                kind="quant_carry",
                 path=str(where),
             )
         expected[draft] = found[natives[0]]
@@ -289,13 +292,14 @@ def rewrite_for_draft(qc: Mapping[str, Any], layers: LayerMap, where: str) -> tu
     out["config_groups"] = groups
     out["ignore"] = ignore
 
-    rewritten = Matcher(out, where, QuantCarryError)
+    rewritten = Matcher(out, where, partial(PlanError, kind="quant_carry"))
     for draft, res in expected.items():
         want = ("ignored", None) if draft in added else res.outcome
         got = rewritten.resolve(draft, layers.kinds[draft])
         if got.outcome != want:
-            raise QuantCarryError(
+            raise PlanError(
                 f"{where}: rewritten quantization_config gives {draft} {got.describe()}, its native parts had {res.describe()}",
+                kind="quant_carry",
                 path=str(where),
             )
     return out, added
@@ -315,7 +319,7 @@ def carried_quantization(plan: Plan) -> tuple[dict[str, Any] | None, dict[str, A
         try:
             record = LayoutRecord.of(plan.config, where)
         except RecordError as exc:
-            raise MalformedConfigError(str(exc), path=where) from None
+            raise CheckpointError(str(exc), kind="malformed_config", path=where) from None
         note = record.quantization_config if record is not None else None
         return (note["source"] if note else qc), None
     if qc is None:
@@ -324,14 +328,16 @@ def carried_quantization(plan: Plan) -> tuple[dict[str, Any] | None, dict[str, A
     if method == "fp8":
         named = [k for k in FP8_NAME_LISTS if qc.get(k)]
         if named:
-            raise QuantCarryError(
+            raise PlanError(
                 f"{where}: quantization_config.{named[0]} lists native module names; carrying them to the draft is not supported",
+                kind="quant_carry",
                 path=str(where),
             )
         return qc, None
     if method != CT_METHOD:
-        raise QuantCarryError(
+        raise PlanError(
             f"{where}: quantization_config quant_method {method!r} is not one this converter carries (fp8, {CT_METHOD}): its layer names would stay native",
+            kind="quant_carry",
             path=str(where),
         )
     out, added = rewrite_for_draft(qc, layer_map(plan), where)
@@ -359,13 +365,13 @@ def _short(items: list[str], n: int = 3) -> str:
 def check_draft_quantization(model: nn.Module, config: Mapping[str, Any], where: str) -> QuantSummary:
     """Every linear of `model` has a quantisation layer name and, under a compressed-tensors
     `quantization_config` in `config`, resolves to exactly one scheme or is ignored; every
-    entry of that config names some layer of the draft. Raises EmptyQuantNameError or
-    QuantSchemeError with a one-line reason; `where` is the config.json path."""
+    entry of that config names some layer of the draft. Raises empty_quant_name or
+    quant_scheme with a one-line reason; `where` is the config.json path."""
     layers = draft_layers(model)
     qc = config.get("quantization_config")
     ct_config = qc if isinstance(qc, Mapping) and qc.get("quant_method") == CT_METHOD else None
     matcher = (
-        Matcher(ct_config, where, QuantSchemeError)
+        Matcher(ct_config, where, partial(CheckError, kind="quant_scheme"))
         if ct_config is not None and compressed_tensors() is not None
         else None
     )
@@ -383,7 +389,7 @@ def check_draft_quantization(model: nn.Module, config: Mapping[str, Any], where:
                 said.append(
                     f"module {layer.path} has an empty quantisation layer name: only {res.describe()} reaches it and no ignore entry can name it (vLLM issue #44817: built without prefix=)"
                 )
-        raise EmptyQuantNameError(f"{where}: {'; '.join(said)}", path=str(where))
+        raise CheckError(f"{where}: {'; '.join(said)}", kind="empty_quant_name", path=str(where))
 
     if ct_config is None:
         what = (
@@ -418,6 +424,8 @@ def check_draft_quantization(model: nn.Module, config: Mapping[str, Any], where:
         else:
             outcome[res.group or "ignored"] += 1
     if problems:
-        raise QuantSchemeError(f"{where}: {len(problems)} problem(s): {_short(problems)}", path=str(where))
+        raise CheckError(
+            f"{where}: {len(problems)} problem(s): {_short(problems)}", kind="quant_scheme", path=str(where)
+        )
     counts = ", ".join(f"{n} {g}" for g, n in sorted(outcome.items()))
     return QuantSummary(len(layers), True, f"every linear resolves to exactly one scheme or is ignored ({counts})")

@@ -14,8 +14,8 @@ import threading
 from pathlib import Path
 from typing import Protocol
 
-from dsv4.convert.errors import SourceChangedError
-from dsv4.model.errors import MissingShardError, TruncatedShardError
+from dsv4.convert.errors import PlanError
+from dsv4.model.errors import CheckpointError
 
 
 class ByteReader(Protocol):
@@ -76,8 +76,10 @@ class LocalReader:
         try:
             return os.open(self.root / file, os.O_RDONLY | flags)
         except FileNotFoundError:
-            raise MissingShardError(
-                f"{self.root / file}: shard disappeared while converting", path=str(self.root / file)
+            raise CheckpointError(
+                f"{self.root / file}: shard disappeared while converting",
+                kind="missing_shard",
+                path=str(self.root / file),
             ) from None
 
     def _fd(self, file: str) -> int:
@@ -100,9 +102,10 @@ class LocalReader:
                     self._direct_fds[file] = None
             return None if file in self._buffered else self._direct_fds[file]
 
-    def _truncated(self, file: str, at: int, offset: int, n: int) -> TruncatedShardError:
-        return TruncatedShardError(
+    def _truncated(self, file: str, at: int, offset: int, n: int) -> CheckpointError:
+        return CheckpointError(
             f"{self.root / file}: ends at byte {at}, before the planned range {offset}..{offset + n}",
+            kind="truncated_shard",
             path=str(self.root / file),
         )
 
@@ -156,7 +159,7 @@ class LocalReader:
         }
 
     def verify_unchanged(self, files: list[str]) -> None:
-        """Raise SourceChangedError (one line naming the file) when one of `files` is not
+        """Raise source_changed (one line naming the file) when one of `files` is not
         the file it was when this reader was made: another size, modification or change
         time, or another inode (replaced), whether read through its path or our open fd."""
         for file in files:
@@ -174,8 +177,9 @@ class LocalReader:
             changed = next((n for n in now if n != noted), None)
             if not now or changed is not None:
                 what = "was removed" if not now else _what_changed(noted, changed)
-                raise SourceChangedError(
+                raise PlanError(
                     f"{path}: the source file {what} during the conversion; nothing was published: rerun once the source no longer changes",
+                    kind="source_changed",
                     path=str(path),
                 )
 

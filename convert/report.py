@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from dsv4.convert.errors import CheckError, WriteFailedError
+from dsv4.convert.errors import CheckError, OutputError
 
 Status = Literal["pass", "fail", "skip"]
 
@@ -100,7 +100,7 @@ class CheckReport:
                 suite, "testcase", {"classname": "convert-dsv4.check", "name": r.name, "time": f"{r.seconds:.3f}"}
             )
             if r.status == "fail":
-                failure = ET.SubElement(case, "failure", {"message": r.reason, "type": type(r.error).__name__})
+                failure = ET.SubElement(case, "failure", {"message": r.reason, "type": r.error.kind})
                 failure.text = f"{r.reason} (exit code {r.exit_code})"
             elif r.status == "skip":
                 ET.SubElement(case, "skipped", {"message": r.reason})
@@ -112,7 +112,7 @@ class CheckReport:
 
 def write_junit(report: CheckReport, path: Path) -> None:
     """Write the report as JUnit XML to `path`, creating its directory (CI often names a
-    fresh reports/ folder). A file that cannot be written is a WriteFailedError (exit 42)
+    fresh reports/ folder). A file that cannot be written is a write_failed (exit 42)
     whose one line also carries the checks' verdict."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -129,4 +129,6 @@ def write_junit(report: CheckReport, path: Path) -> None:
             if report.ok
             else f"the checks FAILED (exit {report.exit_code}: {report.failures[0].name})"
         )
-        raise WriteFailedError(f"{path}: cannot write the JUnit report ({why}); {verdict}", path=str(path)) from None
+        raise OutputError(
+            f"{path}: cannot write the JUnit report ({why}); {verdict}", kind="write_failed", path=str(path)
+        ) from None

@@ -27,7 +27,7 @@ from typing import Any, Literal
 import torch
 
 from dsv4.convert import progress
-from dsv4.convert.errors import OutputExistsError, WriteFailedError
+from dsv4.convert.errors import OutputError
 from dsv4.convert.writer import ShardWriter, TensorSpec, shard_name
 from dsv4.model import strictjson
 from dsv4.model.checkpoint import INDEX_NAME, load_index
@@ -236,8 +236,9 @@ def synthesize(
     # writing into a directory that holds something would replace part of it (a typo for a
     # real download) and leave a mix of two checkpoints
     if out.is_dir() and any(out.iterdir()):
-        raise OutputExistsError(
+        raise OutputError(
             f"{out}: exists and is not empty; synth writes only into a new or empty directory, so nothing was changed",
+            kind="output_exists",
             path=str(out),
         )
     with config_errors(str(config_path) if config_path else f"preset {preset}"):
@@ -254,8 +255,9 @@ def synthesize(
                 quiet=quiet,
             )
         except OSError as exc:  # a write's ENOSPC or EIO names no file: name OUT
-            raise WriteFailedError(
+            raise OutputError(
                 f"{exc.filename or out}: {exc.strerror or exc}; the synthetic checkpoint in {out} is incomplete",
+                kind="write_failed",
                 path=str(out),
             ) from None
     raw = (out / INDEX_NAME).read_bytes()

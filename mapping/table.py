@@ -23,14 +23,7 @@ from functools import cache, cached_property
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from dsv4.mapping.errors import (
-    DeadRuleError,
-    DuplicateTargetRuleError,
-    TableError,
-    UnboundPlaceholderError,
-    UnknownOpError,
-    UnknownTargetError,
-)
+from dsv4.mapping.errors import TableError
 from dsv4.mapping.probe import draft_bindings, probe_keys, stage_binding
 from dsv4.model.config import ModelConfig
 
@@ -135,23 +128,31 @@ class Table:
 def _parse(raw: dict[str, Any], where: str) -> tuple[dict[str, Any], list[Rule]]:
     unknown = set(raw) - SECTIONS
     if unknown:
-        raise UnknownOpError(
-            f"{where}: unknown section(s) {sorted(unknown)}; a table has {sorted(SECTIONS)}", path=str(where)
+        raise TableError(
+            f"{where}: unknown section(s) {sorted(unknown)}; a table has {sorted(SECTIONS)}",
+            kind="unknown_op",
+            path=str(where),
         )
     meta = raw.get("table")
     if not isinstance(meta, dict) or not all(isinstance(meta.get(k), str) for k in ("name", "version", "target")):
-        raise TableError(f"{where}: [table] needs string name, version and target", path=str(where))
+        raise TableError(
+            f"{where}: [table] needs string name, version and target", kind="malformed_table", path=str(where)
+        )
     if meta.get("drafter", "mtp") not in DRAFTERS:
         raise TableError(
-            f"{where}: [table] drafter = {meta.get('drafter')!r}; expected one of {DRAFTERS}", path=str(where)
+            f"{where}: [table] drafter = {meta.get('drafter')!r}; expected one of {DRAFTERS}",
+            kind="malformed_table",
+            path=str(where),
         )
     if meta.get("config", "record") not in CONFIG_KINDS:
         raise TableError(
-            f"{where}: [table] config = {meta.get('config')!r}; expected one of {CONFIG_KINDS}", path=str(where)
+            f"{where}: [table] config = {meta.get('config')!r}; expected one of {CONFIG_KINDS}",
+            kind="malformed_table",
+            path=str(where),
         )
     for key in ("layout", "runtime", "runtime_class"):
         if not isinstance(meta.get(key, ""), str):
-            raise TableError(f"{where}: [table] {key} must be a string", path=str(where))
+            raise TableError(f"{where}: [table] {key} must be a string", kind="malformed_table", path=str(where))
     rules = _parse_rules(raw, where)
     for entry in raw.get("include", []):
         rules.extend(_included_rules(entry, where))
@@ -162,22 +163,28 @@ def _included_rules(entry: Any, where: str) -> list[Rule]:
     """The rules of include file `entry["file"]` (a name in mapping/include/, never a path),
     their source names prefixed with `entry["source"]` and targets with `entry["target"]`."""
     if not isinstance(entry, dict) or set(entry) != INCLUDE_KEYS or not all(isinstance(v, str) for v in entry.values()):
-        raise TableError(f"{where}: [[include]] needs exactly the strings {sorted(INCLUDE_KEYS)}", path=str(where))
+        raise TableError(
+            f"{where}: [[include]] needs exactly the strings {sorted(INCLUDE_KEYS)}",
+            kind="malformed_table",
+            path=str(where),
+        )
     installed = sorted(p.stem for p in INCLUDE_DIR.glob("*.toml"))
     if entry["file"] not in installed:
         raise TableError(
             f"{where}: [[include]] file {entry['file']!r} is not an installed include (installed: {', '.join(installed)}); named, not a path",
+            kind="malformed_table",
             path=str(where),
         )
     path = INCLUDE_DIR / f"{entry['file']}.toml"
     try:
         raw = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as exc:
-        raise TableError(f"{path}: not valid TOML ({exc})", path=str(path)) from None
+        raise TableError(f"{path}: not valid TOML ({exc})", kind="malformed_table", path=str(path)) from None
     unknown = set(raw) - INCLUDE_SECTIONS
     if unknown:
-        raise UnknownOpError(
+        raise TableError(
             f"{path.name}: unknown section(s) {sorted(unknown)}; an include has {sorted(INCLUDE_SECTIONS)}",
+            kind="unknown_op",
             path=str(path.name),
         )
     return _parse_rules(raw, f"{where} (include {path.name})", entry["source"], entry["target"])
@@ -199,22 +206,31 @@ def _parse_rules(raw: dict[str, Any], where: str, src: str = "", dst: str = "") 
     keep = raw.get("keep", {})
     if keep:
         if not isinstance(keep, dict) or set(keep) != KEEP_KEYS or not isinstance(keep["names"], list):
-            raise TableError(f"{where}: [keep] needs exactly names = [a list of tensor names]", path=str(where))
+            raise TableError(
+                f"{where}: [keep] needs exactly names = [a list of tensor names]",
+                kind="malformed_table",
+                path=str(where),
+            )
         if src != dst:  # a kept tensor keeps its name: an include's two prefixes must agree
             raise TableError(
                 f"{where}: [keep] in an include whose source prefix {src!r} is not its target prefix {dst!r}: a kept tensor keeps its name",
+                kind="malformed_table",
                 path=str(where),
             )
         rules.extend(Rule("keep", (names(n, src),), names(n, src)) for n in keep["names"])
     for d, srcs in raw.get("concat", {}).items():
         if not (isinstance(srcs, list) and len(srcs) >= 2):
-            raise TableError(f"{where}: [concat] {d}: needs a list of at least two sources", path=str(where))
+            raise TableError(
+                f"{where}: [concat] {d}: needs a list of at least two sources", kind="malformed_table", path=str(where)
+            )
         rules.append(Rule("concat", tuple(names(x, src) for x in srcs), names(d, dst)))
     for entry in raw.get("stack", []):
         extra = set(entry) - STACK_KEYS
         if extra:
-            raise UnknownOpError(
-                f"{where}: [[stack]] {entry.get('to')}: unknown key(s) {sorted(extra)}", path=str(where)
+            raise TableError(
+                f"{where}: [[stack]] {entry.get('to')}: unknown key(s) {sorted(extra)}",
+                kind="unknown_op",
+                path=str(where),
             )
         rules.append(
             Rule(
@@ -228,13 +244,17 @@ def _parse_rules(raw: dict[str, Any], where: str, src: str = "", dst: str = "") 
     for op in ("skip", "refuse"):
         for s, reason in raw.get(op, {}).items():
             if not isinstance(reason, str) or not reason.strip():
-                raise TableError(f"{where}: [{op}] {s}: needs a reason", path=str(where))
+                raise TableError(f"{where}: [{op}] {s}: needs a reason", kind="malformed_table", path=str(where))
             rules.append(Rule(op, (names(s, src),), reason=reason))
     for r in rules:
         if not all(isinstance(x, str) for x in (*r.sources, r.target or "")):
-            raise TableError(f"{where}: {r.label}: names must be strings", path=str(where))
+            raise TableError(f"{where}: {r.label}: names must be strings", kind="malformed_table", path=str(where))
         if r.when is not None and r.when not in EXPERT_DTYPES:
-            raise TableError(f"{where}: {r.label}: when = {r.when!r}; expected one of {EXPERT_DTYPES}", path=str(where))
+            raise TableError(
+                f"{where}: {r.label}: when = {r.when!r}; expected one of {EXPERT_DTYPES}",
+                kind="malformed_table",
+                path=str(where),
+            )
     return rules
 
 
@@ -243,16 +263,22 @@ def _check_placeholders(rule: Rule, where: str) -> None:
     for src in rule.sources:
         for ph in placeholders(src):
             if ph not in PLACEHOLDERS:
-                raise UnboundPlaceholderError(
-                    f"{where}: {rule.label}: unknown placeholder {{{ph}}} in {src}", path=str(where)
+                raise TableError(
+                    f"{where}: {rule.label}: unknown placeholder {{{ph}}} in {src}",
+                    kind="unbound_placeholder",
+                    path=str(where),
                 )
             bound.add(ph)
     if "rest" in bound and rule.op not in ("skip", "refuse"):
-        raise UnboundPlaceholderError(
-            f"{where}: {rule.label}: {{rest}} is for skip and refuse rules only", path=str(where)
+        raise TableError(
+            f"{where}: {rule.label}: {{rest}} is for skip and refuse rules only",
+            kind="unbound_placeholder",
+            path=str(where),
         )
     if rule.op == "stack" and not all("e" in placeholders(s) for s in rule.sources):
-        raise UnboundPlaceholderError(f"{where}: {rule.label}: every stacked source needs {{e}}", path=str(where))
+        raise TableError(
+            f"{where}: {rule.label}: every stacked source needs {{e}}", kind="unbound_placeholder", path=str(where)
+        )
     if rule.target is None:
         return
     available = bound - {"e"} if rule.op == "stack" else set(bound)
@@ -261,8 +287,9 @@ def _check_placeholders(rule: Rule, where: str) -> None:
     for ph in placeholders(rule.target):
         need = DERIVED.get(ph, ph)
         if need not in available:
-            raise UnboundPlaceholderError(
+            raise TableError(
                 f"{where}: {rule.label}: target placeholder {{{ph}}} is not bound by its source(s) {list(rule.sources)}",
+                kind="unbound_placeholder",
                 path=str(where),
             )
     if rule.op != "copy":
@@ -273,8 +300,9 @@ def _check_placeholders(rule: Rule, where: str) -> None:
             - {DERIVED.get(p, p) for p in placeholders(rule.target)}
         )
         if unused:
-            raise UnboundPlaceholderError(
+            raise TableError(
                 f"{where}: {rule.label}: source placeholder(s) {sorted(unused)} do not appear in the target, so two sources would write one parameter",
+                kind="unbound_placeholder",
                 path=str(where),
             )
 
@@ -320,8 +348,9 @@ def validate(
         _check_placeholders(rule, where)
         wrong = sorted({ph for p in (*rule.sources, rule.target or "") for ph in placeholders(p)} & foreign)
         if wrong:
-            raise UnboundPlaceholderError(
+            raise TableError(
                 f"{where}: {rule.label}: placeholder {{{wrong[0]}}} belongs to the other drafter kind; a {table.drafter} table binds {sorted(DRAFTER_PLACEHOLDERS[table.drafter])}",
+                kind="unbound_placeholder",
                 path=str(where),
             )
         if rule.op != "refuse":  # refuse rules describe other formats by design
@@ -329,8 +358,9 @@ def validate(
             for src in rule.sources:
                 rx = compile_pattern(pin(src, pins))
                 if not any(rx.match(k) for k in allowed):
-                    raise DeadRuleError(
+                    raise TableError(
                         f"{where}: {rule.label}: source pattern {src} matches no tensor the native DeepSeek V4 format has: a dead rule",
+                        kind="dead_rule",
                         path=str(where),
                     )
         if rule.target is None:
@@ -340,14 +370,17 @@ def validate(
                 continue
             prior = seen.get((rule.target, dtype))
             if prior is not None:
-                raise DuplicateTargetRuleError(
-                    f"{where}: {rule.label} and {prior.label} both write {rule.target}", path=str(where)
+                raise TableError(
+                    f"{where}: {rule.label} and {prior.label} both write {rule.target}",
+                    kind="duplicate_target_rule",
+                    path=str(where),
                 )
             seen[(rule.target, dtype)] = rule
             for name in bind_target(rule, dtype):
                 if name not in target_keys[dtype]:
-                    raise UnknownTargetError(
+                    raise TableError(
                         f"{where}: {rule.label}: {name} is not a parameter of the {table.target} layout ({dtype} experts)",
+                        kind="unknown_target",
                         path=str(where),
                     )
 
@@ -398,7 +431,8 @@ def require_target(target: str) -> None:
     """TableError (listing the installed targets) unless `target` is one."""
     if target not in installed_targets():
         raise TableError(
-            f"no target {target!r} (installed: {', '.join(installed_targets())}); a target is chosen by name, not path"
+            f"no target {target!r} (installed: {', '.join(installed_targets())}); a target is chosen by name, not path",
+            kind="malformed_table",
         )
 
 
@@ -415,7 +449,8 @@ def table_name_for(target: str, drafter: str) -> str:
     if len(names) != 1:
         have = ", ".join(f"{n} ({h.target}, {h.drafter})" for n, h in _table_headers().items())
         raise TableError(
-            f"target {target!r} has {'no' if not names else 'more than one'} table for {drafter} drafters (installed: {have})"
+            f"target {target!r} has {'no' if not names else 'more than one'} table for {drafter} drafters (installed: {have})",
+            kind="malformed_table",
         )
     return names[0]
 
@@ -428,7 +463,8 @@ def load_table(name: str = "xpu") -> Table:
     installed = installed_tables()
     if name not in installed:
         raise TableError(
-            f"no mapping table {name!r} (installed: {', '.join(installed)}); a table is chosen by name, not path"
+            f"no mapping table {name!r} (installed: {', '.join(installed)}); a table is chosen by name, not path",
+            kind="malformed_table",
         )
     return load_table_file(TABLE_DIR / f"{name}.toml")
 
@@ -437,11 +473,11 @@ def load_table_file(path: Path) -> Table:
     """Load and validate the table file at `path`: for writing and testing a new table
     before it is installed beside xpu.toml. Conversions use `load_table(name)`."""
     if not path.is_file():
-        raise TableError(f"{path}: no such mapping table", path=str(path))
+        raise TableError(f"{path}: no such mapping table", kind="malformed_table", path=str(path))
     try:
         raw = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as exc:
-        raise TableError(f"{path}: not valid TOML ({exc})", path=str(path)) from None
+        raise TableError(f"{path}: not valid TOML ({exc})", kind="malformed_table", path=str(path)) from None
     meta, rules = _parse(raw, path.name)
     table = Table(
         meta["name"],

@@ -12,13 +12,7 @@ from typing import Any
 from huggingface_hub.constants import CONFIG_NAME, SAFETENSORS_INDEX_FILE, SAFETENSORS_SINGLE_FILE
 
 from dsv4.model import strictjson
-from dsv4.model.errors import (
-    DSV4Error,
-    MalformedHeaderError,
-    MissingShardError,
-    UnsafeShardPathError,
-    UnsupportedLayoutError,
-)
+from dsv4.model.errors import CheckpointError, DSV4Error
 
 INDEX_NAME = SAFETENSORS_INDEX_FILE  # model.safetensors.index.json
 SINGLE_FILE = SAFETENSORS_SINGLE_FILE  # model.safetensors: a checkpoint of one file, no index
@@ -50,8 +44,10 @@ def check_shard_name(name: str, index_file: str) -> None:
         or "\\" in name
         or os.path.isabs(name)
     ):
-        raise UnsafeShardPathError(
-            f"{index_file}: shard name {name!r} is not a plain file name inside the checkpoint", path=str(index_file)
+        raise CheckpointError(
+            f"{index_file}: shard name {name!r} is not a plain file name inside the checkpoint",
+            kind="unsafe_shard_path",
+            path=str(index_file),
         )
 
 
@@ -62,34 +58,48 @@ def load_index(raw: bytes, index_file: str) -> dict[str, str]:
     try:
         index = strictjson.loads(raw)
     except strictjson.StrictJSONError as exc:
-        raise MalformedHeaderError(f"{index_file}: not valid JSON ({exc})", path=str(index_file)) from None
+        raise CheckpointError(
+            f"{index_file}: not valid JSON ({exc})", kind="malformed_header", path=str(index_file)
+        ) from None
     if not isinstance(index, dict):
-        raise MalformedHeaderError(
+        raise CheckpointError(
             f"{index_file}: not a safetensors index: the top level is {json_kind(index)}, not an object",
+            kind="malformed_header",
             path=str(index_file),
         )
     if "weight_map" not in index:
-        raise MalformedHeaderError(f"{index_file}: not a safetensors index: no weight_map", path=str(index_file))
+        raise CheckpointError(
+            f"{index_file}: not a safetensors index: no weight_map", kind="malformed_header", path=str(index_file)
+        )
     weight_map = index["weight_map"]
     if not isinstance(weight_map, dict):
-        raise MalformedHeaderError(
-            f"{index_file}: weight_map is {json_kind(weight_map)}, not an object", path=str(index_file)
+        raise CheckpointError(
+            f"{index_file}: weight_map is {json_kind(weight_map)}, not an object",
+            kind="malformed_header",
+            path=str(index_file),
         )
     if not weight_map:
-        raise MalformedHeaderError(f"{index_file}: weight_map lists no tensor", path=str(index_file))
+        raise CheckpointError(
+            f"{index_file}: weight_map lists no tensor", kind="malformed_header", path=str(index_file)
+        )
     for name, shard in weight_map.items():
         if not isinstance(shard, str):
-            raise MalformedHeaderError(
-                f"{index_file}: weight_map[{name!r}] is {json_kind(shard)}, not a shard file name", path=str(index_file)
+            raise CheckpointError(
+                f"{index_file}: weight_map[{name!r}] is {json_kind(shard)}, not a shard file name",
+                kind="malformed_header",
+                path=str(index_file),
             )
     metadata = index.get("metadata", {})
     if not isinstance(metadata, dict):
-        raise MalformedHeaderError(
-            f"{index_file}: metadata is {json_kind(metadata)}, not an object", path=str(index_file)
+        raise CheckpointError(
+            f"{index_file}: metadata is {json_kind(metadata)}, not an object",
+            kind="malformed_header",
+            path=str(index_file),
         )
     if "total_size" in metadata and not (type(metadata["total_size"]) is int and metadata["total_size"] >= 0):
-        raise MalformedHeaderError(
+        raise CheckpointError(
             f"{index_file}: metadata.total_size is {metadata['total_size']!r}, not a non-negative integer",
+            kind="malformed_header",
             path=str(index_file),
         )
     for shard in sorted(set(weight_map.values())):
@@ -109,7 +119,7 @@ def local_weight_map(root: Path) -> tuple[dict[str, str], str]:
 
         with safe_open(single, framework="pt") as f:
             return dict.fromkeys(f.keys(), SINGLE_FILE), SINGLE_FILE
-    raise MissingShardError(f"{root}: neither {INDEX_NAME} nor {SINGLE_FILE} found", path=str(root))
+    raise CheckpointError(f"{root}: neither {INDEX_NAME} nor {SINGLE_FILE} found", kind="missing_shard", path=str(root))
 
 
 MAIN_LAYER = "layers."  # the main model's decoder layers: only a full native checkpoint has them
@@ -122,7 +132,7 @@ def is_full_native(tensor_names: Iterable[str]) -> bool:
 
 
 def refuse_full_native(root: Path, command: str) -> None:
-    """UnsupportedLayoutError naming the command that takes `root`, when the converted
+    """unsupported_layout naming the command that takes `root`, when the converted
     checkpoint `command` was given is a full native one. Anything else wrong with `root`
     is left to the command's own checks."""
     try:
@@ -130,8 +140,9 @@ def refuse_full_native(root: Path, command: str) -> None:
     except (DSV4Error, OSError):
         return
     if is_full_native(weight_map):
-        raise UnsupportedLayoutError(
+        raise CheckpointError(
             f"{root}: is a native DeepSeek V4 checkpoint (the main model's layers.* tensors), not a converted one: "
             f"convert it first (convert-dsv4 {root} OUT --target xpu), then run convert-dsv4 {command} OUT --native {root}",
+            kind="unsupported_layout",
             path=str(root),
         )

@@ -5,9 +5,9 @@ A ModelConfig is valid by construction (`__post_init__` checks every field): eac
 its JSON type (a bool is not an integer, "256" is not a number), its sign, a range with an
 upper bound far above the released models (mapping/README.md#config-fields; model/presets.py holds Flash and
 Pro verbatim) and its relations to other fields. A value out of range, of the wrong type or
-contradicting another field is malformed (ConfigFieldError); a well-formed value this tool
+contradicting another field is malformed (malformed_config); a well-formed value this tool
 has no layout for (another routing, expert storage or model type) is unsupported
-(UnsupportedConfig). Both name the field; `config_errors` adds the file's name.
+(unsupported_layout). Both name the field; `config_errors` adds the file's name.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from dsv4.model.errors import DSV4Error, MalformedConfigError, UnsupportedLayoutError
+from dsv4.model.errors import CheckpointError
 from dsv4.model.strictjson import StrictJSONError, loads
 
 # Upper bounds, each far above the released values (Flash / Pro in brackets): they refuse
@@ -54,23 +54,6 @@ _SHORT.maxlist = _SHORT.maxtuple = 4
 _SHORT.maxdict, _SHORT.maxlevel = 3, 2
 
 
-class ConfigError(DSV4Error, ValueError):
-    """config.json is not a DeepSeek V4 config this tool can use; one line, without the file's
-    name (the caller adds it)."""
-
-
-class ConfigFieldError(ConfigError):
-    """A field is missing, of the wrong type, out of range or contradicts another field."""
-
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(message)
-        self.field = field
-
-
-class UnsupportedConfig(ConfigFieldError):
-    """A well-formed value this tool has no layout for."""
-
-
 def _describe(value: Any) -> str:
     """A value as an error message shows it: in JSON spelling, short however large it is,
     with its JSON kind where that is the fault."""
@@ -95,9 +78,13 @@ def _describe(value: Any) -> str:
 def _int(field: str, value: Any, low: int, high: int) -> None:
     # bool is a subclass of int in Python; in config.json `true` is not a count
     if type(value) is not int:
-        raise ConfigFieldError(field, f"{field} is {_describe(value)}; expected an integer in {low}..{high}")
+        raise CheckpointError(
+            f"{field} is {_describe(value)}; expected an integer in {low}..{high}", kind="malformed_config", field=field
+        )
     if not low <= value <= high:
-        raise ConfigFieldError(field, f"{field} is {value}; expected an integer in {low}..{high}")
+        raise CheckpointError(
+            f"{field} is {value}; expected an integer in {low}..{high}", kind="malformed_config", field=field
+        )
 
 
 def _positive_float(field: str, value: Any, *, zero_ok: bool = False, below: float | None = None) -> None:
@@ -107,17 +94,23 @@ def _positive_float(field: str, value: Any, *, zero_ok: bool = False, below: flo
     ok = number and (value >= 0 if zero_ok else value > 0) and (below is None or value < below)
     if not ok:
         want = f"a finite number {'>= 0' if zero_ok else '> 0'}" + (f" and < {below:g}" if below is not None else "")
-        raise ConfigFieldError(field, f"{field} is {_describe(value)}; expected {want}")
+        raise CheckpointError(f"{field} is {_describe(value)}; expected {want}", kind="malformed_config", field=field)
 
 
 def _int_list(field: str, value: Any, low: int, high: int, lengths: range) -> None:
     """A JSON list of integers (held as a tuple), its length in `lengths`."""
     if type(value) is not tuple:
-        raise ConfigFieldError(field, f"{field} is {_describe(value)}; expected a list of integers in {low}..{high}")
+        raise CheckpointError(
+            f"{field} is {_describe(value)}; expected a list of integers in {low}..{high}",
+            kind="malformed_config",
+            field=field,
+        )
     if len(value) not in lengths:
         want = f"{lengths.start}..{lengths.stop - 1}" if len(lengths) > 1 else f"exactly {lengths.start}"
-        raise ConfigFieldError(
-            field, f"{field} has {len(value)} entr{'y' if len(value) == 1 else 'ies'}; expected {want}"
+        raise CheckpointError(
+            f"{field} has {len(value)} entr{'y' if len(value) == 1 else 'ies'}; expected {want}",
+            kind="malformed_config",
+            field=field,
         )
     for k, item in enumerate(value):
         _int(f"{field}[{k}]", item, low, high)
@@ -125,21 +118,24 @@ def _int_list(field: str, value: Any, low: int, high: int, lengths: range) -> No
 
 def _require_object(value: Any) -> None:
     if not isinstance(value, dict):
-        raise ConfigError(f"the top level is {_describe(value)}; expected a JSON object")
+        raise CheckpointError(f"the top level is {_describe(value)}; expected a JSON object", kind="malformed_config")
 
 
 def _check_model_type(model_type: Any) -> None:
     if type(model_type) is not str:
-        raise ConfigFieldError("model_type", f"model_type is {_describe(model_type)}; expected a string")
+        raise CheckpointError(
+            f"model_type is {_describe(model_type)}; expected a string", kind="malformed_config", field="model_type"
+        )
     if model_type != SUPPORTED_MODEL_TYPE:
         hint = (
             " (DeepSeek V4.1: vLLM 0.33.0 has no XPU draft model for it, mapping/README.md#later-drafters-dspark-and-v41)"
             if model_type == "deepseek_v41"
             else ""
         )
-        raise UnsupportedConfig(
-            "model_type",
+        raise CheckpointError(
             f"model_type {model_type!r}{hint}; this tool converts {SUPPORTED_MODEL_TYPE!r} checkpoints only",
+            kind="unsupported_layout",
+            field="model_type",
         )
 
 
@@ -222,12 +218,18 @@ class ModelConfig:
         _positive_float("swiglu_limit", self.swiglu_limit, zero_ok=True)  # 0: no clamp
         _positive_float("rope_theta", self.rope_theta)
         if type(self.norm_topk_prob) is not bool:
-            raise ConfigFieldError(
-                "norm_topk_prob", f"norm_topk_prob is {_describe(self.norm_topk_prob)}; expected true or false"
+            raise CheckpointError(
+                f"norm_topk_prob is {_describe(self.norm_topk_prob)}; expected true or false",
+                kind="malformed_config",
+                field="norm_topk_prob",
             )
         for field in ("scoring_func", "topk_method", "expert_dtype"):
             if type(getattr(self, field)) is not str:
-                raise ConfigFieldError(field, f"{field} is {_describe(getattr(self, field))}; expected a string")
+                raise CheckpointError(
+                    f"{field} is {_describe(getattr(self, field))}; expected a string",
+                    kind="malformed_config",
+                    field=field,
+                )
         # the length rule of compress_ratios depends on num_hidden_layers: _check_relations
         _int_list(
             "compress_ratios", self.compress_ratios, 0, MAX_COMPRESS_RATIO, range(MAX_LAYERS + MAX_NEXTN_LAYERS + 1)
@@ -238,9 +240,10 @@ class ModelConfig:
         present = [f for f in DSPARK_FIELDS if getattr(self, f) is not None]
         if present and len(present) < len(DSPARK_FIELDS):
             missing = next(f for f in DSPARK_FIELDS if getattr(self, f) is None)
-            raise ConfigFieldError(
-                missing,
+            raise CheckpointError(
                 f"lacks {missing}: a DSpark config has all of {', '.join(DSPARK_FIELDS)} (it has {', '.join(present)})",
+                kind="malformed_config",
+                field=missing,
             )
         if self.n_mtp_layers is not None:
             _int("n_mtp_layers", self.n_mtp_layers, 1, MAX_DSPARK_STAGES)
@@ -254,45 +257,52 @@ class ModelConfig:
         assert ids is not None  # _int_list refused anything but a list
         repeated = sorted({i for i in ids if ids.count(i) > 1})
         if repeated:
-            raise ConfigFieldError(
-                "dspark_target_layer_ids",
+            raise CheckpointError(
                 f"dspark_target_layer_ids names layer {repeated[0]} twice; expected distinct main layers",
+                kind="malformed_config",
+                field="dspark_target_layer_ids",
             )
         if self.n_mtp_layers is not None and self.n_mtp_layers != len(ids):
-            raise ConfigFieldError(
-                "n_mtp_layers",
+            raise CheckpointError(
                 f"n_mtp_layers is {self.n_mtp_layers} but dspark_target_layer_ids has {len(ids)} entries: the stage counts disagree (mapping/README.md#dspark-source-checkpoint)",
+                kind="malformed_config",
+                field="n_mtp_layers",
             )
 
     def _check_relations(self) -> None:
         rd, D = self.qk_rope_head_dim, self.head_dim
         if rd > D or rd % 2:
-            raise ConfigFieldError(
-                "qk_rope_head_dim",
+            raise CheckpointError(
                 f"qk_rope_head_dim is {rd}; RoPE turns pairs of the last dims of a head: expected an even number <= head_dim ({D})",
+                kind="malformed_config",
+                field="qk_rope_head_dim",
             )
         if self.num_attention_heads % self.o_groups:
-            raise ConfigFieldError(
-                "o_groups",
+            raise CheckpointError(
                 f"o_groups is {self.o_groups}; the output projection splits the heads into groups: expected a divisor of num_attention_heads ({self.num_attention_heads})",
+                kind="malformed_config",
+                field="o_groups",
             )
         if self.num_experts_per_tok > self.n_routed_experts:
-            raise ConfigFieldError(
-                "num_experts_per_tok",
+            raise CheckpointError(
                 f"num_experts_per_tok is {self.num_experts_per_tok}, more than n_routed_experts ({self.n_routed_experts})",
+                kind="malformed_config",
+                field="num_experts_per_tok",
             )
         if self.num_hash_layers > self.num_hidden_layers:
-            raise ConfigFieldError(
-                "num_hash_layers",
+            raise CheckpointError(
                 f"num_hash_layers is {self.num_hash_layers}, more than num_hidden_layers ({self.num_hidden_layers})",
+                kind="malformed_config",
+                field="num_hash_layers",
             )
         if self.compress_ratios and self.is_dspark:
             # mapping/README.md#dspark-source-checkpoint: one entry per main layer, then one per drafter stage
             n, want = len(self.compress_ratios), self.num_hidden_layers + self.dspark_stages
             if n != want:
-                raise ConfigFieldError(
-                    "compress_ratios",
+                raise CheckpointError(
                     f"compress_ratios has {n} entries; expected one per main layer (num_hidden_layers = {self.num_hidden_layers}) and one per DSpark stage ({self.dspark_stages}): {want}",
+                    kind="malformed_config",
+                    field="compress_ratios",
                 )
         elif self.compress_ratios:
             # mapping/README.md#config-fields: one entry per main layer, then the MTP layer(s)
@@ -302,42 +312,51 @@ class ModelConfig:
                 self.num_hidden_layers + MAX_NEXTN_LAYERS,
             )
             if not low <= n <= high:
-                raise ConfigFieldError(
-                    "compress_ratios",
+                raise CheckpointError(
                     f"compress_ratios has {n} entries; expected one per main layer (num_hidden_layers = {self.num_hidden_layers}) and one per draft layer: {low}..{high}",
+                    kind="malformed_config",
+                    field="compress_ratios",
                 )
 
     def _check_supported(self) -> None:
         if self.num_nextn_predict_layers == 0:
-            raise UnsupportedConfig(
-                "num_nextn_predict_layers",
+            raise CheckpointError(
                 "num_nextn_predict_layers is 0: the checkpoint has no MTP draft layer to convert",
+                kind="unsupported_layout",
+                field="num_nextn_predict_layers",
             )
         if self.expert_dtype not in EXPERT_DTYPES:
-            raise UnsupportedConfig("expert_dtype", f"unknown expert_dtype {self.expert_dtype!r} (expected fp4 or fp8)")
+            raise CheckpointError(
+                f"unknown expert_dtype {self.expert_dtype!r} (expected fp4 or fp8)",
+                kind="unsupported_layout",
+                field="expert_dtype",
+            )
         # vLLM creates ffn.gate.e_score_correction_bias only for noaux_tc routing (NOTES.md),
         # and the draft's router is sqrtsoftplus (model/README.md#moe-routing)
         for field, want in (("topk_method", "noaux_tc"), ("scoring_func", "sqrtsoftplus")):
             if getattr(self, field) != want:
-                raise UnsupportedConfig(
-                    field,
+                raise CheckpointError(
                     f"topk_method {self.topk_method!r}, scoring_func {self.scoring_func!r}; the XPU MTP layout is defined for noaux_tc routing with sqrtsoftplus scores only",
+                    kind="unsupported_layout",
+                    field=field,
                 )
         if self.n_shared_experts != 1:
-            raise UnsupportedConfig(
-                "n_shared_experts",
+            raise CheckpointError(
                 f"n_shared_experts is {self.n_shared_experts}; the layouts of this tool have exactly one shared expert of width moe_intermediate_size (mapping/README.md#names-of-an-mtp-block)",
+                kind="unsupported_layout",
+                field="n_shared_experts",
             )
         drafts = self.compress_ratios[self.num_hidden_layers :]
         if any(drafts):
-            raise UnsupportedConfig(
-                "compress_ratios",
+            raise CheckpointError(
                 f"compress_ratios gives the draft layer(s) the ratio(s) {list(drafts)}; the MTP layer has no compressor (mapping/README.md#config-fields: its entry is 0)",
+                kind="unsupported_layout",
+                field="compress_ratios",
             )
 
     @classmethod
     def from_dict(cls, raw: Any) -> ModelConfig:
-        """Validate a parsed config.json; ConfigError (naming the field) if it is not usable."""
+        """Validate a parsed config.json; malformed_config (naming the field) if it is not usable."""
         _require_object(raw)
         names = {f.name for f in fields(cls)} - {"weight_block_size"}
         values = {k: v for k, v in raw.items() if k in names}
@@ -346,14 +365,17 @@ class ModelConfig:
                 values[field] = tuple(values[field])
         for field in (*DSPARK_FIELDS, "n_mtp_layers"):
             if field in values and values[field] is None:  # None means absent in the dataclass
-                raise ConfigFieldError(
-                    field,
+                raise CheckpointError(
                     f"{field} is null; expected an integer{' list' if field == 'dspark_target_layer_ids' else ''}",
+                    kind="malformed_config",
+                    field=field,
                 )
         quant = raw.get("quantization_config")
         if quant is not None and not isinstance(quant, dict):
-            raise ConfigFieldError(
-                "quantization_config", f"quantization_config is {_describe(quant)}; expected an object"
+            raise CheckpointError(
+                f"quantization_config is {_describe(quant)}; expected an object",
+                kind="malformed_config",
+                field="quantization_config",
             )
         if quant and "weight_block_size" in quant:
             block = quant["weight_block_size"]
@@ -363,7 +385,9 @@ class ModelConfig:
         _check_model_type(values.get("model_type", SUPPORTED_MODEL_TYPE))
         missing = [f.name for f in fields(cls) if f.default is MISSING and f.name not in values]
         if missing:
-            raise ConfigFieldError(missing[0], f"lacks required field(s): {', '.join(missing)}")
+            raise CheckpointError(
+                f"lacks required field(s): {', '.join(missing)}", kind="malformed_config", field=missing[0]
+            )
         return cls(**values)
 
     @classmethod
@@ -372,7 +396,7 @@ class ModelConfig:
 
     @classmethod
     def from_file(cls, path: str | Path) -> ModelConfig:
-        """Read and validate `path`; OSError if it cannot be read, ConfigError if unusable."""
+        """Read and validate `path`; OSError if it cannot be read, malformed_config if unusable."""
         return cls.from_json(Path(path).read_bytes())
 
     @property
@@ -400,9 +424,10 @@ class ModelConfig:
         """Refuse, naming the field, a config that promises more draft blocks than a
         checkpoint holds (`blocks`: the prefixes present, e.g. ["mtp.0"])."""
         if len(blocks) < self.num_nextn_predict_layers:
-            raise UnsupportedConfig(
-                "num_nextn_predict_layers",
+            raise CheckpointError(
                 f"num_nextn_predict_layers = {self.num_nextn_predict_layers} but the shards hold {len(blocks)} draft block(s) ({', '.join(blocks) or 'none'}) (keys and config disagree)",
+                kind="unsupported_layout",
+                field="num_nextn_predict_layers",
             )
 
     def mtp_layer_index(self, i: int) -> int:
@@ -416,7 +441,7 @@ def parse_config(raw: bytes | str) -> dict[str, Any]:
     try:
         value = loads(raw)
     except StrictJSONError as exc:
-        raise ConfigError(str(exc)) from None
+        raise CheckpointError(str(exc), kind="malformed_config") from None
     _require_object(value)
     return value
 
@@ -424,11 +449,11 @@ def parse_config(raw: bytes | str) -> dict[str, Any]:
 @contextmanager
 def config_errors(where: str) -> Iterator[None]:
     """The config verdicts as every command reports them (plan, convert, check, the loader):
-    unsupported -> UnsupportedLayoutError, anything else -> MalformedConfigError; `where`
+    unsupported -> unsupported_layout, anything else -> malformed_config; `where`
     (the config.json's path) heads the one-line message."""
     try:
         yield
-    except UnsupportedConfig as exc:
-        raise UnsupportedLayoutError(f"{where}: {exc}", path=where) from None
-    except ConfigError as exc:
-        raise MalformedConfigError(f"{where}: {exc}", path=where) from None
+    except CheckpointError as exc:
+        if exc.kind not in ("malformed_config", "unsupported_layout"):
+            raise
+        raise CheckpointError(f"{where}: {exc}", kind=exc.kind, path=where, field=exc.field) from None

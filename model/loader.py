@@ -22,14 +22,7 @@ from dsv4.model.checkpoint import CONFIG, local_weight_map, refuse_full_native
 from dsv4.model.config import ModelConfig, config_errors
 from dsv4.model.dspark import DSparkDraft
 from dsv4.model.dtypes import SAFETENSORS_NAMES
-from dsv4.model.errors import (
-    DtypeMismatchError,
-    LoadError,
-    MissingConfigError,
-    MissingKeyError,
-    ShapeMismatchError,
-    UnexpectedKeyError,
-)
+from dsv4.model.errors import CheckpointError, LoadError
 from dsv4.model.layout import build_draft_model, draft_layers_present
 from dsv4.model.mtp import DeepSeekV4MTP
 from dsv4.model.record import LayoutRecord, RecordError
@@ -43,10 +36,12 @@ def default_device() -> torch.device:
 
 def converted_config(root: Path) -> ModelConfig:
     """The validated config.json of converted checkpoint `root`, with the same verdicts as
-    plan, convert and check (MissingConfigError, MalformedConfigError, UnsupportedLayoutError)."""
+    plan, convert and check (missing_config, malformed_config, unsupported_layout)."""
     config_path = root / CONFIG
     if not config_path.is_file():
-        raise MissingConfigError(f"{config_path}: no config.json in the converted checkpoint", path=str(config_path))
+        raise CheckpointError(
+            f"{config_path}: no config.json in the converted checkpoint", kind="missing_config", path=str(config_path)
+        )
     with config_errors(str(config_path)):
         return ModelConfig.from_file(config_path)
 
@@ -68,24 +63,29 @@ def load_state(
 ) -> DeepSeekV4MTP | DSparkDraft:
     """The draft model for `cfg` with `state` (the xpu layout's names, e.g. planned in
     memory from a native-named checkpoint) loaded strictly: a missing or extra name is
-    MissingKeyError / UnexpectedKeyError, a shape or dtype other than the model's
-    ShapeMismatchError / DtypeMismatchError."""
+    missing_key / unexpected_key, a shape or dtype other than the model's
+    shape_mismatch / dtype_mismatch."""
     dev = torch.device(device) if device is not None else default_device()
     model = build_draft_model(cfg)
     expected = model.state_dict()
     for name in sorted(set(expected) - set(state)):
-        raise MissingKeyError(f"missing tensor {name} (a parameter of the draft model)", tensor=name)
+        raise LoadError(f"missing tensor {name} (a parameter of the draft model)", kind="missing_key", tensor=name)
     for name in sorted(set(state) - set(expected)):
-        raise UnexpectedKeyError(f"unexpected tensor {name} (not a parameter of the draft model)", tensor=name)
+        raise LoadError(
+            f"unexpected tensor {name} (not a parameter of the draft model)", kind="unexpected_key", tensor=name
+        )
     for name, want in expected.items():
         got = state[name]
         if tuple(got.shape) != tuple(want.shape):
-            raise ShapeMismatchError(
-                f"tensor {name} has shape {list(got.shape)}, the model expects {list(want.shape)}", tensor=name
+            raise LoadError(
+                f"tensor {name} has shape {list(got.shape)}, the model expects {list(want.shape)}",
+                kind="shape_mismatch",
+                tensor=name,
             )
         if got.dtype != want.dtype:
-            raise DtypeMismatchError(
+            raise LoadError(
                 f"tensor {name} has dtype {SAFETENSORS_NAMES[got.dtype]}, the model expects {SAFETENSORS_NAMES[want.dtype]}",
+                kind="dtype_mismatch",
                 tensor=name,
             )
     model.load_state_dict({k: v.to(dev) for k, v in state.items()}, strict=True, assign=True)
@@ -96,10 +96,10 @@ def load_converted(path: str | Path, device: str | torch.device | None = None) -
     """Build the draft model for `path`/config.json (DSparkDraft for a DSpark config, mapping/README.md#dspark-v4-flash-0731;
     else DeepSeekV4MTP) and load the converted weights strictly.
 
-    Raises MissingKeyError, UnexpectedKeyError, ShapeMismatchError, DtypeMismatchError
+    Raises missing_key, unexpected_key, shape_mismatch, dtype_mismatch
     (all LoadError) naming the first offending tensor and its file; a config.json the
-    converter would refuse raises the converter's error (MissingConfigError,
-    MalformedConfigError, UnsupportedLayoutError).
+    converter would refuse raises the converter's error (missing_config,
+    malformed_config, unsupported_layout).
     """
     root = Path(path)
     config_path = root / CONFIG
@@ -115,8 +115,9 @@ def load_converted(path: str | Path, device: str | torch.device | None = None) -
     expected = model.state_dict()
     for name in expected:
         if name not in weight_map:
-            raise MissingKeyError(
+            raise LoadError(
                 f"{root / index_file}: missing tensor {name} (a parameter of the draft model)",
+                kind="missing_key",
                 path=str(root / index_file),
                 tensor=name,
             )
@@ -129,21 +130,28 @@ def load_converted(path: str | Path, device: str | torch.device | None = None) -
     for file, names in sorted(by_file.items()):
         shard = root / file
         if not shard.is_file():
-            raise LoadError(f"{shard}: shard named in {index_file} does not exist", path=str(shard))
+            raise LoadError(f"{shard}: shard named in {index_file} does not exist", kind="load_failed", path=str(shard))
         with safe_open(shard, framework="pt") as f:
             in_file = set(f.keys())
             for name in sorted(in_file - set(names)):
-                raise UnexpectedKeyError(
-                    f"{shard}: unexpected tensor {name} (not listed in {index_file})", path=str(shard), tensor=name
+                raise LoadError(
+                    f"{shard}: unexpected tensor {name} (not listed in {index_file})",
+                    kind="unexpected_key",
+                    path=str(shard),
+                    tensor=name,
                 )
             for name in sorted(names):
                 if name not in in_file:
-                    raise MissingKeyError(
-                        f"{shard}: tensor {name} is listed in {index_file} but absent", path=str(shard), tensor=name
+                    raise LoadError(
+                        f"{shard}: tensor {name} is listed in {index_file} but absent",
+                        kind="missing_key",
+                        path=str(shard),
+                        tensor=name,
                     )
                 if name not in expected:
-                    raise UnexpectedKeyError(
+                    raise LoadError(
                         f"{shard}: unexpected tensor {name} (not a parameter of the draft model)",
+                        kind="unexpected_key",
                         path=str(shard),
                         tensor=name,
                     )
@@ -151,14 +159,16 @@ def load_converted(path: str | Path, device: str | torch.device | None = None) -
                 sl = f.get_slice(name)
                 dtype, shape = sl.get_dtype(), tuple(sl.get_shape())
                 if shape != tuple(want.shape):
-                    raise ShapeMismatchError(
+                    raise LoadError(
                         f"{shard}: tensor {name} has shape {list(shape)}, the model expects {list(want.shape)}",
+                        kind="shape_mismatch",
                         path=str(shard),
                         tensor=name,
                     )
                 if dtype != SAFETENSORS_NAMES[want.dtype]:
-                    raise DtypeMismatchError(
+                    raise LoadError(
                         f"{shard}: tensor {name} has dtype {dtype}, the model expects {SAFETENSORS_NAMES[want.dtype]}",
+                        kind="dtype_mismatch",
                         path=str(shard),
                         tensor=name,
                     )

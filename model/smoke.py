@@ -19,7 +19,7 @@ from dsv4.model import kernels
 from dsv4.model.config import ModelConfig, config_errors
 from dsv4.model.dspark import DraftBlock, DSparkDraft, target_features
 from dsv4.model.dspark_reference import DSparkReference, ReferenceBlock
-from dsv4.model.errors import DtypeMismatchError, LoadError, MissingKeyError, ShapeMismatchError, SmokeCheckError
+from dsv4.model.errors import LoadError
 from dsv4.model.loader import default_device, load_converted
 from dsv4.model.mtp import MoE
 from dsv4.model.parity import (
@@ -100,16 +100,21 @@ def run_smoke(
     report["hidden_shape"], report["logits_shape"] = list(h.shape), list(logits.shape)
     where = f"{out_dir}"
     if tuple(h.shape) != (tokens, cfg.hc_dim):
-        raise SmokeCheckError(
-            f"{where}: forward returned {list(h.shape)}, expected {[tokens, cfg.hc_dim]}", path=str(where)
+        raise LoadError(
+            f"{where}: forward returned {list(h.shape)}, expected {[tokens, cfg.hc_dim]}",
+            kind="smoke_output",
+            path=str(where),
         )
     if tuple(logits.shape) != (tokens, cfg.vocab_size):
-        raise SmokeCheckError(
+        raise LoadError(
             f"{where}: compute_logits returned {list(logits.shape)}, expected {[tokens, cfg.vocab_size]}",
+            kind="smoke_output",
             path=str(where),
         )
     if not (torch.isfinite(h).all() and torch.isfinite(logits).all()):
-        raise SmokeCheckError(f"{where}: non-finite values in the draft's hidden states or logits", path=str(where))
+        raise LoadError(
+            f"{where}: non-finite values in the draft's hidden states or logits", kind="smoke_output", path=str(where)
+        )
 
     if reference_dir is not None:
         # one side at a time: the model's mapped shards, with the pages its forward made
@@ -144,8 +149,8 @@ FEATURE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # target featur
 def read_target_features(path: str | Path, cfg: ModelConfig) -> torch.Tensor:
     """The target features of a DSpark smoke from safetensors file `path`: tensors `h_{l}` for
     l in dspark_target_layer_ids, each [T_ctx, H] (the same T_ctx), as [T_ctx, T*H] bf16.
-    Other tensors in the file are not read. LoadError (MissingKeyError, ShapeMismatchError,
-    DtypeMismatchError; a non-finite value) naming the file and the tensor otherwise."""
+    Other tensors in the file are not read. LoadError (missing_key, shape_mismatch,
+    dtype_mismatch; a non-finite value) naming the file and the tensor otherwise."""
     ids = cfg.dspark_target_layer_ids
     assert ids is not None
     per_layer: list[torch.Tensor] = []
@@ -155,8 +160,9 @@ def read_target_features(path: str | Path, cfg: ModelConfig) -> torch.Tensor:
             for layer in ids:
                 name = f"h_{layer}"
                 if name not in present:
-                    raise MissingKeyError(
+                    raise LoadError(
                         f"{path}: no tensor {name} (the target features are h_l for dspark_target_layer_ids {list(ids)})",
+                        kind="missing_key",
                         path=str(path),
                         tensor=name,
                     )
@@ -165,12 +171,16 @@ def read_target_features(path: str | Path, cfg: ModelConfig) -> torch.Tensor:
                 shape = tuple(t.shape)
                 if len(shape) != 2 or shape[1] != cfg.hidden_size or shape[0] == 0 or shape[0] != (rows or shape[0]):
                     want = f"[{rows or 'T_ctx >= 1'}, {cfg.hidden_size}]"
-                    raise ShapeMismatchError(
-                        f"{path}: tensor {name} has shape {list(shape)}, expected {want}", path=str(path), tensor=name
+                    raise LoadError(
+                        f"{path}: tensor {name} has shape {list(shape)}, expected {want}",
+                        kind="shape_mismatch",
+                        path=str(path),
+                        tensor=name,
                     )
                 if t.dtype not in FEATURE_DTYPES:
-                    raise DtypeMismatchError(
+                    raise LoadError(
                         f"{path}: tensor {name} has dtype {t.dtype}, expected a float (bf16, f16 or f32)",
+                        kind="dtype_mismatch",
                         path=str(path),
                         tensor=name,
                     )
@@ -178,6 +188,7 @@ def read_target_features(path: str | Path, cfg: ModelConfig) -> torch.Tensor:
                 if not bool(torch.isfinite(t).all()):  # else the draft's output is non-finite and the checkpoint blamed
                     raise LoadError(
                         f"{path}: tensor {name} holds {int((~torch.isfinite(t)).sum()):,} non-finite value(s) (NaN or Inf, in bf16): target features are finite",
+                        kind="load_failed",
                         path=str(path),
                         tensor=name,
                     )
@@ -185,6 +196,7 @@ def read_target_features(path: str | Path, cfg: ModelConfig) -> torch.Tensor:
     except (SafetensorError, OSError) as exc:
         raise LoadError(
             f"{path}: not a readable safetensors file ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})",
+            kind="load_failed",
             path=str(path),
         ) from None
     return target_features(per_layer)
@@ -215,8 +227,10 @@ def run_dspark_smoke(
     }
     model, report["load_ms"] = _timed(dev, lambda: (load or (lambda d: load_converted(out_dir, d)))(dev))
     if not isinstance(model, DSparkDraft):
-        raise SmokeCheckError(
-            f"{out_dir}: not a DSpark checkpoint (its config.json has no dspark_* fields)", path=str(out_dir)
+        raise LoadError(
+            f"{out_dir}: not a DSpark checkpoint (its config.json has no dspark_* fields)",
+            kind="smoke_output",
+            path=str(out_dir),
         )
     cfg = model.config
     gen = torch.Generator().manual_seed(seed)
@@ -247,12 +261,17 @@ def run_dspark_smoke(
     report["hidden_shape"], report["logits_shape"] = list(h.shape), list(logits.shape)
     report["draft_tokens"] = tokens.tolist()
     if tuple(h.shape) != (B, cfg.hc_dim) or tuple(logits.shape) != (B, cfg.vocab_size) or tuple(tokens.shape) != (B,):
-        raise SmokeCheckError(
+        raise LoadError(
             f"{out_dir}: the draft returned hidden {list(h.shape)}, logits {list(logits.shape)}, tokens {list(tokens.shape)}; expected {[B, cfg.hc_dim]}, {[B, cfg.vocab_size]}, {[B]}",
+            kind="smoke_output",
             path=str(out_dir),
         )
     if not (torch.isfinite(h).all() and torch.isfinite(base).all() and torch.isfinite(logits).all()):
-        raise SmokeCheckError(f"{out_dir}: non-finite values in the draft's hidden states or logits", path=str(out_dir))
+        raise LoadError(
+            f"{out_dir}: non-finite values in the draft's hidden states or logits",
+            kind="smoke_output",
+            path=str(out_dir),
+        )
 
     if reference_dir is not None:
         # both sides at once: dspark_against_reference runs the model again with the

@@ -20,7 +20,7 @@ from huggingface_hub import ModelCard
 from inprocess import run_main
 
 from dsv4.convert.batch import Source, load_manifest, run_check, select_shard, shard_from_env
-from dsv4.convert.errors import ConfigCheckError, ManifestError
+from dsv4.convert.errors import CheckError, HubError
 from dsv4.convert.pipeline import CONVERSION_RECORD, convert
 from dsv4.convert.synth import write_checkpoint
 
@@ -79,7 +79,7 @@ def test_batch_isolates_failures_reruns_idempotently_and_picks_up_a_fix(
     env = hub_env(hub, tmp_path / "hf")
 
     r = run_cli("batch", str(manifest), env=env)
-    assert r.returncode == 66, r.stderr  # BatchFailedError: some repo failed
+    assert r.returncode == 66, r.stderr  # batch_failed: some repo failed
     rep = report_of(report)
     assert [e["repo"] for e in rep["converted"]] == ["org/alpha", "org/beta"]
     assert [(e["repo"], e["exit_code"]) for e in rep["failed"]] == [("org/gamma", 35)]
@@ -122,9 +122,9 @@ def test_push_uploads_through_the_hub_once_and_never_writes_the_token(
     # without a token the fake hub refuses writes: the push fails, and only the push
     runs.append(r := run_cli("batch", str(manifest), "--push", env=hub_env(hub, tmp_path / "hf")))
     assert r.returncode == 66, r.stderr
-    assert {(e["repo"], e["error"]) for e in report_of(report)["failed"]} == {
-        ("org/alpha", "PushError"),
-        ("org/beta", "PushError"),
+    assert {(e["repo"], e["error"], e["kind"]) for e in report_of(report)["failed"]} == {
+        ("org/alpha", "HubError", "push_failed"),
+        ("org/beta", "HubError", "push_failed"),
     }
     assert hub.pushed == []
 
@@ -319,8 +319,9 @@ def test_manifest_forms_and_outputs(tmp_path: Path) -> None:
 def test_manifest_errors_name_file_and_key(tmp_path: Path, text: str, words: str) -> None:
     path = tmp_path / "m.toml"
     path.write_text(text)
-    with pytest.raises(ManifestError) as err:
+    with pytest.raises(HubError) as err:
         load_manifest(path)
+    assert err.value.kind == "bad_manifest"
     assert words in str(err.value) and str(path) in str(err.value) and "\n" not in str(err.value)
 
 
@@ -362,10 +363,11 @@ def test_run_check_uses_the_checker_where_installed(monkeypatch: pytest.MonkeyPa
     monkeypatch.setitem(sys.modules, "dsv4.convert.check", fake)
     assert run_check(tmp_path) == "fine" and checked == [tmp_path]
 
-    failure = ConfigCheckError(f"{tmp_path}/config.json: no conversion record")
+    failure = CheckError(f"{tmp_path}/config.json: no conversion record", kind="config_check")
     fake.run_checks = lambda path: Report(failure)  # type: ignore[attr-defined]
-    with pytest.raises(ConfigCheckError):
+    with pytest.raises(CheckError) as raised:
         run_check(tmp_path)
+    assert raised.value.kind == "config_check"
 
     monkeypatch.setitem(sys.modules, "dsv4.convert.check", None)  # not installed
     assert run_check(tmp_path) == "unavailable"

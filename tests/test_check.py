@@ -228,7 +228,7 @@ def test_junit_lists_one_case_per_check_and_the_failure_with_its_reason(out: Pat
     assert list(cases) == CHECKS
     failure = cases["layout"].find("failure")
     assert failure is not None and f"model.layers.{L}.enorm.weight" in failure.get("message")
-    assert failure.get("type") == "MissingTensorsError"
+    assert failure.get("type") == "missing_tensors"
     assert cases["checksums"].find("skipped") is not None and cases["smoke"].find("skipped") is not None
     assert cases["index"].find("failure") is None and cases["index"].find("skipped") is None
     suite = root.find("testsuite")

@@ -16,7 +16,7 @@ from inprocess import run_main
 from dsv4.convert import cli as cli_module
 from dsv4.convert.batch import load_manifest
 from dsv4.convert.check import run_checks
-from dsv4.convert.errors import ManifestError, RepoNotFound
+from dsv4.convert.errors import HubError
 from dsv4.convert.pipeline import convert
 from dsv4.convert.sizes import shard_size
 from dsv4.mapping.errors import TableError
@@ -82,8 +82,9 @@ def test_convert_and_batch_refuse_the_same_size_for_the_same_reason(
     assert code == 2 and reason in one_error_line(err)
     manifest = tmp_path / "m.toml"
     manifest.write_text(f'sources = ["org/a"]\n[options]\nmax_shard_size = {value}\n')
-    with pytest.raises(ManifestError) as refused:
+    with pytest.raises(HubError) as refused:
         load_manifest(manifest)
+    assert refused.value.kind == "bad_manifest"
     assert "options.max_shard_size" in str(refused.value) and reason in str(refused.value)
 
 
@@ -93,8 +94,9 @@ def test_convert_and_batch_refuse_the_same_size_for_the_same_reason(
 def test_batch_refuses_a_shard_size_that_is_no_integer(toml_value: str, tmp_path: Path) -> None:
     manifest = tmp_path / "m.toml"
     manifest.write_text(f'sources = ["org/a"]\n[options]\nmax_shard_size = {toml_value}\n')
-    with pytest.raises(ManifestError, match=r"options\.max_shard_size"):
+    with pytest.raises(HubError, match=r"options\.max_shard_size") as raised:
         load_manifest(manifest)
+    assert raised.value.kind == "bad_manifest"
 
 
 @pytest.mark.parametrize(
@@ -373,7 +375,9 @@ def test_ctrl_c_exits_130_with_one_line(
 def test_an_error_message_quoting_a_newline_stays_one_line(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setattr("dsv4.convert.pipeline.convert", raising(TableError("x.toml: tensor 'a\nb' is odd")))
+    monkeypatch.setattr(
+        "dsv4.convert.pipeline.convert", raising(TableError("x.toml: tensor 'a\nb' is odd", kind="malformed_table"))
+    )
     code, _, err = run_main(monkeypatch, capsys, str(tmp_path / "in"), str(tmp_path / "out"))
     assert (code, one_error_line(err)) == (20, "error: x.toml: tensor 'a\\nb' is odd")
 
@@ -387,7 +391,7 @@ def test_outputs_below_a_file_end_in_one_line(
     manifest = tmp_path / "m.toml"
     manifest.write_text('sources = ["org/a"]\n')
     monkeypatch.setattr(
-        "dsv4.convert.batch.resolve_commit", raising(RepoNotFound("org/a: no such repo"))
+        "dsv4.convert.batch.resolve_commit", raising(HubError("org/a: no such repo", kind="repo_not_found"))
     )  # no network in tests
     for (
         args
@@ -410,8 +414,9 @@ def test_manifest_templates_take_bare_placeholders_only(template: str, tmp_path:
     """str.format would run attribute access and a gigabyte of padding from the manifest."""
     manifest = tmp_path / "m.toml"
     manifest.write_text(f'sources = ["org/a"]\n[output]\nname = "{template}"\n')
-    with pytest.raises(ManifestError, match=r"output\.name: bad template .* is not a placeholder"):
+    with pytest.raises(HubError, match=r"output\.name: bad template .* is not a placeholder") as raised:
         load_manifest(manifest)
+    assert raised.value.kind == "bad_manifest"
 
 
 @pytest.mark.parametrize("command", ["smoke", "check"])

@@ -21,7 +21,6 @@ from dsv4.convert.pipeline import convert
 from dsv4.convert.plan import plan_conversion
 from dsv4.convert.writer import ShardWriter
 from dsv4.mapping.table import load_table
-from dsv4.model import errors as model_errors
 from dsv4.model.checkpoint import INDEX_NAME
 
 L = "model.layers.2."  # tiny: num_hidden_layers = 2
@@ -239,7 +238,7 @@ def test_missing_shard_exit_code(tiny_native: Path, tmp_path: Path) -> None:
         os.link(p, src / p.name)
     (src / "model-00005-of-00005.safetensors").unlink()
     r = cli(str(src), str(tmp_path / "out"))
-    assert r.returncode == code_of(model_errors.MissingShardError)
+    assert r.returncode == code_of("missing_shard")
     assert "model-00005-of-00005.safetensors" in r.stderr and len(r.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "out").exists()
 
@@ -252,7 +251,7 @@ def test_truncated_shard_exit_code(tiny_native: Path, tmp_path: Path) -> None:
     mtp = src / "model-00005-of-00005.safetensors"
     os.truncate(mtp, mtp.stat().st_size - 100)
     r = cli(str(src), str(tmp_path / "out"))
-    assert r.returncode == code_of(model_errors.TruncatedShardError)
+    assert r.returncode == code_of("truncated_shard")
     assert "model-00005-of-00005.safetensors: tensor mtp.0." in r.stderr
     assert not (tmp_path / "out").exists()
 
@@ -262,10 +261,10 @@ def test_non_empty_output_is_refused(tiny_native: Path, tmp_path: Path) -> None:
     out.mkdir()
     (out / "precious.txt").write_text("keep me")
     r = cli(str(tiny_native), str(out))
-    assert r.returncode == code_of(errors.OutputExistsError) and "--overwrite" in r.stderr
+    assert r.returncode == code_of("output_exists") and "--overwrite" in r.stderr
     assert sorted(p.name for p in out.iterdir()) == ["precious.txt"]
     # --overwrite replaces only a previous output of this tool (tests/test_output_safety.py)
-    assert cli(str(tiny_native), str(out), "--overwrite", "-q").returncode == code_of(errors.OverwriteRefusedError)
+    assert cli(str(tiny_native), str(out), "--overwrite", "-q").returncode == code_of("overwrite_refused")
     assert sorted(p.name for p in out.iterdir()) == ["precious.txt"]
 
 
@@ -273,10 +272,10 @@ def test_distinct_exit_codes_for_distinct_failures() -> None:
     assert (
         len(
             {
-                code_of(model_errors.MissingShardError),
-                code_of(model_errors.TruncatedShardError),
-                code_of(errors.OutputExistsError),
-                code_of(errors.WriteFailedError),
+                code_of("missing_shard"),
+                code_of("truncated_shard"),
+                code_of("output_exists"),
+                code_of("write_failed"),
             }
         )
         == 4
@@ -296,8 +295,9 @@ def test_disk_full_leaves_no_final_directory(
         return real_write(self, name, data, at)
 
     monkeypatch.setattr(ShardWriter, "write", failing_write)
-    with pytest.raises(errors.WriteFailedError, match="No space left on device"):
+    with pytest.raises(errors.OutputError, match="No space left on device") as raised:
         convert(tiny_native, tmp_path / "out")
+    assert raised.value.kind == "write_failed"
     assert not (tmp_path / "out").exists()
     monkeypatch.undo()
     assert convert(tiny_native, tmp_path / "out").status == "resumed"

@@ -19,7 +19,7 @@ from edits import edit_config, edit_tensors
 from inprocess import run_main
 
 from dsv4.convert.check import run_checks
-from dsv4.convert.errors import OutputExistsError, UncoveredKeyError
+from dsv4.convert.errors import OutputError, PlanError
 from dsv4.convert.inventory import read_inventory
 from dsv4.convert.pipeline import convert
 from dsv4.convert.plan import choose_table, plan_conversion
@@ -332,8 +332,9 @@ def test_a_keep_rule_for_a_name_the_native_format_lacks_is_a_dead_rule(tmp_path:
     text = (TABLE_DIR / "draft.toml").read_text()
     bad = tmp_path / "bad.toml"
     bad.write_text(text.replace('"mtp.{i}.enorm.weight",', '"mtp.{i}.enorm.weight", "mtp.{i}.ffn.norm_gate.weight",'))
-    with pytest.raises(mapping_errors.DeadRuleError, match="norm_gate"):
+    with pytest.raises(mapping_errors.TableError, match="norm_gate") as raised:
         load_table_file(bad)
+    assert raised.value.kind == "dead_rule"
 
 
 def test_a_table_missing_a_kept_tensor_cannot_plan(natives: dict[str, Path], tmp_path: Path) -> None:
@@ -342,8 +343,9 @@ def test_a_table_missing_a_kept_tensor_cannot_plan(natives: dict[str, Path], tmp
     bad.write_text(text.replace('"mtp.{i}.enorm.weight", ', ""))
     table = load_table_file(bad)
     inv = read_inventory(natives["instruct"])
-    with pytest.raises(UncoveredKeyError, match="mtp.0.enorm.weight"):
+    with pytest.raises(PlanError, match="mtp.0.enorm.weight") as raised:
         plan_conversion(inv, table)
+    assert raised.value.kind == "uncovered_key"
 
 
 def test_keep_in_an_include_needs_equal_source_and_target_prefixes(tmp_path: Path) -> None:
@@ -432,7 +434,8 @@ def test_a_changed_source_config_is_not_up_to_date(tiny_native: Path, tmp_path: 
     (native / "config.json").write_bytes(
         (native / "config.json").read_bytes().replace(b"\n}", b',\n  "_name_or_path": "edited"\n}')
     )
-    with pytest.raises(OutputExistsError):  # not up to date: replacing it takes --overwrite
+    with pytest.raises(OutputError) as raised:  # not up to date: replacing it takes --overwrite
         convert(native, out, target="draft")
+    assert raised.value.kind == "output_exists"
     convert(native, out, target="draft", overwrite=True)
     assert (out / "config.json").read_bytes() == (native / "config.json").read_bytes()

@@ -182,9 +182,10 @@ def test_a_rule_naming_a_stage_needs_no_stage_in_its_target_but_a_per_stage_rule
         tmp_path, '"mtp.{last}.norm.weight" = "model.norm.weight"', '"mtp.{s}.norm.weight" = "model.norm.weight"'
     )
     with pytest.raises(
-        mapping_errors.UnboundPlaceholderError, match=r"source placeholder\(s\) \['s'\] do not appear in the target"
-    ):
+        mapping_errors.TableError, match=r"source placeholder\(s\) \['s'\] do not appear in the target"
+    ) as raised:
         load_table_file(bad)
+    assert raised.value.kind == "unbound_placeholder"
 
 
 def test_a_table_binds_only_its_own_drafters_block_placeholders(tmp_path: Path) -> None:
@@ -194,10 +195,11 @@ def test_a_table_binds_only_its_own_drafters_block_placeholders(tmp_path: Path) 
         '"mtp.{i}.norm.weight" = "model.layers.{L}.norm.weight"',
     )
     with pytest.raises(
-        mapping_errors.UnboundPlaceholderError,
+        mapping_errors.TableError,
         match=r"placeholder \{L\} belongs to the other drafter kind; a dspark table binds \['first', 'last', 's'\]",
-    ):
+    ) as raised:
         load_table_file(bad)
+    assert raised.value.kind == "unbound_placeholder"
 
 
 @pytest.mark.parametrize(
@@ -211,9 +213,10 @@ def test_a_rule_for_a_tensor_of_another_stage_is_a_dead_rule(tmp_path: Path, old
     """norm.weight is the last stage's and main_proj stage 0's (mapping/README.md#dspark-source-checkpoint): a rule
     pinned to the other stage can never fire, and the loader says so."""
     with pytest.raises(
-        mapping_errors.DeadRuleError, match=rf"source pattern {re.escape(new.strip(chr(34)))} matches no tensor"
-    ):
+        mapping_errors.TableError, match=rf"source pattern {re.escape(new.strip(chr(34)))} matches no tensor"
+    ) as raised:
         load_table_file(dspark_table_with(tmp_path, old, new))
+    assert raised.value.kind == "dead_rule"
 
 
 @pytest.mark.parametrize("name", ["../xpu", "nope", "/work/x"])
@@ -236,9 +239,10 @@ def test_an_include_names_exactly_file_source_and_target(tmp_path: Path) -> None
 def test_an_include_with_the_wrong_prefix_writes_parameters_the_model_lacks(tmp_path: Path) -> None:
     bad = dspark_table_with(tmp_path, 'target = "model.layers.{s}."', 'target = "model.layers.{s}.mtp_block."')
     with pytest.raises(
-        mapping_errors.UnknownTargetError, match=r"model.layers.0.mtp_block.hc_attn_fn is not a parameter"
-    ):
+        mapping_errors.TableError, match=r"model.layers.0.mtp_block.hc_attn_fn is not a parameter"
+    ) as raised:
         load_table_file(bad)
+    assert raised.value.kind == "unknown_target"
 
 
 # --- values -------------------------------------------------------------------------------
@@ -469,7 +473,7 @@ def refusal(inv: Inventory) -> model_errors.DSV4Error:
 )
 def test_tensors_a_dspark_stage_must_not_hold_are_refused(native: Path, add: dict[str, str], words: str) -> None:
     exc = refusal(with_tensors(read_inventory(native), add))
-    assert isinstance(exc, model_errors.UnsupportedLayoutError) and exit_code(exc) == 35
+    assert (isinstance(exc, model_errors.CheckpointError) and exc.kind == "unsupported_layout") and exit_code(exc) == 35
     assert words in str(exc)
 
 
@@ -480,8 +484,9 @@ def test_a_missing_stage_is_refused(native: Path) -> None:
 
 def test_reverse_refuses_a_dspark_output_missing_a_stage(xpu: Path) -> None:
     inv = with_tensors(read_inventory(xpu), drop="model.layers.1.")
-    with pytest.raises(model_errors.UnsupportedLayoutError, match=r"stage\(s\) \[0, 2\]: stage 1 is missing"):
+    with pytest.raises(model_errors.CheckpointError, match=r"stage\(s\) \[0, 2\]: stage 1 is missing") as raised:
         plan_reverse(inv, choose_table("xpu", inv, "reverse"))
+    assert raised.value.kind == "unsupported_layout"
 
 
 def test_main_proj_without_dspark_fields_is_refused_on_the_command_line(
@@ -523,7 +528,7 @@ def test_disagreeing_stage_counts_are_refused(native: Path) -> None:
     inv = read_inventory(native)
     exc = refusal(dataclasses.replace(inv, config={**inv.config, "n_mtp_layers": 2}))
     # the config loader's verdict (model/config.py): a config contradicting itself is malformed
-    assert isinstance(exc, model_errors.MalformedConfigError) and exit_code(exc) == 18
+    assert (isinstance(exc, model_errors.CheckpointError) and exc.kind == "malformed_config") and exit_code(exc) == 18
     assert "config.json: n_mtp_layers is 2 but dspark_target_layer_ids has 3 entries" in str(exc)
 
 

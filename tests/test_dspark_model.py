@@ -19,11 +19,11 @@ from dsv4.convert.exit_codes import exit_code
 from dsv4.convert.pipeline import convert
 from dsv4.convert.synth import write_checkpoint
 from dsv4.model import dspark
-from dsv4.model.config import ConfigFieldError, ModelConfig, UnsupportedConfig
+from dsv4.model.config import ModelConfig
 from dsv4.model.dspark import DraftBlock, DSparkDraft
 from dsv4.model.dspark_reference import DSparkReference, ReferenceBlock
 from dsv4.model.dtypes import nbytes
-from dsv4.model.errors import DtypeMismatchError, LoadError, MissingKeyError, ShapeMismatchError, UnexpectedKeyError
+from dsv4.model.errors import CheckpointError, DSV4Error, LoadError
 from dsv4.model.layout import target_layout
 from dsv4.model.loader import load_converted
 from dsv4.model.mtp import quant_layer_names
@@ -95,8 +95,9 @@ def test_the_0731_config_is_a_dspark_config_of_three_stages():
 def test_a_dspark_config_lacking_one_field_is_refused_naming_it(absent):
     raw = config_0731()
     del raw[absent]
-    with pytest.raises(ConfigFieldError, match=rf"^lacks {absent}: a DSpark config has all of") as info:
+    with pytest.raises(CheckpointError, match=rf"^lacks {absent}: a DSpark config has all of") as info:
         ModelConfig.from_dict(raw)
+    assert info.value.kind in ("malformed_config", "unsupported_layout") and info.value.field is not None
     assert info.value.field == absent
 
 
@@ -128,10 +129,15 @@ def test_a_dspark_config_lacking_one_field_is_refused_naming_it(absent):
 def test_malformed_dspark_fields_are_refused_naming_the_field(field, value, message):
     raw = config_0731()
     raw[field] = value
-    with pytest.raises(ConfigFieldError, match=message) as info:
+    with pytest.raises(CheckpointError, match=message) as info:
         ModelConfig.from_dict(raw)
+    assert info.value.kind in ("malformed_config", "unsupported_layout") and info.value.field is not None
     assert info.value.field.split("[")[0] == field
-    assert not isinstance(info.value, UnsupportedConfig), "malformed, not unsupported"
+    assert not (
+        isinstance(info.value, CheckpointError)
+        and info.value.kind == "unsupported_layout"
+        and info.value.field is not None
+    ), "malformed, not unsupported"
 
 
 def test_an_n_mtp_layers_that_agrees_is_accepted():
@@ -144,10 +150,11 @@ def test_v41_is_refused_with_its_own_message():
     raw = config_0731()
     raw["model_type"] = "deepseek_v41"
     with pytest.raises(
-        UnsupportedConfig,
+        CheckpointError,
         match=r"model_type 'deepseek_v41' \(DeepSeek V4\.1: vLLM 0\.33\.0 has no XPU draft model for it",
-    ):
+    ) as raised:
         ModelConfig.from_dict(raw)
+    assert raised.value.kind == "unsupported_layout" and raised.value.field is not None
 
 
 # --- layout (mapping/README.md#xpu-dspark-layout) -----------------------------------------
@@ -476,19 +483,20 @@ def _numeric_scale(t):
 @pytest.mark.parametrize(
     ("edit", "error", "code", "key"),
     [
-        (_extra_stage, UnexpectedKeyError, 52, "model.layers.3.attn_norm.weight"),
-        (_mtp_style_name, UnexpectedKeyError, 52, "model.layers.0.mtp_block.attn_norm.weight"),
-        (_missing_markov, MissingKeyError, 51, "model.markov_head.markov_w2.weight"),
-        (_wrong_rank, ShapeMismatchError, 53, "model.markov_head.markov_w1.weight"),
-        (_numeric_scale, DtypeMismatchError, 54, "model.main_proj.weight_scale_inv"),
+        (_extra_stage, "unexpected_key", 52, "model.layers.3.attn_norm.weight"),
+        (_mtp_style_name, "unexpected_key", 52, "model.layers.0.mtp_block.attn_norm.weight"),
+        (_missing_markov, "missing_key", 51, "model.markov_head.markov_w2.weight"),
+        (_wrong_rank, "shape_mismatch", 53, "model.markov_head.markov_w1.weight"),
+        (_numeric_scale, "dtype_mismatch", 54, "model.main_proj.weight_scale_inv"),
     ],
 )
 def test_strict_load_rejects(tiny_dspark, tmp_path, edit, error, code, key):
     tensors = read_dir(tiny_dspark[0][1])
     edit(tensors)
     bad = write_dir(tmp_path / "bad", tiny_dspark_config(), tensors)
-    with pytest.raises(error) as info:
+    with pytest.raises(DSV4Error) as info:
         load_converted(bad, "cpu")
+    assert info.value.kind == error
     msg = str(info.value)
     assert key in msg and str(bad) in msg and "\n" not in msg
     assert exit_code(info.value) == code
@@ -496,8 +504,9 @@ def test_strict_load_rejects(tiny_dspark, tmp_path, edit, error, code, key):
 
 def test_a_missing_stage_is_a_missing_key(tiny_dspark, tmp_path):
     tensors = {k: v for k, v in read_dir(tiny_dspark[0][1]).items() if not k.startswith("model.layers.2.")}
-    with pytest.raises(MissingKeyError, match=r"missing tensor model\.layers\.2\."):
+    with pytest.raises(LoadError, match=r"missing tensor model\.layers\.2\.") as raised:
         load_converted(write_dir(tmp_path / "bad", tiny_dspark_config(), tensors), "cpu")
+    assert raised.value.kind == "missing_key"
 
 
 # --- run_dspark_smoke ---------------------------------------------------------------------
@@ -539,22 +548,22 @@ def test_smoke_reads_the_target_features_from_a_file(tiny_dspark, tmp_path):
     [
         (
             {"h_0": torch.zeros(4, 256), "h_1": torch.zeros(4, 256)},
-            MissingKeyError,
+            "missing_key",
             r"no tensor h_2 \(the target features are h_l for dspark_target_layer_ids \[0, 1, 2\]\)",
         ),
         (
             {"h_0": torch.zeros(4, 256), "h_1": torch.zeros(4, 256), "h_2": torch.zeros(5, 256)},
-            ShapeMismatchError,
+            "shape_mismatch",
             r"tensor h_2 has shape \[5, 256\], expected \[4, 256\]",
         ),
         (
             {"h_0": torch.zeros(4, 128), "h_1": torch.zeros(4, 256), "h_2": torch.zeros(4, 256)},
-            ShapeMismatchError,
+            "shape_mismatch",
             r"tensor h_0 has shape \[4, 128\], expected \[T_ctx >= 1, 256\]",
         ),
         (
             {"h_0": torch.zeros(4, 256, dtype=torch.int32), "h_1": torch.zeros(4, 256), "h_2": torch.zeros(4, 256)},
-            DtypeMismatchError,
+            "dtype_mismatch",
             r"tensor h_0 has dtype torch\.int32",
         ),
         # non-finite features would make the draft's output non-finite, blamed on the checkpoint
@@ -564,12 +573,12 @@ def test_smoke_reads_the_target_features_from_a_file(tiny_dspark, tmp_path):
                 "h_1": torch.zeros(4, 256).index_fill_(1, torch.tensor([3]), float("nan")),
                 "h_2": torch.zeros(4, 256),
             },
-            LoadError,
+            "load_failed",
             r"tensor h_1 holds 4 non-finite value\(s\) \(NaN or Inf, in bf16\)",
         ),
         (
             {"h_0": torch.zeros(4, 256), "h_1": torch.zeros(4, 256), "h_2": torch.full((4, 256), float("-inf"))},
-            LoadError,
+            "load_failed",
             r"tensor h_2 holds 1,024 non-finite value\(s\)",
         ),
     ],
@@ -577,8 +586,9 @@ def test_smoke_reads_the_target_features_from_a_file(tiny_dspark, tmp_path):
 def test_malformed_target_features_are_refused_naming_the_file_and_tensor(tmp_path, tensors, error, message):
     path = tmp_path / "features.safetensors"
     save_file(tensors, path)
-    with pytest.raises(error, match=message) as info:
+    with pytest.raises(DSV4Error, match=message) as info:
         read_target_features(path, ModelConfig.from_dict(tiny_dspark_config()))
+    assert info.value.kind == error
     assert str(info.value).startswith(f"{path}: ") and "\n" not in str(info.value)
 
 

@@ -1,5 +1,5 @@
 """Property: whatever config.json holds, the validating loader returns a valid ModelConfig or
-raises its own ConfigError (one line), which the converter maps to exit 18 or 35; never
+raises its own malformed_config (one line), which the converter maps to exit 18 or 35; never
 another exception. Inputs: random JSON, and the released configs (model/presets.py) with
 values and types mutated, keys dropped, junk added, and their JSON text damaged.
 
@@ -18,7 +18,8 @@ from hypothesis import strategies as st
 from dsv4.convert.exit_codes import exit_code
 from dsv4.model import errors as model_errors
 from dsv4.model import native
-from dsv4.model.config import ConfigError, ModelConfig, config_errors
+from dsv4.model.config import ModelConfig, config_errors
+from dsv4.model.errors import CheckpointError
 from dsv4.model.layout import target_layout
 from dsv4.model.presets import EXPERT_DTYPE, PRESETS, preset_config
 
@@ -99,17 +100,18 @@ def mutated_configs(draw: st.DrawFn) -> dict[str, Any]:
     return raw
 
 
-def load_or_refuse(load: Any, raw: Any) -> ModelConfig | ConfigError:
+def load_or_refuse(load: Any, raw: Any) -> ModelConfig | CheckpointError:
     """The loader's outcome; any exception other than its own fails the property."""
     try:
         cfg = load(raw)
-    except ConfigError as exc:
+    except CheckpointError as exc:
+        if exc.kind not in ("malformed_config", "unsupported_layout"):
+            raise
         assert str(exc) and "\n" not in str(exc), repr(exc)
-        with pytest.raises(
-            (model_errors.MalformedConfigError, model_errors.UnsupportedLayoutError)
-        ) as mapped:  # exit 18 or 35
+        with pytest.raises(model_errors.CheckpointError) as mapped:  # exit 18 or 35
             with config_errors("config.json"):
                 raise exc
+        assert mapped.value.kind in ("malformed_config", "unsupported_layout")
         event(f"refused {exit_code(mapped.value)}")
         return exc
     event("accepted")
@@ -128,7 +130,10 @@ def assert_usable(cfg: ModelConfig) -> None:
 @given(json_values)
 def test_random_json_is_refused_or_valid(raw: Any) -> None:
     outcome = load_or_refuse(ModelConfig.from_dict, raw)
-    assert isinstance(outcome, ConfigError)  # random JSON never holds the required fields
+    assert isinstance(outcome, CheckpointError) and outcome.kind in (
+        "malformed_config",
+        "unsupported_layout",
+    )  # random JSON never holds the required fields
 
 
 @FUZZ

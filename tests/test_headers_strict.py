@@ -19,7 +19,6 @@ from typing import Any
 import pytest
 from safetensors import safe_open
 
-from dsv4.convert import errors
 from dsv4.convert.check import run_checks
 from dsv4.convert.exit_codes import code_of
 from dsv4.convert.inventory import MAX_HEADER, parse_header, read_inventory
@@ -88,7 +87,7 @@ def test_duplicate_tensor_key_is_refused_not_converted(tiny_native: Path, tmp_pa
     )
     assert safetensors_refuses(src / MTP_SHARD)
     r = cli(str(src), str(tmp_path / "out"), "-q")
-    assert_one_line_exit(r, code_of(model_errors.MalformedHeaderError), MTP_SHARD, "duplicate key 'mtp.0.hnorm.weight'")
+    assert_one_line_exit(r, code_of("malformed_header"), MTP_SHARD, "duplicate key 'mtp.0.hnorm.weight'")
     assert not (tmp_path / "out").exists()
 
 
@@ -101,7 +100,7 @@ def test_overlapping_offsets_one_norm_reading_another_norms_bytes(tiny_native: P
     assert safetensors_refuses(src / MTP_SHARD)
     r = cli(str(src), str(tmp_path / "out"), "-q")
     assert_one_line_exit(
-        r, code_of(model_errors.MalformedHeaderError), MTP_SHARD, "mtp.0.hnorm.weight", "mtp.0.enorm.weight", "overlap"
+        r, code_of("malformed_header"), MTP_SHARD, "mtp.0.hnorm.weight", "mtp.0.enorm.weight", "overlap"
     )
     assert not (tmp_path / "out").exists()
 
@@ -110,10 +109,11 @@ def test_overlap_inside_another_tensor(tmp_path: Path, tiny_native: Path) -> Non
     a, b = entry("U8", [8], 0, 8), entry("U8", [2], 3, 5)
     root = single_file(tmp_path / "c", tiny_native / "config.json", shard_bytes({"a": a, "b": b}, bytes(8)))
     with pytest.raises(
-        model_errors.MalformedHeaderError,
+        model_errors.CheckpointError,
         match=r"model.safetensors: tensor b: data_offsets \[3, 5\] overlap tensor a's \[0, 8\]",
-    ):
+    ) as raised:
         read_inventory(root)
+    assert raised.value.kind == "malformed_header"
 
 
 def test_gap_in_the_data_section(tiny_native: Path, tmp_path: Path) -> None:
@@ -128,18 +128,22 @@ def test_gap_in_the_data_section(tiny_native: Path, tmp_path: Path) -> None:
     (src / INDEX_NAME).write_text(json.dumps(index))
     assert safetensors_refuses(src / MTP_SHARD)
     with pytest.raises(
-        model_errors.MalformedHeaderError,
+        model_errors.CheckpointError,
         match=rf"{MTP_SHARD}: data bytes 512..1024 before tensor mtp.0.norm.weight belong to no tensor",
-    ):
+    ) as raised:
         read_inventory(src)
+    assert raised.value.kind == "malformed_header"
 
 
 def test_data_section_must_start_at_zero(tmp_path: Path, tiny_native: Path) -> None:
     root = single_file(
         tmp_path / "c", tiny_native / "config.json", shard_bytes({"a": entry("U8", [2], 2, 4)}, bytes(4))
     )
-    with pytest.raises(model_errors.MalformedHeaderError, match=r"data bytes 0..2 before tensor a belong to no tensor"):
+    with pytest.raises(
+        model_errors.CheckpointError, match=r"data bytes 0..2 before tensor a belong to no tensor"
+    ) as raised:
         read_inventory(root)
+    assert raised.value.kind == "malformed_header"
 
 
 def test_bytes_after_the_last_tensor_are_refused_as_safetensors_does(tmp_path: Path, tiny_native: Path) -> None:
@@ -149,10 +153,11 @@ def test_bytes_after_the_last_tensor_are_refused_as_safetensors_does(tmp_path: P
     )
     assert safetensors_refuses(root / "model.safetensors")
     with pytest.raises(
-        model_errors.MalformedHeaderError,
+        model_errors.CheckpointError,
         match=r"model.safetensors: data bytes 2..3 after the last tensor belong to no tensor",
-    ):
+    ) as raised:
         read_inventory(root)
+    assert raised.value.kind == "malformed_header"
 
 
 def test_tensors_tile_in_offset_order_whatever_the_header_order(tmp_path: Path, tiny_native: Path) -> None:
@@ -170,9 +175,7 @@ def test_a_150_mib_header_names_the_header_size_limit(tmp_path: Path, tiny_nativ
     root = single_file(tmp_path / "c", tiny_native / "config.json", struct.pack("<Q", n))
     os.truncate(root / "model.safetensors", 8 + n + 64)  # the file does hold that much (as a hole)
     r = cli("plan", str(root))
-    assert_one_line_exit(
-        r, code_of(model_errors.MalformedHeaderError), "model.safetensors", f"{n:,}", f"{MAX_HEADER:,}-byte limit"
-    )
+    assert_one_line_exit(r, code_of("malformed_header"), "model.safetensors", f"{n:,}", f"{MAX_HEADER:,}-byte limit")
     assert "truncated" not in r.stderr.lower()
 
 
@@ -186,8 +189,9 @@ def test_header_size_limit_is_safetensors_own_and_checked_before_reading() -> No
         reads.append(k)
         return b"{}".ljust(k)
 
-    with pytest.raises(model_errors.MalformedHeaderError, match="limit"):
+    with pytest.raises(model_errors.CheckpointError, match="limit") as raised:
         parse_header(struct.pack("<Q", MAX_HEADER + 1), read, "x.safetensors", 10**9)
+    assert raised.value.kind == "malformed_header"
     assert reads == []
     assert parse_header(struct.pack("<Q", MAX_HEADER), read, "x.safetensors", 10**9) == ({}, 8 + MAX_HEADER)
     assert reads == [MAX_HEADER]
@@ -195,25 +199,22 @@ def test_header_size_limit_is_safetensors_own_and_checked_before_reading() -> No
 
 def test_header_longer_than_the_file_is_still_a_truncated_shard(tmp_path: Path, tiny_native: Path) -> None:
     root = single_file(tmp_path / "c", tiny_native / "config.json", struct.pack("<Q", 1000) + b"{}")
-    with pytest.raises(model_errors.TruncatedShardError, match="header claims 1000 bytes but the file has 10"):
+    with pytest.raises(model_errors.CheckpointError, match="header claims 1000 bytes but the file has 10") as raised:
         read_inventory(root)
+    assert raised.value.kind == "truncated_shard"
 
 
 # --- JSON pathologies through the CLI ---------------------------------------------------------
 def test_deeply_nested_header_exits_17_without_a_traceback(tmp_path: Path, tiny_native: Path) -> None:
     deep = b'{"a":' + b"[" * 100_000 + b"]" * 100_000 + b"}"
     root = single_file(tmp_path / "c", tiny_native / "config.json", shard_bytes(deep))
-    assert_one_line_exit(
-        cli("plan", str(root)), code_of(model_errors.MalformedHeaderError), "model.safetensors", "nested more than"
-    )
+    assert_one_line_exit(cli("plan", str(root)), code_of("malformed_header"), "model.safetensors", "nested more than")
 
 
 def test_huge_integer_in_a_header_exits_17_without_a_traceback(tmp_path: Path, tiny_native: Path) -> None:
     huge = b'{"a":{"dtype":"U8","shape":[' + b"7" * 4_301 + b'],"data_offsets":[0,0]}}'
     root = single_file(tmp_path / "c", tiny_native / "config.json", shard_bytes(huge))
-    assert_one_line_exit(
-        cli("plan", str(root)), code_of(model_errors.MalformedHeaderError), "model.safetensors", "4301 digits"
-    )
+    assert_one_line_exit(cli("plan", str(root)), code_of("malformed_header"), "model.safetensors", "4301 digits")
 
 
 # --- field types, each refused as safetensors refuses it ---------------------------------------
@@ -259,8 +260,9 @@ def test_malformed_field_is_refused_naming_tensor_and_field(
 ) -> None:
     root = single_file(tmp_path / "c", tiny_native / "config.json", shard_bytes(header, bytes(2)))
     assert safetensors_refuses(root / "model.safetensors") != any(case in message for case in SAFETENSORS_ACCEPTS)
-    with pytest.raises(model_errors.MalformedHeaderError, match=r"^model.safetensors: " + message) as exc:
+    with pytest.raises(model_errors.CheckpointError, match=r"^model.safetensors: " + message) as exc:
         read_inventory(root)
+    assert exc.value.kind == "malformed_header"
     assert "\n" not in str(exc.value)
 
 
@@ -273,8 +275,9 @@ def test_numbers_safetensors_does_not_read_as_sizes_are_refused(
     raw = b'{"a":{"dtype":"U8","shape":[' + literal + b'],"data_offsets":[0,0]}}'
     root = single_file(tmp_path / "c", tiny_native / "config.json", shard_bytes(raw))
     assert safetensors_refuses(root / "model.safetensors")
-    with pytest.raises(model_errors.MalformedHeaderError, match=reason):
+    with pytest.raises(model_errors.CheckpointError, match=reason) as raised:
         read_inventory(root)
+    assert raised.value.kind == "malformed_header"
 
 
 # --- the index file ---------------------------------------------------------------------------
@@ -310,8 +313,9 @@ def test_numbers_safetensors_does_not_read_as_sizes_are_refused(
     ids=lambda v: v[:40].decode() if isinstance(v, bytes) else None,
 )
 def test_malformed_index_names_the_file_and_the_field(index: bytes, message: str) -> None:
-    with pytest.raises(model_errors.MalformedHeaderError, match=rf"^{INDEX_NAME}: {message}") as exc:
+    with pytest.raises(model_errors.CheckpointError, match=rf"^{INDEX_NAME}: {message}") as exc:
         load_index(index, INDEX_NAME)
+    assert exc.value.kind == "malformed_header"
     assert "\n" not in str(exc.value)
 
 
@@ -320,9 +324,7 @@ def test_malformed_index_through_the_cli(tiny_native: Path, tmp_path: Path) -> N
     index = json.loads((src / INDEX_NAME).read_text())
     index["metadata"]["total_size"] = "many"
     (src / INDEX_NAME).write_text(json.dumps(index))
-    assert_one_line_exit(
-        cli("plan", str(src)), code_of(model_errors.MalformedHeaderError), INDEX_NAME, "metadata.total_size"
-    )
+    assert_one_line_exit(cli("plan", str(src)), code_of("malformed_header"), INDEX_NAME, "metadata.total_size")
 
 
 def test_a_valid_index_gives_its_weight_map() -> None:
@@ -339,5 +341,5 @@ def test_check_refuses_a_gap_with_the_inventorys_rule(tmp_path: Path) -> None:
     (out / INDEX_NAME).write_text(json.dumps({"metadata": {"total_size": 4}, "weight_map": {"a": shard, "b": shard}}))
     report = run_checks(out)
     failed = report.failures[0]
-    assert (failed.name, report.exit_code) == ("index", code_of(errors.IndexCheckError))
+    assert (failed.name, report.exit_code) == ("index", code_of("index_check"))
     assert f"{shard}: data bytes 2..3 before tensor b belong to no tensor" in failed.reason

@@ -16,7 +16,7 @@ import pytest
 from dspark_fixtures import write_half_dspark
 from hubserver import QUICK_RETRIES, FakeHub, Fault, hub_env, on, run_cli
 
-from dsv4.convert.errors import RepoNotFound
+from dsv4.convert.errors import HubError
 from dsv4.convert.hub import SPECULATIVE_HEADER_BYTES
 from dsv4.convert.inventory import read_inventory
 from dsv4.convert.location import HubSpec, parse_hub_spec
@@ -137,7 +137,7 @@ def test_a_range_that_keeps_coming_back_short_fails_with_one_line(native: Path, 
     hub.faults.append(Fault(_data_range, status=None, truncate_to=100, times=1000))
     out = tmp_path / "out"
     r = run_cli("convert", REPO, str(out), "--quiet", env=hub_env(hub, tmp_path / "hf"), prelude=QUICK_RETRIES)
-    assert r.returncode == 63, r.stderr  # DownloadError
+    assert r.returncode == 63, r.stderr  # download_failed
     # The error is one line, the last; each retry's wait before it is one warning line of ours
     # (changed from "stderr is one line" when the retries got their warnings, issue 18 item 2)
     *waits, line = r.stderr.strip().splitlines()
@@ -172,9 +172,9 @@ def test_hub_checks_like_the_local_reader(native: Path, hub: FakeHub, tmp_path: 
     hub.commit("org/dspark", {p.name: p.read_bytes() for p in (native / "dspark").iterdir()})
     env = hub_env(hub, tmp_path / "hf")
     r = run_cli("plan", REPO, env=env)
-    assert r.returncode == 11 and "model-00003-of-00005.safetensors" in r.stderr, r.stderr  # MissingShardError
+    assert r.returncode == 11 and "model-00003-of-00005.safetensors" in r.stderr, r.stderr  # missing_shard
     r = run_cli("convert", "org/dspark", str(tmp_path / "out"), env=env)
-    assert r.returncode == 35 and "refusing to convert" in r.stderr, r.stderr  # UnsupportedLayoutError
+    assert r.returncode == 35 and "refusing to convert" in r.stderr, r.stderr  # unsupported_layout
     assert not (tmp_path / "out").exists()
 
 
@@ -223,7 +223,7 @@ def test_the_first_bad_shard_in_shard_order_is_the_one_reported(native: Path, hu
         )
     )
     r = run_cli("plan", REPO, env=hub_env(hub, tmp_path / "hf"))
-    assert r.returncode == 17, r.stderr  # MalformedHeaderError
+    assert r.returncode == 17, r.stderr  # malformed_header
     assert r.stderr.count("\n") == 1 and early in r.stderr and "not valid JSON" in r.stderr
     assert hub.faults[0].times == 0  # the delayed read happened
 
@@ -238,8 +238,9 @@ def test_parse_spec_accepts_repo_ids_with_revisions(spec: str) -> None:
 
 @pytest.mark.parametrize("spec", ["name-only", "a/b/c", "org/name@", "./local/dir", "org/na me"])
 def test_parse_spec_refuses_what_is_not_a_repo_id(spec: str) -> None:
-    with pytest.raises(RepoNotFound, match="org/name"):
+    with pytest.raises(HubError, match="org/name") as raised:
         parse_hub_spec(spec)
+    assert raised.value.kind == "repo_not_found"
 
 
 # --- issue 18 item 2: transient failures retried on every request kind; stalls time out --------
@@ -299,7 +300,7 @@ def test_a_retry_after_beyond_the_cap_fails_at_once_naming_the_wait(native: Path
     hub.faults.append(Fault(_data_range, status=429, headers={"Retry-After": "3600"}))
     out = tmp_path / "out"
     r = run_cli("convert", REPO, str(out), env=hub_env(hub, tmp_path / "hf"), timeout=60)
-    assert r.returncode == 63, r.stderr  # DownloadError: a tensor range
+    assert r.returncode == 63, r.stderr  # download_failed: a tensor range
     assert (
         r.stderr.count("\n") == 1
         and "HTTP 429 (rate limited)" in r.stderr
@@ -421,7 +422,7 @@ def test_a_flipped_byte_is_caught_only_by_verify_source(native: Path, hub: FakeH
     env = hub_env(hub, tmp_path / "hf")
     hub.faults.append(Fault(_whole_file_chunk, status=None, flip=SPECULATIVE_HEADER_BYTES + 1000))
     r = run_cli("convert", REPO, str(tmp_path / "verified"), "--verify-source", env=env)
-    assert r.returncode == 63, r.stderr  # DownloadError
+    assert r.returncode == 63, r.stderr  # download_failed
     assert (
         r.stderr.count("\n") == 1
         and f"hub:{REPO}/{SHARD}@" in r.stderr

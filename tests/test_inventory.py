@@ -83,8 +83,9 @@ def test_reads_headers_only(flash_sparse: Path) -> None:
 def test_missing_shard(tmp_path: Path) -> None:
     root = two_shards(tmp_path / "c")
     os.remove(root / "model-00002-of-00002.safetensors")
-    with pytest.raises(model_errors.MissingShardError, match="model-00002-of-00002.safetensors"):
+    with pytest.raises(model_errors.CheckpointError, match="model-00002-of-00002.safetensors") as raised:
         read_inventory(root)
+    assert raised.value.kind == "missing_shard"
 
 
 def test_index_key_not_in_named_shard(tmp_path: Path) -> None:
@@ -94,9 +95,10 @@ def test_index_key_not_in_named_shard(tmp_path: Path) -> None:
         weight_map={"x": "b.safetensors", "y": "b.safetensors"},
     )
     with pytest.raises(
-        model_errors.IndexMismatchError, match=r"b.safetensors: tensor x is listed in .* but not in the shard.s header"
-    ):
+        model_errors.CheckpointError, match=r"b.safetensors: tensor x is listed in .* but not in the shard.s header"
+    ) as raised:
         read_inventory(root)
+    assert raised.value.kind == "index_mismatch"
 
 
 def test_index_key_missing_from_every_shard(tmp_path: Path) -> None:
@@ -105,8 +107,9 @@ def test_index_key_missing_from_every_shard(tmp_path: Path) -> None:
         {"a.safetensors": {"x": torch.zeros(2)}},
         weight_map={"x": "a.safetensors", "ghost": "a.safetensors"},
     )
-    with pytest.raises(model_errors.IndexMismatchError, match="tensor ghost"):
+    with pytest.raises(model_errors.CheckpointError, match="tensor ghost") as raised:
         read_inventory(root)
+    assert raised.value.kind == "index_mismatch"
 
 
 def test_key_in_two_shards(tmp_path: Path) -> None:
@@ -115,16 +118,22 @@ def test_key_in_two_shards(tmp_path: Path) -> None:
         {"a.safetensors": {"x": torch.zeros(2)}, "b.safetensors": {"x": torch.zeros(2), "y": torch.zeros(2)}},
         weight_map={"x": "a.safetensors", "y": "b.safetensors"},
     )
-    with pytest.raises(model_errors.DuplicateTensorError, match="tensor x is in both a.safetensors and b.safetensors"):
+    with pytest.raises(
+        model_errors.CheckpointError, match="tensor x is in both a.safetensors and b.safetensors"
+    ) as raised:
         read_inventory(root)
+    assert raised.value.kind == "duplicate_tensor"
 
 
 def test_truncated_shard(tmp_path: Path) -> None:
     root = two_shards(tmp_path / "c")
     shard = root / "model-00001-of-00002.safetensors"
     os.truncate(shard, shard.stat().st_size - 1)
-    with pytest.raises(model_errors.TruncatedShardError, match="model-00001-of-00002.safetensors: tensor embed.weight"):
+    with pytest.raises(
+        model_errors.CheckpointError, match="model-00001-of-00002.safetensors: tensor embed.weight"
+    ) as raised:
         read_inventory(root)
+    assert raised.value.kind == "truncated_shard"
 
 
 def rewrite_header(path: Path, edit) -> None:
@@ -139,15 +148,17 @@ def rewrite_header(path: Path, edit) -> None:
 def test_unknown_dtype(tmp_path: Path) -> None:
     root = two_shards(tmp_path / "c")
     rewrite_header(root / "model-00001-of-00002.safetensors", lambda h: h["embed.weight"].update(dtype="F4"))
-    with pytest.raises(model_errors.UnknownDtypeError, match="tensor embed.weight: unknown dtype F4"):
+    with pytest.raises(model_errors.CheckpointError, match="tensor embed.weight: unknown dtype F4") as raised:
         read_inventory(root)
+    assert raised.value.kind == "unknown_dtype"
 
 
 def test_offsets_that_disagree_with_shape(tmp_path: Path) -> None:
     root = two_shards(tmp_path / "c")
     rewrite_header(root / "model-00001-of-00002.safetensors", lambda h: h["embed.weight"].update(shape=[4, 9]))
-    with pytest.raises(model_errors.MalformedHeaderError, match="tensor embed.weight"):
+    with pytest.raises(model_errors.CheckpointError, match="tensor embed.weight") as raised:
         read_inventory(root)
+    assert raised.value.kind == "malformed_header"
 
 
 def test_header_not_json(tmp_path: Path) -> None:
@@ -157,9 +168,10 @@ def test_header_not_json(tmp_path: Path) -> None:
     raw[8] = ord("#")
     shard.write_bytes(bytes(raw))
     with pytest.raises(
-        model_errors.MalformedHeaderError, match="model-00001-of-00002.safetensors: header is not valid JSON"
-    ):
+        model_errors.CheckpointError, match="model-00001-of-00002.safetensors: header is not valid JSON"
+    ) as raised:
         read_inventory(root)
+    assert raised.value.kind == "malformed_header"
 
 
 @pytest.mark.parametrize("bad", ["../x.safetensors", "/etc/x.safetensors", "sub/x.safetensors", ".."])
@@ -168,8 +180,9 @@ def test_shard_names_must_be_plain_files(tmp_path: Path, bad: str) -> None:
     index = json.loads((root / INDEX_NAME).read_text())
     index["weight_map"]["embed.weight"] = bad
     (root / INDEX_NAME).write_text(json.dumps(index))
-    with pytest.raises(model_errors.UnsafeShardPathError, match="not a plain file name"):
+    with pytest.raises(model_errors.CheckpointError, match="not a plain file name") as raised:
         read_inventory(root)
+    assert raised.value.kind == "unsafe_shard_path"
 
 
 def test_symlink_leaving_the_directory(tmp_path: Path) -> None:
@@ -177,28 +190,30 @@ def test_symlink_leaving_the_directory(tmp_path: Path) -> None:
     outside = tmp_path / "elsewhere.safetensors"
     shutil.move(root / "model-00001-of-00002.safetensors", outside)
     (root / "model-00001-of-00002.safetensors").symlink_to(outside)
-    with pytest.raises(model_errors.UnsafeShardPathError, match="outside the checkpoint directory"):
+    with pytest.raises(model_errors.CheckpointError, match="outside the checkpoint directory") as raised:
         read_inventory(root)
+    assert raised.value.kind == "unsafe_shard_path"
 
 
 def test_missing_config(tmp_path: Path) -> None:
     root = two_shards(tmp_path / "c")
     os.remove(root / "config.json")
-    with pytest.raises(model_errors.MissingConfigError, match="config.json"):
+    with pytest.raises(model_errors.CheckpointError, match="config.json") as raised:
         read_inventory(root)
+    assert raised.value.kind == "missing_config"
 
 
 def test_each_failure_has_its_own_exit_code() -> None:
     classes = [
-        model_errors.MissingShardError,
-        model_errors.TruncatedShardError,
-        model_errors.IndexMismatchError,
-        model_errors.DuplicateTensorError,
-        model_errors.UnknownDtypeError,
-        model_errors.UnsafeShardPathError,
-        model_errors.MalformedHeaderError,
-        model_errors.MissingConfigError,
-        model_errors.SourceNotFoundError,
+        "missing_shard",
+        "truncated_shard",
+        "index_mismatch",
+        "duplicate_tensor",
+        "unknown_dtype",
+        "unsafe_shard_path",
+        "malformed_header",
+        "missing_config",
+        "source_not_found",
     ]
     codes = [code_of(c) for c in classes]
     assert len(set(codes)) == len(codes)

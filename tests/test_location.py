@@ -12,7 +12,7 @@ from hubserver import FakeHub, hub_env, run_cli
 from inprocess import run_main
 
 from dsv4.convert.location import HubSpec, locate, parse_hub_spec
-from dsv4.model.errors import SourceNotFoundError
+from dsv4.model.errors import CheckpointError
 
 
 @pytest.fixture
@@ -90,8 +90,9 @@ def test_an_existing_directory_is_local_even_when_it_reads_like_a_repo_id(
 
 def test_a_word_that_is_no_repo_id_is_no_such_local_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(SourceNotFoundError, match=r"^typo: no such local directory \(nor a hub repo id"):
+    with pytest.raises(CheckpointError, match=r"^typo: no such local directory \(nor a hub repo id") as raised:
         locate("typo")
+    assert raised.value.kind == "source_not_found"
 
 
 def test_a_bare_repo_id_the_hub_does_not_have_names_both_readings(tmp_path: Path) -> None:
@@ -99,7 +100,7 @@ def test_a_bare_repo_id_the_hub_does_not_have_names_both_readings(tmp_path: Path
         env = hub_env(hub, tmp_path / "hf")
         bare = run_cli("plan", "org/missing", env=env)
         explicit = run_cli("plan", "hf://org/missing", env=env)
-    assert bare.returncode == explicit.returncode == 61  # RepoNotFound
+    assert bare.returncode == explicit.returncode == 61  # repo_not_found
     assert bare.stderr.startswith(
         "error: org/missing: no such local directory, and as a hub repository: hub:org/missing"
     )

@@ -18,7 +18,7 @@ from dsv4.convert.pipeline import convert
 from dsv4.convert.synth import write_checkpoint
 from dsv4.model import kernels
 from dsv4.model.config import ModelConfig
-from dsv4.model.errors import DtypeMismatchError, MissingKeyError, ShapeMismatchError, UnexpectedKeyError
+from dsv4.model.errors import DSV4Error, LoadError
 from dsv4.model.layout import target_layout
 from dsv4.model.loader import default_device, load_converted
 from dsv4.model.mtp import DeepSeekV4MTP, hc_post, quant_layer_names
@@ -245,16 +245,17 @@ def _wrong_dtype(t):
 @pytest.mark.parametrize(
     ("edit", "error", "code", "key"),
     [
-        (_extra_norm_gate, UnexpectedKeyError, 52, B + "ffn.norm_gate.gate.weight"),
-        (_missing_bias, MissingKeyError, 51, B + "ffn.gate.e_score_correction_bias"),
-        (_wrong_shape, ShapeMismatchError, 53, B + "attn.attn_sink"),
-        (_wrong_dtype, DtypeMismatchError, 54, "model.layers.2.e_proj.weight_scale_inv"),
+        (_extra_norm_gate, "unexpected_key", 52, B + "ffn.norm_gate.gate.weight"),
+        (_missing_bias, "missing_key", 51, B + "ffn.gate.e_score_correction_bias"),
+        (_wrong_shape, "shape_mismatch", 53, B + "attn.attn_sink"),
+        (_wrong_dtype, "dtype_mismatch", 54, "model.layers.2.e_proj.weight_scale_inv"),
     ],
 )
 def test_strict_load_rejects(tiny_pairs, tmp_path, edit, error, code, key):
     bad = rewrite(tiny_pairs["instruct", 0][1], tmp_path / "bad", edit)
-    with pytest.raises(error) as info:
+    with pytest.raises(DSV4Error) as info:
         load_converted(bad, "cpu")
+    assert info.value.kind == error
     msg = str(info.value)
     assert key in msg and "\n" not in msg
     assert str(bad) in msg, "the message names the file"
@@ -266,8 +267,9 @@ def test_strict_load_rejects_a_shard_tensor_missing_from_the_index(tiny_pairs, t
     index = json.loads((bad / INDEX).read_text())
     del index["weight_map"][B + "ffn.norm_gate.gate.weight"]
     (bad / INDEX).write_text(json.dumps(index))
-    with pytest.raises(UnexpectedKeyError, match=r"ffn\.norm_gate\.gate\.weight \(not listed in"):
+    with pytest.raises(LoadError, match=r"ffn\.norm_gate\.gate\.weight \(not listed in") as raised:
         load_converted(bad, "cpu")
+    assert raised.value.kind == "unexpected_key"
 
 
 def test_an_unmodified_rewrite_loads(tiny_pairs, tmp_path):

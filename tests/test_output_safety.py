@@ -21,13 +21,11 @@ import pytest
 from filelock import FileLock
 from inprocess import run_main
 
-from dsv4.convert import errors
 from dsv4.convert.check import run_checks
 from dsv4.convert.exit_codes import code_of
 from dsv4.convert.output import claim_output
 from dsv4.convert.pipeline import convert
 from dsv4.convert.synth import write_checkpoint
-from dsv4.model import errors as model_errors
 
 
 def tree(root: Path) -> dict[str, str]:
@@ -95,7 +93,7 @@ def held(out: Path, *, lock_only: bool = False) -> Iterator[None]:
 def test_out_equal_to_the_source_is_refused_and_the_source_stays_byte_identical(src: Path, run) -> None:
     before = tree(src.parent)
     code, _, err = run(src, src, "--overwrite", "-q")
-    assert code == code_of(errors.OutputIsSourceError) == 43
+    assert code == code_of("output_is_source") == 43
     assert "is the source directory" in one_line(err)
     assert tree(src.parent) == before  # no shard deleted, no working directory created
     link = src.parent / "link"
@@ -112,7 +110,7 @@ def test_out_containing_the_source_is_refused_and_the_source_stays_byte_identica
     shutil.copytree(tiny_native, project / "native")
     before = tree(tmp_path)
     code, _, err = run(project / "native", project, "--overwrite", "-q")
-    assert code == code_of(errors.SourceInOutputError) == 45
+    assert code == code_of("source_in_output") == 45
     assert "the source is inside OUT" in one_line(err)
     assert tree(tmp_path) == before
     assert run(project / "native", project, "-q")[0] == 45  # refused before the non-empty check
@@ -121,7 +119,7 @@ def test_out_containing_the_source_is_refused_and_the_source_stays_byte_identica
 def test_out_inside_the_source_is_refused_and_nothing_is_written_into_the_source(src: Path, run) -> None:
     before = tree(src.parent)
     code, _, err = run(src, src / "xpu", "-q")
-    assert code == code_of(errors.OutputInSourceError) == 44
+    assert code == code_of("output_in_source") == 44
     assert "inside the source directory" in one_line(err)
     assert tree(src.parent) == before
 
@@ -130,7 +128,7 @@ def test_a_source_inside_a_working_directory_of_out_is_refused(tiny_native: Path
     # the next run on OUT removes .OUT.old-* directories: a source in one must be refused
     source = Path(shutil.copytree(tiny_native, tmp_path / ".out.old-12" / "native"))
     before = tree(tmp_path)
-    assert run(source, tmp_path / "out", "-q")[0] == code_of(errors.SourceInOutputError)
+    assert run(source, tmp_path / "out", "-q")[0] == code_of("source_in_output")
     assert tree(tmp_path) == before
 
 
@@ -138,7 +136,7 @@ def test_out_whose_parent_is_a_file_is_refused_with_its_own_code(tiny_native: Pa
     (tmp_path / "file").write_text("not a directory")
     for out in (tmp_path / "file" / "out", tmp_path / "file" / "a" / "b" / "out"):
         code, _, err = run(tiny_native, out, "-q")
-        assert code == code_of(errors.OutputParentError) == 46
+        assert code == code_of("output_parent") == 46
         assert f"{tmp_path / 'file'}: is not a directory" in one_line(err)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
 
@@ -153,7 +151,7 @@ def test_overwrite_refuses_a_directory_that_is_not_an_output_of_this_tool(
     (out / "sub" / "data.bin").write_bytes(b"\0" * 100)
     before = tree(tmp_path)
     code, _, err = run(tiny_native, out, "--overwrite", "-q")
-    assert code == code_of(errors.OverwriteRefusedError) == 48
+    assert code == code_of("overwrite_refused") == 48
     assert "--overwrite refused" in one_line(err)
     assert tree(tmp_path) == {**before, ".out.lock": EMPTY}  # only the (empty) lock file was added beside OUT
 
@@ -174,7 +172,7 @@ def test_overwrite_replaces_a_previous_output(tiny_native: Path, tmp_path: Path,
     other = write_checkpoint(tmp_path / "other", preset="tiny", main_layers="all", seed=7)
     out = tmp_path / "out"
     convert(tiny_native, out)
-    assert run(other, out, "-q")[0] == code_of(errors.OutputExistsError)  # without --overwrite
+    assert run(other, out, "-q")[0] == code_of("output_exists")  # without --overwrite
     code, stdout, _ = run(other, out, "--overwrite", "-q")
     assert code == 0 and stdout.startswith("converted")
     assert run_checks(out).ok
@@ -233,7 +231,7 @@ def test_a_kill_between_the_two_renames_leaves_nothing_the_next_owner_does_not_r
     (tmp_path / ".other.old-1").mkdir()
     with held(out, lock_only=True):  # a run that does not own OUT removes nothing
         code, _, err = run(tiny_native, out, "-q")
-        assert code == code_of(errors.OutputLockedError) and "owner record .out.lock.owner is missing" in err
+        assert code == code_of("output_locked") and "owner record .out.lock.owner is missing" in err
         assert any(name.startswith(".out.old-") and name != ".out.old-keep" for name in siblings(out))
     code, _, err = run(tiny_native, out, "-q")
     assert code == 0, err
@@ -249,7 +247,7 @@ def test_a_run_finding_out_locked_exits_47_naming_the_owner_and_changes_nothing(
     with held(out):
         before = tree(tmp_path)
         code, _, err = run(tiny_native, out, "-q")
-        assert code == code_of(errors.OutputLockedError) == 47
+        assert code == code_of("output_locked") == 47
         assert f"locked by another run (pid {os.getpid()} on host {socket.gethostname()}" in one_line(err)
         assert tree(tmp_path) == before and not out.exists()
 
@@ -292,12 +290,12 @@ def test_a_read_only_output_file_system_is_exit_42(
     monkeypatch.setattr(os, "open", guarded_open)
     monkeypatch.setattr(os, "mkdir", guarded_mkdir)
     code, _, err = run(tiny_native, parent / "out", "-q")
-    assert code == code_of(errors.WriteFailedError) == 42
+    assert code == code_of("write_failed") == 42
     line = one_line(err)
     assert str(parent) in line and "Read-only file system" in line and "was not changed" in line
     # OUT's parent itself missing and not creatable there: the parent's own code
     code, _, err = run(tiny_native, parent / "new" / "out", "-q")
-    assert code == code_of(errors.OutputParentError)
+    assert code == code_of("output_parent")
     assert f"{parent / 'new'}: OUT's parent directory cannot be created (Read-only file system)" in one_line(err)
     assert list(parent.iterdir()) == []
 
@@ -376,5 +374,5 @@ def test_a_failure_after_publishing_says_that_out_was_published(
 
 def test_a_source_that_does_not_exist_touches_nothing(tmp_path: Path, run) -> None:
     code, _, err = run(tmp_path / "no-such-dir", tmp_path / "a" / "out", "-q")
-    assert code == code_of(model_errors.SourceNotFoundError) and "no-such-dir" in one_line(err)
+    assert code == code_of("source_not_found") and "no-such-dir" in one_line(err)
     assert list(tmp_path.iterdir()) == []  # neither OUT's parent nor its lock was created

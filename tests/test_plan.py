@@ -78,8 +78,9 @@ def test_unknown_mtp_key_is_an_error(tiny_native: Path, table) -> None:
     inv = read_inventory(tiny_native)
     src = inv.tensors["mtp.0.enorm.weight"]
     bad = with_tensors(inv, {**inv.tensors, "mtp.0.foo": dataclasses.replace(src, name="mtp.0.foo")})
-    with pytest.raises(errors.UncoveredKeyError, match=r"tensor mtp.0.foo: no rule"):
+    with pytest.raises(errors.PlanError, match=r"tensor mtp.0.foo: no rule") as raised:
         plan_conversion(bad, table)
+    assert raised.value.kind == "uncovered_key"
 
 
 def test_missing_source(tiny_native: Path, table) -> None:
@@ -87,10 +88,11 @@ def test_missing_source(tiny_native: Path, table) -> None:
     tensors = dict(inv.tensors)
     del tensors["mtp.0.ffn.experts.5.w3.scale"]
     with pytest.raises(
-        errors.MissingSourceError,
+        errors.PlanError,
         match=r"w13_weight_scale: its source tensor mtp.0.ffn.experts.5.w3.scale is not in the checkpoint",
-    ):
+    ) as raised:
         plan_conversion(with_tensors(inv, tensors), table)
+    assert raised.value.kind == "missing_source"
 
 
 def test_shape_that_disagrees_with_config(tiny_native: Path, table) -> None:
@@ -98,18 +100,20 @@ def test_shape_that_disagrees_with_config(tiny_native: Path, table) -> None:
     src = inv.tensors["mtp.0.attn.wkv.weight"]
     bad = dataclasses.replace(src, shape=(src.shape[0] // 2, src.shape[1] * 2))
     with pytest.raises(
-        errors.LayoutMismatchError,
+        errors.PlanError,
         match=r"tensor mtp.0.attn.wkv.weight: F8_E4M3\[64, 512\] but config.json \(instruct\) implies F8_E4M3\[128, 256\]",
-    ):
+    ) as raised:
         plan_conversion(with_tensors(inv, {**inv.tensors, src.name: bad}), table)
+    assert raised.value.kind == "layout_mismatch"
 
 
 def test_dtype_that_disagrees_with_config(tiny_native: Path, table) -> None:
     inv = read_inventory(tiny_native)
     src = inv.tensors["mtp.0.e_proj.scale"]
     bad = dataclasses.replace(src, dtype="U8")
-    with pytest.raises(errors.LayoutMismatchError, match=r"tensor mtp.0.e_proj.scale: U8"):
+    with pytest.raises(errors.PlanError, match=r"tensor mtp.0.e_proj.scale: U8") as raised:
         plan_conversion(with_tensors(inv, {**inv.tensors, src.name: bad}), table)
+    assert raised.value.kind == "layout_mismatch"
 
 
 def test_num_nextn_inconsistent_with_keys(tiny_native: Path, table) -> None:
@@ -119,22 +123,25 @@ def test_num_nextn_inconsistent_with_keys(tiny_native: Path, table) -> None:
         for k, v in inv.tensors.items()
         if k.startswith("mtp.0.")
     }
-    with pytest.raises(model_errors.UnsupportedLayoutError, match=r"tensor mtp.1.* num_nextn_predict_layers = 1"):
+    with pytest.raises(model_errors.CheckpointError, match=r"tensor mtp.1.* num_nextn_predict_layers = 1") as raised:
         plan_conversion(with_tensors(inv, {**inv.tensors, **extra}), table)
+    assert raised.value.kind == "unsupported_layout"
 
 
 def test_unknown_expert_dtype(tiny_native: Path, table) -> None:
     inv = read_inventory(tiny_native)
     bad = dataclasses.replace(inv, config={**inv.config, "expert_dtype": "mxfp6"})
-    with pytest.raises(model_errors.UnsupportedLayoutError, match="unknown expert_dtype 'mxfp6'"):
+    with pytest.raises(model_errors.CheckpointError, match="unknown expert_dtype 'mxfp6'") as raised:
         plan_conversion(bad, table)
+    assert raised.value.kind == "unsupported_layout"
 
 
 @pytest.mark.parametrize("field, value", [("topk_method", "greedy"), ("scoring_func", "sigmoid")])
 def test_routing_other_than_noaux_tc_sqrtsoftplus_is_refused(tiny_native: Path, table, field: str, value: str) -> None:
     inv = read_inventory(tiny_native)
-    with pytest.raises(model_errors.UnsupportedLayoutError, match=f"{field} '{value}'"):
+    with pytest.raises(model_errors.CheckpointError, match=f"{field} '{value}'") as raised:
         plan_conversion(dataclasses.replace(inv, config={**inv.config, field: value}), table)
+    assert raised.value.kind == "unsupported_layout"
 
 
 def test_absent_expert_dtype_means_fp4(tiny_native: Path, table) -> None:
@@ -145,8 +152,9 @@ def test_absent_expert_dtype_means_fp4(tiny_native: Path, table) -> None:
 
 def test_dspark_drafter_is_refused(tmp_path: Path, table) -> None:
     ckpt = write_checkpoint(tmp_path / "dspark", preset="tiny", variant="dspark")
-    with pytest.raises(model_errors.UnsupportedLayoutError, match=r"DSpark.*refusing to convert"):
+    with pytest.raises(model_errors.CheckpointError, match=r"DSpark.*refusing to convert") as raised:
         plan_conversion(read_inventory(ckpt), table)
+    assert raised.value.kind == "unsupported_layout"
 
 
 def test_planning_full_flash_reads_no_tensor_data(flash_sparse: Path, table, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -17,7 +17,7 @@ from torch import nn
 
 from dsv4.convert import quant_config as quant
 from dsv4.convert.check import run_checks
-from dsv4.convert.errors import EmptyQuantNameError, QuantCarryError, QuantSchemeError
+from dsv4.convert.errors import CheckError, PlanError
 from dsv4.convert.exit_codes import code_of, exit_code
 from dsv4.convert.pipeline import convert
 from dsv4.convert.synth import write_checkpoint
@@ -246,8 +246,9 @@ def test_a_linear_no_entry_matches_is_ignored_and_recorded(tmp_path: Path) -> No
 # --- what cannot be carried is refused -------------------------------------------------------
 def refuse(tmp_path: Path, qc: dict[str, Any]) -> str:
     out = tmp_path / "out"
-    with pytest.raises(QuantCarryError) as err:
+    with pytest.raises(PlanError) as err:
         convert(native_with(tmp_path, qc), out)
+    assert err.value.kind == "quant_carry"
     assert exit_code(err.value) == 82
     assert not out.exists()
     return str(err.value)
@@ -321,8 +322,9 @@ def test_an_e_proj_without_a_quantisation_name_is_reported_as_issue_44817(
         layer.e_proj.quant_name = ""
     else:
         layer.e_proj = nn.Linear(1, 1, device="meta")
-    with pytest.raises(EmptyQuantNameError) as err:
+    with pytest.raises(CheckError) as err:
         quant.check_draft_quantization(draft, config_of(regex_out), "out/config.json")
+    assert err.value.kind == "empty_quant_name"
     assert exit_code(err.value) == 81
     assert f"module model.layers.{L}.e_proj has an empty quantisation layer name: {ISSUE_44817}" in str(err.value)
 
@@ -330,10 +332,11 @@ def test_an_e_proj_without_a_quantisation_name_is_reported_as_issue_44817(
 def test_an_unnamed_linear_that_only_a_class_target_reaches_is_still_reported(draft: DeepSeekV4MTP) -> None:
     draft.model.layers[str(L)].h_proj.quant_name = ""
     with pytest.raises(
-        EmptyQuantNameError,
+        CheckError,
         match=r"h_proj has an empty quantisation layer name: only group_0 \(via 'Linear'\) reaches it",
-    ):
+    ) as raised:
         quant.check_draft_quantization(draft, {"quantization_config": CLASS}, "out/config.json")
+    assert raised.value.kind == "empty_quant_name"
 
 
 @pytest.mark.parametrize(
@@ -362,5 +365,5 @@ def test_check_reports_linears_without_exactly_one_scheme(
         config["quantization_config"] = REGEX
     (out / "config.json").write_text(json.dumps(config))
     report = run_checks(out, fast=True)
-    assert (report.failures[0].name, report.exit_code) == ("quant", code_of(QuantSchemeError))
+    assert (report.failures[0].name, report.exit_code) == ("quant", code_of("quant_scheme"))
     assert said in report.failures[0].reason

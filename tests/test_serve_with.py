@@ -50,6 +50,7 @@ def test_a_differently_quantised_target_fails_naming_the_field(pair: tuple[Path,
     result = serve_result(draft, target)
     assert (result.status, result.exit_code) == ("fail", 86)
     assert result.error is not None and result.error.fields() == {
+        "kind": "serve_mismatch",
         "path": str(target),
         "field": "quantization_config.activation_scheme",
     }

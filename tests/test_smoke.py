@@ -11,7 +11,7 @@ from click.testing import CliRunner
 
 from dsv4.convert.cli import cli
 from dsv4.convert.synth import write_checkpoint
-from dsv4.model.errors import SmokeCheckError
+from dsv4.model.errors import LoadError
 
 
 def test_smoke_reports_shapes_timings_and_agreement_as_json(tiny_pair):
@@ -52,7 +52,7 @@ def test_smoke_fails_when_the_reference_disagrees(tiny_pair, tmp_path):
     result = CliRunner().invoke(
         cli, ["smoke", str(tiny_pair[1]), "--device", "cpu", "--tokens", "16", "--native", str(other)]
     )
-    assert isinstance(result.exception, SmokeCheckError)
+    assert isinstance(result.exception, LoadError) and result.exception.kind == "smoke_output"
     # the verdict of `check --native` too (model/parity.py): one message for both commands
     assert f"differs from the reference on {other}" in str(result.exception) and "top-1 agreement" in str(
         result.exception
@@ -70,7 +70,7 @@ def test_a_bad_checkpoint_exits_with_the_load_error_code(tiny_pair, tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "dsv4", "smoke", str(bad), "--device", "cpu"], capture_output=True, text=True
     )
-    assert proc.returncode == 51, proc.stderr  # MissingKeyError: the index no longer lists a parameter
+    assert proc.returncode == 51, proc.stderr  # missing_key: the index no longer lists a parameter
     assert proc.stderr.strip().splitlines()[-1].startswith("error: ")
     assert "model.layers.2.enorm.weight" in proc.stderr.strip().splitlines()[-1]
 

@@ -69,48 +69,55 @@ def test_old_buggy_norm_gate_entries_are_rejected(tmp_path: Path) -> None:
     tid2eid, so such a rule can never fire: the loader names it as dead."""
     bad = add_to_section("rename", '"mtp.{i}.ffn.gate.tid2eid" = "model.layers.{L}.mtp_block.ffn.norm_gate.tid2eid"')
     with pytest.raises(
-        mapping_errors.DeadRuleError, match=r"\[rename\] model.layers.\{L\}.mtp_block.ffn.norm_gate.tid2eid.*dead rule"
-    ):
+        mapping_errors.TableError, match=r"\[rename\] model.layers.\{L\}.mtp_block.ffn.norm_gate.tid2eid.*dead rule"
+    ) as raised:
         load_table_file(table_with(tmp_path, bad))
+    assert raised.value.kind == "dead_rule"
 
 
 def test_rule_reading_a_norm_gate_source_is_dead(tmp_path: Path) -> None:
     bad = add_to_section("skip", '"mtp.{i}.ffn.norm_gate.{rest}" = "old remap"')
-    with pytest.raises(mapping_errors.DeadRuleError, match=r"mtp.\{i\}.ffn.norm_gate"):
+    with pytest.raises(mapping_errors.TableError, match=r"mtp.\{i\}.ffn.norm_gate") as raised:
         load_table_file(table_with(tmp_path, bad))
+    assert raised.value.kind == "dead_rule"
 
 
 def test_target_that_is_not_a_parameter(tmp_path: Path) -> None:
     # the block's ffn_norm rule lives in mapping/include/v4_block.toml: this rule writes it elsewhere
     bad = add_to_section("rename", '"mtp.{i}.ffn_norm.weight" = "model.layers.{L}.mtp_block.ffn.norm_gate.norm.weight"')
     with pytest.raises(
-        mapping_errors.UnknownTargetError,
+        mapping_errors.TableError,
         match=r"model.layers.2.mtp_block.ffn.norm_gate.norm.weight is not a parameter",
-    ):
+    ) as raised:
         load_table_file(table_with(tmp_path, bad))
+    assert raised.value.kind == "unknown_target"
 
 
 def test_unknown_op(tmp_path: Path) -> None:
-    with pytest.raises(mapping_errors.UnknownOpError, match="morph"):
+    with pytest.raises(mapping_errors.TableError, match="morph") as raised:
         load_table_file(table_with(tmp_path, SHIPPED + '\n[morph]\n"a" = "b"\n'))
+    assert raised.value.kind == "unknown_op"
 
 
 def test_unbound_placeholder(tmp_path: Path) -> None:
     bad = SHIPPED.replace('"model.layers.{L}.hnorm.weight"', '"model.layers.{L}.experts.{e}.hnorm.weight"')
-    with pytest.raises(mapping_errors.UnboundPlaceholderError, match=r"\{e\}"):
+    with pytest.raises(mapping_errors.TableError, match=r"\{e\}") as raised:
         load_table_file(table_with(tmp_path, bad))
+    assert raised.value.kind == "unbound_placeholder"
 
 
 def test_unknown_placeholder(tmp_path: Path) -> None:
     bad = add_to_section("skip", '"mtp.{k}.foo" = "x"')
-    with pytest.raises(mapping_errors.UnboundPlaceholderError, match=r"unknown placeholder \{k\}"):
+    with pytest.raises(mapping_errors.TableError, match=r"unknown placeholder \{k\}") as raised:
         load_table_file(table_with(tmp_path, bad))
+    assert raised.value.kind == "unbound_placeholder"
 
 
 def test_two_rules_writing_one_target(tmp_path: Path) -> None:
     bad = add_to_section("copy", '"norm.weight" = "model.layers.{L}.shared_head.norm.weight"')
-    with pytest.raises(mapping_errors.DuplicateTargetRuleError, match="shared_head.norm.weight"):
+    with pytest.raises(mapping_errors.TableError, match="shared_head.norm.weight") as raised:
         load_table_file(table_with(tmp_path, bad))
+    assert raised.value.kind == "duplicate_target_rule"
 
 
 def test_skip_needs_a_reason(tmp_path: Path) -> None:
