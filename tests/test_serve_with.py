@@ -84,3 +84,19 @@ def test_the_command_exits_86_with_one_line(
     code, _out, err = run_main(monkeypatch, capsys, "check", draft, "--serve-with", target, "-q")
     assert code == 86
     assert err.count("\n") == 1 and "expert_dtype is 'fp8', the draft's is 'fp4'" in err
+
+
+@pytest.mark.parametrize("content", [None, b"{not json", b"[1, 2]"], ids=["missing", "not-json", "not-an-object"])
+def test_a_target_config_that_cannot_be_read_fails_the_check_naming_it(
+    pair: tuple[Path, Path], tmp_path: Path, content: bytes | None
+) -> None:
+    # an OSError and a malformed config.json end the same way: the serve check fails (86) naming
+    # the file, never an internal error
+    _native, draft = pair
+    target = tmp_path / "config.json"
+    if content is not None:
+        target.write_bytes(content)
+    result = serve_result(draft, target)
+    assert (result.status, result.exit_code) == ("fail", 86)
+    assert result.error is not None and result.error.fields() == {"kind": "serve_mismatch", "path": str(target)}
+    assert result.reason.startswith(f"{target}: cannot read the target's config: ")
