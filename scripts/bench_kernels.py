@@ -225,8 +225,8 @@ def against_vllm(args: argparse.Namespace) -> None:
             if args.sweep:
                 eo, ho, out = torch.empty_like(e), torch.empty_like(prev), torch.empty_like(e)
                 eo2, ho2, out2 = torch.empty_like(e), torch.empty_like(prev), torch.empty_like(e)
-                # partial binds this shape's tensors now (a closure would read the loop's latest);
-                # ours lacks only its launch config, its last argument
+                # partial binds this shape's tensors when made (a closure would read whatever the loop
+                # variables hold when called); ours lacks only its launch config, its last argument
                 cases = {
                     "fused_input": (
                         partial(kernels._fused_mtp_input_rmsnorm_into, e, pos, prev, w1, w2, eo, ho, EPS, N_HC),
@@ -344,7 +344,7 @@ def main() -> None:
             w1 = torch.randn(H, device=dev, dtype=torch.bfloat16)
             w2 = torch.randn(H, device=dev, dtype=torch.bfloat16)
             fused_args, head_args = (e, pos, prev, w1, w2, EPS, N_HC), (e, w1, EPS)
-            # partial binds this shape's tensors now (a closure would read the loop's latest)
+            # partial binds this shape's tensors when made (a closure would read the loop variables when called)
             cases = {
                 "fused_mtp_input_rmsnorm": (
                     2 * (1 + N_HC) * T * H * 2 + 2 * H * 2 + T * 8,
