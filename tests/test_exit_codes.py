@@ -8,6 +8,7 @@ import ast
 import re
 from pathlib import Path
 
+import dsv4
 from dsv4.convert import errors as convert_errors
 from dsv4.convert.exit_codes import EXIT_CODES, INTERNAL_ERROR, code_of, exit_code
 from dsv4.convert.inventory import tensors_from_header
@@ -16,7 +17,7 @@ from dsv4.model import config
 from dsv4.model import errors as model_errors
 from dsv4.model.presets import preset_config
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(dsv4.__file__).resolve().parent  # the repository: the package is its root folder
 README = ROOT / "README.md"
 
 
