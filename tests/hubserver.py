@@ -663,7 +663,8 @@ class _Handler(BaseHTTPRequestHandler):
             return self._error(
                 412,
                 None,
-                f"A commit has happened since. Parent commit {header['parentCommit']} is not the head {c.oid} of {revision}",
+                f"A commit has happened since. Parent commit {header['parentCommit']} is not the head {c.oid} of "
+                f"{revision}",
             )
         added = {x["value"]["path"]: base64.b64decode(x["value"]["content"]) for x in lines if x["key"] == "file"}
         deleted = tuple(x["value"]["path"] for x in lines if x["key"] == "deletedFile")
