@@ -43,7 +43,7 @@ from dsv4.convert.exit_codes import exit_code
 from dsv4.convert.pipeline import convert, read_record
 from dsv4.convert.synth import write_checkpoint
 
-# "serve" (check --serve-with, tests/test_serve_with.py) is the last check; not asked for here, it skips
+# "serve" (check --serve-with, its tests below) is the last check; not asked for here, it skips
 CHECKS = ["index", "readable", "sizes", "checksums", "config", "layout", "quant", "smoke", "native", "serve"]
 L = 2  # tiny: num_hidden_layers = 2, so MTP block 0 is decoder layer 2
 B = f"model.layers.{L}.mtp_block."

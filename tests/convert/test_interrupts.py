@@ -21,7 +21,7 @@ from inprocess import run_main
 from dsv4.convert import check
 from dsv4.convert.pipeline import convert
 
-# A test-only launcher (as in test_output_concurrency.py): one Python that has imported
+# A test-only launcher (as in tests/convert/test_output.py's concurrency test): one Python that has imported
 # the tool and run a conversion and a check once forks each round's command, which runs
 # through the real entry point (dsv4.convert.entry.main) with its output in log files, and
 # signals it after a seeded random delay within the command's measured duration. The

@@ -261,7 +261,7 @@ def test_non_empty_output_is_refused(tiny_native: Path, tmp_path: Path) -> None:
     r = cli(str(tiny_native), str(out))
     assert r.returncode == code_of(errors.OutputExistsError) and "--overwrite" in r.stderr
     assert sorted(p.name for p in out.iterdir()) == ["precious.txt"]
-    # --overwrite replaces only a previous output of this tool (tests/test_output_safety.py)
+    # --overwrite replaces only a previous output of this tool (tests/convert/test_output.py)
     assert cli(str(tiny_native), str(out), "--overwrite", "-q").returncode == code_of(errors.OverwriteRefusedError)
     assert sorted(p.name for p in out.iterdir()) == ["precious.txt"]
 

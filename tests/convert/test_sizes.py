@@ -47,7 +47,7 @@ def test_convert_and_batch_refuse_the_same_size_for_the_same_reason(
 
 
 # '"5GB"' was here: refused until issue 19 item 7 made the manifest take --max-shard-size's
-# text forms (tests/test_batch.py::test_manifest_max_shard_size_follows_the_options_rule)
+# text forms (tests/convert/test_batch.py::test_manifest_max_shard_size_follows_the_options_rule)
 @pytest.mark.parametrize("toml_value", ["inf", "nan", "1e400", "5.0", '"infGB"', "true"])
 def test_batch_refuses_a_shard_size_that_is_no_integer(toml_value: str, tmp_path: Path) -> None:
     manifest = tmp_path / "m.toml"
