@@ -414,7 +414,7 @@ def test_a_compressed_tensors_draft_keeps_native_names_and_check_resolves_them_t
     """config.json keeps the source's native module names (the runtimes match them against
     native names); check resolves every linear of the model the xpu table makes of it."""
     pytest.importorskip("compressed_tensors")
-    from test_quant import REGEX, native_with
+    from quant_configs import REGEX, native_with
 
     native = native_with(tmp_path, REGEX)
     out = convert(native, tmp_path / "draft", target="draft").out

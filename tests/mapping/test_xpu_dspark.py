@@ -146,7 +146,7 @@ def test_plan_says_which_layout(
 def test_planning_and_converting_a_dspark_checkpoint_import_no_torch_once_the_layouts_are_cached(
     native: Path, tmp_path: Path
 ) -> None:
-    from test_startup import imported_by
+    from child_imports import imported_by
 
     imported_by("plan", str(native))  # fills this session's layout cache if it is not yet
     assert imported_by("plan", str(native)) == []

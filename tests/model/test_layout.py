@@ -12,6 +12,7 @@ from functools import partial
 from pathlib import Path
 
 import pytest
+from child_imports import IMPORTED, imported_by
 from inprocess import run_main
 
 from dsv4.model import layout
@@ -19,25 +20,6 @@ from dsv4.model.checkpoint import INDEX_NAME
 from dsv4.model.config import ModelConfig
 from dsv4.model.dtypes import ITEMSIZE, TORCH_DTYPES
 from dsv4.model.presets import preset_config
-
-# Imports a whole conversion (or plan) in a child process and reports which heavy modules
-# it loaded; the child inherits the session's layout cache.
-IMPORTED = """
-import sys
-from dsv4.convert.cli import main
-sys.argv = ["convert-dsv4", *sys.argv[1:]]
-try:
-    main()
-except SystemExit as exc:
-    assert not exc.code, exc.code
-HEAVY = ("torch", "triton", "safetensors", "huggingface_hub.hf_api", "httpx")
-print("\\nIMPORTED", [m for m in HEAVY if m in sys.modules])
-"""
-
-
-def imported_by(*args: str) -> list[str]:
-    done = subprocess.run([sys.executable, "-c", IMPORTED, *args], capture_output=True, text=True, check=True)
-    return json.loads(done.stdout.rsplit("IMPORTED", 1)[1].strip().replace("'", '"'))
 
 
 def test_conversion_and_plan_import_no_torch_once_the_layouts_are_cached(tiny_native: Path, tmp_path: Path) -> None:
