@@ -84,6 +84,7 @@ def report_of(path: Path) -> dict[str, Any]:
     return json.loads(path.read_text())
 
 
+@pytest.mark.slow
 def test_batch_isolates_failures_reruns_idempotently_and_picks_up_a_fix(
     native: Path, hub: FakeHub, tmp_path: Path
 ) -> None:
@@ -460,6 +461,7 @@ def drafter_hub(drafters: dict[str, Path]) -> Iterator[FakeHub]:
         yield h
 
 
+@pytest.mark.slow
 def test_batch_target_draft_converts_each_drafter_once_and_names_its_table(
     drafters: dict[str, Path], drafter_hub: FakeHub, tmp_path: Path
 ) -> None:
@@ -658,6 +660,7 @@ def assert_manifest_is_sound(m: Manifest) -> None:
         assert s.push_repo is None or s.push_repo.count("/") == 1
 
 
+@pytest.mark.slow
 @FUZZ
 @given(manifest=manifests)
 def test_random_manifests(tmp_path_factory: pytest.TempPathFactory, manifest: dict[str, Any]) -> None:

@@ -76,6 +76,7 @@ def statuses(report) -> dict[str, str]:
 
 
 # --- passing ------------------------------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", ["instruct", "base"])
 def test_converter_output_passes_every_check_it_runs(converted: dict[str, Path], variant: str) -> None:
     report = run_checks(converted[variant], smoke=True)
@@ -114,6 +115,7 @@ def test_fast_skips_hashing_and_says_so(out: Path) -> None:
     assert "--fast" in report.result("checksums").reason and "not hashed" in report.result("checksums").reason
 
 
+@pytest.mark.slow
 def test_native_parity_with_the_reference(out: Path, natives: dict[str, Path]) -> None:
     report = run_checks(out, native=natives["instruct"])
     assert report.ok, report.summary()
@@ -232,6 +234,7 @@ def test_a_missing_shard_skips_the_checks_that_need_it(out: Path) -> None:
     assert statuses(report)["layout"] == "skip" and "index check failed" in report.result("layout").reason
 
 
+@pytest.mark.slow
 def test_native_parity_fails_against_a_different_checkpoint(out: Path, natives: dict[str, Path]) -> None:
     report = run_checks(out, native=natives["other"])
     assert (report.failures[0].name, report.exit_code) == ("native", 85)
@@ -267,6 +270,7 @@ def test_json_report(converted: dict[str, Path]) -> None:
     ]
 
 
+@pytest.mark.slow
 def test_the_process_exits_with_the_check_code_and_a_one_line_reason(out: Path) -> None:
     add_norm_gate(out)
     proc = subprocess.run([sys.executable, "-m", "dsv4", "check", str(out), "--fast"], capture_output=True, text=True)
@@ -298,6 +302,7 @@ def test_check_under_an_address_space_limit_too_small_for_torch_is_one_line(tiny
     )
 
 
+@pytest.mark.slow
 def test_check_native_and_smoke_native_give_one_verdict(
     out: Path, natives: dict[str, Path], monkeypatch, capsys
 ) -> None:
@@ -582,6 +587,7 @@ def test_junit_that_cannot_be_written_fails_after_the_report_in_one_line(
 
 
 # --- a record that is a FIFO or a device is refused, not read forever ----------------------
+@pytest.mark.slow
 @pytest.mark.skipif(not (hasattr(os, "mkfifo") and os.path.exists("/dev/zero")), reason="needs FIFOs and /dev/zero")
 @pytest.mark.parametrize(("name", "code"), [("config.json", 75), ("conversion.json", 73)])
 @pytest.mark.parametrize("kind", ["fifo", "device"])

@@ -178,6 +178,7 @@ def test_hub_checks_like_the_local_reader(native: Path, hub: FakeHub, tmp_path: 
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 def test_plan_reads_46_shard_headers_several_at_a_time(flash_sparse: Path, tmp_path: Path) -> None:
     """Flash has 46 shards: reading their headers one after another, 50 ms away, is 2.3 s
     before planning starts (4.6 s at two round trips each; issue 13: the header phase <= 2 s).

@@ -116,6 +116,7 @@ def files(root: Path) -> dict[str, str]:
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(root.iterdir())}
 
 
+@pytest.mark.slow
 def test_sigint_and_sigterm_at_random_moments_end_in_one_line_or_a_completed_run(
     tiny_native: Path, tmp_path: Path
 ) -> None:

@@ -92,6 +92,7 @@ def test_single_file_checkpoint(tmp_path: Path) -> None:
     assert inv.tensors["a"].file == "model.safetensors" and inv.tensors["a"].shape == (3,)
 
 
+@pytest.mark.slow
 def test_reads_headers_only(flash_sparse: Path) -> None:
     inv = read_inventory(flash_sparse)
     assert len(inv.tensors) == 69_187

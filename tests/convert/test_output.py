@@ -599,6 +599,7 @@ def modes(root: Path) -> dict[str, str]:
     return {str(p.relative_to(root.parent)): oct(stat.S_IMODE(p.stat().st_mode)) for p in [root, *root.rglob("*")]}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("mask", "file_mode", "dir_mode"), [(0o022, 0o644, 0o755), (0o077, 0o600, 0o700)])
 def test_every_file_written_has_the_mode_the_umask_gives(
     mask: int,
@@ -709,6 +710,7 @@ def kinds(a: Path, b: Path) -> list[tuple[str, list[list[str]]]]:
     ]
 
 
+@pytest.mark.slow
 def test_two_converters_on_one_out_leave_exactly_one_complete_output(tiny_native: Path, tmp_path: Path) -> None:
     other = write_checkpoint(tmp_path / "other", preset="tiny", main_layers="all", seed=5)
     plan = []

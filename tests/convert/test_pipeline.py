@@ -222,6 +222,7 @@ def test_base_round_trip(tiny_base: Path, tmp_path: Path) -> None:
     assert all(torch.equal(raw(t), raw(n[k])) and t.dtype == n[k].dtype for k, t in b.items())
 
 
+@pytest.mark.slow
 def test_bytes_read_match_the_plan_on_full_flash(flash_sparse: Path, tmp_path: Path) -> None:
     result = convert(flash_sparse, tmp_path / "out")
     total = sum(p.stat().st_size for p in flash_sparse.glob("*.safetensors"))

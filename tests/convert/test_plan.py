@@ -150,6 +150,7 @@ def test_dspark_drafter_is_refused(tmp_path: Path, table) -> None:
         plan_conversion(read_inventory(ckpt), table)
 
 
+@pytest.mark.slow
 def test_planning_full_flash_reads_no_tensor_data(flash_sparse: Path, table, monkeypatch: pytest.MonkeyPatch) -> None:
     """Headers only: the inventory reads headers; the planner itself touches no file."""
     inv = read_inventory(flash_sparse)

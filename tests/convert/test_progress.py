@@ -38,6 +38,7 @@ def on_a_terminal(*args: str, env: dict[str, str] | None = None) -> tuple[int, s
     return proc.wait(), drawn.decode(errors="replace")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("argv", "shown"),
     [
@@ -64,6 +65,7 @@ def test_a_bar_counts_bytes_in_decimal_units_like_the_summaries() -> None:
     assert "5.71G/5.71G" in meter  # the summary says 5.712 GB; binary units would say 5.32G
 
 
+@pytest.mark.slow
 def test_plan_of_a_hub_repository_counts_its_shard_headers_on_a_terminal_unless_hidden(
     tiny_pair, tmp_path: Path
 ) -> None:

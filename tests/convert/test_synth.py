@@ -263,6 +263,7 @@ FLASH_0731_DRAFTER_DTYPES = {"BF16": 20, "F32": 27, "F8_E4M3": 25, "F8_E8M0": 2_
 FLASH_0731_DRAFTER_BYTES = 10_862_838_300
 
 
+@pytest.mark.slow
 def test_dspark_flash_replica_is_the_0731_release(tmp_path: Path) -> None:
     """`synth --variant dspark --sparse --main-layers all` (the dspark variant's preset is the
     release, flash) = the release's census."""

@@ -199,6 +199,7 @@ def test_check_passes_on_a_draft_directory_alone_smoke_included(kind: str, draft
     }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["instruct", "dspark"])
 def test_check_native_on_a_draft_directory_agrees_with_the_reference(
     kind: str, natives: dict[str, Path], drafts: dict[str, Path]
@@ -207,6 +208,7 @@ def test_check_native_on_a_draft_directory_agrees_with_the_reference(
     assert report.exit_code == 0, report.summary() + "\n" + "\n".join(r.reason for r in report.results)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", KINDS)
 def test_smoke_runs_the_bundled_model_on_a_draft_directory(
     kind: str, drafts: dict[str, Path], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]

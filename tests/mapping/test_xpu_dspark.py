@@ -257,6 +257,7 @@ def test_plan_is_spec_04_and_the_models_layout(native: Path, cfg: ModelConfig) -
     assert set(consumed) | set(plan.skipped) == set(read_inventory(native).tensors)
 
 
+@pytest.mark.slow
 def test_planning_the_full_size_0731_replica_gives_spec_04s_98_parameters(tmp_path: Path) -> None:
     """mapping/README.md#xpu-dspark-layout at 0731 size: 98 parameters, 12,980,953,116 bytes, read from the embed
     shard, the head shard and the three stage shards only."""
@@ -317,6 +318,7 @@ def test_check_passes_a_converted_dspark_checkpoint(xpu: Path) -> None:
     assert "DSpark stage layer(s) [0, 1, 2]" in config.reason and config.details["table"] == "xpu_dspark"
 
 
+@pytest.mark.slow
 def test_check_smoke_and_native_parity_on_a_dspark_checkpoint(native: Path, xpu: Path) -> None:
     # The 4-token context check used by default when this test was written, on which the
     # draft chain is decisive. (Check's default is now smoke's 8, whose context has a
@@ -536,6 +538,7 @@ def test_v41_is_refused_with_its_own_message(native: Path) -> None:
 
 
 # --- batch: one manifest, both layouts ----------------------------------------------------
+@pytest.mark.slow
 def test_batch_converts_mtp_and_dspark_repos_with_their_tables_and_skips_them_on_rerun(
     native: Path, tiny_native: Path, tmp_path: Path
 ) -> None:

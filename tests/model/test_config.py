@@ -157,6 +157,7 @@ def test_check_on_an_output_config_that_is_a_list_fails_the_config_check(convert
     assert "FAIL config" in r.stdout and "SKIP layout" in r.stdout
 
 
+@pytest.mark.slow
 def test_smoke_on_an_output_config_that_is_a_list_exits_18(converted: Path, tmp_path: Path) -> None:
     out = with_config(converted, tmp_path / "out", "[]")
     assert_one_line_error(
@@ -483,6 +484,7 @@ def test_random_json_is_refused_or_valid(raw: Any) -> None:
     assert isinstance(outcome, ConfigError)  # random JSON never holds the required fields
 
 
+@pytest.mark.slow
 @FUZZ
 @given(mutated_configs())
 def test_mutated_released_configs_give_a_valid_config_or_its_error(raw: dict[str, Any]) -> None:
@@ -491,6 +493,7 @@ def test_mutated_released_configs_give_a_valid_config_or_its_error(raw: dict[str
         assert_usable(outcome)
 
 
+@pytest.mark.slow
 @FUZZ
 @given(mutated_configs(), st.data())
 def test_damaged_config_json_text_gives_a_valid_config_or_its_error(raw: dict[str, Any], data: st.DataObject) -> None:

@@ -252,6 +252,7 @@ def compared(native: Path, model: DSparkDraft) -> tuple[DraftBlock, ReferenceBlo
     return dspark_against_reference(model, DSparkReference(native, "cpu"), features, positions, anchor)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_converted_bundled_model_matches_the_native_reference(tiny_dspark, seed):
     native, converted = tiny_dspark[seed]
@@ -315,6 +316,7 @@ def raise_bias(model: DSparkDraft, stage: int, expert: int, by: float) -> None:
         model.model.layers[stage].ffn.gate.e_score_correction_bias[expert] += by
 
 
+@pytest.mark.slow
 def test_a_routing_flip_on_a_near_tie_passes_and_reports_its_margin(tiny_dspark):
     # A model that routes one token to the expert just outside the reference's top k, whose
     # score the reference puts within the tolerance: the comparison says where and by how
@@ -335,6 +337,7 @@ def test_a_routing_flip_on_a_near_tie_passes_and_reports_its_margin(tiny_dspark)
     assert parity_verdict(dspark_parity(out, ref, routing))[0]
 
 
+@pytest.mark.slow
 def test_a_routing_flip_beyond_a_near_tie_fails(tiny_dspark):
     native, converted = tiny_dspark[0]
     model = load_converted(converted, "cpu")
@@ -352,6 +355,7 @@ def test_a_routing_flip_beyond_a_near_tie_fails(tiny_dspark):
     assert not passed and "beyond a near-tie" in said
 
 
+@pytest.mark.slow
 def test_swapped_expert_weights_fail_the_verdict(tiny_dspark):
     # the routing agrees (the gate is right) but two experts' weights are exchanged: a
     # converter that stacked experts in the wrong order
@@ -409,6 +413,7 @@ def assert_attention_is_non_causal(model: DSparkDraft) -> None:
     assert torch.equal(logits(too_old, ids), base)
 
 
+@pytest.mark.slow
 def test_block_attention_is_non_causal(tiny_dspark):
     assert_attention_is_non_causal(load_converted(tiny_dspark[0][1], "cpu"))
 
@@ -597,6 +602,7 @@ def test_a_features_file_that_is_not_safetensors_is_a_load_error(tmp_path):
 
 
 # --- `convert-dsv4 smoke` on a DSpark output ---------------------------------------------
+@pytest.mark.slow
 def test_the_smoke_command_drafts_a_block_and_compares_with_the_native_reference(tiny_dspark, monkeypatch, capsys):
     native, converted = tiny_dspark[0]
     code, out, err = run_main(

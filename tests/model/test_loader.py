@@ -119,6 +119,7 @@ def test_the_logits_need_no_fp32_copy_of_the_head(tiny_pair, monkeypatch):
         torch.testing.assert_close(logits, whole, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_smoke_with_the_reference_unmaps_the_model_before_the_reference_loads(tiny_pair, monkeypatch):
     """`smoke --native` holds one side at a time: the converted shards the model's weights
     were mapped from (and the pages its forward made resident) are gone before the reference

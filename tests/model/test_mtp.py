@@ -138,6 +138,7 @@ def assert_bf16_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
     torch.testing.assert_close(actual.float(), expected.float(), rtol=1.6e-2, atol=1e-2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", [0, 1, 2])
 @pytest.mark.parametrize("variant", ["instruct", "base"])
 def test_converted_bundled_model_matches_the_native_reference(tiny_pairs, variant, seed):

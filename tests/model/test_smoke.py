@@ -14,6 +14,7 @@ from dsv4.convert.synth import write_checkpoint
 from dsv4.model.errors import SmokeCheckError
 
 
+@pytest.mark.slow
 def test_smoke_reports_shapes_timings_and_agreement_as_json(tiny_pair):
     native, converted = tiny_pair
     result = CliRunner().invoke(
@@ -46,6 +47,7 @@ def test_smoke_says_which_device_and_kernels_ran(tiny_pair):
     assert "hidden [3, 1024], logits [3, 512], all finite" in result.output
 
 
+@pytest.mark.slow
 def test_smoke_fails_when_the_reference_disagrees(tiny_pair, tmp_path):
     # a reference from another seed is another model: agreement must fall below 1
     other = write_checkpoint(tmp_path / "other", preset="tiny", variant="instruct", seed=9)
@@ -85,6 +87,7 @@ def test_top1_agreement_forgives_near_ties_only():
     assert top1_agreement_up_to_ties(ref, ref) == 1.0
 
 
+@pytest.mark.slow
 def test_without_triton_the_command_says_so_once_in_its_result(tiny_pair):
     """No Python warning with a source path, and no `warning:` line repeating the result's
     "fused norms: torch fallback (...)" (was: both; and -q, which hides notices, showed it)."""
