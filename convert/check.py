@@ -70,14 +70,13 @@ from dsv4.convert.errors import (
     UnreadableTensorError,
 )
 from dsv4.convert.exit_codes import exit_code
-from dsv4.convert.inventory import Inventory, TensorSource, merge_shards, read_local_shards
 from dsv4.convert.quant_config import check_draft_quantization
 from dsv4.convert.report import CheckReport, CheckResult
 from dsv4.mapping.errors import TableError
 from dsv4.mapping.table import installed_tables, load_table
 from dsv4.model import strictjson
-from dsv4.model.checkpoint import INDEX_NAME, load_index
-from dsv4.model.config import ConfigError, ModelConfig, parse_config
+from dsv4.model.checkpoint import INDEX_NAME, Checkpoint, ShardHeaders
+from dsv4.model.config import ModelConfig, parse_config
 from dsv4.model.dtypes import tensor_bytes
 from dsv4.model.errors import DSV4Error
 from dsv4.model.layout import DRAFT_TARGET, build_draft_model, layout_of
@@ -90,6 +89,7 @@ from dsv4.model.record import (
     LayoutRecord,
     RecordError,
 )
+from dsv4.model.safetensors_header import TensorBytes
 
 READ_BLOCK = 64 << 20  # bytes per read of one tensor: bounded memory at any tensor size
 LIST_AT_MOST = 3  # names quoted in a one-line reason; the JSON details list all of them
@@ -113,7 +113,7 @@ class _Context:
     max_rel_diff: float
     config: dict[str, Any] | None = None
     config_error: str | None = None
-    inv: Inventory | None = None
+    headers: ShardHeaders | None = None  # the index and shard headers (the index check's finding)
     hashes: dict[str, str] = field(default_factory=dict)
     unreadable: set[str] = field(default_factory=set)
     cfg: ModelConfig | None = None
@@ -123,14 +123,18 @@ class _Context:
     smoke_report: dict[str, Any] | None = None
     passed: set[str] = field(default_factory=set)
     serve_with: Path | None = None  # the target model's directory or config.json (--serve-with)
+    checkpoint: Checkpoint = field(init=False)  # the one reader of config.json, the index and the headers
 
     def where(self, file: str) -> str:
         return str(self.root / file)
 
-    def need_inventory(self) -> Inventory:
-        if self.inv is None:
+    def __post_init__(self) -> None:
+        self.checkpoint = Checkpoint(self.root)
+
+    def need_headers(self) -> ShardHeaders:
+        if self.headers is None:
             raise _Skipped("needs the index and shard headers (index check failed)")
-        return self.inv
+        return self.headers
 
     def need_config(self) -> ModelConfig:
         if self.cfg is None:
@@ -154,22 +158,17 @@ def check_index(ctx: _Context, details: dict[str, Any]) -> str:
     if not index_path.is_file():
         raise IndexCheckError(f"{index_path}: missing (the converter always writes one)", path=str(index_path))
     try:
-        weight_map = load_index(strictjson.read_record_bytes(index_path), INDEX_NAME)
-        files = sorted(set(weight_map.values()))
-        shards = read_local_shards(ctx.root, weight_map, files)  # each header tiles its file (the inventory's rule)
-        tensors = merge_shards(str(ctx.root), weight_map, [(s.file, s.tensors) for s in shards])
-        sizes = {s.file: s.size for s in shards}
-    except CheckError:
-        raise
-    except DSV4Error as exc:  # the inventory's typed errors: the message names file and tensor
+        headers = ctx.checkpoint.headers  # each header tiles its file (the inventory's reader)
+    except DSV4Error as exc:  # the reader's typed errors: the message names file and tensor
         raise IndexCheckError(str(exc)) from None
-    stray = sorted(p.name for p in ctx.root.glob("*.safetensors") if p.name not in sizes)
+    stray = sorted(p.name for p in ctx.root.glob("*.safetensors") if p.name not in headers.file_sizes)
     if stray:
         raise IndexCheckError(
             f"{ctx.where(stray[0])}: shard not named in {INDEX_NAME} (a loader that globs *.safetensors would read it; {len(stray)} such file(s))",
             path=str(ctx.where(stray[0])),
         )
-    ctx.inv = Inventory(str(ctx.root), ctx.config or {}, tensors, sizes)
+    ctx.headers = headers
+    files, tensors = sorted(headers.file_sizes), headers.tensors
     details.update(shards=files, tensors=len(tensors))
     return f"{len(files)} shard(s), {len(tensors)} tensors: index and headers agree, data sections tile their files"
 
@@ -193,7 +192,7 @@ def _zeros(n: int) -> bytes:
     return bytes(n)
 
 
-def _read_tensor(shard: Path, fd: int, src: TensorSource, digest: Any | None) -> None:
+def _read_tensor(shard: Path, fd: int, src: TensorBytes, digest: Any | None) -> None:
     """Read every byte of `src` through safetensors in row blocks of at most READ_BLOCK
     bytes, feeding them (row-major, as on disk) to `digest`. A block lying in a file hole
     (sparse test replicas) reads as zeros by definition, so it is hashed as zeros unread."""
@@ -221,9 +220,9 @@ def _read_tensor(shard: Path, fd: int, src: TensorSource, digest: Any | None) ->
 
 
 def check_readable(ctx: _Context, details: dict[str, Any]) -> str:
-    inv = ctx.need_inventory()
-    by_file: dict[str, list[TensorSource]] = {}
-    for src in inv.tensors.values():
+    headers = ctx.need_headers()
+    by_file: dict[str, list[TensorBytes]] = {}
+    for src in headers.tensors.values():
         by_file.setdefault(src.file, []).append(src)
     failed: dict[str, str] = {}
     for file, tensors in sorted(by_file.items()):
@@ -256,9 +255,9 @@ def check_readable(ctx: _Context, details: dict[str, Any]) -> str:
             f"{len(failed)} tensor(s) unreadable: {failed[names[0]]}"
             + (f" (and {_short(names[1:])})" if len(names) > 1 else "")
         )
-    total = sum(src.nbytes for src in inv.tensors.values())
+    total = sum(src.nbytes for src in headers.tensors.values())
     details["bytes"] = total
-    return f"{len(inv.tensors)} tensors, {total:,} bytes read through safetensors"
+    return f"{len(headers.tensors)} tensors, {total:,} bytes read through safetensors"
 
 
 # --- sizes and checksums -----------------------------------------------------------------
@@ -309,29 +308,29 @@ def _declared_total_size(ctx: _Context) -> Any:
 
 
 def check_sizes(ctx: _Context, details: dict[str, Any]) -> str:
-    inv = ctx.need_inventory()
-    total = sum(src.nbytes for src in inv.tensors.values())
+    headers = ctx.need_headers()
+    total = sum(src.nbytes for src in headers.tensors.values())
     declared = _declared_total_size(ctx)
     if not _is_int(declared) or declared != total:
         raise SizeCheckError(
-            f"{ctx.where(INDEX_NAME)}: metadata.total_size is {_brief(declared)} but the {len(inv.tensors)} tensors hold {total:,} bytes",
+            f"{ctx.where(INDEX_NAME)}: metadata.total_size is {_brief(declared)} but the {len(headers.tensors)} tensors hold {total:,} bytes",
             path=str(ctx.where(INDEX_NAME)),
         )
     record = _conversion_record(ctx)
     listed = record.tensors
-    missing = sorted(set(inv.tensors) - set(listed))
+    missing = sorted(set(headers.tensors) - set(listed))
     if missing:
         raise SizeCheckError(
             f"{ctx.where(CONVERSION_RECORD)}: does not list {len(missing)} tensor(s) the shards hold: {_short(missing)}",
             path=str(ctx.where(CONVERSION_RECORD)),
         )
-    extra = sorted(set(listed) - set(inv.tensors))
+    extra = sorted(set(listed) - set(headers.tensors))
     if extra:
         raise SizeCheckError(
             f"{ctx.where(CONVERSION_RECORD)}: lists {len(extra)} tensor(s) no shard holds: {_short([repr(n) for n in extra])}",
             path=str(ctx.where(CONVERSION_RECORD)),
         )
-    for name, src in sorted(inv.tensors.items()):
+    for name, src in sorted(headers.tensors.items()):
         entry = listed[name]
         if entry.file != src.file or entry.nbytes != src.nbytes:
             raise SizeCheckError(
@@ -345,9 +344,9 @@ def check_sizes(ctx: _Context, details: dict[str, Any]) -> str:
 
 
 def check_checksums(ctx: _Context, details: dict[str, Any]) -> str:
-    inv = ctx.need_inventory()
+    headers = ctx.need_headers()
     if ctx.fast:
-        raise _Skipped(f"--fast: {len(inv.tensors)} tensors not hashed (sizes, names and files still checked)")
+        raise _Skipped(f"--fast: {len(headers.tensors)} tensors not hashed (sizes, names and files still checked)")
     if ctx.record is None:
         raise _Skipped(f"needs {CONVERSION_RECORD} with every tensor (sizes check failed)")
     if ctx.checksum_error is not None:
@@ -356,7 +355,7 @@ def check_checksums(ctx: _Context, details: dict[str, Any]) -> str:
     wrong = sorted(n for n, h in ctx.hashes.items() if listed[n].sha256 != h)
     details.update(hashed=len(ctx.hashes), differ=wrong, unreadable=sorted(ctx.unreadable))
     if wrong:
-        first = inv.tensors[wrong[0]]
+        first = headers.tensors[wrong[0]]
         raise ChecksumMismatchError(
             f"{ctx.where(first.file)}: tensor {first.name}: sha256 differs from {CONVERSION_RECORD}"
             + (f" ({len(wrong)} tensors differ: {_short(wrong)})" if len(wrong) > 1 else "")
@@ -420,8 +419,8 @@ def _recorded_layout(ctx: _Context, where: str) -> tuple[str, str, str, str]:
 def check_config(ctx: _Context, details: dict[str, Any]) -> str:
     where = ctx.where("config.json")
     if ctx.config is None or ctx.cfg is None:
-        raise ConfigCheckError(f"{where}: {ctx.config_error}", path=str(where))
-    inv = ctx.need_inventory()
+        raise ConfigCheckError(str(ctx.config_error), path=str(where))
+    headers = ctx.need_headers()
     config, cfg = ctx.config, ctx.cfg
     table_name, table_version, target, field = _recorded_layout(ctx, where)
     try:
@@ -449,7 +448,7 @@ def check_config(ctx: _Context, details: dict[str, Any]) -> str:
         )
     draft = target == DRAFT_TARGET
     if draft:  # native names: MTP block or DSpark stage mtp.{n}
-        present = {int(m.group(1)) for name in inv.tensors if (m := NATIVE_BLOCK.match(name))}
+        present = {int(m.group(1)) for name in headers.tensors if (m := NATIVE_BLOCK.match(name))}
         expected_layers = set(range(cfg.dspark_stages if cfg.is_dspark else cfg.num_nextn_predict_layers))
         meaning = (
             f"dspark_target_layer_ids ({len(cfg.dspark_target_layer_ids or ())} entries) means DSpark stage(s) mtp.{sorted(expected_layers)}"
@@ -458,7 +457,7 @@ def check_config(ctx: _Context, details: dict[str, Any]) -> str:
         )
         held = f"mtp.{sorted(present)}"
     else:
-        present = {int(m.group(1)) for name in inv.tensors if (m := LAYER.match(name))}
+        present = {int(m.group(1)) for name in headers.tensors if (m := LAYER.match(name))}
         if cfg.is_dspark:  # the stages are an nn.ModuleList: model.layers.{s}, s < S
             expected_layers = set(range(cfg.dspark_stages))
             meaning = f"dspark_target_layer_ids ({len(cfg.dspark_target_layer_ids or ())} entries) means DSpark stage layer(s) {sorted(expected_layers)}"
@@ -469,7 +468,7 @@ def check_config(ctx: _Context, details: dict[str, Any]) -> str:
     if present != expected_layers:
         raise ConfigCheckError(f"{where}: {meaning}, but the tensors hold {held}", path=str(where))
 
-    for name, src in sorted(inv.tensors.items()):
+    for name, src in sorted(headers.tensors.items()):
         implied = _expert_dtype_of(name, src.dtype)
         if implied is not None and implied != cfg.expert_dtype:
             raise ConfigCheckError(
@@ -477,7 +476,7 @@ def check_config(ctx: _Context, details: dict[str, Any]) -> str:
                 path=str(where),
                 tensor=name,
             )
-    experts = {int(m.group(1)) for name in inv.tensors if (m := NATIVE_EXPERT.match(name))}
+    experts = {int(m.group(1)) for name in headers.tensors if (m := NATIVE_EXPERT.match(name))}
     if draft and experts != set(range(cfg.n_routed_experts)):
         raise ConfigCheckError(
             f"{where}: n_routed_experts = {cfg.n_routed_experts}, but the tensors hold routed experts {min(experts, default=None)}..{max(experts, default=None)} ({len(experts)})",
@@ -495,8 +494,8 @@ def check_config(ctx: _Context, details: dict[str, Any]) -> str:
             )
         block = list(cfg.weight_block_size)
         layout = layout_of(target, cfg)
-        for name, src in sorted(inv.tensors.items()):
-            weight = inv.tensors.get(_weight_of_scale(name, target) or "")
+        for name, src in sorted(headers.tensors.items()):
+            weight = headers.tensors.get(_weight_of_scale(name, target) or "")
             if weight is None or weight.dtype != "F8_E4M3" or name not in layout or weight.name not in layout:
                 continue
             if weight.shape == layout[weight.name][1] and src.shape != layout[name][1]:
@@ -565,21 +564,21 @@ def _layout_target(ctx: _Context) -> str:
 
 
 def check_layout(ctx: _Context, details: dict[str, Any]) -> str:
-    inv, cfg = ctx.need_inventory(), ctx.need_config()
+    headers, cfg = ctx.need_headers(), ctx.need_config()
     target = _layout_target(ctx)
     want = layout_of(target, cfg)
-    missing = sorted(set(want) - set(inv.tensors))
-    unexpected = sorted(set(inv.tensors) - set(want))
-    both = sorted(set(want) & set(inv.tensors))
+    missing = sorted(set(want) - set(headers.tensors))
+    unexpected = sorted(set(headers.tensors) - set(want))
+    both = sorted(set(want) & set(headers.tensors))
     shape = [
-        f"{n} is {list(inv.tensors[n].shape)} in {inv.tensors[n].file}, expected {list(want[n][1])}"
+        f"{n} is {list(headers.tensors[n].shape)} in {headers.tensors[n].file}, expected {list(want[n][1])}"
         for n in both
-        if inv.tensors[n].shape != want[n][1]
+        if headers.tensors[n].shape != want[n][1]
     ]
     dtype = [
-        f"{n} is {inv.tensors[n].dtype} in {inv.tensors[n].file}, expected {want[n][0]}"
+        f"{n} is {headers.tensors[n].dtype} in {headers.tensors[n].file}, expected {want[n][0]}"
         for n in both
-        if inv.tensors[n].dtype != want[n][0]
+        if headers.tensors[n].dtype != want[n][0]
     ]
     details.update(missing=missing, unexpected=unexpected, shape=shape, dtype=dtype)
     findings: list[tuple[type[CheckError], str]] = []
@@ -589,7 +588,7 @@ def check_layout(ctx: _Context, details: dict[str, Any]) -> str:
         findings.append(
             (
                 UnexpectedTensorsError,
-                f"{len(unexpected)} unexpected: {_short([f'{n} in {inv.tensors[n].file}' for n in unexpected])}",
+                f"{len(unexpected)} unexpected: {_short([f'{n} in {headers.tensors[n].file}' for n in unexpected])}",
             )
         )
     if shape:
@@ -721,8 +720,8 @@ def check_serve(ctx: _Context, details: dict[str, Any]) -> str:
         )
     where = ctx.serve_with / "config.json" if ctx.serve_with.is_dir() else ctx.serve_with
     try:
-        target = parse_config(where.read_bytes())
-    except (OSError, ConfigError) as exc:
+        target = parse_config(where.read_bytes(), str(where))
+    except (OSError, DSV4Error) as exc:
         raise ServeMismatchError(
             f"{where}: cannot read the target's config: {_first_line(exc)}", path=str(where)
         ) from None
@@ -764,15 +763,10 @@ CHECKS: tuple[tuple[str, Callable[[_Context, dict[str, Any]], str]], ...] = (
 def _load_config(ctx: _Context) -> None:
     """config.json through the model's validating loader, as plan, convert and smoke read it;
     a refusal is the config check's finding (75) and the checks needing a config skip."""
-    path = ctx.root / "config.json"
     try:
-        ctx.config = parse_config(strictjson.read_record_bytes(path))
-        ctx.cfg = ModelConfig.from_dict(ctx.config)
-    except FileNotFoundError:
-        ctx.config_error = "no config.json in the checkpoint directory"
-    except OSError as exc:
-        ctx.config_error = f"cannot be read ({exc.strerror})"
-    except ConfigError as exc:
+        ctx.config = ctx.checkpoint.config
+        ctx.cfg = ctx.checkpoint.model_config
+    except DSV4Error as exc:  # MissingConfigError, MalformedConfigError, UnsupportedLayoutError
         ctx.config_error = str(exc)
 
 

@@ -12,7 +12,6 @@ from dsv4.convert import errors as convert
 from dsv4.convert.interrupts import EXIT_CODES as SIGNAL_EXIT_CODES
 from dsv4.mapping import errors as mapping
 from dsv4.model import errors as model
-from dsv4.model.config import ConfigError, ConfigFieldError, UnsupportedConfig
 
 OK = 0
 INTERNAL_ERROR = 1  # a bug, or an OS error no part of the tool classified
@@ -35,8 +34,6 @@ EXIT_CODES: dict[type[BaseException], int] = {
     model.MalformedHeaderError: 17,
     model.MissingConfigError: 18,
     model.MalformedConfigError: 18,
-    ConfigError: 18,
-    ConfigFieldError: 18,
     model.SourceNotFoundError: 19,
     # 20-25 the mapping table
     mapping.TableError: 20,
@@ -52,7 +49,6 @@ EXIT_CODES: dict[type[BaseException], int] = {
     convert.LayoutMismatchError: 33,
     convert.DuplicateTargetError: 34,
     model.UnsupportedLayoutError: 35,
-    UnsupportedConfig: 35,
     convert.SourceChangedError: 36,
     # 40-48 the output directory
     convert.OutputError: 40,

@@ -56,12 +56,13 @@ from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_st
 
 from dsv4.convert import progress
 from dsv4.convert.errors import DownloadError, HubError, RepoNotFound, RevisionNotFound
-from dsv4.convert.inventory import Inventory, TensorSource, merge_shards, parse_header, tensors_from_header
+from dsv4.convert.inventory import Inventory
 from dsv4.convert.location import HubSpec, parse_hub_spec
 from dsv4.convert.readers import LocalReader
-from dsv4.model.checkpoint import INDEX_NAME, SINGLE_FILE, load_index
-from dsv4.model.config import config_errors, parse_config
+from dsv4.model.checkpoint import INDEX_NAME, SINGLE_FILE, load_index, merge_shards
+from dsv4.model.config import parse_config
 from dsv4.model.errors import DSV4Error, MissingConfigError, MissingShardError, TruncatedShardError
+from dsv4.model.safetensors_header import TensorBytes, read_header
 
 T = TypeVar("T")
 log = logging.getLogger("dsv4.hub")
@@ -441,7 +442,7 @@ def _small_file(reader: HubReader | CachedHubReader, hub: HubSpec, file: str) ->
     return data
 
 
-def _read_shard_header(reader: HubReader, file: str) -> tuple[dict[str, TensorSource], int]:
+def _read_shard_header(reader: HubReader, file: str) -> tuple[dict[str, TensorBytes], int]:
     """The tensors of one hub shard and its header's size: one speculative ranged read of
     the first SPECULATIVE_HEADER_BYTES (a second for the rest of a longer header), checked
     as the local reader checks them."""
@@ -460,10 +461,10 @@ def _read_shard_header(reader: HubReader, file: str) -> tuple[dict[str, TensorSo
         raw.append(have if len(have) == n else have + reader.fetch(file, len(first), 8 + n - len(first)))
         return raw[0]
 
-    header, data_start = parse_header(first[:8], rest, file, size)
+    tensors, data_start = read_header(first[:8], rest, file, size)
     if isinstance(reader, HubReader):  # what --verify-source compares the verified file with
         reader.header_sha256[file] = hashlib.sha256(first[:8] + raw[0]).hexdigest()
-    return tensors_from_header(header, file, data_start, size), data_start
+    return tensors, data_start
 
 
 def _cached(hub: HubSpec) -> tuple[str, CachedHubReader]:
@@ -514,8 +515,7 @@ def open_hub_source(spec: str | HubSpec, *, quiet: bool = True) -> tuple[Invento
     if "config.json" not in names:
         raise MissingConfigError(f"{config_where}: no config.json in the repository", path=str(config_where))
     raw_config = _small_file(reader, hub, "config.json")
-    with config_errors(config_where):
-        config = parse_config(raw_config)
+    config = parse_config(raw_config, config_where)
     weight_map: dict[str, str] | None
     if INDEX_NAME in names:
         weight_map = load_index(_small_file(reader, hub, INDEX_NAME), INDEX_NAME)

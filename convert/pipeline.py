@@ -23,9 +23,9 @@ from dsv4 import __version__
 from dsv4.convert import progress
 from dsv4.convert.errors import SourceChangedError, WriteFailedError
 from dsv4.convert.execute import Executor, still_valid
-from dsv4.convert.inventory import Inventory, read_local_header
+from dsv4.convert.inventory import Inventory
 from dsv4.convert.location import HubSpec, locate
-from dsv4.convert.output import CONFIG, OutputClaim, claim_output, read_record, resolve_output
+from dsv4.convert.output import CONFIG, OutputClaim, claim_output, resolve_output
 from dsv4.convert.plan import Direction, Plan, PlannedTensor, choose_table, plan_conversion, plan_reverse
 from dsv4.convert.quant_config import carried_quantization
 from dsv4.convert.readers import ByteReader, LocalReader
@@ -33,9 +33,8 @@ from dsv4.convert.sources import open_source
 from dsv4.convert.writer import ShardWriter, TensorSpec, shard_name
 from dsv4.mapping.table import require_target
 from dsv4.model import strictjson
-from dsv4.model.checkpoint import INDEX_NAME
+from dsv4.model.checkpoint import INDEX_NAME, read_local_header
 from dsv4.model.record import (
-    CONVERSION_RECORD,
     LAYOUT_RECORD,
     ConversionRecord,
     LayoutRecord,

@@ -20,34 +20,21 @@ from dsv4.convert.errors import (
     PlanError,
     UncoveredKeyError,
 )
-from dsv4.convert.inventory import Inventory, TensorSource
+from dsv4.convert.inventory import Inventory
 from dsv4.mapping.errors import TableError
 from dsv4.mapping.probe import stage_binding
 from dsv4.mapping.table import PINNED, Rule, Table, expand, load_table, rule_bindings, table_name_for
 from dsv4.model import native
 from dsv4.model.checkpoint import is_full_native
-from dsv4.model.config import ModelConfig, config_errors
+from dsv4.model.config import ModelConfig
 from dsv4.model.dtypes import ITEMSIZE, nbytes
 from dsv4.model.errors import UnsupportedLayoutError
 from dsv4.model.layout import TARGET_LAYER, draft_layers_present, layout_of
 from dsv4.model.record import LAYOUT_RECORD
+from dsv4.model.safetensors_header import TensorBytes
 
 Direction = Literal["forward", "reverse"]
 NATIVE_BLOCK = re.compile(r"(mtp\.\d+)\.")  # a native draft block's prefix
-
-
-@dataclass(frozen=True)
-class Piece:
-    """Bytes [start, end) of `file`, which hold (part of) source tensor `source`."""
-
-    source: str
-    file: str
-    start: int
-    end: int
-
-    @property
-    def nbytes(self) -> int:
-        return self.end - self.start
 
 
 @dataclass(frozen=True)
@@ -55,7 +42,7 @@ class PlannedTensor:
     name: str
     dtype: str
     shape: tuple[int, ...]
-    pieces: tuple[Piece, ...]
+    pieces: tuple[TensorBytes, ...]  # the source bytes it is made of, in order
     op: str
     rule: str
 
@@ -110,7 +97,7 @@ class Plan:
             "runtime": self.runtime,
             "runtime_class": self.runtime_class,
             "tensors_out": len(self.tensors),
-            "source_keys_consumed": sum(len({p.source for p in t.pieces}) for t in self.tensors),
+            "source_keys_consumed": sum(len({p.name for p in t.pieces}) for t in self.tensors),
             "source_keys_skipped": len(self.skipped),
             "bytes_to_read": self.bytes_to_read,
             "bytes_to_write": self.bytes_to_write,
@@ -134,12 +121,6 @@ class Plan:
         ]
         out["skipped"] = self.skipped
         return out
-
-
-def model_config(inv: Inventory) -> ModelConfig:
-    """The validated config of `inv` (MalformedConfigError 18, UnsupportedLayoutError 35)."""
-    with config_errors(f"{inv.location}/config.json"):
-        return ModelConfig.from_dict(inv.config)
 
 
 # The tensor that makes a checkpoint a DSpark drafter besides its config's dspark_* fields
@@ -181,7 +162,7 @@ def choose_table(target: str, inv: Inventory, direction: Direction = "forward") 
             f"convert-dsv4 {where} OUT --target {target} converts it (without --reverse)",
             path=str(where),
         )
-    return load_table(table_name_for(target, drafter_of(inv, model_config(inv), direction)))
+    return load_table(table_name_for(target, drafter_of(inv, inv.model_config, direction)))
 
 
 def _refuse(inv: Inventory, table: Table) -> None:
@@ -302,7 +283,7 @@ def _require_stages(inv: Inventory, cfg: ModelConfig, stages: set[int]) -> None:
 def plan_conversion(inv: Inventory, table: Table) -> Plan:
     """Forward: a native checkpoint -> the table's target layout."""
     _refuse(inv, table)
-    cfg = model_config(inv)
+    cfg = inv.model_config
     rules = [r for r in table.rules_for(cfg.expert_dtype) if r.op != "refuse"]
     skipped = _classify(inv, rules, cfg)
     blocks = {
@@ -311,8 +292,7 @@ def plan_conversion(inv: Inventory, table: Table) -> Plan:
     if cfg.is_dspark:
         _require_stages(inv, cfg, {int(b.removeprefix("mtp.")) for b in blocks})
     else:
-        with config_errors(f"{inv.location}/config.json"):
-            cfg.require_draft_blocks(sorted(blocks))
+        cfg.require_draft_blocks(sorted(blocks), f"{inv.location}/config.json")
     variant = native.variant_of(cfg)
     expected_src = native.draft_layout(cfg, with_emb_head=True)
     layout = layout_of(table.target, cfg)
@@ -339,7 +319,7 @@ def plan_conversion(inv: Inventory, table: Table) -> Plan:
                         path=str(src.file),
                         tensor=name,
                     )
-                pieces.append(Piece(name, src.file, src.start, src.end))
+                pieces.append(src)
                 shapes.append(src.shape)
                 dtypes.add(src.dtype)
                 consumed[name] += 1
@@ -365,7 +345,7 @@ def plan_conversion(inv: Inventory, table: Table) -> Plan:
                 )
             if (dtype, shape) != want_t:
                 raise LayoutMismatchError(
-                    f"{target}: would be {dtype}{list(shape)} but the model expects {want_t[0]}{list(want_t[1])} (sources {pieces[0].source}...)",
+                    f"{target}: would be {dtype}{list(shape)} but the model expects {want_t[0]}{list(want_t[1])} (sources {pieces[0].name}...)",
                     path=str(target),
                 )
             out[target] = PlannedTensor(target, dtype, shape, tuple(pieces), rule.op, rule.label)
@@ -413,12 +393,11 @@ def _plan(
 def plan_reverse(inv: Inventory, table: Table) -> Plan:
     """Reverse: a checkpoint in the table's target layout -> native names (only the tensors
     the draft uses). Fused parameters are split back at the native sizes."""
-    cfg = model_config(inv)
+    cfg = inv.model_config
     if cfg.is_dspark:  # stages are model.layers.{s}, s < S
         _require_stages(inv, cfg, {int(m.group(1)) for key in inv.tensors if (m := TARGET_LAYER.match(key))})
     else:
-        with config_errors(f"{inv.location}/config.json"):
-            cfg.require_draft_blocks(draft_layers_present(cfg, inv.tensors))
+        cfg.require_draft_blocks(draft_layers_present(cfg, inv.tensors), f"{inv.location}/config.json")
     layout = layout_of(table.target, cfg)
     expected_src = native.draft_layout(cfg, with_emb_head=False)
     out: dict[str, PlannedTensor] = {}
@@ -440,7 +419,7 @@ def plan_reverse(inv: Inventory, table: Table) -> Plan:
             continue
         for binding in rule_bindings(rule, cfg):
             target = expand(rule.target, binding)
-            fused: TensorSource | None = inv.tensors.get(target)
+            fused: TensorBytes | None = inv.tensors.get(target)
             if fused is None:
                 raise MissingSourceError(
                     f"{target}: parameter missing from the {table.target} checkpoint", path=str(target)
@@ -451,7 +430,12 @@ def plan_reverse(inv: Inventory, table: Table) -> Plan:
                 n = nbytes(dtype, shape)
                 if name not in out:  # a shared tensor copied into every block comes back once
                     out[name] = PlannedTensor(
-                        name, dtype, shape, (Piece(target, fused.file, at, at + n),), f"split-{rule.op}", rule.label
+                        name,
+                        dtype,
+                        shape,
+                        (TensorBytes(target, fused.file, dtype, shape, at, at + n),),
+                        f"split-{rule.op}",
+                        rule.label,
                     )
                 at += n
             if at != fused.end:

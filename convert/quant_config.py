@@ -130,7 +130,7 @@ def layer_map(plan: Plan) -> LayerMap:
             continue  # a norm or hyper-connection parameter: not a quantisation layer
         kinds[owner.name] = owner.kind
         for piece in t.pieces:
-            parts.setdefault(owner.name, {})[piece.source.rsplit(".", 1)[0]] = None
+            parts.setdefault(owner.name, {})[piece.name.rsplit(".", 1)[0]] = None
     return LayerMap(kinds, {name: tuple(p) for name, p in parts.items()})
 
 

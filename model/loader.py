@@ -16,16 +16,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
-from dsv4.model.checkpoint import CONFIG, local_weight_map, refuse_full_native
-from dsv4.model.config import ModelConfig, config_errors
+from dsv4.model.checkpoint import Checkpoint, refuse_full_native
+from dsv4.model.config import ModelConfig
 from dsv4.model.dspark import DSparkDraft
 from dsv4.model.dtypes import SAFETENSORS_NAMES
 from dsv4.model.errors import (
+    DSV4Error,
     DtypeMismatchError,
-    LoadError,
-    MissingConfigError,
     MissingKeyError,
     ShapeMismatchError,
     UnexpectedKeyError,
@@ -33,7 +31,6 @@ from dsv4.model.errors import (
 from dsv4.model.layout import build_draft_model, draft_layers_present
 from dsv4.model.mtp import DeepSeekV4MTP
 from dsv4.model.record import LayoutRecord, RecordError
-from dsv4.model.strictjson import StrictJSONError, loads, read_record_bytes
 
 
 def default_device() -> torch.device:
@@ -44,11 +41,7 @@ def default_device() -> torch.device:
 def converted_config(root: Path) -> ModelConfig:
     """The validated config.json of converted checkpoint `root`, with the same verdicts as
     plan, convert and check (MissingConfigError, MalformedConfigError, UnsupportedLayoutError)."""
-    config_path = root / CONFIG
-    if not config_path.is_file():
-        raise MissingConfigError(f"{config_path}: no config.json in the converted checkpoint", path=str(config_path))
-    with config_errors(str(config_path)):
-        return ModelConfig.from_file(config_path)
+    return Checkpoint(root).model_config
 
 
 def has_layout_record(root: Path) -> bool:
@@ -56,10 +49,10 @@ def has_layout_record(root: Path) -> bool:
     (`--target xpu`), so the tensors are the model's parameter names. A draft directory or a
     native checkpoint has none (a malformed record counts as one: the strict loader then
     names what is wrong)."""
+    checkpoint = Checkpoint(root)
     try:
-        config = loads(read_record_bytes(root / CONFIG))
-        return not isinstance(config, dict) or LayoutRecord.of(config, str(root / CONFIG)) is not None
-    except (OSError, StrictJSONError, RecordError):
+        return LayoutRecord.of(checkpoint.config, str(checkpoint.config_path)) is not None
+    except (DSV4Error, RecordError):
         return True
 
 
@@ -97,80 +90,46 @@ def load_converted(path: str | Path, device: str | torch.device | None = None) -
     else DeepSeekV4MTP) and load the converted weights strictly.
 
     Raises MissingKeyError, UnexpectedKeyError, ShapeMismatchError, DtypeMismatchError
-    (all LoadError) naming the first offending tensor and its file; a config.json the
-    converter would refuse raises the converter's error (MissingConfigError,
-    MalformedConfigError, UnsupportedLayoutError).
+    (all LoadError) naming the first offending tensor and its file; a config.json, index or
+    header the converter would refuse raises the converter's error (the one reader,
+    model/checkpoint.py: MissingConfigError, MalformedConfigError, UnsupportedLayoutError,
+    MalformedHeaderError, IndexMismatchError, ...).
     """
-    root = Path(path)
-    config_path = root / CONFIG
-    cfg = converted_config(root)
+    checkpoint = Checkpoint(path)
+    root = checkpoint.root
+    cfg = checkpoint.model_config
     dev = torch.device(device) if device is not None else default_device()
 
     refuse_full_native(root, "smoke")
-    weight_map, index_file = local_weight_map(root)
+    headers = checkpoint.headers  # the one header reader: every header is checked before any data is read
     if not cfg.is_dspark:  # a DSpark stage missing or extra is a missing or unexpected key below
-        with config_errors(str(config_path)):
-            cfg.require_draft_blocks(draft_layers_present(cfg, weight_map))
+        cfg.require_draft_blocks(draft_layers_present(cfg, headers.tensors), str(checkpoint.config_path))
     model = build_draft_model(cfg)
     expected = model.state_dict()
+    index = root / headers.index_file
     for name in expected:
-        if name not in weight_map:
+        if name not in headers.tensors:
             raise MissingKeyError(
-                f"{root / index_file}: missing tensor {name} (a parameter of the draft model)",
-                path=str(root / index_file),
+                f"{index}: missing tensor {name} (a parameter of the draft model)", path=str(index), tensor=name
+            )
+    for name, src in sorted(headers.tensors.items()):
+        shard = root / src.file
+        if name not in expected:
+            raise UnexpectedKeyError(
+                f"{shard}: unexpected tensor {name} (not a parameter of the draft model)", path=str(shard), tensor=name
+            )
+        want = expected[name]
+        if src.shape != tuple(want.shape):
+            raise ShapeMismatchError(
+                f"{shard}: tensor {name} has shape {list(src.shape)}, the model expects {list(want.shape)}",
+                path=str(shard),
                 tensor=name,
             )
-
-    by_file: dict[str, list[str]] = {}
-    for name, file in weight_map.items():
-        by_file.setdefault(file, []).append(name)
-
-    # headers first: a bad checkpoint fails before any tensor data is read
-    for file, names in sorted(by_file.items()):
-        shard = root / file
-        if not shard.is_file():
-            raise LoadError(f"{shard}: shard named in {index_file} does not exist", path=str(shard))
-        with safe_open(shard, framework="pt") as f:
-            in_file = set(f.keys())
-            for name in sorted(in_file - set(names)):
-                raise UnexpectedKeyError(
-                    f"{shard}: unexpected tensor {name} (not listed in {index_file})", path=str(shard), tensor=name
-                )
-            for name in sorted(names):
-                if name not in in_file:
-                    raise MissingKeyError(
-                        f"{shard}: tensor {name} is listed in {index_file} but absent", path=str(shard), tensor=name
-                    )
-                if name not in expected:
-                    raise UnexpectedKeyError(
-                        f"{shard}: unexpected tensor {name} (not a parameter of the draft model)",
-                        path=str(shard),
-                        tensor=name,
-                    )
-                want = expected[name]
-                sl = f.get_slice(name)
-                dtype, shape = sl.get_dtype(), tuple(sl.get_shape())
-                if shape != tuple(want.shape):
-                    raise ShapeMismatchError(
-                        f"{shard}: tensor {name} has shape {list(shape)}, the model expects {list(want.shape)}",
-                        path=str(shard),
-                        tensor=name,
-                    )
-                if dtype != SAFETENSORS_NAMES[want.dtype]:
-                    raise DtypeMismatchError(
-                        f"{shard}: tensor {name} has dtype {dtype}, the model expects {SAFETENSORS_NAMES[want.dtype]}",
-                        path=str(shard),
-                        tensor=name,
-                    )
-
-    # safetensors maps each shard privately (copy-on-write) and get_tensor returns a view of
-    # that map: on the CPU the parameters ARE those views (no copy; a page is read when the
-    # forward first touches it, and a write would copy the page, never reach the file).
-    # Any other device gets its one copy, a tensor at a time.
-    state: dict[str, torch.Tensor] = {}
-    for file, names in sorted(by_file.items()):
-        with safe_open(root / file, framework="pt", device="cpu") as f:
-            for name in names:
-                state[name] = f.get_tensor(name).to(dev)
-    model.load_state_dict(state, strict=True, assign=True)
+        if src.dtype != SAFETENSORS_NAMES[want.dtype]:
+            raise DtypeMismatchError(
+                f"{shard}: tensor {name} has dtype {src.dtype}, the model expects {SAFETENSORS_NAMES[want.dtype]}",
+                path=str(shard),
+                tensor=name,
+            )
+    model.load_state_dict(checkpoint.load_tensors(expected, dev), strict=True, assign=True)
     return model.eval()

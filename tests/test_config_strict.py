@@ -24,11 +24,12 @@ from dsv4.convert.check import run_checks
 from dsv4.convert.exit_codes import exit_code
 from dsv4.convert.inventory import read_inventory
 from dsv4.convert.pipeline import convert
-from dsv4.convert.plan import model_config, plan_reverse
+from dsv4.convert.plan import plan_reverse
 from dsv4.convert.synth import write_checkpoint
 from dsv4.mapping.table import load_table
 from dsv4.model import errors as model_errors
-from dsv4.model.config import ConfigError, ConfigFieldError, ModelConfig, UnsupportedConfig, parse_config
+from dsv4.model.config import ModelConfig, parse_config
+from dsv4.model.errors import MalformedConfigError, UnsupportedLayoutError
 from dsv4.model.loader import load_converted
 from dsv4.model.presets import PRESETS, preset_config
 
@@ -156,7 +157,7 @@ def test_smoke_on_an_output_config_that_is_a_list_exits_18(converted: Path, tmp_
 # --- the same verdict everywhere -------------------------------------------------------
 def plan_verdict(ckpt: Path) -> tuple[int, str]:
     try:
-        model_config(read_inventory(ckpt))
+        read_inventory(ckpt).model_config
     except model_errors.DSV4Error as exc:
         return exit_code(exc), str(exc)
     return 0, ""
@@ -231,98 +232,98 @@ def set_field(name: str, value: Any) -> Callable[[dict[str, Any]], None]:
 REFUSALS = [
     (
         set_field("num_hidden_layers", -1),
-        ConfigFieldError,
+        MalformedConfigError,
         "num_hidden_layers",
         "num_hidden_layers is -1; expected an integer in 1..1024",
     ),
     (
         set_field("vocab_size", 2**62),
-        ConfigFieldError,
+        MalformedConfigError,
         "vocab_size",
         "vocab_size is 4611686018427387904; expected an integer in 1..16777216",
     ),
     (
         set_field("n_routed_experts", 1.0),
-        ConfigFieldError,
+        MalformedConfigError,
         "n_routed_experts",
         "n_routed_experts is 1.0; expected an integer",
     ),
-    (set_field("hc_eps", 0), ConfigFieldError, "hc_eps", "hc_eps is 0; expected a finite number > 0 and < 1"),
-    (set_field("rope_theta", "1e4"), ConfigFieldError, "rope_theta", 'rope_theta is "1e4" (a string)'),
+    (set_field("hc_eps", 0), MalformedConfigError, "hc_eps", "hc_eps is 0; expected a finite number > 0 and < 1"),
+    (set_field("rope_theta", "1e4"), MalformedConfigError, "rope_theta", 'rope_theta is "1e4" (a string)'),
     (
         set_field("rope_theta", 2**64),
-        ConfigFieldError,
+        MalformedConfigError,
         "rope_theta",
         "rope_theta is 18446744073709551616; expected a finite number > 0",
     ),
     (
         set_field("rms_norm_eps", float("nan")),
-        ConfigFieldError,
+        MalformedConfigError,
         "rms_norm_eps",
         "rms_norm_eps is nan; expected a finite number",
     ),
-    (set_field("norm_topk_prob", 1), ConfigFieldError, "norm_topk_prob", "norm_topk_prob is 1; expected true or false"),
-    (set_field("expert_dtype", 4), ConfigFieldError, "expert_dtype", "expert_dtype is 4; expected a string"),
+    (set_field("norm_topk_prob", 1), MalformedConfigError, "norm_topk_prob", "norm_topk_prob is 1; expected true or false"),
+    (set_field("expert_dtype", 4), MalformedConfigError, "expert_dtype", "expert_dtype is 4; expected a string"),
     (
         set_field("quantization_config", []),
-        ConfigFieldError,
+        MalformedConfigError,
         "quantization_config",
         "quantization_config is [] (a list); expected an object",
     ),
     (
         set_field("compress_ratios", [4, 128]),
-        ConfigFieldError,
+        MalformedConfigError,
         "compress_ratios",
         "compress_ratios has 2 entries; expected one per main layer (num_hidden_layers = 2) and one per draft layer: 3..18",
     ),
     (
         set_field("compress_ratios", [4, -128, 0]),
-        ConfigFieldError,
+        MalformedConfigError,
         "compress_ratios[1]",
         "compress_ratios[1] is -128; expected an integer in 0..",
     ),
     (
         set_field("compress_ratios", "4,128,0"),
-        ConfigFieldError,
+        MalformedConfigError,
         "compress_ratios",
         'compress_ratios is "4,128,0" (a string); expected a list of integers',
     ),
     (
         set_field("qk_rope_head_dim", 63),
-        ConfigFieldError,
+        MalformedConfigError,
         "qk_rope_head_dim",
         "expected an even number <= head_dim (128)",
     ),
-    (set_field("o_groups", 3), ConfigFieldError, "o_groups", "expected a divisor of num_attention_heads (4)"),
+    (set_field("o_groups", 3), MalformedConfigError, "o_groups", "expected a divisor of num_attention_heads (4)"),
     (
         set_field("num_experts_per_tok", 9),
-        ConfigFieldError,
+        MalformedConfigError,
         "num_experts_per_tok",
         "num_experts_per_tok is 9, more than n_routed_experts (8)",
     ),
-    (lambda raw: raw.pop("hidden_size"), ConfigFieldError, "hidden_size", "lacks required field(s): hidden_size"),
+    (lambda raw: raw.pop("hidden_size"), MalformedConfigError, "hidden_size", "lacks required field(s): hidden_size"),
     (
         set_field("model_type", "llama"),
-        UnsupportedConfig,
+        UnsupportedLayoutError,
         "model_type",
         "model_type 'llama'; this tool converts 'deepseek_v4' checkpoints only",
     ),
     (
         set_field("num_nextn_predict_layers", 0),
-        UnsupportedConfig,
+        UnsupportedLayoutError,
         "num_nextn_predict_layers",
         "the checkpoint has no MTP draft layer",
     ),
-    (set_field("n_shared_experts", 2), UnsupportedConfig, "n_shared_experts", "n_shared_experts is 2"),
+    (set_field("n_shared_experts", 2), UnsupportedLayoutError, "n_shared_experts", "n_shared_experts is 2"),
     (
         set_field("compress_ratios", [4, 128, 4]),
-        UnsupportedConfig,
+        UnsupportedLayoutError,
         "compress_ratios",
         "the MTP layer has no compressor",
     ),
-    (set_field("topk_method", "greedy"), UnsupportedConfig, "topk_method", "topk_method 'greedy'"),
-    (set_field("scoring_func", "sigmoid"), UnsupportedConfig, "scoring_func", "scoring_func 'sigmoid'"),
-    (set_field("expert_dtype", "mxfp6"), UnsupportedConfig, "expert_dtype", "unknown expert_dtype 'mxfp6'"),
+    (set_field("topk_method", "greedy"), UnsupportedLayoutError, "topk_method", "topk_method 'greedy'"),
+    (set_field("scoring_func", "sigmoid"), UnsupportedLayoutError, "scoring_func", "scoring_func 'sigmoid'"),
+    (set_field("expert_dtype", "mxfp6"), UnsupportedLayoutError, "expert_dtype", "unknown expert_dtype 'mxfp6'"),
 ]
 
 
@@ -330,7 +331,7 @@ REFUSALS = [
     ("edit", "kind", "field", "said"), REFUSALS, ids=[f"{r[2]}-{i}" for i, r in enumerate(REFUSALS)]
 )
 def test_each_refusal_names_its_field(
-    edit: Callable[[dict[str, Any]], None], kind: type[ConfigFieldError], field: str, said: str
+    edit: Callable[[dict[str, Any]], None], kind: type[MalformedConfigError | UnsupportedLayoutError], field: str, said: str
 ) -> None:
     with pytest.raises(kind) as caught:
         ModelConfig.from_dict(tiny_with(edit))
@@ -345,12 +346,12 @@ def test_absent_or_null_expert_dtype_means_fp4(raw: dict[str, Any], kind: str) -
 
 def test_a_config_built_in_python_is_validated_too() -> None:
     cfg = ModelConfig.from_dict(preset_config("tiny"))
-    with pytest.raises(ConfigFieldError, match="num_nextn_predict_layers is 10000000"):
+    with pytest.raises(MalformedConfigError, match="num_nextn_predict_layers is 10000000"):
         dataclasses.replace(cfg, num_nextn_predict_layers=10_000_000)
 
 
 @pytest.mark.parametrize("text", [b"\xff{}", b'{"a": 1, "a": 2}', b'{"hidden_size": NaN}', b"{", b"null"])
 def test_parse_config_refuses_what_is_not_a_strict_json_object(text: bytes) -> None:
-    with pytest.raises(ConfigError) as caught:
+    with pytest.raises(MalformedConfigError) as caught:
         parse_config(text)
     assert "\n" not in str(caught.value)

@@ -210,7 +210,7 @@ def test_round_trip_is_byte_identical(tiny_native: Path, tiny_xpu: Path, tmp_pat
     back = tmp_path / "back"
     result = convert(tiny_xpu, back, reverse=True)
     n, b = load_all(tiny_native), load_all(back)
-    used = {p.source for t in plan_conversion(read_inventory(tiny_native), load_table()).tensors for p in t.pieces}
+    used = {p.name for t in plan_conversion(read_inventory(tiny_native), load_table()).tensors for p in t.pieces}
     assert set(b) == used
     for name, t in b.items():
         assert t.dtype == n[name].dtype and t.shape == n[name].shape, name

@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from safetensors import safe_open
 
-from dsv4.convert.inventory import read_local_header
+from dsv4.model.checkpoint import read_local_header
 from dsv4.model.checkpoint import INDEX_NAME, load_index
 from dsv4.model.dtypes import ITEMSIZE, SAFETENSORS_NAMES, nbytes, tensor_bytes
 from dsv4.model.errors import CheckpointError

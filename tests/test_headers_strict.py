@@ -22,9 +22,10 @@ from safetensors import safe_open
 from dsv4.convert import errors
 from dsv4.convert.check import run_checks
 from dsv4.convert.exit_codes import code_of
-from dsv4.convert.inventory import MAX_HEADER, parse_header, read_inventory
+from dsv4.convert.inventory import read_inventory
 from dsv4.model import errors as model_errors
 from dsv4.model.checkpoint import INDEX_NAME, load_index
+from dsv4.model.safetensors_header import MAX_HEADER, parse_header
 
 MTP_SHARD = "model-00005-of-00005.safetensors"  # the tiny preset's shard holding mtp.0.*
 
