@@ -164,7 +164,8 @@ def check_index(ctx: _Context, details: dict[str, Any]) -> str:
     stray = sorted(p.name for p in ctx.root.glob("*.safetensors") if p.name not in headers.file_sizes)
     if stray:
         raise IndexCheckError(
-            f"{ctx.where(stray[0])}: shard not named in {INDEX_NAME} (a loader that globs *.safetensors would read it; {len(stray)} such file(s))",
+            f"{ctx.where(stray[0])}: shard not named in {INDEX_NAME} (a loader that globs *.safetensors would read "
+            f"it; {len(stray)} such file(s))",
             path=str(ctx.where(stray[0])),
         )
     ctx.headers = headers
@@ -235,8 +236,9 @@ def check_readable(ctx: _Context, details: dict[str, Any]) -> str:
                     digest = None if ctx.fast else hashlib.sha256()
                     try:
                         _read_tensor(ctx.root / file, fd, src, digest)
-                    except Exception as exc:  # any failure to read is this check's finding,
-                        interrupts.raise_if_interrupted()  # unless a signal caused it: a cancelled run never blames the checkpoint
+                    except Exception as exc:  # any failure to read is this check's finding, unless a
+                        # signal caused it: a cancelled run never blames the checkpoint
+                        interrupts.raise_if_interrupted()
                         failed[src.name] = f"{file}: tensor {src.name}: {_first_line(exc)}"
                         continue
                     if digest is not None:
@@ -313,7 +315,8 @@ def check_sizes(ctx: _Context, details: dict[str, Any]) -> str:
     declared = _declared_total_size(ctx)
     if not _is_int(declared) or declared != total:
         raise SizeCheckError(
-            f"{ctx.where(INDEX_NAME)}: metadata.total_size is {_brief(declared)} but the {len(headers.tensors)} tensors hold {total:,} bytes",
+            f"{ctx.where(INDEX_NAME)}: metadata.total_size is {_brief(declared)} but the {len(headers.tensors)} "
+            f"tensors hold {total:,} bytes",
             path=str(ctx.where(INDEX_NAME)),
         )
     record = _conversion_record(ctx)
@@ -321,26 +324,32 @@ def check_sizes(ctx: _Context, details: dict[str, Any]) -> str:
     missing = sorted(set(headers.tensors) - set(listed))
     if missing:
         raise SizeCheckError(
-            f"{ctx.where(CONVERSION_RECORD)}: does not list {len(missing)} tensor(s) the shards hold: {_short(missing)}",
+            f"{ctx.where(CONVERSION_RECORD)}: does not list {len(missing)} tensor(s) the shards hold: "
+            f"{_short(missing)}",
             path=str(ctx.where(CONVERSION_RECORD)),
         )
     extra = sorted(set(listed) - set(headers.tensors))
     if extra:
         raise SizeCheckError(
-            f"{ctx.where(CONVERSION_RECORD)}: lists {len(extra)} tensor(s) no shard holds: {_short([repr(n) for n in extra])}",
+            f"{ctx.where(CONVERSION_RECORD)}: lists {len(extra)} tensor(s) no shard holds: "
+            f"{_short([repr(n) for n in extra])}",
             path=str(ctx.where(CONVERSION_RECORD)),
         )
     for name, src in sorted(headers.tensors.items()):
         entry = listed[name]
         if entry.file != src.file or entry.nbytes != src.nbytes:
             raise SizeCheckError(
-                f"{ctx.where(CONVERSION_RECORD)}: tensor {name}: recorded as {entry.nbytes!r} bytes in {entry.file!r}, but it is {src.nbytes:,} bytes in {src.file}",
+                f"{ctx.where(CONVERSION_RECORD)}: tensor {name}: recorded as {entry.nbytes!r} bytes in "
+                f"{entry.file!r}, but it is {src.nbytes:,} bytes in {src.file}",
                 path=str(ctx.where(CONVERSION_RECORD)),
                 tensor=name,
             )
     ctx.record = record
     details["total_size"] = total
-    return f"total_size {total:,} bytes = the tensors' sum; {CONVERSION_RECORD} lists the same {len(listed)} tensors, files and sizes"
+    return (
+        f"total_size {total:,} bytes = the tensors' sum; {CONVERSION_RECORD} lists the same {len(listed)} tensors, "
+        "files and sizes"
+    )
 
 
 def check_checksums(ctx: _Context, details: dict[str, Any]) -> str:
@@ -409,7 +418,8 @@ def _recorded_layout(ctx: _Context, where: str) -> tuple[str, str, str, str]:
         if conv is None or conv.has_layout_record:
             said = "" if conv is not None else f", and no readable {CONVERSION_RECORD} names the layout"
             raise ConfigCheckError(
-                f"{where}: no {LAYOUT_RECORD} record with layout, table, table_version, tool_version{said}: not a checkpoint this converter wrote",
+                f"{where}: no {LAYOUT_RECORD} record with layout, table, table_version, tool_version{said}: not a "
+                "checkpoint this converter wrote",
                 path=str(where),
             )
         return conv.table, conv.table_version, conv.target, f"{CONVERSION_RECORD} table"
@@ -431,19 +441,23 @@ def check_config(ctx: _Context, details: dict[str, Any]) -> str:
         ) from None
     if (target, table_version) != (table.target, table.version):
         raise ConfigCheckError(
-            f"{where}: converted to layout {target!r} with table {table_name} v{table_version}, but this tool's table {table.name} is v{table.version} for layout {table.target!r}: reconvert",
+            f"{where}: converted to layout {target!r} with table {table_name} v{table_version}, but this tool's "
+            f"table {table.name} is v{table.version} for layout {table.target!r}: reconvert",
             path=str(where),
         )
     if ctx.record is not None and (ctx.record.table, ctx.record.target) != (table_name, target):
         raise ConfigCheckError(
-            f"{where}: {LAYOUT_RECORD} says table {table_name!r} / layout {target!r}, {CONVERSION_RECORD} says {ctx.record.table!r} / {ctx.record.target!r}",
+            f"{where}: {LAYOUT_RECORD} says table {table_name!r} / layout {target!r}, {CONVERSION_RECORD} says "
+            f"{ctx.record.table!r} / {ctx.record.target!r}",
             path=str(where),
         )
 
     drafter = "dspark" if cfg.is_dspark else "mtp"
     if table.drafter != drafter:
         raise ConfigCheckError(
-            f"{where}: {field} {table_name!r} maps {table.drafter} drafters, but config.json describes a{'' if cfg.is_dspark else 'n'} {drafter} drafter{' (dspark_* fields)' if cfg.is_dspark else ' (no dspark_* fields)'}",
+            f"{where}: {field} {table_name!r} maps {table.drafter} drafters, but config.json describes "
+            f"a{'' if cfg.is_dspark else 'n'} {drafter} "
+            f"drafter{' (dspark_* fields)' if cfg.is_dspark else ' (no dspark_* fields)'}",
             path=str(where),
         )
     draft = target == DRAFT_TARGET
@@ -451,19 +465,29 @@ def check_config(ctx: _Context, details: dict[str, Any]) -> str:
         present = {int(m.group(1)) for name in headers.tensors if (m := NATIVE_BLOCK.match(name))}
         expected_layers = set(range(cfg.dspark_stages if cfg.is_dspark else cfg.num_nextn_predict_layers))
         meaning = (
-            f"dspark_target_layer_ids ({len(cfg.dspark_target_layer_ids or ())} entries) means DSpark stage(s) mtp.{sorted(expected_layers)}"
+            f"dspark_target_layer_ids ({len(cfg.dspark_target_layer_ids or ())} entries) means DSpark stage(s) "
+            f"mtp.{sorted(expected_layers)}"
             if cfg.is_dspark
-            else f"num_nextn_predict_layers = {cfg.num_nextn_predict_layers} means MTP block(s) mtp.{sorted(expected_layers)}"
+            else (
+                f"num_nextn_predict_layers = {cfg.num_nextn_predict_layers} means MTP block(s) "
+                f"mtp.{sorted(expected_layers)}"
+            )
         )
         held = f"mtp.{sorted(present)}"
     else:
         present = {int(m.group(1)) for name in headers.tensors if (m := LAYER.match(name))}
         if cfg.is_dspark:  # the stages are an nn.ModuleList: model.layers.{s}, s < S
             expected_layers = set(range(cfg.dspark_stages))
-            meaning = f"dspark_target_layer_ids ({len(cfg.dspark_target_layer_ids or ())} entries) means DSpark stage layer(s) {sorted(expected_layers)}"
+            meaning = (
+                f"dspark_target_layer_ids ({len(cfg.dspark_target_layer_ids or ())} entries) means DSpark stage "
+                f"layer(s) {sorted(expected_layers)}"
+            )
         else:
             expected_layers = {cfg.mtp_layer_index(i) for i in range(cfg.num_nextn_predict_layers)}
-            meaning = f"num_nextn_predict_layers = {cfg.num_nextn_predict_layers} and num_hidden_layers = {cfg.num_hidden_layers} mean MTP layer(s) {sorted(expected_layers)}"
+            meaning = (
+                f"num_nextn_predict_layers = {cfg.num_nextn_predict_layers} and num_hidden_layers = "
+                f"{cfg.num_hidden_layers} mean MTP layer(s) {sorted(expected_layers)}"
+            )
         held = f"layer(s) {sorted(present)}"
     if present != expected_layers:
         raise ConfigCheckError(f"{where}: {meaning}, but the tensors hold {held}", path=str(where))
@@ -472,14 +496,16 @@ def check_config(ctx: _Context, details: dict[str, Any]) -> str:
         implied = _expert_dtype_of(name, src.dtype)
         if implied is not None and implied != cfg.expert_dtype:
             raise ConfigCheckError(
-                f"{where}: expert_dtype is {cfg.expert_dtype!r} but {src.file}: tensor {name} ({src.dtype}) holds {implied} experts",
+                f"{where}: expert_dtype is {cfg.expert_dtype!r} but {src.file}: tensor {name} ({src.dtype}) holds "
+                f"{implied} experts",
                 path=str(where),
                 tensor=name,
             )
     experts = {int(m.group(1)) for name in headers.tensors if (m := NATIVE_EXPERT.match(name))}
     if draft and experts != set(range(cfg.n_routed_experts)):
         raise ConfigCheckError(
-            f"{where}: n_routed_experts = {cfg.n_routed_experts}, but the tensors hold routed experts {min(experts, default=None)}..{max(experts, default=None)} ({len(experts)})",
+            f"{where}: n_routed_experts = {cfg.n_routed_experts}, but the tensors hold routed experts "
+            f"{min(experts, default=None)}..{max(experts, default=None)} ({len(experts)})",
             path=str(where),
         )
 
@@ -500,7 +526,9 @@ def check_config(ctx: _Context, details: dict[str, Any]) -> str:
                 continue
             if weight.shape == layout[weight.name][1] and src.shape != layout[name][1]:
                 raise ConfigCheckError(
-                    f"{where}: quantization_config.weight_block_size {block} gives {name} the shape {list(layout[name][1])}, but {src.file} holds {list(src.shape)} for {weight.name} {list(weight.shape)}",
+                    f"{where}: quantization_config.weight_block_size {block} gives {name} the shape "
+                    f"{list(layout[name][1])}, but {src.file} holds {list(src.shape)} for {weight.name} "
+                    f"{list(weight.shape)}",
                     path=str(where),
                 )
     if draft:  # vLLM reads architectures[0] and model_type before anything else (shared/spec/05 §5.2)
@@ -527,7 +555,8 @@ def check_config(ctx: _Context, details: dict[str, Any]) -> str:
             was, now = ctx.record.config_fields.get(key, ABSENT), config.get(key, ABSENT)
             if was != now:
                 raise ConfigCheckError(
-                    f"{where}: {key} is {_brief(now)}, but the conversion wrote {_brief(was)} ({CONVERSION_RECORD} config_fields; the runtimes read it)",
+                    f"{where}: {key} is {_brief(now)}, but the conversion wrote {_brief(was)} ({CONVERSION_RECORD} "
+                    "config_fields; the runtimes read it)",
                     path=str(where),
                 )
     what = (
@@ -548,7 +577,10 @@ def check_config(ctx: _Context, details: dict[str, Any]) -> str:
         if cfg.is_dspark
         else f"MTP layer(s) {sorted(present)}"
     )
-    return f"converted to {target!r} with table {table_name} v{table_version}; {layers}; expert_dtype {cfg.expert_dtype}; {what} agree with the tensors"
+    return (
+        f"converted to {target!r} with table {table_name} v{table_version}; {layers}; expert_dtype "
+        f"{cfg.expert_dtype}; {what} agree with the tensors"
+    )
 
 
 # --- layout ------------------------------------------------------------------------------
@@ -666,11 +698,18 @@ def check_smoke(ctx: _Context, details: dict[str, Any]) -> str:
                 )
             }
         )
-        return f"strict load and one DSpark block ({ctx.tokens}-token context) on {report['device']}: hidden {report['hidden_shape']}, logits {report['logits_shape']}, draft tokens {report['draft_tokens']}, finite; fused norms: {report['kernels']}"
+        return (
+            f"strict load and one DSpark block ({ctx.tokens}-token context) on {report['device']}: hidden "
+            f"{report['hidden_shape']}, logits {report['logits_shape']}, draft tokens {report['draft_tokens']}, "
+            f"finite; fused norms: {report['kernels']}"
+        )
     details.update(
         {k: report[k] for k in ("device", "kernels", "hidden_shape", "logits_shape", "load_ms", "forward_warm_ms")}
     )
-    return f"strict load and {ctx.tokens}-token forward on {report['device']}: hidden {report['hidden_shape']}, logits {report['logits_shape']}, finite; fused norms: {report['kernels']}"
+    return (
+        f"strict load and {ctx.tokens}-token forward on {report['device']}: hidden {report['hidden_shape']}, logits "
+        f"{report['logits_shape']}, finite; fused norms: {report['kernels']}"
+    )
 
 
 def check_native(ctx: _Context, details: dict[str, Any]) -> str:
@@ -716,7 +755,8 @@ def check_serve(ctx: _Context, details: dict[str, Any]) -> str:
         raise _Skipped(f"needs the draft's config.json: {ctx.config_error}")
     if _layout_target(ctx) != DRAFT_TARGET:
         raise _Skipped(
-            f"only a --target {DRAFT_TARGET} output is served beside a target model (this one is {_layout_target(ctx)!r})"
+            f"only a --target {DRAFT_TARGET} output is served beside a target model (this one is "
+            f"{_layout_target(ctx)!r})"
         )
     where = ctx.serve_with / "config.json" if ctx.serve_with.is_dir() else ctx.serve_with
     try:
@@ -737,12 +777,17 @@ def check_serve(ctx: _Context, details: dict[str, Any]) -> str:
         if mine != theirs:
             details.update(field=key)
             raise ServeMismatchError(
-                f"{where}: {key} is {_brief(theirs)}, the draft's is {_brief(mine)}: vLLM 0.33.0 builds the draft's layers from the "
-                "target's config and quantisation, so this draft would not load beside it (serve it beside the checkpoint it was converted from)",
+                f"{where}: {key} is {_brief(theirs)}, the draft's is {_brief(mine)}: vLLM 0.33.0 builds the draft's "
+                "layers from the "
+                "target's config and quantisation, so this draft would not load beside it (serve it beside the "
+                "checkpoint it was converted from)",
                 path=str(where),
                 field=key,
             )
-    return f"{where}: the {len(_serve_fields())} config fields vLLM builds the draft's layers from (quantization_config included) are the draft's own"
+    return (
+        f"{where}: the {len(_serve_fields())} config fields vLLM builds the draft's layers from (quantization_config "
+        "included) are the draft's own"
+    )
 
 
 # each check returns its one-line reason and may fill `details` (kept on failure too)

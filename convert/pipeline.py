@@ -25,7 +25,7 @@ from dsv4.convert.errors import SourceChangedError, WriteFailedError
 from dsv4.convert.execute import Executor, still_valid
 from dsv4.convert.inventory import Inventory
 from dsv4.convert.location import HubSpec, locate
-from dsv4.convert.output import CONFIG, OutputClaim, claim_output, resolve_output
+from dsv4.convert.output import CONFIG, OutputClaim, claim_output, read_record, resolve_output
 from dsv4.convert.plan import Direction, Plan, PlannedTensor, choose_table, plan_conversion, plan_reverse
 from dsv4.convert.quant_config import carried_quantization
 from dsv4.convert.readers import ByteReader, LocalReader
@@ -35,6 +35,7 @@ from dsv4.mapping.table import require_target
 from dsv4.model import strictjson
 from dsv4.model.checkpoint import INDEX_NAME, read_local_header
 from dsv4.model.record import (
+    CONVERSION_RECORD,
     LAYOUT_RECORD,
     ConversionRecord,
     LayoutRecord,

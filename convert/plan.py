@@ -134,13 +134,16 @@ def drafter_of(inv: Inventory, cfg: ModelConfig, direction: Direction = "forward
     marker = DSPARK_MARKER[direction]
     if marker in inv.tensors and not cfg.is_dspark:
         raise UnsupportedLayoutError(
-            f"{inv.tensors[marker].file}: tensor {marker}: a DSpark drafter's projection, but {inv.location}/config.json has no dspark_* fields (mapping/README.md#dspark-source-checkpoint); refusing to convert",
+            f"{inv.tensors[marker].file}: tensor {marker}: a DSpark drafter's projection, but "
+            f"{inv.location}/config.json has no dspark_* fields (mapping/README.md#dspark-source-checkpoint); "
+            "refusing to convert",
             path=str(inv.tensors[marker].file),
             tensor=marker,
         )
     if cfg.is_dspark and marker not in inv.tensors:
         raise UnsupportedLayoutError(
-            f"{inv.location}/config.json: dspark_* fields (a DSpark drafter, mapping/README.md#dspark-v4-flash-0731), but the checkpoint has no tensor {marker}; refusing to convert"
+            f"{inv.location}/config.json: dspark_* fields (a DSpark drafter, mapping/README.md#dspark-v4-flash-0731), "
+            f"but the checkpoint has no tensor {marker}; refusing to convert"
         )
     return "dspark" if cfg.is_dspark else "mtp"
 
@@ -152,8 +155,10 @@ def choose_table(target: str, inv: Inventory, direction: Direction = "forward") 
     where = inv.location
     if direction == "forward" and isinstance(inv.config.get(LAYOUT_RECORD), dict):
         raise UnsupportedLayoutError(
-            f"{where}: is a converted checkpoint (its config.json has the {LAYOUT_RECORD} layout record), not a native one: "
-            f"convert-dsv4 {where} OUT --reverse turns it back into native names, convert-dsv4 check {where} verifies it",
+            f"{where}: is a converted checkpoint (its config.json has the {LAYOUT_RECORD} layout record), not a "
+            "native one: "
+            f"convert-dsv4 {where} OUT --reverse turns it back into native names, convert-dsv4 check {where} "
+            "verifies it",
             path=str(where),
         )
     if direction == "reverse" and is_full_native(inv.tensors):
@@ -198,7 +203,7 @@ def _by_first_component(rules: list[Rule]) -> dict[str, list[tuple[Rule, re.Patt
     a full Flash checkpoint has 69,187 keys."""
     index: dict[str, list[tuple[Rule, re.Pattern[str]]]] = {}
     for r in rules:
-        for pattern, rx in zip(r.sources, r.source_regexes):
+        for pattern, rx in zip(r.sources, r.source_regexes, strict=True):
             head = pattern.split(".", 1)[0]
             index.setdefault("*" if "{" in head else head, []).append((r, rx))
     return index
@@ -215,7 +220,8 @@ def _classify(inv: Inventory, rules: list[Rule], cfg: ModelConfig) -> dict[str, 
         hits = [(r, m) for r, rx in by_head.get(key.split(".", 1)[0], anywhere) if (m := rx.match(key))]
         if not hits:
             raise UncoveredKeyError(
-                f"{src.file}: tensor {key}: no rule of the mapping table covers it (unknown key; refusing to drop it silently)",
+                f"{src.file}: tensor {key}: no rule of the mapping table covers it (unknown key; refusing to drop it "
+                "silently)",
                 path=str(src.file),
                 tensor=key,
             )
@@ -227,7 +233,8 @@ def _classify(inv: Inventory, rules: list[Rule], cfg: ModelConfig) -> dict[str, 
             value = groups.get(ph)
             if value is not None and int(value) >= limit:
                 raise UnsupportedLayoutError(
-                    f"{src.file}: tensor {key}: index {value} but config.json has {what} = {limit} (keys and config disagree)",
+                    f"{src.file}: tensor {key}: index {value} but config.json has {what} = {limit} (keys and config "
+                    "disagree)",
                     path=str(src.file),
                     tensor=key,
                 )
@@ -235,7 +242,8 @@ def _classify(inv: Inventory, rules: list[Rule], cfg: ModelConfig) -> dict[str, 
             for ph, want in stage_binding(cfg).items():
                 if groups.get(ph) is not None and int(groups[ph]) != want:
                     raise UnsupportedLayoutError(
-                        f"{src.file}: tensor {key}: only the {ph} stage mtp.{want} holds this tensor, not stage {groups[ph]} (mapping/README.md#dspark-source-checkpoint)",
+                        f"{src.file}: tensor {key}: only the {ph} stage mtp.{want} holds this tensor, not stage "
+                        f"{groups[ph]} (mapping/README.md#dspark-source-checkpoint)",
                         path=str(src.file),
                         tensor=key,
                     )
@@ -276,7 +284,8 @@ def _require_stages(inv: Inventory, cfg: ModelConfig, stages: set[int]) -> None:
     missing = sorted(set(range(cfg.dspark_stages)) - stages)
     if missing:
         raise UnsupportedLayoutError(
-            f"{inv.location}/config.json: {cfg.dspark_stages} DSpark stages (len(dspark_target_layer_ids)) but the tensors hold stage(s) {sorted(stages)}: stage {missing[0]} is missing (keys and config disagree)"
+            f"{inv.location}/config.json: {cfg.dspark_stages} DSpark stages (len(dspark_target_layer_ids)) but the "
+            f"tensors hold stage(s) {sorted(stages)}: stage {missing[0]} is missing (keys and config disagree)"
         )
 
 
@@ -315,7 +324,8 @@ def plan_conversion(inv: Inventory, table: Table) -> Plan:
                 want = expected_src[name]
                 if (src.dtype, src.shape) != want:
                     raise LayoutMismatchError(
-                        f"{src.file}: tensor {name}: {src.dtype}{list(src.shape)} but config.json ({variant}) implies {want[0]}{list(want[1])}",
+                        f"{src.file}: tensor {name}: {src.dtype}{list(src.shape)} but config.json ({variant}) "
+                        f"implies {want[0]}{list(want[1])}",
                         path=str(src.file),
                         tensor=name,
                     )
@@ -345,14 +355,16 @@ def plan_conversion(inv: Inventory, table: Table) -> Plan:
                 )
             if (dtype, shape) != want_t:
                 raise LayoutMismatchError(
-                    f"{target}: would be {dtype}{list(shape)} but the model expects {want_t[0]}{list(want_t[1])} (sources {pieces[0].name}...)",
+                    f"{target}: would be {dtype}{list(shape)} but the model expects {want_t[0]}{list(want_t[1])} "
+                    f"(sources {pieces[0].name}...)",
                     path=str(target),
                 )
             out[target] = PlannedTensor(target, dtype, shape, tuple(pieces), rule.op, rule.label)
     missing = sorted(set(layout) - set(out))
     if missing:
         raise MissingSourceError(
-            f"{missing[0]}: no rule of table {table.name} v{table.version} produces this parameter ({len(missing)} missing)",
+            f"{missing[0]}: no rule of table {table.name} v{table.version} produces this parameter ({len(missing)} "
+            "missing)",
             path=str(missing[0]),
         )
     once = {n for r in rules if r.op == "copy" for b in rule_bindings(r, cfg) for n in _source_names(r, b, cfg)}
@@ -410,7 +422,8 @@ def plan_reverse(inv: Inventory, table: Table) -> Plan:
             )
         if (src.dtype, src.shape) != layout[key]:
             raise LayoutMismatchError(
-                f"{src.file}: tensor {key}: {src.dtype}{list(src.shape)} but the model expects {layout[key][0]}{list(layout[key][1])}",
+                f"{src.file}: tensor {key}: {src.dtype}{list(src.shape)} but the model expects "
+                f"{layout[key][0]}{list(layout[key][1])}",
                 path=str(src.file),
                 tensor=key,
             )
@@ -440,7 +453,8 @@ def plan_reverse(inv: Inventory, table: Table) -> Plan:
                 at += n
             if at != fused.end:
                 raise LayoutMismatchError(
-                    f"{fused.file}: tensor {target}: {fused.nbytes} bytes but its native parts add up to {at - fused.start}",
+                    f"{fused.file}: tensor {target}: {fused.nbytes} bytes but its native parts add up to "
+                    f"{at - fused.start}",
                     path=str(fused.file),
                     tensor=target,
                 )

@@ -299,6 +299,7 @@ def refuse_full_native(root: Path, command: str) -> None:
     if is_full_native(weight_map):
         raise UnsupportedLayoutError(
             f"{root}: is a native DeepSeek V4 checkpoint (the main model's layers.* tensors), not a converted one: "
-            f"convert it first (convert-dsv4 {root} OUT --target xpu), then run convert-dsv4 {command} OUT --native {root}",
+            f"convert it first (convert-dsv4 {root} OUT --target xpu), then run convert-dsv4 {command} OUT --native "
+            f"{root}",
             path=str(root),
         )

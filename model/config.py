@@ -131,7 +131,8 @@ def _check_model_type(where: str, model_type: Any) -> None:
         raise _malformed(where, "model_type", f"model_type is {_describe(model_type)}; expected a string")
     if model_type != SUPPORTED_MODEL_TYPE:
         hint = (
-            " (DeepSeek V4.1: vLLM 0.33.0 has no XPU draft model for it, mapping/README.md#later-drafters-dspark-and-v41)"
+            " (DeepSeek V4.1: vLLM 0.33.0 has no XPU draft model for it, "
+            "mapping/README.md#later-drafters-dspark-and-v41)"
             if model_type == "deepseek_v41"
             else ""
         )
@@ -269,7 +270,8 @@ class ModelConfig:
             raise _malformed(
                 where,
                 "n_mtp_layers",
-                f"n_mtp_layers is {self.n_mtp_layers} but dspark_target_layer_ids has {len(ids)} entries: the stage counts disagree (mapping/README.md#dspark-source-checkpoint)",
+                f"n_mtp_layers is {self.n_mtp_layers} but dspark_target_layer_ids has {len(ids)} entries: the stage "
+                "counts disagree (mapping/README.md#dspark-source-checkpoint)",
             )
 
     def _check_relations(self, where: str) -> None:
@@ -278,19 +280,22 @@ class ModelConfig:
             raise _malformed(
                 where,
                 "qk_rope_head_dim",
-                f"qk_rope_head_dim is {rd}; RoPE turns pairs of the last dims of a head: expected an even number <= head_dim ({D})",
+                f"qk_rope_head_dim is {rd}; RoPE turns pairs of the last dims of a head: expected an even number <= "
+                f"head_dim ({D})",
             )
         if self.num_attention_heads % self.o_groups:
             raise _malformed(
                 where,
                 "o_groups",
-                f"o_groups is {self.o_groups}; the output projection splits the heads into groups: expected a divisor of num_attention_heads ({self.num_attention_heads})",
+                f"o_groups is {self.o_groups}; the output projection splits the heads into groups: expected a "
+                f"divisor of num_attention_heads ({self.num_attention_heads})",
             )
         if self.num_experts_per_tok > self.n_routed_experts:
             raise _malformed(
                 where,
                 "num_experts_per_tok",
-                f"num_experts_per_tok is {self.num_experts_per_tok}, more than n_routed_experts ({self.n_routed_experts})",
+                f"num_experts_per_tok is {self.num_experts_per_tok}, more than n_routed_experts "
+                f"({self.n_routed_experts})",
             )
         if self.num_hash_layers > self.num_hidden_layers:
             raise _malformed(
@@ -305,7 +310,8 @@ class ModelConfig:
                 raise _malformed(
                     where,
                     "compress_ratios",
-                    f"compress_ratios has {n} entries; expected one per main layer (num_hidden_layers = {self.num_hidden_layers}) and one per DSpark stage ({self.dspark_stages}): {want}",
+                    f"compress_ratios has {n} entries; expected one per main layer (num_hidden_layers = "
+                    f"{self.num_hidden_layers}) and one per DSpark stage ({self.dspark_stages}): {want}",
                 )
         elif self.compress_ratios:
             # mapping/README.md#config-fields: one entry per main layer, then the MTP layer(s)
@@ -318,7 +324,8 @@ class ModelConfig:
                 raise _malformed(
                     where,
                     "compress_ratios",
-                    f"compress_ratios has {n} entries; expected one per main layer (num_hidden_layers = {self.num_hidden_layers}) and one per draft layer: {low}..{high}",
+                    f"compress_ratios has {n} entries; expected one per main layer (num_hidden_layers = "
+                    f"{self.num_hidden_layers}) and one per draft layer: {low}..{high}",
                 )
 
     def _check_supported(self, where: str) -> None:
@@ -339,20 +346,23 @@ class ModelConfig:
                 raise _unsupported(
                     where,
                     field,
-                    f"topk_method {self.topk_method!r}, scoring_func {self.scoring_func!r}; the XPU MTP layout is defined for noaux_tc routing with sqrtsoftplus scores only",
+                    f"topk_method {self.topk_method!r}, scoring_func {self.scoring_func!r}; the XPU MTP layout is "
+                    "defined for noaux_tc routing with sqrtsoftplus scores only",
                 )
         if self.n_shared_experts != 1:
             raise _unsupported(
                 where,
                 "n_shared_experts",
-                f"n_shared_experts is {self.n_shared_experts}; the layouts of this tool have exactly one shared expert of width moe_intermediate_size (mapping/README.md#names-of-an-mtp-block)",
+                f"n_shared_experts is {self.n_shared_experts}; the layouts of this tool have exactly one shared "
+                "expert of width moe_intermediate_size (mapping/README.md#names-of-an-mtp-block)",
             )
         drafts = self.compress_ratios[self.num_hidden_layers :]
         if any(drafts):
             raise _unsupported(
                 where,
                 "compress_ratios",
-                f"compress_ratios gives the draft layer(s) the ratio(s) {list(drafts)}; the MTP layer has no compressor (mapping/README.md#config-fields: its entry is 0)",
+                f"compress_ratios gives the draft layer(s) the ratio(s) {list(drafts)}; the MTP layer has no "
+                "compressor (mapping/README.md#config-fields: its entry is 0)",
             )
 
     @classmethod
@@ -394,12 +404,14 @@ class ModelConfig:
 
     @property
     def is_dspark(self) -> bool:
-        """A DSpark drafter (DeepSeek-V4-Flash-0731, mapping/README.md#dspark-v4-flash-0731): its dspark_* fields are set."""
+        """A DSpark drafter (DeepSeek-V4-Flash-0731, mapping/README.md#dspark-v4-flash-0731): its
+        dspark_* fields are set."""
         return self.dspark_target_layer_ids is not None
 
     @property
     def dspark_stages(self) -> int:
-        """S, the drafter's stages `mtp.0..S-1`: one per target feature layer (mapping/README.md#dspark-source-checkpoint)."""
+        """S, the drafter's stages `mtp.0..S-1`: one per target feature layer
+        (mapping/README.md#dspark-source-checkpoint)."""
         if self.dspark_target_layer_ids is None:
             raise ValueError("dspark_stages of a config that is not DSpark")
         return len(self.dspark_target_layer_ids)
@@ -420,7 +432,8 @@ class ModelConfig:
             raise _unsupported(
                 where,
                 "num_nextn_predict_layers",
-                f"num_nextn_predict_layers = {self.num_nextn_predict_layers} but the shards hold {len(blocks)} draft block(s) ({', '.join(blocks) or 'none'}) (keys and config disagree)",
+                f"num_nextn_predict_layers = {self.num_nextn_predict_layers} but the shards hold {len(blocks)} draft "
+                f"block(s) ({', '.join(blocks) or 'none'}) (keys and config disagree)",
             )
 
     def mtp_layer_index(self, i: int) -> int:

@@ -78,7 +78,8 @@ def load_state(
             )
         if got.dtype != want.dtype:
             raise DtypeMismatchError(
-                f"tensor {name} has dtype {SAFETENSORS_NAMES[got.dtype]}, the model expects {SAFETENSORS_NAMES[want.dtype]}",
+                f"tensor {name} has dtype {SAFETENSORS_NAMES[got.dtype]}, the model expects "
+                f"{SAFETENSORS_NAMES[want.dtype]}",
                 tensor=name,
             )
     model.load_state_dict({k: v.to(dev) for k, v in state.items()}, strict=True, assign=True)
@@ -86,8 +87,9 @@ def load_state(
 
 
 def load_converted(path: str | Path, device: str | torch.device | None = None) -> DeepSeekV4MTP | DSparkDraft:
-    """Build the draft model for `path`/config.json (DSparkDraft for a DSpark config, mapping/README.md#dspark-v4-flash-0731;
-    else DeepSeekV4MTP) and load the converted weights strictly.
+    """Build the draft model for `path`/config.json (DSparkDraft for a DSpark config,
+    mapping/README.md#dspark-v4-flash-0731; else DeepSeekV4MTP) and load the converted
+    weights strictly.
 
     Raises MissingKeyError, UnexpectedKeyError, ShapeMismatchError, DtypeMismatchError
     (all LoadError) naming the first offending tensor and its file; a config.json, index or

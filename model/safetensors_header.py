@@ -81,7 +81,8 @@ def parse_header(
     (n,) = struct.unpack("<Q", raw_len)
     if n > MAX_HEADER:
         raise MalformedHeaderError(
-            f"{file}: header of {n:,} bytes exceeds the {MAX_HEADER:,}-byte limit on a safetensors header (safetensors refuses it too)",
+            f"{file}: header of {n:,} bytes exceeds the {MAX_HEADER:,}-byte limit on a safetensors header "
+            "(safetensors refuses it too)",
             path=str(file),
         )
     if 8 + n > file_size:
@@ -178,7 +179,8 @@ def _check_tiling(tensors: Iterable[TensorBytes], file: str, data_start: int, fi
         lo, hi = src.start - data_start, src.end - data_start
         if previous is not None and src.start < previous.end:
             raise MalformedHeaderError(
-                f"{file}: tensor {src.name}: data_offsets [{lo}, {hi}] overlap tensor {previous.name}'s [{previous.start - data_start}, {previous.end - data_start}]",
+                f"{file}: tensor {src.name}: data_offsets [{lo}, {hi}] overlap tensor {previous.name}'s "
+                f"[{previous.start - data_start}, {previous.end - data_start}]",
                 path=str(file),
                 tensor=src.name,
             )
@@ -190,14 +192,16 @@ def _check_tiling(tensors: Iterable[TensorBytes], file: str, data_start: int, fi
             )
         if src.end > file_size:
             raise TruncatedShardError(
-                f"{file}: tensor {src.name}: bytes {src.start}..{src.end} lie past the end of the file ({file_size} bytes)",
+                f"{file}: tensor {src.name}: bytes {src.start}..{src.end} lie past the end of the file ({file_size} "
+                "bytes)",
                 path=str(file),
                 tensor=src.name,
             )
         at, previous = src.end, src
     if at != file_size:
         raise MalformedHeaderError(
-            f"{file}: data bytes {at - data_start}..{file_size - data_start} after the last tensor belong to no tensor (safetensors refuses such a file)",
+            f"{file}: data bytes {at - data_start}..{file_size - data_start} after the last tensor belong to no "
+            "tensor (safetensors refuses such a file)",
             path=str(file),
         )
 

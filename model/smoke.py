@@ -96,7 +96,7 @@ def run_smoke(
 
     for run in ("first", "warm"):
         h, report[f"forward_{run}_ms"] = _timed(dev, lambda: model(ids, positions, prev))
-        logits, report[f"logits_{run}_ms"] = _timed(dev, lambda: model.compute_logits(h))
+        logits, report[f"logits_{run}_ms"] = _timed(dev, lambda h=h: model.compute_logits(h))
     report["hidden_shape"], report["logits_shape"] = list(h.shape), list(logits.shape)
     where = f"{out_dir}"
     if tuple(h.shape) != (tokens, cfg.hc_dim):
@@ -155,7 +155,8 @@ def read_target_features(path: str | Path, cfg: ModelConfig) -> torch.Tensor:
                 name = f"h_{layer}"
                 if name not in present:
                     raise MissingKeyError(
-                        f"{path}: no tensor {name} (the target features are h_l for dspark_target_layer_ids {list(ids)})",
+                        f"{path}: no tensor {name} (the target features are h_l for dspark_target_layer_ids "
+                        f"{list(ids)})",
                         path=str(path),
                         tensor=name,
                     )
@@ -176,7 +177,8 @@ def read_target_features(path: str | Path, cfg: ModelConfig) -> torch.Tensor:
                 t = t.to(torch.bfloat16)
                 if not bool(torch.isfinite(t).all()):  # else the draft's output is non-finite and the checkpoint blamed
                     raise LoadError(
-                        f"{path}: tensor {name} holds {int((~torch.isfinite(t)).sum()):,} non-finite value(s) (NaN or Inf, in bf16): target features are finite",
+                        f"{path}: tensor {name} holds {int((~torch.isfinite(t)).sum()):,} non-finite value(s) (NaN "
+                        "or Inf, in bf16): target features are finite",
                         path=str(path),
                         tensor=name,
                     )
@@ -247,7 +249,8 @@ def run_dspark_smoke(
     report["draft_tokens"] = tokens.tolist()
     if tuple(h.shape) != (B, cfg.hc_dim) or tuple(logits.shape) != (B, cfg.vocab_size) or tuple(tokens.shape) != (B,):
         raise SmokeCheckError(
-            f"{out_dir}: the draft returned hidden {list(h.shape)}, logits {list(logits.shape)}, tokens {list(tokens.shape)}; expected {[B, cfg.hc_dim]}, {[B, cfg.vocab_size]}, {[B]}",
+            f"{out_dir}: the draft returned hidden {list(h.shape)}, logits {list(logits.shape)}, tokens "
+            f"{list(tokens.shape)}; expected {[B, cfg.hc_dim]}, {[B, cfg.vocab_size]}, {[B]}",
             path=str(out_dir),
         )
     if not (torch.isfinite(h).all() and torch.isfinite(base).all() and torch.isfinite(logits).all()):
@@ -263,7 +266,7 @@ def run_dspark_smoke(
         report["reference"] = str(reference_dir)
         report.update(dspark_parity(mine, out, routing))
         report["reference_draft_tokens"] = out.draft_tokens.tolist()
-        same = [a == b for a, b in zip(report["draft_tokens"], report["reference_draft_tokens"])]
+        same = [a == b for a, b in zip(report["draft_tokens"], report["reference_draft_tokens"], strict=True)]
         # greedy drafting conditions each token on the one before: after a first disagreement
         # the rest compare different continuations
         report["draft_tokens_agree_to"] = same.index(False) if False in same else B

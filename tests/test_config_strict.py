@@ -262,7 +262,12 @@ REFUSALS = [
         "rms_norm_eps",
         "rms_norm_eps is nan; expected a finite number",
     ),
-    (set_field("norm_topk_prob", 1), MalformedConfigError, "norm_topk_prob", "norm_topk_prob is 1; expected true or false"),
+    (
+        set_field("norm_topk_prob", 1),
+        MalformedConfigError,
+        "norm_topk_prob",
+        "norm_topk_prob is 1; expected true or false",
+    ),
     (set_field("expert_dtype", 4), MalformedConfigError, "expert_dtype", "expert_dtype is 4; expected a string"),
     (
         set_field("quantization_config", []),
@@ -331,7 +336,10 @@ REFUSALS = [
     ("edit", "kind", "field", "said"), REFUSALS, ids=[f"{r[2]}-{i}" for i, r in enumerate(REFUSALS)]
 )
 def test_each_refusal_names_its_field(
-    edit: Callable[[dict[str, Any]], None], kind: type[MalformedConfigError | UnsupportedLayoutError], field: str, said: str
+    edit: Callable[[dict[str, Any]], None],
+    kind: type[MalformedConfigError | UnsupportedLayoutError],
+    field: str,
+    said: str,
 ) -> None:
     with pytest.raises(kind) as caught:
         ModelConfig.from_dict(tiny_with(edit))

@@ -104,7 +104,9 @@ def test_the_0731_config_is_a_dspark_config_of_three_stages():
 def test_a_dspark_config_lacking_one_field_is_refused_naming_it(absent):
     raw = config_0731()
     del raw[absent]
-    with pytest.raises(MalformedConfigError, match=rf"^config\.json: lacks {absent}: a DSpark config has all of") as info:
+    with pytest.raises(
+        MalformedConfigError, match=rf"^config\.json: lacks {absent}: a DSpark config has all of"
+    ) as info:
         ModelConfig.from_dict(raw)
     assert info.value.field == absent
 
