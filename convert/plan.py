@@ -115,7 +115,7 @@ class Plan:
                 "shape": list(t.shape),
                 "op": t.op,
                 "rule": t.rule,
-                "pieces": [asdict(p) for p in t.pieces],
+                "pieces": [{**asdict(p), "shape": list(p.shape)} for p in t.pieces],  # as JSON reads back
             }
             for t in self.tensors
         ]
