@@ -93,9 +93,9 @@ def check_record(ctx: _Context, raw: bytes) -> dict[str, Any] | None:
 
 def assert_accepted_record_is_true(ctx: _Context, record: dict[str, Any]) -> None:
     """Passing both checks means the record lists exactly the shards' tensors, right."""
-    assert ctx.inv is not None
-    assert set(record["tensors"]) == set(ctx.inv.tensors)
-    for name, src in ctx.inv.tensors.items():
+    assert ctx.headers is not None
+    assert set(record["tensors"]) == set(ctx.headers.tensors)
+    for name, src in ctx.headers.tensors.items():
         entry = record["tensors"][name]
         assert (entry["file"], entry["nbytes"], entry["sha256"]) == (src.file, src.nbytes, ctx.hashes[name])
 
