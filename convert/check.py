@@ -761,9 +761,10 @@ def check_serve(ctx: _Context, details: dict[str, Any]) -> str:
     where = ctx.serve_with / "config.json" if ctx.serve_with.is_dir() else ctx.serve_with
     try:
         target = parse_config(where.read_bytes(), str(where))
-    except (OSError, DSV4Error) as exc:
+    except (OSError, DSV4Error) as exc:  # a config error names `where` already: said once
         raise ServeMismatchError(
-            f"{where}: cannot read the target's config: {_first_line(exc)}", path=str(where)
+            f"{where}: cannot read the target's config: {_first_line(exc).removeprefix(f'{where}: ')}",
+            path=str(where),
         ) from None
     for key in _serve_fields():
         mine, theirs = ctx.config.get(key, ABSENT), target.get(key, ABSENT)

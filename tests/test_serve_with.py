@@ -66,6 +66,18 @@ def test_another_architecture_fails_naming_the_field(pair: tuple[Path, Path], tm
     assert "num_hidden_layers is 3, the draft's is 2" in result.reason
 
 
+def test_a_target_config_that_is_not_a_json_object_is_named_once(pair: tuple[Path, Path], tmp_path: Path) -> None:
+    # config errors carry their file (model/config.py): the reason must not say the path twice
+    _, draft = pair
+    target = tmp_path / "config.json"
+    target.write_text("[]")
+    result = serve_result(draft, target)
+    assert (result.status, result.exit_code) == ("fail", 86)
+    assert result.reason == (
+        f"{target}: cannot read the target's config: the top level is [] (a list); expected a JSON object"
+    )
+
+
 def test_not_asked_or_not_a_draft_directory_skips(pair: tuple[Path, Path], tmp_path: Path) -> None:
     native, draft = pair
     assert serve_result(draft, None).status == "skip"
