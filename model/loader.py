@@ -13,6 +13,7 @@ the embedding).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -56,6 +57,44 @@ def has_layout_record(root: Path) -> bool:
         return True
 
 
+def _require_parameters(
+    expected: Mapping[str, torch.Tensor],
+    found: Mapping[str, tuple[str, tuple[int, ...]]],
+    index: str | None = None,
+    file_of: Mapping[str, str] | None = None,
+) -> None:
+    """The strict loader's one rule, for tensors on disk (`found` from their headers, `index`
+    the file that lists them, `file_of` each one's shard) or in memory: exactly the model's
+    parameter names, shapes and dtypes. Each refusal is one line naming the tensor, and its
+    file when it has one."""
+
+    def at(where: str | None) -> str:
+        return f"{where}: " if where else ""
+
+    for name in expected:
+        if name not in found:
+            raise MissingKeyError(
+                f"{at(index)}missing tensor {name} (a parameter of the draft model)", path=index, tensor=name
+            )
+    for name, (dtype, shape) in sorted(found.items()):
+        file = file_of[name] if file_of is not None else None
+        if name not in expected:
+            raise UnexpectedKeyError(
+                f"{at(file)}unexpected tensor {name} (not a parameter of the draft model)", path=file, tensor=name
+            )
+        want_dtype, want_shape = SAFETENSORS_NAMES[expected[name].dtype], tuple(expected[name].shape)
+        if shape != want_shape:
+            raise ShapeMismatchError(
+                f"{at(file)}tensor {name} has shape {list(shape)}, the model expects {list(want_shape)}",
+                path=file,
+                tensor=name,
+            )
+        if dtype != want_dtype:
+            raise DtypeMismatchError(
+                f"{at(file)}tensor {name} has dtype {dtype}, the model expects {want_dtype}", path=file, tensor=name
+            )
+
+
 def load_state(
     cfg: ModelConfig, state: dict[str, torch.Tensor], device: str | torch.device | None = None
 ) -> DeepSeekV4MTP | DSparkDraft:
@@ -65,23 +104,7 @@ def load_state(
     ShapeMismatchError / DtypeMismatchError."""
     dev = torch.device(device) if device is not None else default_device()
     model = build_draft_model(cfg)
-    expected = model.state_dict()
-    for name in sorted(set(expected) - set(state)):
-        raise MissingKeyError(f"missing tensor {name} (a parameter of the draft model)", tensor=name)
-    for name in sorted(set(state) - set(expected)):
-        raise UnexpectedKeyError(f"unexpected tensor {name} (not a parameter of the draft model)", tensor=name)
-    for name, want in expected.items():
-        got = state[name]
-        if tuple(got.shape) != tuple(want.shape):
-            raise ShapeMismatchError(
-                f"tensor {name} has shape {list(got.shape)}, the model expects {list(want.shape)}", tensor=name
-            )
-        if got.dtype != want.dtype:
-            raise DtypeMismatchError(
-                f"tensor {name} has dtype {SAFETENSORS_NAMES[got.dtype]}, the model expects "
-                f"{SAFETENSORS_NAMES[want.dtype]}",
-                tensor=name,
-            )
+    _require_parameters(model.state_dict(), {n: (SAFETENSORS_NAMES[t.dtype], tuple(t.shape)) for n, t in state.items()})
     model.load_state_dict({k: v.to(dev) for k, v in state.items()}, strict=True, assign=True)
     return model.eval()
 
@@ -108,30 +131,11 @@ def load_converted(path: str | Path, device: str | torch.device | None = None) -
         cfg.require_draft_blocks(draft_layers_present(cfg, headers.tensors), str(checkpoint.config_path))
     model = build_draft_model(cfg)
     expected = model.state_dict()
-    index = root / headers.index_file
-    for name in expected:
-        if name not in headers.tensors:
-            raise MissingKeyError(
-                f"{index}: missing tensor {name} (a parameter of the draft model)", path=str(index), tensor=name
-            )
-    for name, src in sorted(headers.tensors.items()):
-        shard = root / src.file
-        if name not in expected:
-            raise UnexpectedKeyError(
-                f"{shard}: unexpected tensor {name} (not a parameter of the draft model)", path=str(shard), tensor=name
-            )
-        want = expected[name]
-        if src.shape != tuple(want.shape):
-            raise ShapeMismatchError(
-                f"{shard}: tensor {name} has shape {list(src.shape)}, the model expects {list(want.shape)}",
-                path=str(shard),
-                tensor=name,
-            )
-        if src.dtype != SAFETENSORS_NAMES[want.dtype]:
-            raise DtypeMismatchError(
-                f"{shard}: tensor {name} has dtype {src.dtype}, the model expects {SAFETENSORS_NAMES[want.dtype]}",
-                path=str(shard),
-                tensor=name,
-            )
+    _require_parameters(
+        expected,
+        {name: (src.dtype, src.shape) for name, src in headers.tensors.items()},
+        str(root / headers.index_file),
+        {name: str(root / src.file) for name, src in headers.tensors.items()},
+    )
     model.load_state_dict(checkpoint.load_tensors(expected, dev), strict=True, assign=True)
     return model.eval()
