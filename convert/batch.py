@@ -35,11 +35,12 @@ from dsv4.convert import interrupts
 from dsv4.convert.card import model_card, with_card
 from dsv4.convert.errors import HubError, ManifestError, PushError, RepoNotFound, WriteFailedError
 from dsv4.convert.exit_codes import exit_code
-from dsv4.convert.hub import download, hub_errors, open_hub_source, resolve_commit
-from dsv4.convert.location import HF_PREFIX, HUB_SCHEME, HubSpec, parse_hub_spec
+from dsv4.convert.hub import download, hub_errors, resolve_commit
+from dsv4.convert.location import HF_PREFIX, open_source, parse_hub_spec
 from dsv4.convert.output import hold_lock
 from dsv4.convert.pipeline import DEFAULT_MAX_SHARD, plan_source, run_plan
 from dsv4.convert.sizes import shard_size
+from dsv4.convert.source import HUB_SCHEME, HubSpec
 from dsv4.mapping.table import Table, installed_targets, load_table, tables_of_target
 from dsv4.model import strictjson
 from dsv4.model.errors import DSV4Error
@@ -60,7 +61,9 @@ NUM_SHARDS_ENV = "DSV4_NUM_SHARDS"
 
 
 @dataclass(frozen=True)
-class Source:
+class ManifestEntry:
+    """One repository of the manifest's `sources`, and where its output goes."""
+
     repo: str
     revision: str | None  # as the manifest names it; None = the default branch
     output: Path  # local output directory
@@ -76,7 +79,7 @@ class Manifest:
     path: Path
     target: str
     out_dir: Path
-    sources: tuple[Source, ...]  # sorted by key: the order shards are cut from
+    sources: tuple[ManifestEntry, ...]  # sorted by key: the order shards are cut from
     private: bool | None  # visibility of target repos that --push creates; None: the hub's default
     max_shard_size: int
     check: bool
@@ -179,7 +182,7 @@ def load_manifest(path: str | Path, out_dir: str | Path | None = None) -> Manife
     entries = raw.get("sources")
     if not isinstance(entries, list) or not entries:
         raise ManifestError(f'{path}: sources must be a non-empty list of "org/name[@revision]"', path=str(path))
-    sources: dict[str, Source] = {}
+    sources: dict[str, ManifestEntry] = {}
     names: dict[str, str] = {}
     for k, entry in enumerate(entries):
         where = f"{path}: sources[{k}]"
@@ -197,7 +200,7 @@ def load_manifest(path: str | Path, out_dir: str | Path | None = None) -> Manife
                 raise ManifestError(
                     f"{where}: output.repo gives {push_repo!r}, not a repo id org/name", path=str(where)
                 ) from None
-        src = Source(hub.repo, hub.revision, out_root / local, push_repo)
+        src = ManifestEntry(hub.repo, hub.revision, out_root / local, push_repo)
         if src.key in sources:
             raise ManifestError(f"{where}: {src.key} is listed twice", path=str(where))
         for label, value in (("local output", local), ("target repo", push_repo)):
@@ -264,7 +267,7 @@ def shard_from_env(
     return num_shards, shard_index
 
 
-def select_shard(sources: Sequence[Source], num_shards: int, shard_index: int) -> list[Source]:
+def select_shard(sources: Sequence[ManifestEntry], num_shards: int, shard_index: int) -> list[ManifestEntry]:
     """Shard K of N: every N-th source of the sorted list, from K. Each source lands in
     exactly one shard, and shard sizes differ by at most one."""
     return [s for k, s in enumerate(sorted(sources, key=lambda s: s.key)) if k % num_shards == shard_index]
@@ -371,7 +374,7 @@ def run_check(out: Path) -> str:
 class _Job:
     """One source's run; `fetched` is kept up to date so a failure still reports it."""
 
-    def __init__(self, src: Source, manifest: Manifest, tables: Mapping[str, Table], push_to_hub: bool):
+    def __init__(self, src: ManifestEntry, manifest: Manifest, tables: Mapping[str, Table], push_to_hub: bool):
         self.src, self.manifest, self.tables, self.push_to_hub = src, manifest, tables, push_to_hub
         self.hub = HubSpec(src.repo, src.revision, explicit=True)  # a manifest names hub repositories only
         self.commit: str | None = None
@@ -390,20 +393,20 @@ class _Job:
                 return "skipped", {"reason": f"{src.output} already records {_what(local)}"}
             conversion, table = "reused", tables[local.table]
         else:
-            inv, reader = open_hub_source(HubSpec(src.repo, commit, explicit=True))
-            self.fetched = inv.header_bytes
-            plan = plan_source(inv, reader, self.manifest.target)
-            try:
-                # replacing is safe only over an earlier conversion (it has a conversion.json), never over anything else
-                result = run_plan(
-                    plan,
-                    reader,
-                    src.output,
-                    overwrite=(src.output / CONVERSION_RECORD).exists(),
-                    max_shard_size=self.manifest.max_shard_size,
-                )
-            finally:
-                self.fetched = inv.header_bytes + reader.bytes_read
+            with open_source(HubSpec(src.repo, commit, explicit=True)) as source:
+                header_bytes = self.fetched = source.inventory.header_bytes
+                plan = plan_source(source, self.manifest.target)
+                try:
+                    # replacing is safe only over an earlier conversion (it has a conversion.json), never over anything else
+                    result = run_plan(
+                        plan,
+                        source,
+                        src.output,
+                        overwrite=(src.output / CONVERSION_RECORD).exists(),
+                        max_shard_size=self.manifest.max_shard_size,
+                    )
+                finally:
+                    self.fetched = header_bytes + source.reader.bytes_read
             conversion, table = result.status, tables[plan.table]
         entry: dict[str, Any] = {
             "conversion": conversion,

@@ -31,7 +31,6 @@ from dsv4.model.parity import MIN_TOP1, SMOKE_TOKENS
 from dsv4.model.presets import PRESETS
 
 if TYPE_CHECKING:
-    from dsv4.convert.location import HubSpec
     from dsv4.convert.plan import Plan
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -301,21 +300,12 @@ def plan_command(
     source: str, target: str, reverse: bool, revision: str | None, token: str | None, quiet: bool, as_json: bool
 ) -> None:
     """Show what converting SOURCE would read and write. Reads headers only."""
-    from dsv4.convert.location import locate
-
-    plan, header_bytes = _plan(locate(source, revision=revision, token=token), target, reverse, quiet=quiet or as_json)
-    _print_plan(plan, as_json, quiet, full=True, header_bytes=header_bytes)
-
-
-def _plan(source: str | Path | HubSpec, target: str, reverse: bool, *, quiet: bool = True) -> tuple[Plan, int]:
-    """The plan for SOURCE, from headers only, and the header bytes read."""
+    from dsv4.convert.location import locate, open_source  # start-up time (see the module's docstring)
     from dsv4.convert.pipeline import plan_source
-    from dsv4.convert.sources import open_source  # start-up time
 
-    inv, reader = open_source(source, quiet=quiet)
-    plan = plan_source(inv, reader, target, reverse=reverse)
-    reader.close()
-    return plan, inv.header_bytes
+    with open_source(locate(source, revision=revision, token=token), quiet=quiet or as_json) as opened:
+        plan = plan_source(opened, target, reverse=reverse)
+    _print_plan(plan, as_json, quiet, full=True, header_bytes=opened.inventory.header_bytes)
 
 
 # how `plan` names the layout it chose (convert/plan.py choose_table)

@@ -19,7 +19,7 @@ from hubserver import FakeHub, Fault, hub_env, on, run_cli
 from huggingface_hub import ModelCard
 from inprocess import run_main
 
-from dsv4.convert.batch import Source, load_manifest, run_check, select_shard, shard_from_env
+from dsv4.convert.batch import ManifestEntry, load_manifest, run_check, select_shard, shard_from_env
 from dsv4.convert.errors import ConfigCheckError, ManifestError
 from dsv4.convert.pipeline import CONVERSION_RECORD, convert
 from dsv4.convert.synth import write_checkpoint
@@ -183,8 +183,8 @@ def test_two_shards_cover_every_repo_exactly_once(hub: FakeHub, tmp_path: Path) 
     assert sorted(planned) == sorted(REPOS) and len(planned) == len(set(planned))
 
 
-def _sources(n: int) -> list[Source]:
-    return [Source(f"org/m{k:03d}", None, Path(f"m{k}"), None) for k in range(n)]
+def _sources(n: int) -> list[ManifestEntry]:
+    return [ManifestEntry(f"org/m{k:03d}", None, Path(f"m{k}"), None) for k in range(n)]
 
 
 @pytest.mark.parametrize("count", [1, 2, 3, 5, 8])

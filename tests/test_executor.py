@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from dsv4.convert.execute import CHUNK, schedule
+from dsv4.convert.local import DIRECT_ALIGN, LocalReader
 from dsv4.convert.plan import Piece, PlannedTensor
-from dsv4.convert.readers import DIRECT_ALIGN, LocalReader
 from dsv4.model.errors import TruncatedShardError
 
 
