@@ -394,6 +394,25 @@ def test_offline_mode_converts_from_the_cache_when_the_pinned_files_are_there(
     assert r.returncode == 0 and "already up to date" in r.stdout, r.stderr  # the same source, either way
 
 
+def test_an_output_converted_offline_from_the_cache_names_the_hub_repository_as_its_source(
+    native: Path, hub: FakeHub, tmp_path: Path
+) -> None:
+    """conversion.json names the repository and commit however the files were read (was: the
+    cache's snapshot folder, i.e. the commit, as if it were a local directory; so batch, which
+    looks for hub:org/name, converted the repository again)."""
+    from huggingface_hub import snapshot_download
+
+    commit = hub.commit_dir(REPO, native / "seed0")
+    snapshot_download(REPO, cache_dir=tmp_path / "hf" / "hub", endpoint=hub.url)
+    online, offline = tmp_path / "online", tmp_path / "offline"
+    assert run_cli("convert", REPO, str(online), env=hub_env(hub, tmp_path / "hf2")).returncode == 0
+    r = run_cli("convert", REPO, str(offline), env=hub_env(hub, tmp_path / "hf", HF_HUB_OFFLINE="1"))
+    assert r.returncode == 0, r.stderr
+    source = json.loads((offline / CONVERSION_RECORD).read_text())["source"]
+    assert (source["location"], source["revision"]) == (f"hub:{REPO}", commit)
+    assert source == json.loads((online / CONVERSION_RECORD).read_text())["source"]
+
+
 # --- issue 18 item 3: --verify-source ------------------------------------------------------------
 def _whole_file_chunk(method: str, repo: str | None, route: str, path: str | None, rng: tuple[int, int] | None) -> bool:
     # --verify-source's download of the MTP shard (its chunk from byte 0, longer than a header read)
