@@ -114,7 +114,8 @@ def _fill(template: str, hub: HubSpec, target: str, where: str) -> str:
         return template.format(**values)
     except ValueError as exc:
         raise ManifestError(
-            f"{where}: bad template {template!r} ({exc}); placeholders are {', '.join('{' + p + '}' for p in PLACEHOLDERS)}",
+            f"{where}: bad template {template!r} ({exc}); placeholders are "
+            f"{', '.join('{' + p + '}' for p in PLACEHOLDERS)}",
             path=str(where),
         ) from None
 
@@ -134,7 +135,8 @@ def _parse_source(entry: Any, where: str, base: Path) -> HubSpec:
         )
     if not entry.startswith(HF_PREFIX) and (Path(entry).is_dir() or (base / entry).is_dir()):
         raise ManifestError(
-            f"{where}: {entry!r} is a local directory; batch takes hub repositories only (convert a local checkpoint with convert-dsv4 {entry} OUT --target xpu)",
+            f"{where}: {entry!r} is a local directory; batch takes hub repositories only (convert a local checkpoint "
+            f"with convert-dsv4 {entry} OUT --target xpu)",
             path=str(where),
         )
     try:
@@ -162,7 +164,8 @@ def load_manifest(path: str | Path, out_dir: str | Path | None = None) -> Manife
         raise ManifestError(f"{path}: target, output.name and output.repo are strings", path=str(path))
     if target not in installed_targets():  # before it fills a template or names a path
         raise ManifestError(
-            f"{path}: target {target!r} is not an installed mapping table (installed: {', '.join(installed_targets())}); a table is chosen by name, not path",
+            f"{path}: target {target!r} is not an installed mapping table (installed: "
+            f"{', '.join(installed_targets())}); a table is chosen by name, not path",
             path=str(path),
         )
     if not (private is None or isinstance(private, bool)) or not isinstance(check, bool):
@@ -206,7 +209,8 @@ def load_manifest(path: str | Path, out_dir: str | Path | None = None) -> Manife
         for label, value in (("local output", local), ("target repo", push_repo)):
             if value is not None and (other := names.get(f"{label}:{value}")) is not None:
                 raise ManifestError(
-                    f"{where}: {src.key} and {other} get the same {label} {value!r}; tell them apart in the template ({{org}}, {{revision}})",
+                    f"{where}: {src.key} and {other} get the same {label} {value!r}; tell them apart in the template "
+                    f"({{org}}, {{revision}})",
                     path=str(where),
                 )
             names[f"{label}:{value}"] = src.key
@@ -242,7 +246,8 @@ def shard_from_env(
             step = number("SLURM_ARRAY_TASK_STEP", least=1) if "SLURM_ARRAY_TASK_STEP" in env else 1
             if task < low or (task - low) % step:
                 raise ValueError(
-                    f"SLURM_ARRAY_TASK_ID={task} is not in the array SLURM_ARRAY_TASK_MIN={low}, SLURM_ARRAY_TASK_STEP={step} describe"
+                    f"SLURM_ARRAY_TASK_ID={task} is not in the array SLURM_ARRAY_TASK_MIN={low}, "
+                    f"SLURM_ARRAY_TASK_STEP={step} describe"
                 )
             shard_index = (task - low) // step
             if num_shards is None and "SLURM_ARRAY_TASK_COUNT" in env:
@@ -251,7 +256,8 @@ def shard_from_env(
             shard_index = number("JOB_COMPLETION_INDEX", least=0)
             if num_shards is None:
                 raise ValueError(
-                    f"JOB_COMPLETION_INDEX is set but not the number of shards: pass --num-shards or set {NUM_SHARDS_ENV} to the Job's completions"
+                    "JOB_COMPLETION_INDEX is set but not the number of shards: pass --num-shards or set "
+                    f"{NUM_SHARDS_ENV} to the Job's completions"
                 )
         elif num_shards not in (None, 1):
             raise ValueError(
@@ -262,7 +268,8 @@ def shard_from_env(
     num_shards = 1 if num_shards is None else num_shards
     if not 0 <= shard_index < num_shards:
         raise ValueError(
-            f"shard index {shard_index} is outside 0..{num_shards - 1} (a Slurm array must be a range like 0-7 or 1-15:2)"
+            f"shard index {shard_index} is outside 0..{num_shards - 1} (a Slurm array must be a range like 0-7 or "
+            "1-15:2)"
         )
     return num_shards, shard_index
 
@@ -397,7 +404,8 @@ class _Job:
                 header_bytes = self.fetched = source.inventory.header_bytes
                 plan = plan_source(source, self.manifest.target)
                 try:
-                    # replacing is safe only over an earlier conversion (it has a conversion.json), never over anything else
+                    # replacing is safe only over an earlier conversion (it has a conversion.json), never
+                    # over anything else
                     result = run_plan(
                         plan,
                         source,
@@ -415,7 +423,11 @@ class _Job:
         }
         if target:
             message = f"Convert {src.repo}@{commit[:12]} with table {table.name} v{table.version}"
-            description = f"Source: {src.repo} commit {commit}\nTable: {table.name} v{table.version} (target {table.target})\nTool: dsv4-convert {__version__}"
+            description = (
+                f"Source: {src.repo} commit {commit}\n"
+                f"Table: {table.name} v{table.version} (target {table.target})\n"
+                f"Tool: dsv4-convert {__version__}"
+            )
             card = model_card(target, src.repo, commit, table)
             entry["pushed"] = {
                 "repo": target,

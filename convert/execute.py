@@ -236,4 +236,4 @@ def still_valid(path: Path, entries: list[dict[str, Any]], offsets: dict[str, in
     journaled tensor may be stale: it is then redone."""
     with ThreadPoolExecutor(max_workers=hasher_lanes()) as pool:
         digests = pool.map(lambda e: _hash_range(path, offsets[e["name"]], e["nbytes"]), entries)
-        return {e["name"] for e, digest in zip(entries, digests) if digest == e["sha256"]}
+        return {e["name"] for e, digest in zip(entries, digests, strict=True) if digest == e["sha256"]}

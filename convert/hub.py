@@ -126,7 +126,8 @@ def _hub_error(exc: BaseException, what: str, fallback: type[HubError]) -> DSV4E
         return RevisionNotFound(f"{what}: revision not found in the repository", path=str(what))
     if isinstance(exc, OfflineModeIsEnabled):
         return HubError(
-            f"{what}: HF_HUB_OFFLINE is set and the cache does not hold this repository's files; download them first (`hf download`) or unset HF_HUB_OFFLINE",
+            f"{what}: HF_HUB_OFFLINE is set and the cache does not hold this repository's files; download them first "
+            "(`hf download`) or unset HF_HUB_OFFLINE",
             path=str(what),
         )
     status = getattr(getattr(exc, "response", None), "status_code", None)
@@ -165,7 +166,8 @@ def with_retries(what: str, attempt: Callable[[], T], fallback: type[HubError] =
         if problem.retry_after is not None:
             if problem.retry_after > RETRY_AFTER_CAP_S:
                 raise fallback(
-                    f"{what}: {problem.reason}: the hub asks to wait {problem.retry_after} s, longer than the {RETRY_AFTER_CAP_S} s this tool waits; try again later",
+                    f"{what}: {problem.reason}: the hub asks to wait {problem.retry_after} s, longer than the "
+                    f"{RETRY_AFTER_CAP_S} s this tool waits; try again later",
                     path=str(what),
                 )
             wait = float(problem.retry_after)
@@ -247,7 +249,8 @@ class HubReader:
             raise
         if response.status_code != 206:  # the Range was ignored: retrying would pull whole shards again
             raise DownloadError(
-                f"{self._where(file)}: bytes {offset}..{offset + n}: the hub answered HTTP {response.status_code}, not 206 Partial Content",
+                f"{self._where(file)}: bytes {offset}..{offset + n}: the hub answered HTTP {response.status_code}, "
+                "not 206 Partial Content",
                 path=self._where(file),
             )
         m = CONTENT_RANGE.match(response.headers.get("Content-Range", "").strip())
@@ -291,7 +294,8 @@ class HubReader:
             data = self.fetch(file, offset, len(buf))
         if len(data) != len(buf):
             raise TruncatedShardError(
-                f"{self._where(file)}: ends at byte {offset + len(data)}, before the planned range {offset}..{offset + len(buf)}",
+                f"{self._where(file)}: ends at byte {offset + len(data)}, before the planned range "
+                f"{offset}..{offset + len(buf)}",
                 path=self._where(file),
             )
         buf[:] = data
@@ -310,7 +314,8 @@ class HubReader:
             published = (self.published or {}).get(file)
             if published is None:
                 raise DownloadError(
-                    f"{self._where(file)}: the hub publishes no sha256 or git id for this file, so --verify-source cannot check it",
+                    f"{self._where(file)}: the hub publishes no sha256 or git id for this file, so --verify-source "
+                    "cannot check it",
                     path=self._where(file),
                 )
             if self._spill is None:
@@ -324,7 +329,8 @@ class HubReader:
                     out.write(chunk)
             if digest.hexdigest() != published.digest:
                 raise DownloadError(
-                    f"{self._where(file)}: the {size:,} bytes downloaded do not match the {published.kind} the hub publishes ({published.digest[:16]}...): refused, nothing written from it",
+                    f"{self._where(file)}: the {size:,} bytes downloaded do not match the {published.kind} the hub "
+                    f"publishes ({published.digest[:16]}...): refused, nothing written from it",
                     path=self._where(file),
                 )
             fd = os.open(copy, os.O_RDONLY)
@@ -333,7 +339,8 @@ class HubReader:
                 if hashlib.sha256(os.pread(fd, 8 + n, 0)).hexdigest() != header:
                     os.close(fd)
                     raise DownloadError(
-                        f"{self._where(file)}: the header the plan was made from differs from the verified file's: refused",
+                        f"{self._where(file)}: the header the plan was made from differs from the verified file's: "
+                        "refused",
                         path=self._where(file),
                     )
             self._verified[file] = fd
@@ -439,7 +446,8 @@ def _small_file(reader: HubReader | CachedHubReader, hub: HubSpec, file: str) ->
         digest.update(data)
         if digest.hexdigest() != published[file].digest:
             raise DownloadError(
-                f"{where}: the {len(data):,} bytes downloaded do not match the {published[file].kind} the hub publishes: refused",
+                f"{where}: the {len(data):,} bytes downloaded do not match the {published[file].kind} the hub "
+                "publishes: refused",
                 path=where,
             )
     return data
@@ -453,7 +461,8 @@ def _read_shard_header(reader: HubReader, file: str) -> tuple[dict[str, TensorSo
     size = reader.sizes.get(file)  # known now from model info or this answer's Content-Range, unless neither said
     if size is None:
         raise DownloadError(
-            f"{reader.location}/{file}@{reader.commit[:12]}: the hub gives no size for this file (neither model info nor Content-Range)",
+            f"{reader.location}/{file}@{reader.commit[:12]}: the hub gives no size for this file (neither model info "
+            "nor Content-Range)",
             path=file,
         )
 
@@ -476,7 +485,8 @@ def _cached(hub: HubSpec) -> CachedHubReader:
     if not isinstance(config, str):
         what = f"{hub.location}@{hub.revision or 'default branch'}"
         raise HubError(
-            f"{what}: HF_HUB_OFFLINE is set and huggingface_hub's cache has no config.json of it; download the repository first (`hf download {hub.repo}`) or unset HF_HUB_OFFLINE",
+            f"{what}: HF_HUB_OFFLINE is set and huggingface_hub's cache has no config.json of it; download the "
+            f"repository first (`hf download {hub.repo}`) or unset HF_HUB_OFFLINE",
             path=what,
         )
     snapshot = Path(config).parent  # .../snapshots/<commit>/, its files linked to the cache's blobs
@@ -497,7 +507,8 @@ def _connect(hub: HubSpec) -> tuple[HubReader | CachedHubReader, set[str]]:
     if constants.HF_HUB_OFFLINE:
         if hub.verify_files:
             raise HubError(
-                f"{hub.location}: --verify-source checks files against the digests the hub publishes, and HF_HUB_OFFLINE is set",
+                f"{hub.location}: --verify-source checks files against the digests the hub publishes, and "
+                "HF_HUB_OFFLINE is set",
                 path=hub.location,
             )
         cached = _cached(hub)

@@ -170,7 +170,8 @@ class LocalReader:
             if not now or changed is not None:
                 what = "was removed" if not now else _what_changed(noted, changed)
                 raise SourceChangedError(
-                    f"{path}: the source file {what} during the conversion; nothing was published: rerun once the source no longer changes",
+                    f"{path}: the source file {what} during the conversion; nothing was published: rerun once the "
+                    "source no longer changes",
                     path=str(path),
                 )
 

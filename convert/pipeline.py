@@ -25,7 +25,7 @@ from dsv4.convert.errors import SourceChangedError, WriteFailedError
 from dsv4.convert.execute import Executor, still_valid
 from dsv4.convert.inventory import read_local_header
 from dsv4.convert.location import locate, open_source
-from dsv4.convert.output import CONFIG, OutputClaim, claim_output, read_record, resolve_output
+from dsv4.convert.output import CONFIG, OutputClaim, claim_output, resolve_output
 from dsv4.convert.plan import Direction, Plan, PlannedTensor, choose_table, plan_conversion, plan_reverse
 from dsv4.convert.quant_config import carried_quantization
 from dsv4.convert.source import HubSpec, Source, local_root
@@ -34,7 +34,6 @@ from dsv4.mapping.table import require_target
 from dsv4.model import strictjson
 from dsv4.model.checkpoint import INDEX_NAME
 from dsv4.model.record import (
-    CONVERSION_RECORD,
     LAYOUT_RECORD,
     ConversionRecord,
     LayoutRecord,
@@ -144,7 +143,7 @@ def _verify(
     partial: Path, shards: list[list[PlannedTensor]], names: list[str], journal: dict[str, dict[str, Any]]
 ) -> None:
     """Re-read every written header and check it against the plan and the journal."""
-    for tensors, name in zip(shards, names):
+    for tensors, name in zip(shards, names, strict=True):
         found, _ = read_local_header(partial / name)
         for t in tensors:
             src = found.get(t.name)
@@ -215,7 +214,7 @@ def _write_output(
         raise claim.write_failed(exc) from None
     partial = claim.partial
 
-    shard_of = {t.name: name for tensors, name in zip(shards, names) for t in tensors}
+    shard_of = {t.name: name for tensors, name in zip(shards, names, strict=True) for t in tensors}
     todo = sum(t.nbytes for s in shards for t in s if t.name not in journal)
     bar = progress_bar(plan.bytes_to_write, plan.bytes_to_write - todo, quiet)
     executor = Executor(source.reader, bar.update)
@@ -225,7 +224,7 @@ def _write_output(
             # whichever shard they go into
             jobs: list[tuple[PlannedTensor, ShardWriter]] = []
             writers: list[ShardWriter] = []
-            for tensors, name in zip(shards, names):
+            for tensors, name in zip(shards, names, strict=True):
                 claim.ensure_owner()  # never open a shard in a partial directory another run may own now
                 specs = [TensorSpec(t.name, t.dtype, t.shape) for t in tensors]
                 writer = open_shards.enter_context(ShardWriter(partial / name, specs, {"format": "pt"}, resume=resumed))
@@ -289,7 +288,7 @@ def _write_records(
     fingerprint: dict[str, Any],
     published: SourceRecord,
 ) -> None:
-    weight_map = {t.name: name for tensors, name in zip(shards, names) for t in tensors}
+    weight_map = {t.name: name for tensors, name in zip(shards, names, strict=True) for t in tensors}
     write_record(partial / INDEX_NAME, {"metadata": {"total_size": plan.bytes_to_write}, "weight_map": weight_map})
     if isinstance(config, bytes):
         write_bytes(partial / CONFIG, config)

@@ -21,8 +21,9 @@ from inprocess import run_main
 
 from dsv4.convert.batch import ManifestEntry, load_manifest, run_check, select_shard, shard_from_env
 from dsv4.convert.errors import ConfigCheckError, ManifestError
-from dsv4.convert.pipeline import CONVERSION_RECORD, convert
+from dsv4.convert.pipeline import convert
 from dsv4.convert.synth import write_checkpoint
+from dsv4.model.record import CONVERSION_RECORD
 
 TOKEN = "hf_fakeTokenThatMustNeverBeWritten1234"
 REPOS = ("org/alpha", "org/beta", "org/gamma")  # gamma starts broken (a half DSpark checkpoint: exit 35)

@@ -20,7 +20,8 @@ from hypothesis import strategies as st
 
 from dsv4.convert.batch import Manifest, load_manifest
 from dsv4.convert.check import _Context, check_checksums, check_index, check_readable, check_sizes
-from dsv4.convert.pipeline import convert, read_record
+from dsv4.convert.output import read_record
+from dsv4.convert.pipeline import convert
 from dsv4.convert.sizes import MAX_SHARD_SIZE
 from dsv4.model.errors import DSV4Error
 

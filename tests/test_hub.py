@@ -20,12 +20,13 @@ from dsv4.convert.errors import RepoNotFound
 from dsv4.convert.hub import SPECULATIVE_HEADER_BYTES
 from dsv4.convert.inventory import read_inventory
 from dsv4.convert.location import parse_hub_spec
-from dsv4.convert.pipeline import CONVERSION_RECORD, convert
+from dsv4.convert.pipeline import convert
 from dsv4.convert.plan import plan_conversion
 from dsv4.convert.source import HubSpec
 from dsv4.convert.synth import write_checkpoint
 from dsv4.mapping.table import load_table
 from dsv4.model.checkpoint import INDEX_NAME
+from dsv4.model.record import CONVERSION_RECORD
 
 REPO = "org/tiny"
 COMPARED = ("config.json", INDEX_NAME)  # plus every shard; conversion.json names the source, so it differs
