@@ -46,7 +46,10 @@ def vllm_command(target: str, draft: str, drafter: str) -> str:
 def sglang_command(target: str, draft: str, drafter: str) -> str:
     """`sglang.launch_server` for `target` with `draft` as its draft model."""
     algorithm = "DSPARK" if drafter == "dspark" else "NEXTN"
-    return f"python -m sglang.launch_server --model-path {target} --speculative-algorithm {algorithm} --speculative-draft-model-path {draft}"
+    return (
+        f"python -m sglang.launch_server --model-path {target} --speculative-algorithm {algorithm} "
+        f"--speculative-draft-model-path {draft}"
+    )
 
 
 def _provenance(source: str, commit: str, table: Table) -> str:
@@ -86,7 +89,8 @@ that `convert-dsv4 check` and `convert-dsv4 smoke` run on this directory alone.
 ```bash
 hf download {repo} --local-dir draft
 convert-dsv4 check draft
-convert-dsv4 check draft --serve-with TARGET_DIR   # the target's local copy: exit 86 if vLLM would build the draft otherwise
+# TARGET_DIR, the target's local copy: exit 86 if vLLM would build the draft otherwise
+convert-dsv4 check draft --serve-with TARGET_DIR
 ```
 """
 

@@ -107,12 +107,14 @@ def resolve_output(out: Path, source: Path | None) -> Path:
             )
         if _is_within(src, real):
             raise SourceInOutputError(
-                f"{source}: the source is inside OUT {out}; write the output to a directory that does not contain the source",
+                f"{source}: the source is inside OUT {out}; "
+                "write the output to a directory that does not contain the source",
                 path=str(source),
             )
         if _is_within(src, real.parent) and _sibling_pattern(real).fullmatch(src.relative_to(real.parent).parts[0]):
             raise SourceInOutputError(
-                f"{source}: the source is inside {real.parent / src.relative_to(real.parent).parts[0]}, a working directory of OUT {out} that a run removes",
+                f"{source}: the source is inside {real.parent / src.relative_to(real.parent).parts[0]}, "
+                f"a working directory of OUT {out} that a run removes",
                 path=str(source),
             )
     ancestor = real.parent
@@ -143,7 +145,9 @@ def _refuse_names_too_long(out: Path, real: Path) -> None:
     longest = max(names, key=lambda n: len(os.fsencode(n)))
     if len(os.fsencode(longest)) > limit:
         raise WriteFailedError(
-            f"{out}: the name is too long: this run writes {longest!r} beside it, {len(os.fsencode(longest))} bytes, and {ancestor}'s file system allows {limit} bytes per name; nothing was changed: choose a name {len(os.fsencode(longest)) - limit} bytes shorter",
+            f"{out}: the name is too long: this run writes {longest!r} beside it, "
+            f"{len(os.fsencode(longest))} bytes, and {ancestor}'s file system allows {limit} bytes per name; "
+            f"nothing was changed: choose a name {len(os.fsencode(longest)) - limit} bytes shorter",
             path=str(out),
         )
 
@@ -263,7 +267,8 @@ class OutputClaim:
             now = None
         if now != self._lock_file:
             raise OutputLockedError(
-                f"{self.out}: its lock file {self.lock_path} was {'removed' if now is None else 'replaced'} while this run held it, so another run may own OUT; this run stopped without publishing",
+                f"{self.out}: its lock file {self.lock_path} was {'removed' if now is None else 'replaced'} "
+                "while this run held it, so another run may own OUT; this run stopped without publishing",
                 path=str(self.out),
             )
 
@@ -293,13 +298,15 @@ class OutputClaim:
             return
         if not overwrite:
             raise OutputExistsError(
-                f"{self.out}: exists and is not empty (and is not this conversion's up-to-date output); pass --overwrite to replace it",
+                f"{self.out}: exists and is not empty (and is not this "
+                "conversion's up-to-date output); pass --overwrite to replace it",
                 path=str(self.out),
             )
         reason = self._not_an_output()
         if reason is not None:
             raise OverwriteRefusedError(
-                f"{self.out}: --overwrite refused: {reason}; only a previous output of {TOOL} is replaced, so move or delete it yourself",
+                f"{self.out}: --overwrite refused: {reason}; only a previous "
+                f"output of {TOOL} is replaced, so move or delete it yourself",
                 path=str(self.out),
             )
 

@@ -180,7 +180,8 @@ class Matcher:
         match = compressed_tensors()
         if match is None:
             raise error(
-                f"{where}: quantization_config is {CT_METHOD}, which needs the compressed-tensors library: {INSTALL_HINT}"
+                f"{where}: quantization_config is {CT_METHOD}, "
+                f"which needs the compressed-tensors library: {INSTALL_HINT}"
             )
         from compressed_tensors.quantization import QuantizationConfig
         from pydantic import ValidationError
@@ -190,7 +191,8 @@ class Matcher:
         except ValidationError as exc:
             first = exc.errors()[0]
             raise error(
-                f"{where}: quantization_config is not a valid {CT_METHOD} config: {'.'.join(map(str, first['loc']))}: {first['msg']}"
+                f"{where}: quantization_config is not a valid {CT_METHOD} config: "
+                f"{'.'.join(map(str, first['loc']))}: {first['msg']}"
             ) from None
         self.match = match
         # a target repeated in a later group takes that group, as compressed-tensors' own
@@ -234,7 +236,8 @@ def _refuse_named_siblings(qc: Mapping[str, Any], where: str) -> None:
             value = [*(value.get("targets") or []), *(value.get("ignore") or [])]
         if value:
             raise QuantCarryError(
-                f"{where}: quantization_config.{key} names layers too; carrying it is not supported (refusing rather than leaving native names in it)",
+                f"{where}: quantization_config.{key} names layers too; "
+                "carrying it is not supported (refusing rather than leaving native names in it)",
                 path=str(where),
             )
 
@@ -253,7 +256,8 @@ def rewrite_for_draft(qc: Mapping[str, Any], layers: LayerMap, where: str) -> tu
         for native, res in found.items():
             if res.status == "ambiguous":
                 raise QuantCarryError(
-                    f"{where}: quantization_config matches {native} with {res.describe()} at the same precedence; which one {draft} should get is undefined",
+                    f"{where}: quantization_config matches {native} with {res.describe()} "
+                    f"at the same precedence; which one {draft} should get is undefined",
                     path=str(where),
                 )
         outcomes: dict[tuple[str, str | None], str] = {}
@@ -262,7 +266,8 @@ def rewrite_for_draft(qc: Mapping[str, Any], layers: LayerMap, where: str) -> tu
         if len(outcomes) > 1:
             said = "; ".join(f"{n} -> {found[n].describe()}" for n in outcomes.values())
             raise QuantCarryError(
-                f"{where}: quantization_config cannot be carried: the draft fuses {len(natives)} native modules into {draft}, and they resolve differently ({said}); one layer takes one scheme",
+                f"{where}: quantization_config cannot be carried: the draft fuses {len(natives)} native "
+                f"modules into {draft}, and they resolve differently ({said}); one layer takes one scheme",
                 path=str(where),
             )
         expected[draft] = found[natives[0]]
@@ -295,7 +300,8 @@ def rewrite_for_draft(qc: Mapping[str, Any], layers: LayerMap, where: str) -> tu
         got = rewritten.resolve(draft, layers.kinds[draft])
         if got.outcome != want:
             raise QuantCarryError(
-                f"{where}: rewritten quantization_config gives {draft} {got.describe()}, its native parts had {res.describe()}",
+                f"{where}: rewritten quantization_config gives {draft} "
+                f"{got.describe()}, its native parts had {res.describe()}",
                 path=str(where),
             )
     return out, added
@@ -325,13 +331,15 @@ def carried_quantization(plan: Plan) -> tuple[dict[str, Any] | None, dict[str, A
         named = [k for k in FP8_NAME_LISTS if qc.get(k)]
         if named:
             raise QuantCarryError(
-                f"{where}: quantization_config.{named[0]} lists native module names; carrying them to the draft is not supported",
+                f"{where}: quantization_config.{named[0]} lists native module names; "
+                "carrying them to the draft is not supported",
                 path=str(where),
             )
         return qc, None
     if method != CT_METHOD:
         raise QuantCarryError(
-            f"{where}: quantization_config quant_method {method!r} is not one this converter carries (fp8, {CT_METHOD}): its layer names would stay native",
+            f"{where}: quantization_config quant_method {method!r} is not one this "
+            f"converter carries (fp8, {CT_METHOD}): its layer names would stay native",
             path=str(where),
         )
     out, added = rewrite_for_draft(qc, layer_map(plan), where)
@@ -377,11 +385,13 @@ def check_draft_quantization(model: nn.Module, config: Mapping[str, Any], where:
             res = matcher.resolve("", layer.kind) if matcher is not None else Resolution("unmatched")
             if res.status == "unmatched":
                 said.append(
-                    f"module {layer.path} has an empty quantisation layer name: {NO_TARGET.format(name='')} (vLLM issue #44817: built without prefix=)"
+                    f"module {layer.path} has an empty quantisation layer name: "
+                    f"{NO_TARGET.format(name='')} (vLLM issue #44817: built without prefix=)"
                 )
             else:
                 said.append(
-                    f"module {layer.path} has an empty quantisation layer name: only {res.describe()} reaches it and no ignore entry can name it (vLLM issue #44817: built without prefix=)"
+                    f"module {layer.path} has an empty quantisation layer name: only {res.describe()} "
+                    "reaches it and no ignore entry can name it (vLLM issue #44817: built without prefix=)"
                 )
         raise EmptyQuantNameError(f"{where}: {'; '.join(said)}", path=str(where))
 
@@ -396,7 +406,8 @@ def check_draft_quantization(model: nn.Module, config: Mapping[str, Any], where:
         return QuantSummary(
             len(layers),
             False,
-            f"compressed-tensors not installed ({INSTALL_HINT}): schemes not checked; {len(layers)} quantisation layer names, none empty",
+            f"compressed-tensors not installed ({INSTALL_HINT}): "
+            f"schemes not checked; {len(layers)} quantisation layer names, none empty",
             library_missing=True,
         )
 

@@ -166,7 +166,8 @@ def _included_rules(entry: Any, where: str) -> list[Rule]:
     installed = sorted(p.stem for p in INCLUDE_DIR.glob("*.toml"))
     if entry["file"] not in installed:
         raise TableError(
-            f"{where}: [[include]] file {entry['file']!r} is not an installed include (installed: {', '.join(installed)}); named, not a path",
+            f"{where}: [[include]] file {entry['file']!r} is not an installed "
+            f"include (installed: {', '.join(installed)}); named, not a path",
             path=str(where),
         )
     path = INCLUDE_DIR / f"{entry['file']}.toml"
@@ -202,7 +203,8 @@ def _parse_rules(raw: dict[str, Any], where: str, src: str = "", dst: str = "") 
             raise TableError(f"{where}: [keep] needs exactly names = [a list of tensor names]", path=str(where))
         if src != dst:  # a kept tensor keeps its name: an include's two prefixes must agree
             raise TableError(
-                f"{where}: [keep] in an include whose source prefix {src!r} is not its target prefix {dst!r}: a kept tensor keeps its name",
+                f"{where}: [keep] in an include whose source prefix {src!r} is "
+                f"not its target prefix {dst!r}: a kept tensor keeps its name",
                 path=str(where),
             )
         rules.extend(Rule("keep", (names(n, src),), names(n, src)) for n in keep["names"])
@@ -262,7 +264,8 @@ def _check_placeholders(rule: Rule, where: str) -> None:
         need = DERIVED.get(ph, ph)
         if need not in available:
             raise UnboundPlaceholderError(
-                f"{where}: {rule.label}: target placeholder {{{ph}}} is not bound by its source(s) {list(rule.sources)}",
+                f"{where}: {rule.label}: target placeholder {{{ph}}} "
+                f"is not bound by its source(s) {list(rule.sources)}",
                 path=str(where),
             )
     if rule.op != "copy":
@@ -274,7 +277,8 @@ def _check_placeholders(rule: Rule, where: str) -> None:
         )
         if unused:
             raise UnboundPlaceholderError(
-                f"{where}: {rule.label}: source placeholder(s) {sorted(unused)} do not appear in the target, so two sources would write one parameter",
+                f"{where}: {rule.label}: source placeholder(s) {sorted(unused)} do "
+                "not appear in the target, so two sources would write one parameter",
                 path=str(where),
             )
 
@@ -321,7 +325,8 @@ def validate(
         wrong = sorted({ph for p in (*rule.sources, rule.target or "") for ph in placeholders(p)} & foreign)
         if wrong:
             raise UnboundPlaceholderError(
-                f"{where}: {rule.label}: placeholder {{{wrong[0]}}} belongs to the other drafter kind; a {table.drafter} table binds {sorted(DRAFTER_PLACEHOLDERS[table.drafter])}",
+                f"{where}: {rule.label}: placeholder {{{wrong[0]}}} belongs to the other drafter kind; "
+                f"a {table.drafter} table binds {sorted(DRAFTER_PLACEHOLDERS[table.drafter])}",
                 path=str(where),
             )
         if rule.op != "refuse":  # refuse rules describe other formats by design
@@ -330,7 +335,8 @@ def validate(
                 rx = compile_pattern(pin(src, pins))
                 if not any(rx.match(k) for k in allowed):
                     raise DeadRuleError(
-                        f"{where}: {rule.label}: source pattern {src} matches no tensor the native DeepSeek V4 format has: a dead rule",
+                        f"{where}: {rule.label}: source pattern {src} matches no "
+                        "tensor the native DeepSeek V4 format has: a dead rule",
                         path=str(where),
                     )
         if rule.target is None:
@@ -347,7 +353,8 @@ def validate(
             for name in bind_target(rule, dtype):
                 if name not in target_keys[dtype]:
                     raise UnknownTargetError(
-                        f"{where}: {rule.label}: {name} is not a parameter of the {table.target} layout ({dtype} experts)",
+                        f"{where}: {rule.label}: {name} is not a parameter "
+                        f"of the {table.target} layout ({dtype} experts)",
                         path=str(where),
                     )
 
@@ -415,7 +422,8 @@ def table_name_for(target: str, drafter: str) -> str:
     if len(names) != 1:
         have = ", ".join(f"{n} ({h.target}, {h.drafter})" for n, h in _table_headers().items())
         raise TableError(
-            f"target {target!r} has {'no' if not names else 'more than one'} table for {drafter} drafters (installed: {have})"
+            f"target {target!r} has {'no' if not names else 'more than one'} "
+            f"table for {drafter} drafters (installed: {have})"
         )
     return names[0]
 

@@ -153,10 +153,8 @@ _TUNED: dict[tuple[str, int], tuple[tuple[int, LaunchConfig], ...]] = {
 
 def launch_config(kernel: str, H: int, T: int) -> LaunchConfig:
     """The launch of `kernel` ('fused_input' or 'shared_head') for T rows of H."""
-    for t_max, config in _TUNED.get((kernel, triton.next_power_of_2(H)), ()):
-        if T <= t_max:
-            break
-    else:
+    config = next((c for t_max, c in _TUNED.get((kernel, triton.next_power_of_2(H)), ()) if T <= t_max), None)
+    if config is None:
         # untuned sizes: the launch from before the table, one row per program, BLOCK / 512 warps, at most 8
         config = LaunchConfig(max(1, min(8, triton.next_power_of_2(H) // 512)), 1)
     return config if T % config.rows == 0 else config._replace(rows=1)

@@ -38,5 +38,7 @@ def refuse_unless_torch_fits(what: str) -> None:
     libraries = torch_libraries_bytes()
     if limit < libraries + IMPORT_HEADROOM:
         raise OutOfMemoryError(
-            f"{what}: not enough memory: the address-space limit (ulimit -v) is {limit // MiB:,} MiB, and loading torch alone needs more than {(libraries + IMPORT_HEADROOM) // MiB:,} MiB (its libraries are {libraries // MiB:,} MiB); raise the limit"
+            f"{what}: not enough memory: the address-space limit (ulimit -v) is {limit // MiB:,} MiB, "
+            f"and loading torch alone needs more than {(libraries + IMPORT_HEADROOM) // MiB:,} MiB "
+            f"(its libraries are {libraries // MiB:,} MiB); raise the limit"
         )

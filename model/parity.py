@@ -120,14 +120,24 @@ def parity_verdict(
     top1 = report["top1_agreement_up_to_ties"]
     routing = report["routing_disagreements"]
     decisive = [d for d in routing if not d["near_tie"]]
-    said = f"hidden max|diff| {hidden:.2%} of max|h|, logits {logits:.2%} of max|logit|, top-1 agreement {report['top1_agreement']:.3f} ({top1:.3f} counting near-ties)"
+    said = (
+        f"hidden max|diff| {hidden:.2%} of max|h|, logits {logits:.2%} of max|logit|, "
+        f"top-1 agreement {report['top1_agreement']:.3f} ({top1:.3f} counting near-ties)"
+    )
     if "draft_tokens" in report:
         said += f", draft tokens {report['draft_tokens']} vs the reference's {report['reference_draft_tokens']}"
     if decisive:
         d = max(decisive, key=lambda d: d["margin"])
-        said += f", routing differs at {len(decisive)} token(s) beyond a near-tie (MoE call {d['call']}, token {d['token']}: margin {d['margin']:.4g} > tolerance {d['tolerance']:.4g})"
+        said += (
+            f", routing differs at {len(decisive)} token(s) beyond a near-tie (MoE call {d['call']}, "
+            f"token {d['token']}: margin {d['margin']:.4g} > tolerance {d['tolerance']:.4g})"
+        )
     elif routing:
-        said += f", routing differs at {len(routing)} near-tie(s) (largest margin {max(d['margin'] for d in routing):.4g}, within {TIE_REL:.0%} of the token's max score; compared with the reference's routing)"
+        largest = max(d["margin"] for d in routing)
+        said += (
+            f", routing differs at {len(routing)} near-tie(s) (largest margin {largest:.4g}, "
+            f"within {TIE_REL:.0%} of the token's max score; compared with the reference's routing)"
+        )
     passed = (
         math.isfinite(hidden)
         and math.isfinite(logits)

@@ -157,7 +157,8 @@ def with_variant(config: dict[str, Any], variant: Variant) -> dict[str, Any]:
         raise ValueError(f"unknown variant {variant!r} (expected one of {', '.join(EXPERT_DTYPE)})")
     if variant == "dspark" and not all(f in config for f in DSPARK_FIELDS):
         raise ValueError(
-            f"variant dspark needs a config with {', '.join(DSPARK_FIELDS)} (mapping/README.md#dspark-source-checkpoint)"
+            f"variant dspark needs a config with {', '.join(DSPARK_FIELDS)} "
+            "(mapping/README.md#dspark-source-checkpoint)"
         )
     out = copy.deepcopy(config)
     out["expert_dtype"] = EXPERT_DTYPE[variant]

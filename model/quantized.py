@@ -113,7 +113,7 @@ class Fp8Linear(QuantLayer):
             return dequant_fp8_block(self.weight, self.weight_scale_inv, self.block, dtype)
         ws = self.weight.split(list(self.parts), dim=0)
         ss = self.weight_scale_inv.split([ceil_div(p, self.block[0]) for p in self.parts], dim=0)
-        return torch.cat([dequant_fp8_block(w, s, self.block, dtype) for w, s in zip(ws, ss)], dim=0)
+        return torch.cat([dequant_fp8_block(w, s, self.block, dtype) for w, s in zip(ws, ss, strict=True)], dim=0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x @ self.dequantized(x.dtype).T

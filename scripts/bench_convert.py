@@ -198,7 +198,8 @@ def profile(src: Path, dst: Path, target: str) -> None:
     shutil.rmtree(dst, ignore_errors=True)
     stats = pstats.Stats(prof, stream=sys.stdout).sort_stats("cumulative")
     stats.print_stats(
-        r"(pipeline|execute).py.*\((run_plan|run|_all_zero|still_valid)\)|writer.py.*\((write|start_writeback|sync)\)|_base.py.*\(result\)|\{method 'get' of '_queue|posix.posix_fadvise|method 'write' of '_io|posix.fsync"
+        r"(pipeline|execute).py.*\((run_plan|run|_all_zero|still_valid)\)|writer.py.*\((write|start_writeback|sync)\)|"
+        r"_base.py.*\(result\)|\{method 'get' of '_queue|posix.posix_fadvise|method 'write' of '_io|posix.fsync"
     )
 
 
@@ -317,17 +318,23 @@ def main() -> None:
     )
     # the per-round table (markdown) on stderr: stdout stays one JSON document
     print(
-        "\n| round | order | load avg | cp -r + sync s | convert s (start-up) | convert user/sys s | disk read + write s | convert / cp+sync | convert / disk |\n|---|---|---|---:|---:|---:|---:|---:|---:|",
+        "\n| round | order | load avg | cp -r + sync s | convert s (start-up) | convert user/sys s "
+        "| disk read + write s | convert / cp+sync | convert / disk |\n"
+        "|---|---|---|---:|---:|---:|---:|---:|---:|",
         file=sys.stderr,
     )
     for row in rounds:
         c, d = row["convert"], row["disk"]
         print(
-            f"| {row['round']} | {row['order']} | {', '.join(f'{x:.1f}' for x in row['load_avg'])} | {row['cp+sync']['seconds']:.2f} | {c['seconds']:.2f} ({c['startup_s']:.2f}) | {c['user_s']:.1f}/{c['sys_s']:.1f} | {d['read_s']:.2f} + {d['write_s']:.2f} | {row['convert_vs_cp_sync']:.2f}x | {row['convert_vs_disk']:.2f}x |",
+            f"| {row['round']} | {row['order']} | {', '.join(f'{x:.1f}' for x in row['load_avg'])} "
+            f"| {row['cp+sync']['seconds']:.2f} | {c['seconds']:.2f} ({c['startup_s']:.2f}) "
+            f"| {c['user_s']:.1f}/{c['sys_s']:.1f} | {d['read_s']:.2f} + {d['write_s']:.2f} "
+            f"| {row['convert_vs_cp_sync']:.2f}x | {row['convert_vs_disk']:.2f}x |",
             file=sys.stderr,
         )
     print(
-        f"\nconvert / cp+sync: median {statistics.median(vs_cp):.3f}, min {min(vs_cp):.3f}; convert / disk: median {statistics.median(vs_disk):.3f}, min {min(vs_disk):.3f}",
+        f"\nconvert / cp+sync: median {statistics.median(vs_cp):.3f}, min {min(vs_cp):.3f}; "
+        f"convert / disk: median {statistics.median(vs_disk):.3f}, min {min(vs_disk):.3f}",
         file=sys.stderr,
     )
 

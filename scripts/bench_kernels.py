@@ -36,6 +36,7 @@ import sys
 import time
 import types
 from collections.abc import Callable
+from functools import partial
 
 import torch
 import triton.testing
@@ -196,7 +197,8 @@ def against_vllm(args: argparse.Namespace) -> None:
     vllm = load_vllm(args.vllm)
     vllm_fused, vllm_head = vllm._FUSED_MTP_INPUT_RMSNORM_KERNEL, vllm._MTP_SHARED_HEAD_RMSNORM_KERNEL
     print(
-        f"device: {torch.cuda.get_device_name(dev)}; torch {torch.__version__}, triton {triton.__version__}; vLLM kernels from {args.vllm}"
+        f"device: {torch.cuda.get_device_name(dev)}; torch {torch.__version__}, triton {triton.__version__}; "
+        f"vLLM kernels from {args.vllm}"
     )
     g = torch.Generator(device=dev).manual_seed(0)
     rows = []
@@ -214,29 +216,30 @@ def against_vllm(args: argparse.Namespace) -> None:
             ours_head, theirs_head = kernels.mtp_shared_head_rmsnorm(e, w1, EPS), vllm_head(e, w1, EPS)
             ulps = {
                 "fused_input": (
-                    max(bf16_ulps(o, t) for o, t in zip(ours_fused, theirs_fused)),
-                    max(bf16_ulps(o, r) for o, r in zip(ours_fused, (e_ref, h_ref))),
+                    # both return (e, h): a kernel returning fewer outputs must not pass as agreeing
+                    max(bf16_ulps(o, t) for o, t in zip(ours_fused, theirs_fused, strict=True)),
+                    max(bf16_ulps(o, r) for o, r in zip(ours_fused, (e_ref, h_ref), strict=True)),
                 ),
                 "shared_head": (bf16_ulps(ours_head, theirs_head), bf16_ulps(ours_head, head_ref)),
             }
             if args.sweep:
                 eo, ho, out = torch.empty_like(e), torch.empty_like(prev), torch.empty_like(e)
                 eo2, ho2, out2 = torch.empty_like(e), torch.empty_like(prev), torch.empty_like(e)
+                # partial binds this shape's tensors when made (a closure would read whatever the loop
+                # variables hold when called); ours lacks only its launch config, its last argument
                 cases = {
                     "fused_input": (
-                        lambda cfg: (
-                            lambda: kernels._fused_mtp_input_rmsnorm_into(e, pos, prev, w1, w2, eo, ho, EPS, N_HC, cfg)
-                        ),
-                        lambda: vllm_fused(e, pos, prev, w1, w2, EPS, N_HC, _outputs=(eo2, ho2)),
+                        partial(kernels._fused_mtp_input_rmsnorm_into, e, pos, prev, w1, w2, eo, ho, EPS, N_HC),
+                        partial(vllm_fused, e, pos, prev, w1, w2, EPS, N_HC, _outputs=(eo2, ho2)),
                     ),
                     "shared_head": (
-                        lambda cfg: lambda: kernels._mtp_shared_head_rmsnorm_into(e, w1, out, EPS, cfg),
-                        lambda: vllm_head(e, w1, EPS, _output=out2),
+                        partial(kernels._mtp_shared_head_rmsnorm_into, e, w1, out, EPS),
+                        partial(vllm_head, e, w1, EPS, _output=out2),
                     ),
                 }
-                for name, (ours_with, theirs) in cases.items():
+                for name, (ours_into, theirs) in cases.items():
                     configs = sweep_configs(H, T)
-                    fns = {f"w{c.num_warps}r{c.rows}": ours_with(c) for c in configs} | {"vllm": theirs}
+                    fns = {f"w{c.num_warps}r{c.rows}": partial(ours_into, c) for c in configs} | {"vllm": theirs}
                     us = graph_us(fns, graph_calls(T))
                     best = min((k for k in us if k != "vllm"), key=us.get)
                     tuned = kernels.launch_config(name, H, T)
@@ -254,16 +257,18 @@ def against_vllm(args: argparse.Namespace) -> None:
                     )
                     ranked = " ".join(f"{k}={v:.2f}" for k, v in sorted(us.items(), key=lambda kv: kv[1]))
                     print(
-                        f"{name:<12}{H:>6}{T:>7}  best {best} {us[best]:.2f} vs vllm {us['vllm']:.2f} ({us[best] / us['vllm']:.3f})  {ranked}",
+                        f"{name:<12}{H:>6}{T:>7}  best {best} {us[best]:.2f} vs vllm {us['vllm']:.2f} "
+                        f"({us[best] / us['vllm']:.3f})  {ranked}",
                         flush=True,
                     )
                 continue
+            # (ours as the model calls it, vLLM's as vLLM's model calls it), this shape's tensors bound now
             cases = {
                 "fused_input": (
-                    lambda: kernels.fused_mtp_input_rmsnorm(e, pos, prev, w1, w2, EPS, N_HC),
-                    lambda: vllm_fused(e, pos, prev, w1, w2, EPS, N_HC),
+                    partial(kernels.fused_mtp_input_rmsnorm, e, pos, prev, w1, w2, EPS, N_HC),
+                    partial(vllm_fused, e, pos, prev, w1, w2, EPS, N_HC),
                 ),
-                "shared_head": (lambda: kernels.mtp_shared_head_rmsnorm(e, w1, EPS), lambda: vllm_head(e, w1, EPS)),
+                "shared_head": (partial(kernels.mtp_shared_head_rmsnorm, e, w1, EPS), partial(vllm_head, e, w1, EPS)),
             }
             for name, (ours, theirs) in cases.items():
                 us = graph_us({"ours": ours, "vllm": theirs}, graph_calls(T))
@@ -271,23 +276,30 @@ def against_vllm(args: argparse.Namespace) -> None:
                 eager = {"ours": call_us(ours, dev, n), "vllm": call_us(theirs, dev, n)}
                 cfg = kernels.launch_config(name, H, T)
                 rows.append({
-                    "kernel": name, "H": H, "T": T, "config": describe(cfg), "ours_us": us["ours"], "vllm_us": us["vllm"],
-                    "ours_call_us": eager["ours"], "vllm_call_us": eager["vllm"], "ulps_vs_vllm": ulps[name][0], "ulps_vs_ref": ulps[name][1],
+                    "kernel": name, "H": H, "T": T, "config": describe(cfg), "ours_us": us["ours"],
+                    "vllm_us": us["vllm"], "ours_call_us": eager["ours"], "vllm_call_us": eager["vllm"],
+                    "ulps_vs_vllm": ulps[name][0], "ulps_vs_ref": ulps[name][1],
                 })  # fmt: skip
     if not args.sweep:
         print(
-            "| kernel | H | T | warps x rows, hints | ours µs | vLLM µs | ours / vLLM | ours call µs | vLLM call µs | ulps vs vLLM | ulps vs ref |"
+            "| kernel | H | T | warps x rows, hints | ours µs | vLLM µs | ours / vLLM | ours call µs | vLLM call µs "
+            "| ulps vs vLLM | ulps vs ref |"
         )
         print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         for r in rows:
             ratio = r["ours_us"] / r["vllm_us"]
             mark = "" if ratio <= 1 else " **slower**"
             print(
-                f"| {r['kernel']} | {r['H']} | {r['T']} | {r['config']} | {r['ours_us']:.2f} | {r['vllm_us']:.2f} | {ratio:.3f}{mark} "
-                f"| {r['ours_call_us']:.1f} | {r['vllm_call_us']:.1f} | {r['ulps_vs_vllm']} | {r['ulps_vs_ref']} |"
+                f"| {r['kernel']} | {r['H']} | {r['T']} | {r['config']} | {r['ours_us']:.2f} | {r['vllm_us']:.2f} "
+                f"| {ratio:.3f}{mark} | {r['ours_call_us']:.1f} | {r['vllm_call_us']:.1f} | {r['ulps_vs_vllm']} "
+                f"| {r['ulps_vs_ref']} |"
             )
-        print(f"ours <= vLLM in {sum(r['ours_us'] <= r['vllm_us'] for r in rows)} of {len(rows)} shapes under graph replay, "
-              f"{sum(r['ours_call_us'] <= r['vllm_call_us'] for r in rows)} of {len(rows)} eager (wall clock per call)")  # fmt: skip
+        faster_graph = sum(r["ours_us"] <= r["vllm_us"] for r in rows)
+        faster_eager = sum(r["ours_call_us"] <= r["vllm_call_us"] for r in rows)
+        print(
+            f"ours <= vLLM in {faster_graph} of {len(rows)} shapes under graph replay, "
+            f"{faster_eager} of {len(rows)} eager (wall clock per call)"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
@@ -318,11 +330,11 @@ def main() -> None:
     compiled_fused = torch.compile(kernels.fused_mtp_input_rmsnorm_ref, dynamic=False)
     compiled_head = torch.compile(kernels.mtp_shared_head_rmsnorm_ref, dynamic=False)
     rows = []
+    device_name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else dev
+    print(f"device: {device_name}; torch {torch.__version__}, triton {triton.__version__}")
     print(
-        f"device: {torch.cuda.get_device_name(dev) if dev.type == 'cuda' else dev}; torch {torch.__version__}, triton {triton.__version__}"
-    )
-    print(
-        f"{'kernel':<24}{'H':>6}{'T':>7}{'impl':>9}{'gpu_us':>10}{'call_us':>10}{'GB/s':>9}{'copy GB/s':>11}{'% copy':>8}"
+        f"{'kernel':<24}{'H':>6}{'T':>7}{'impl':>9}{'gpu_us':>10}{'call_us':>10}{'GB/s':>9}{'copy GB/s':>11}"
+        f"{'% copy':>8}"
     )
     for H in HIDDEN:
         for T in TOKENS:
@@ -331,28 +343,30 @@ def main() -> None:
             pos = torch.arange(T, device=dev)
             w1 = torch.randn(H, device=dev, dtype=torch.bfloat16)
             w2 = torch.randn(H, device=dev, dtype=torch.bfloat16)
+            fused_args, head_args = (e, pos, prev, w1, w2, EPS, N_HC), (e, w1, EPS)
+            # partial binds this shape's tensors when made (a closure would read the loop variables when called)
             cases = {
                 "fused_mtp_input_rmsnorm": (
                     2 * (1 + N_HC) * T * H * 2 + 2 * H * 2 + T * 8,
                     {
-                        "triton": lambda: kernels.fused_mtp_input_rmsnorm(e, pos, prev, w1, w2, EPS, N_HC),
-                        "eager": lambda: kernels.fused_mtp_input_rmsnorm_ref(e, pos, prev, w1, w2, EPS, N_HC),
-                        "compile": lambda: compiled_fused(e, pos, prev, w1, w2, EPS, N_HC),
+                        "triton": partial(kernels.fused_mtp_input_rmsnorm, *fused_args),
+                        "eager": partial(kernels.fused_mtp_input_rmsnorm_ref, *fused_args),
+                        "compile": partial(compiled_fused, *fused_args),
                     },
                 ),
                 "mtp_shared_head_rmsnorm": (
                     2 * T * H * 2 + H * 2,
                     {
-                        "triton": lambda: kernels.mtp_shared_head_rmsnorm(e, w1, EPS),
-                        "eager": lambda: kernels.mtp_shared_head_rmsnorm_ref(e, w1, EPS),
-                        "compile": lambda: compiled_head(e, w1, EPS),
+                        "triton": partial(kernels.mtp_shared_head_rmsnorm, *head_args),
+                        "eager": partial(kernels.mtp_shared_head_rmsnorm_ref, *head_args),
+                        "compile": partial(compiled_head, *head_args),
                     },
                 ),
             }
             for name, (nbytes, impls) in cases.items():
                 src = torch.empty(nbytes // 2, dtype=torch.uint8, device=dev)
                 dst = torch.empty_like(src)
-                copy_gbs = nbytes / (gpu_us(lambda: dst.copy_(src)) * 1e3)
+                copy_gbs = nbytes / (gpu_us(partial(dst.copy_, src)) * 1e3)
                 for impl, fn in impls.items():
                     if impl == "compile" and args.no_compile:
                         continue
@@ -374,7 +388,8 @@ def main() -> None:
                         }
                     )
                     print(
-                        f"{name:<24}{H:>6}{T:>7}{impl:>9}{g:>10.2f}{c:>10.2f}{gbs:>9.0f}{copy_gbs:>11.0f}{100 * gbs / copy_gbs:>7.0f}%"
+                        f"{name:<24}{H:>6}{T:>7}{impl:>9}{g:>10.2f}{c:>10.2f}{gbs:>9.0f}{copy_gbs:>11.0f}"
+                        f"{100 * gbs / copy_gbs:>7.0f}%"
                     )
     if args.json:
         with open(args.json, "w") as f:

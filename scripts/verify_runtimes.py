@@ -753,7 +753,8 @@ def verify(draft: Path, expected: Path, native: Path, wheels: Path, loaders: lis
 
 def table_lines(reports: list[Report]) -> list[str]:
     lines = [
-        "| loader | tensors fed | parameters hit | skipped as the table says | other skips | errors and warnings | params missing | bytes unequal | pass |",
+        "| loader | tensors fed | parameters hit | skipped as the table says | "
+        "other skips | errors and warnings | params missing | bytes unequal | pass |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in reports:
