@@ -10,7 +10,7 @@ if TYPE_CHECKING:
     import torch
 
 # bytes per element of each safetensors dtype (the format's own table; torch agrees:
-# tests/test_startup.py). Written out rather than read off torch's dtypes so that the
+# tests/model/test_layout.py). Written out rather than read off torch's dtypes so that the
 # converter and the planner, which need only sizes, never import torch (start-up time).
 ITEMSIZE: dict[str, int] = {
     "F64": 8,

@@ -7,12 +7,14 @@ import torch
 if not torch.cuda.is_available() and not (hasattr(torch, "xpu") and torch.xpu.is_available()):
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import shutil  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
 from dsv4.convert.pipeline import convert  # noqa: E402
 from dsv4.convert.synth import write_checkpoint  # noqa: E402
+from dsv4.mapping.table import TABLE_DIR  # noqa: E402
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -38,6 +40,23 @@ def tiny_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     native = write_checkpoint(root / "native", preset="tiny", variant="instruct", seed=0)
     convert(native, root / "converted")
     return native, root / "converted"
+
+
+@pytest.fixture(scope="session")
+def tiny_xpu(tiny_native: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """tiny_native converted to the XPU layout: tests read it, or break a copy of it."""
+    out = tmp_path_factory.mktemp("xpu") / "out"
+    convert(tiny_native, out)
+    return out
+
+
+@pytest.fixture
+def table_copy(tmp_path: Path) -> Path:
+    """A valid table outside the package: loading it would work, so only the name rule refuses it."""
+    path = tmp_path / "elsewhere" / "evil.toml"
+    path.parent.mkdir()
+    shutil.copy(TABLE_DIR / "xpu.toml", path)
+    return path
 
 
 @pytest.fixture(scope="session")

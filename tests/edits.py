@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import struct
 from collections.abc import Callable
 from pathlib import Path
@@ -15,6 +16,7 @@ from safetensors.torch import load_file, save_file
 
 SHARD = "model-00001-of-00001.safetensors"  # a tiny conversion fits one shard
 INDEX = "model.safetensors.index.json"
+RECORD = "conversion.json"
 
 
 def raw_tensor_bytes(path: Path) -> dict[str, tuple[str, bytes]]:
@@ -54,3 +56,21 @@ def edit_config(out: Path, edit: Callable[[dict], None]) -> None:
     config = json.loads((out / "config.json").read_text())
     edit(config)
     (out / "config.json").write_text(json.dumps(config))
+
+
+def tree_digest(root: Path) -> dict[str, str]:
+    """Every file under `root` and its sha256: what a test compares to say nothing was changed."""
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
+
+
+def replace_by_special_file(path: Path, kind: str) -> None:
+    """`path` replaced by a FIFO (kind "fifo": a read blocks) or a link to /dev/zero (endless)."""
+    path.unlink()
+    if kind == "fifo":
+        os.mkfifo(path)
+    else:
+        path.symlink_to("/dev/zero")  # endless: read whole, it fills memory

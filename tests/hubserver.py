@@ -26,6 +26,11 @@ out. Safetensors files carry LFS metadata (sha256 and size) in model info, as on
 
 A full-size replica written by `synth --sparse` (160 GB logical, all but its headers file
 holes) is served by `commit_sparse_dir`, which keeps only each shard's header in memory.
+
+Why not pytest-httpserver: its handlers answer with a werkzeug Response, so a connection reset
+without an answer, a body cut short, an answer after the commit landed and the count of ranged
+reads kept waiting at once would need the raw socket anyway, which this module has in its
+http.server handler; the hub's routes and commits would stay here either way.
 """
 
 from __future__ import annotations
@@ -663,7 +668,8 @@ class _Handler(BaseHTTPRequestHandler):
             return self._error(
                 412,
                 None,
-                f"A commit has happened since. Parent commit {header['parentCommit']} is not the head {c.oid} of {revision}",
+                f"A commit has happened since. Parent commit {header['parentCommit']} is not the head {c.oid} of "
+                f"{revision}",
             )
         added = {x["value"]["path"]: base64.b64decode(x["value"]["content"]) for x in lines if x["key"] == "file"}
         deleted = tuple(x["value"]["path"] for x in lines if x["key"] == "deletedFile")

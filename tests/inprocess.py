@@ -1,9 +1,11 @@
-"""`convert-dsv4` run in the test's own process, through the real entry point main()."""
+"""`convert-dsv4` run through the real entry point main(): in the test's own process, or in a child process."""
 
 from __future__ import annotations
 
 import signal
+import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -32,3 +34,39 @@ def run_main(
         sys.unraisablehook = hook
     out, err = capsys.readouterr()
     return code, out, err
+
+
+def run_one_line(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
+    """`convert-dsv4 ARGS` in this process: (exit code, the one line on stderr)."""
+    code, _, err = run_main(monkeypatch, capsys, *args)
+    assert "Traceback" not in err, err
+    lines = err.strip().splitlines()
+    assert len(lines) <= 1, err
+    return code, lines[0] if lines else ""
+
+
+def run_in_subprocess_one_line(*args: str) -> tuple[int, str]:
+    """The CLI in its own process, so that a read blocked on a FIFO fails this test instead of hanging the suite:
+    (exit code, the one line on stderr)."""
+    done = subprocess.run([sys.executable, "-m", "dsv4", *args], capture_output=True, text=True, timeout=60)
+    assert "Traceback" not in done.stderr, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    return done.returncode, lines[0]
+
+
+def one_error_line(err: str) -> str:
+    """The one line a refusal writes on stderr (no traceback, no second line)."""
+    assert "Traceback" not in err, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+def raising(exc: BaseException) -> Callable[..., object]:
+    """A stand-in for a function that raises `exc` whatever it is called with."""
+
+    def convert(*args: object, **kwargs: object) -> object:
+        raise exc
+
+    return convert

@@ -1,0 +1,206 @@
+"""scripts/verify_runtimes.py: the runtimes' own loaders, cut out of their wheels.
+
+The pass rule is tested with stand-in loaders, so a wrong directory fails whatever the
+machine has; the wheels' own loaders run when the wheels are already in the cache
+(DSV4_WHEELS, default ~/.cache/dsv4-convert/wheels), and are skipped otherwise: the test
+never downloads (no network in tests).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+from collections.abc import Iterable
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from dsv4.convert.pipeline import convert
+from dsv4.convert.synth import write_checkpoint
+
+_SPEC = importlib.util.spec_from_file_location(
+    "verify_runtimes", Path(__file__).parents[2] / "scripts" / "verify_runtimes.py"
+)
+assert _SPEC and _SPEC.loader
+vr = importlib.util.module_from_spec(_SPEC)
+sys.modules["verify_runtimes"] = vr
+_SPEC.loader.exec_module(vr)
+
+WHEELS = Path(os.environ.get("DSV4_WHEELS", vr.DEFAULT_WHEELS))
+
+
+def write_dir(root: Path, tensors: dict[str, torch.Tensor]) -> Path:
+    root.mkdir(parents=True)
+    save_file(tensors, root / "model-00001-of-00001.safetensors")
+    weight_map = dict.fromkeys(tensors, "model-00001-of-00001.safetensors")
+    (root / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (root / "config.json").write_text("{}")
+    return root
+
+
+# A stand-in runtime: `a.*` loads into parameter A (two shards, in order), `b` into B.
+EXPECTED = {"A": torch.arange(8, dtype=torch.int8), "B": torch.ones(3), "SHARED": torch.zeros(2)}
+GOOD = {
+    "a.0": torch.arange(4, dtype=torch.int8),
+    "a.1": torch.arange(4, 8, dtype=torch.int8),
+    "b": torch.ones(3),
+    "embed": torch.zeros(2),
+}
+
+
+def stand_in_loader(recorder: vr.Recorder) -> object:
+    params = {n: vr.RecordingParam(n, recorder) for n in EXPECTED}
+
+    def load(weights: Iterable[tuple[str, torch.Tensor]], _first: bool) -> None:
+        for name, tensor in weights:
+            if name.startswith("a."):
+                params["A"].weight_loader(params["A"], tensor, int(name[2:]))
+            elif name == "b":
+                params["B"].weight_loader(params["B"], tensor)
+            elif name == "boom":
+                raise KeyError("no such parameter")
+
+    return load
+
+
+def report_on(tmp_path: Path, tensors: dict[str, torch.Tensor]) -> vr.Report:
+    recorder = vr.Recorder()
+    directory = write_dir(tmp_path / "d", tensors)
+    return vr.run_loader(
+        "stand-in", stand_in_loader(recorder), recorder, directory, EXPECTED, lambda name: name == "embed", {"SHARED"}
+    )
+
+
+def test_a_directory_the_loader_takes_whole_passes(tmp_path: Path) -> None:
+    report = report_on(tmp_path, GOOD)
+    assert report.passed, report.summary()
+    assert report.hit == {"A": "a.0, a.1", "B": "b"}
+    assert report.dropped == ["embed"]
+
+
+@pytest.mark.parametrize(
+    ("change", "field", "offender"),
+    [
+        ({"c": torch.ones(1)}, "skipped", "c"),  # a tensor the loader does not take
+        ({"b": torch.full((3,), 2.0)}, "unequal", "B"),  # different bytes
+        ({"boom": torch.ones(1)}, "errors", "boom: KeyError: 'no such parameter'"),  # the loader raises
+    ],
+)
+def test_a_wrong_directory_fails_naming_the_offender(tmp_path: Path, change: dict, field: str, offender: str) -> None:
+    report = report_on(tmp_path, {**GOOD, **change})
+    assert not report.passed
+    assert offender in getattr(report, field)
+
+
+def test_a_parameter_no_tensor_reached_fails(tmp_path: Path) -> None:
+    tensors = {k: v for k, v in GOOD.items() if k != "b"}
+    report = report_on(tmp_path, tensors)
+    assert not report.passed and report.missing == ["B"]
+
+
+def test_a_shard_loaded_twice_is_an_error(tmp_path: Path) -> None:
+    report = report_on(tmp_path, {**GOOD, "a.00": GOOD["a.0"].clone()})  # int("00") == 0: shard 0 again
+    assert not report.passed
+    assert any("A: loaded twice" in e for e in report.errors)
+
+
+def test_the_loading_goes_on_after_an_error(tmp_path: Path) -> None:
+    # tensors are fed in name order: "a." comes first, and the stand-in raises on it (int(""))
+    report = report_on(tmp_path, {**GOOD, "a.": torch.ones(1)})
+    assert any(e.startswith("a.: ValueError") for e in report.errors)
+    assert report.hit["B"] == "b"
+
+
+def test_cut_runs_the_source_under_its_own_file_and_line() -> None:
+    source = (
+        "import nothing_of_this_runs\n\nclass M:\n    def other(self):\n        pass\n\n"
+        "    def load(self):\n        raise ValueError(self.name)\n"
+    )
+    ns: dict = {}
+    vr.cut(source, "pkg/model.py", ["M.load"], ns)
+    assert not hasattr(ns["M"], "other")
+    m = ns["M"]()
+    m.name = "x"
+    with pytest.raises(ValueError) as info:
+        m.load()
+    frame = info.traceback[-1]
+    assert (str(frame.path), frame.lineno + 1) == ("pkg/model.py", 8)
+
+
+def test_cut_refuses_a_name_the_file_does_not_have() -> None:
+    with pytest.raises(vr.UsageError, match="pkg/model.py: not found in the wheel: M.gone"):
+        vr.cut("class M:\n    pass\n", "pkg/model.py", ["M.gone"], {})
+
+
+# --- the wheels' own loaders (only where the wheels are already cached) -------------------
+
+
+def _wheels_present() -> bool:
+    return all(sorted(WHEELS.glob(f"{p}-{pin.split('==')[1]}-*.whl")) for p, pin in vr.WHEELS.items())
+
+
+needs_wheels = pytest.mark.skipif(
+    not _wheels_present(),
+    reason=f"vllm 0.33.0 and sglang 0.5.23 wheels not in {WHEELS} (scripts/verify_runtimes.py downloads them)",
+)
+
+
+@pytest.fixture(scope="module")
+def tiny_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Per drafter: the tiny native checkpoint, its --target draft and --target xpu outputs."""
+    root = tmp_path_factory.mktemp("runtimes")
+    dirs = {}
+    for variant, preset in (("instruct", "tiny"), ("dspark", "tiny")):
+        native = write_checkpoint(root / variant / "native", preset=preset, variant=variant, seed=0)
+        convert(native, root / variant / "draft", target="draft")
+        convert(native, root / variant / "xpu", target="xpu")
+        dirs.update(
+            {
+                f"{variant}/native": native,
+                f"{variant}/draft": root / variant / "draft",
+                f"{variant}/xpu": root / variant / "xpu",
+            }
+        )
+    return dirs
+
+
+@needs_wheels
+@pytest.mark.parametrize(
+    ("variant", "loaders", "hit"),
+    [
+        (
+            "instruct",
+            ["vllm-xpu-mtp", "vllm-nvidia-mtp", "vllm-amd-mtp", "sglang-nextn"],
+            39,
+        ),  # 41 less embedding and head
+        ("dspark", ["vllm-xpu-dspark", "sglang-dspark"], 96),  # 98 less embedding and head
+    ],
+)
+def test_every_runtime_loads_a_draft_directory_whole(
+    tiny_dirs: dict[str, Path], variant: str, loaders: list[str], hit: int
+) -> None:
+    reports = vr.verify(
+        tiny_dirs[f"{variant}/draft"], tiny_dirs[f"{variant}/xpu"], tiny_dirs[f"{variant}/native"], WHEELS
+    )
+    assert [r.loader for r in reports] == loaders
+    for r in reports:
+        assert r.passed, r.summary()
+        assert {"embed.weight", "head.weight"} <= set(r.dropped)
+    assert len(reports[0].hit) == hit
+
+
+@needs_wheels
+@pytest.mark.parametrize("variant", ["instruct", "dspark"])
+def test_no_runtime_loads_the_xpu_layout(tiny_dirs: dict[str, Path], variant: str) -> None:
+    reports = vr.verify(
+        tiny_dirs[f"{variant}/xpu"], tiny_dirs[f"{variant}/xpu"], tiny_dirs[f"{variant}/native"], WHEELS
+    )
+    assert not any(r.passed for r in reports)
+    if variant == "instruct":  # vLLM prefixes a second mtp_block. (xpu/mtp.py:504-506)
+        assert any("KeyError: 'model.layers.2.mtp_block.mtp_block." in e for e in reports[0].errors)
+    else:  # vLLM's DSpark loader takes only mtp.* names, silently (xpu/dspark.py:401-403)
+        assert len(reports[0].hit) == 0 and len(reports[0].skipped) == 98
