@@ -54,7 +54,7 @@ class PlannedTensor:
 @dataclass(frozen=True)
 class Plan:
     direction: Direction
-    source: str
+    location: str  # the source's: a directory, or hub:org/name (its inventory's location)
     config: dict[str, Any]  # the source's config.json, as read
     model_config: ModelConfig  # the same, validated (model/config.py): what the layout was planned for
     table: str
@@ -88,7 +88,7 @@ class Plan:
         reasons = Counter(self.skipped.values())
         return {
             "direction": self.direction,
-            "source": self.source,
+            "source": self.location,
             "revision": self.revision,
             "table": self.table,
             "table_version": self.table_version,

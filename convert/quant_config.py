@@ -315,7 +315,7 @@ def carried_quantization(plan: Plan) -> tuple[dict[str, Any] | None, dict[str, A
     rewritten to the draft's names and the source kept in the record. Reverse: the source
     config comes back from that record.
     """
-    where = f"{plan.source}/config.json"
+    where = f"{plan.location}/config.json"
     qc = plan.config.get("quantization_config")
     if plan.direction == "reverse":
         try:

@@ -40,7 +40,8 @@ from inprocess import one_error_line, run_in_subprocess_one_line, run_main
 from dsv4.convert.check import _Context, check_checksums, check_index, check_readable, check_sizes, run_checks
 from dsv4.convert.cli import cli
 from dsv4.convert.exit_codes import exit_code
-from dsv4.convert.pipeline import convert, read_record
+from dsv4.convert.output import read_record
+from dsv4.convert.pipeline import convert
 from dsv4.convert.synth import write_checkpoint
 
 # "serve" (check --serve-with, its tests below) is the last check; not asked for here, it skips
