@@ -36,11 +36,12 @@ from dsv4.convert import interrupts
 from dsv4.convert.card import model_card, with_card
 from dsv4.convert.errors import HubError, OutputError
 from dsv4.convert.exit_codes import exit_code
-from dsv4.convert.hub import download, hub_errors, open_hub_source, resolve_commit
-from dsv4.convert.location import HF_PREFIX, HUB_SCHEME, HubSpec, parse_hub_spec
+from dsv4.convert.hub import download, hub_errors, resolve_commit
+from dsv4.convert.location import HF_PREFIX, open_source, parse_hub_spec
 from dsv4.convert.output import hold_lock
 from dsv4.convert.pipeline import DEFAULT_MAX_SHARD, plan_source, run_plan
 from dsv4.convert.sizes import shard_size
+from dsv4.convert.source import HUB_SCHEME, HubSpec
 from dsv4.mapping.table import Table, installed_targets, load_table, tables_of_target
 from dsv4.model import strictjson
 from dsv4.model.errors import DSV4Error
@@ -61,7 +62,9 @@ NUM_SHARDS_ENV = "DSV4_NUM_SHARDS"
 
 
 @dataclass(frozen=True)
-class Source:
+class ManifestEntry:
+    """One repository of the manifest's `sources`, and where its output goes."""
+
     repo: str
     revision: str | None  # as the manifest names it; None = the default branch
     output: Path  # local output directory
@@ -77,7 +80,7 @@ class Manifest:
     path: Path
     target: str
     out_dir: Path
-    sources: tuple[Source, ...]  # sorted by key: the order shards are cut from
+    sources: tuple[ManifestEntry, ...]  # sorted by key: the order shards are cut from
     private: bool | None  # visibility of target repos that --push creates; None: the hub's default
     max_shard_size: int
     check: bool
@@ -116,37 +119,39 @@ def _fill(template: str, hub: HubSpec, target: str, where: str) -> str:
         return template.format(**values)
     except ValueError as exc:
         raise HubError(
-            f"{where}: bad template {template!r} ({exc}); placeholders are {', '.join('{' + p + '}' for p in PLACEHOLDERS)}",
+            f"{where}: bad template {template!r} ({exc}); placeholders are "
+            f"{', '.join('{' + p + '}' for p in PLACEHOLDERS)}",
             kind="bad_manifest",
             path=str(where),
         ) from None
 
 
-def _parse_source(entry: Any, where: str, base: Path) -> HubSpec:
-    if isinstance(entry, dict):
-        entry = _table(entry, where, {"repo", "revision"})
-        repo, revision = entry.get("repo"), entry.get("revision")
+def _hub_spec(raw: Any, where: str, base: Path) -> HubSpec:
+    if isinstance(raw, dict):
+        raw = _table(raw, where, {"repo", "revision"})
+        repo, revision = raw.get("repo"), raw.get("revision")
         if not isinstance(repo, str) or "@" in repo or not (revision is None or isinstance(revision, str)):
             raise HubError(
                 f'{where}: needs repo = "org/name" and optionally revision = "branch, tag or commit"',
                 kind="bad_manifest",
                 path=str(where),
             )
-        entry = f"{repo}@{revision}" if revision else repo
-    if not isinstance(entry, str):
+        raw = f"{repo}@{revision}" if revision else repo
+    if not isinstance(raw, str):
         raise HubError(
             f'{where}: a source is "org/name[@revision]" or {{repo = ..., revision = ...}}',
             kind="bad_manifest",
             path=str(where),
         )
-    if not entry.startswith(HF_PREFIX) and (Path(entry).is_dir() or (base / entry).is_dir()):
+    if not raw.startswith(HF_PREFIX) and (Path(raw).is_dir() or (base / raw).is_dir()):
         raise HubError(
-            f"{where}: {entry!r} is a local directory; batch takes hub repositories only (convert a local checkpoint with convert-dsv4 {entry} OUT --target xpu)",
+            f"{where}: {raw!r} is a local directory; batch takes hub repositories only (convert a local checkpoint "
+            f"with convert-dsv4 {raw} OUT --target xpu)",
             kind="bad_manifest",
             path=str(where),
         )
     try:
-        return parse_hub_spec(entry)
+        return parse_hub_spec(raw)
     except DSV4Error as exc:
         raise HubError(f"{where}: {exc}", kind="bad_manifest", path=str(where)) from None
 
@@ -170,7 +175,8 @@ def load_manifest(path: str | Path, out_dir: str | Path | None = None) -> Manife
         raise HubError(f"{path}: target, output.name and output.repo are strings", kind="bad_manifest", path=str(path))
     if target not in installed_targets():  # before it fills a template or names a path
         raise HubError(
-            f"{path}: target {target!r} is not an installed mapping table (installed: {', '.join(installed_targets())}); a table is chosen by name, not path",
+            f"{path}: target {target!r} is not an installed mapping table (installed: "
+            f"{', '.join(installed_targets())}); a table is chosen by name, not path",
             kind="bad_manifest",
             path=str(path),
         )
@@ -195,11 +201,11 @@ def load_manifest(path: str | Path, out_dir: str | Path | None = None) -> Manife
         raise HubError(
             f'{path}: sources must be a non-empty list of "org/name[@revision]"', kind="bad_manifest", path=str(path)
         )
-    sources: dict[str, Source] = {}
+    sources: dict[str, ManifestEntry] = {}
     names: dict[str, str] = {}
-    for k, entry in enumerate(entries):
+    for k, listed in enumerate(entries):
         where = f"{path}: sources[{k}]"
-        hub = _parse_source(entry, where, Path(path).parent)
+        hub = _hub_spec(listed, where, Path(path).parent)
         local = _fill(name_t, hub, target, f"{path}: output.name")
         if not local or local in (".", "..") or "/" in local or "\\" in local:
             raise HubError(
@@ -219,18 +225,19 @@ def load_manifest(path: str | Path, out_dir: str | Path | None = None) -> Manife
                     kind="bad_manifest",
                     path=str(where),
                 ) from None
-        src = Source(hub.repo, hub.revision, out_root / local, push_repo)
-        if src.key in sources:
-            raise HubError(f"{where}: {src.key} is listed twice", kind="bad_manifest", path=str(where))
+        entry = ManifestEntry(hub.repo, hub.revision, out_root / local, push_repo)
+        if entry.key in sources:
+            raise HubError(f"{where}: {entry.key} is listed twice", kind="bad_manifest", path=str(where))
         for label, value in (("local output", local), ("target repo", push_repo)):
             if value is not None and (other := names.get(f"{label}:{value}")) is not None:
                 raise HubError(
-                    f"{where}: {src.key} and {other} get the same {label} {value!r}; tell them apart in the template ({{org}}, {{revision}})",
+                    f"{where}: {entry.key} and {other} get the same {label} {value!r}; tell them apart in the template "
+                    f"({{org}}, {{revision}})",
                     kind="bad_manifest",
                     path=str(where),
                 )
-            names[f"{label}:{value}"] = src.key
-        sources[src.key] = src
+            names[f"{label}:{value}"] = entry.key
+        sources[entry.key] = entry
     ordered = tuple(sources[k] for k in sorted(sources))
     return Manifest(path, target, out_root, ordered, private, max_shard, check)
 
@@ -262,7 +269,8 @@ def shard_from_env(
             step = number("SLURM_ARRAY_TASK_STEP", least=1) if "SLURM_ARRAY_TASK_STEP" in env else 1
             if task < low or (task - low) % step:
                 raise ValueError(
-                    f"SLURM_ARRAY_TASK_ID={task} is not in the array SLURM_ARRAY_TASK_MIN={low}, SLURM_ARRAY_TASK_STEP={step} describe"
+                    f"SLURM_ARRAY_TASK_ID={task} is not in the array SLURM_ARRAY_TASK_MIN={low}, "
+                    f"SLURM_ARRAY_TASK_STEP={step} describe"
                 )
             shard_index = (task - low) // step
             if num_shards is None and "SLURM_ARRAY_TASK_COUNT" in env:
@@ -271,7 +279,8 @@ def shard_from_env(
             shard_index = number("JOB_COMPLETION_INDEX", least=0)
             if num_shards is None:
                 raise ValueError(
-                    f"JOB_COMPLETION_INDEX is set but not the number of shards: pass --num-shards or set {NUM_SHARDS_ENV} to the Job's completions"
+                    "JOB_COMPLETION_INDEX is set but not the number of shards: pass --num-shards or set "
+                    f"{NUM_SHARDS_ENV} to the Job's completions"
                 )
         elif num_shards not in (None, 1):
             raise ValueError(
@@ -282,12 +291,13 @@ def shard_from_env(
     num_shards = 1 if num_shards is None else num_shards
     if not 0 <= shard_index < num_shards:
         raise ValueError(
-            f"shard index {shard_index} is outside 0..{num_shards - 1} (a Slurm array must be a range like 0-7 or 1-15:2)"
+            f"shard index {shard_index} is outside 0..{num_shards - 1} (a Slurm array must be a range like 0-7 or "
+            "1-15:2)"
         )
     return num_shards, shard_index
 
 
-def select_shard(sources: Sequence[Source], num_shards: int, shard_index: int) -> list[Source]:
+def select_shard(sources: Sequence[ManifestEntry], num_shards: int, shard_index: int) -> list[ManifestEntry]:
     """Shard K of N: every N-th source of the sorted list, from K. Each source lands in
     exactly one shard, and shard sizes differ by at most one."""
     return [s for k, s in enumerate(sorted(sources, key=lambda s: s.key)) if k % num_shards == shard_index]
@@ -396,54 +406,59 @@ def run_check(out: Path) -> str:
 class _Job:
     """One source's run; `fetched` is kept up to date so a failure still reports it."""
 
-    def __init__(self, src: Source, manifest: Manifest, tables: Mapping[str, Table], push_to_hub: bool):
-        self.src, self.manifest, self.tables, self.push_to_hub = src, manifest, tables, push_to_hub
-        self.hub = HubSpec(src.repo, src.revision, explicit=True)  # a manifest names hub repositories only
+    def __init__(self, entry: ManifestEntry, manifest: Manifest, tables: Mapping[str, Table], push_to_hub: bool):
+        self.entry, self.manifest, self.tables, self.push_to_hub = entry, manifest, tables, push_to_hub
+        self.hub = HubSpec(entry.repo, entry.revision, explicit=True)  # a manifest names hub repositories only
         self.commit: str | None = None
         self.fetched = 0
 
     def run(self) -> tuple[str, dict[str, Any]]:
-        src, tables = self.src, self.tables
+        entry, tables = self.entry, self.tables
         self.commit = commit = resolve_commit(self.hub)
-        target = src.push_repo if self.push_to_hub else None  # run_batch refuses --push without output.repo
+        target = entry.push_repo if self.push_to_hub else None  # run_batch refuses --push without output.repo
         head, pushed = pushed_record(target) if target else (None, None)
         if target and records(pushed, self.hub.location, commit, tables):
             return "skipped", {"reason": f"{HUB_SCHEME}{target} already records {_what(pushed)}"}
-        local = ConversionRecord.find(src.output)
+        local = ConversionRecord.find(entry.output)
         if records(local, self.hub.location, commit, tables):
             if not target:
-                return "skipped", {"reason": f"{src.output} already records {_what(local)}"}
+                return "skipped", {"reason": f"{entry.output} already records {_what(local)}"}
             conversion, table = "reused", tables[local.table]
         else:
-            inv, reader = open_hub_source(HubSpec(src.repo, commit, explicit=True))
-            self.fetched = inv.header_bytes
-            plan = plan_source(inv, reader, self.manifest.target)
-            try:
-                # replacing is safe only over an earlier conversion (it has a conversion.json), never over anything else
-                result = run_plan(
-                    plan,
-                    reader,
-                    src.output,
-                    overwrite=(src.output / CONVERSION_RECORD).exists(),
-                    max_shard_size=self.manifest.max_shard_size,
-                )
-            finally:
-                self.fetched = inv.header_bytes + reader.bytes_read
+            with open_source(HubSpec(entry.repo, commit, explicit=True)) as source:
+                header_bytes = self.fetched = source.inventory.header_bytes
+                plan = plan_source(source, self.manifest.target)
+                try:
+                    # replacing is safe only over an earlier conversion (it has a conversion.json), never
+                    # over anything else
+                    result = run_plan(
+                        plan,
+                        source,
+                        entry.output,
+                        overwrite=(entry.output / CONVERSION_RECORD).exists(),
+                        max_shard_size=self.manifest.max_shard_size,
+                    )
+                finally:
+                    self.fetched = header_bytes + source.reader.bytes_read
             conversion, table = result.status, tables[plan.table]
-        entry: dict[str, Any] = {
+        row: dict[str, Any] = {
             "conversion": conversion,
             "table": table.name,
-            "check": run_check(src.output) if self.manifest.check else "disabled",
+            "check": run_check(entry.output) if self.manifest.check else "disabled",
         }
         if target:
-            message = f"Convert {src.repo}@{commit[:12]} with table {table.name} v{table.version}"
-            description = f"Source: {src.repo} commit {commit}\nTable: {table.name} v{table.version} (target {table.target})\nTool: dsv4-convert {__version__}"
-            card = model_card(target, src.repo, commit, table)
-            entry["pushed"] = {
+            message = f"Convert {entry.repo}@{commit[:12]} with table {table.name} v{table.version}"
+            description = (
+                f"Source: {entry.repo} commit {commit}\n"
+                f"Table: {table.name} v{table.version} (target {table.target})\n"
+                f"Tool: dsv4-convert {__version__}"
+            )
+            card = model_card(target, entry.repo, commit, table)
+            row["pushed"] = {
                 "repo": target,
-                "commit": push(src.output, target, message, description, self.manifest.private, head, card),
+                "commit": push(entry.output, target, message, description, self.manifest.private, head, card),
             }
-        return "converted", entry
+        return "converted", row
 
 
 def _what(record: ConversionRecord) -> str:
@@ -530,13 +545,13 @@ def run_batch(
     }
     with ExitStack() as stack:
         _own_report(report_path, stack)  # before anything is converted: one run per report file
-        for n, src in enumerate(mine, 1):
+        for n, entry in enumerate(mine, 1):
             if echo is not None:  # a conversion takes minutes: say which repo is under way
-                echo(f"[{n}/{len(mine)}] {src.key}: starting")
-            job = _Job(src, manifest, tables, push_to_hub)
+                echo(f"[{n}/{len(mine)}] {entry.key}: starting")
+            job = _Job(entry, manifest, tables, push_to_hub)
             t0 = time.monotonic()
             try:
-                outcome, entry = job.run()
+                outcome, row = job.run()
             except Exception as exc:  # one repo's failure, whatever it is, must not stop the others
                 interrupts.raise_if_interrupted()  # but a signal stops them all, whatever error it caused
                 outcome = "failed"
@@ -546,31 +561,31 @@ def run_batch(
                     if isinstance(exc, DSV4Error)
                     else f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
                 )
-                entry = {
+                row = {
                     "reason": reason,
                     "error": type(exc).__name__,
                     "exit_code": code,
                     **(exc.fields() if isinstance(exc, DSV4Error) else {}),
                 }
-            entry = {
-                "repo": src.repo,
-                "revision": src.revision,
+            row = {
+                "repo": entry.repo,
+                "revision": entry.revision,
                 "commit": job.commit,
-                "output": str(src.output),
-                **entry,
+                "output": str(entry.output),
+                **row,
                 "bytes_fetched": job.fetched,
                 "seconds": round(time.monotonic() - t0, 3),
             }
-            report[outcome].append(entry)
+            report[outcome].append(row)
             report["bytes_fetched"] += job.fetched
             report["seconds"] = round(time.monotonic() - start, 3)
             _write_report(report_path, report)
             detail = (
-                entry.get("reason")
-                or f"{entry['conversion']} -> {src.output} ({job.fetched:,} bytes fetched, {entry['seconds']:.1f} s)"
+                row.get("reason")
+                or f"{row['conversion']} -> {entry.output} ({job.fetched:,} bytes fetched, {row['seconds']:.1f} s)"
             )
             if echo is not None:
-                echo(f"[{n}/{len(mine)}] {src.key}: {outcome}: {detail}")
+                echo(f"[{n}/{len(mine)}] {entry.key}: {outcome}: {detail}")
         report["seconds"] = round(time.monotonic() - start, 3)
         _write_report(report_path, report)
     return report

@@ -54,16 +54,15 @@ from safetensors import safe_open
 from dsv4.convert import interrupts, progress
 from dsv4.convert.errors import CheckError
 from dsv4.convert.exit_codes import exit_code
-from dsv4.convert.inventory import Inventory, TensorSource, merge_shards, read_local_shards
 from dsv4.convert.quant_config import check_draft_quantization
 from dsv4.convert.report import CheckReport, CheckResult
 from dsv4.mapping.errors import TableError
 from dsv4.mapping.table import installed_tables, load_table
 from dsv4.model import strictjson
-from dsv4.model.checkpoint import INDEX_NAME, load_index
+from dsv4.model.checkpoint import INDEX_NAME, Checkpoint, ShardHeaders
 from dsv4.model.config import ModelConfig, parse_config
 from dsv4.model.dtypes import tensor_bytes
-from dsv4.model.errors import CheckpointError, DSV4Error
+from dsv4.model.errors import DSV4Error
 from dsv4.model.layout import DRAFT_TARGET, build_draft_model, layout_of
 from dsv4.model.parity import MAX_REL_DIFF, MIN_TOP1, SMOKE_TOKENS, parity_verdict
 from dsv4.model.record import (
@@ -74,6 +73,7 @@ from dsv4.model.record import (
     LayoutRecord,
     RecordError,
 )
+from dsv4.model.safetensors_header import TensorBytes
 
 READ_BLOCK = 64 << 20  # bytes per read of one tensor: bounded memory at any tensor size
 LIST_AT_MOST = 3  # names quoted in a one-line reason; the JSON details list all of them
@@ -97,7 +97,7 @@ class _Context:
     max_rel_diff: float
     config: dict[str, Any] | None = None
     config_error: str | None = None
-    inv: Inventory | None = None
+    headers: ShardHeaders | None = None  # the index and shard headers (the index check's finding)
     hashes: dict[str, str] = field(default_factory=dict)
     unreadable: set[str] = field(default_factory=set)
     cfg: ModelConfig | None = None
@@ -107,14 +107,18 @@ class _Context:
     smoke_report: dict[str, Any] | None = None
     passed: set[str] = field(default_factory=set)
     serve_with: Path | None = None  # the target model's directory or config.json (--serve-with)
+    checkpoint: Checkpoint = field(init=False)  # the one reader of config.json, the index and the headers
 
     def where(self, file: str) -> str:
         return str(self.root / file)
 
-    def need_inventory(self) -> Inventory:
-        if self.inv is None:
+    def __post_init__(self) -> None:
+        self.checkpoint = Checkpoint(self.root)
+
+    def need_headers(self) -> ShardHeaders:
+        if self.headers is None:
             raise _Skipped("needs the index and shard headers (index check failed)")
-        return self.inv
+        return self.headers
 
     def need_config(self) -> ModelConfig:
         if self.cfg is None:
@@ -140,23 +144,19 @@ def check_index(ctx: _Context, details: dict[str, Any]) -> str:
             f"{index_path}: missing (the converter always writes one)", kind="index_check", path=str(index_path)
         )
     try:
-        weight_map = load_index(strictjson.read_record_bytes(index_path), INDEX_NAME)
-        files = sorted(set(weight_map.values()))
-        shards = read_local_shards(ctx.root, weight_map, files)  # each header tiles its file (the inventory's rule)
-        tensors = merge_shards(str(ctx.root), weight_map, [(s.file, s.tensors) for s in shards])
-        sizes = {s.file: s.size for s in shards}
-    except CheckError:
-        raise
-    except DSV4Error as exc:  # the inventory's typed errors: the message names file and tensor
+        headers = ctx.checkpoint.headers  # each header tiles its file (the inventory's reader)
+    except DSV4Error as exc:  # the reader's typed errors: the message names file and tensor
         raise CheckError(str(exc), kind="index_check") from None
-    stray = sorted(p.name for p in ctx.root.glob("*.safetensors") if p.name not in sizes)
+    stray = sorted(p.name for p in ctx.root.glob("*.safetensors") if p.name not in headers.file_sizes)
     if stray:
         raise CheckError(
-            f"{ctx.where(stray[0])}: shard not named in {INDEX_NAME} (a loader that globs *.safetensors would read it; {len(stray)} such file(s))",
+            f"{ctx.where(stray[0])}: shard not named in {INDEX_NAME} (a loader that globs *.safetensors would read "
+            f"it; {len(stray)} such file(s))",
             kind="index_check",
             path=str(ctx.where(stray[0])),
         )
-    ctx.inv = Inventory(str(ctx.root), ctx.config or {}, tensors, sizes)
+    ctx.headers = headers
+    files, tensors = sorted(headers.file_sizes), headers.tensors
     details.update(shards=files, tensors=len(tensors))
     return f"{len(files)} shard(s), {len(tensors)} tensors: index and headers agree, data sections tile their files"
 
@@ -180,7 +180,7 @@ def _zeros(n: int) -> bytes:
     return bytes(n)
 
 
-def _read_tensor(shard: Path, fd: int, src: TensorSource, digest: Any | None) -> None:
+def _read_tensor(shard: Path, fd: int, src: TensorBytes, digest: Any | None) -> None:
     """Read every byte of `src` through safetensors in row blocks of at most READ_BLOCK
     bytes, feeding them (row-major, as on disk) to `digest`. A block lying in a file hole
     (sparse test replicas) reads as zeros by definition, so it is hashed as zeros unread."""
@@ -208,9 +208,9 @@ def _read_tensor(shard: Path, fd: int, src: TensorSource, digest: Any | None) ->
 
 
 def check_readable(ctx: _Context, details: dict[str, Any]) -> str:
-    inv = ctx.need_inventory()
-    by_file: dict[str, list[TensorSource]] = {}
-    for src in inv.tensors.values():
+    headers = ctx.need_headers()
+    by_file: dict[str, list[TensorBytes]] = {}
+    for src in headers.tensors.values():
         by_file.setdefault(src.file, []).append(src)
     failed: dict[str, str] = {}
     for file, tensors in sorted(by_file.items()):
@@ -223,8 +223,9 @@ def check_readable(ctx: _Context, details: dict[str, Any]) -> str:
                     digest = None if ctx.fast else hashlib.sha256()
                     try:
                         _read_tensor(ctx.root / file, fd, src, digest)
-                    except Exception as exc:  # any failure to read is this check's finding,
-                        interrupts.raise_if_interrupted()  # unless a signal caused it: a cancelled run never blames the checkpoint
+                    except Exception as exc:  # any failure to read is this check's finding, unless a
+                        # signal caused it: a cancelled run never blames the checkpoint
+                        interrupts.raise_if_interrupted()
                         failed[src.name] = f"{file}: tensor {src.name}: {_first_line(exc)}"
                         continue
                     if digest is not None:
@@ -244,9 +245,9 @@ def check_readable(ctx: _Context, details: dict[str, Any]) -> str:
             + (f" (and {_short(names[1:])})" if len(names) > 1 else ""),
             kind="unreadable_tensor",
         )
-    total = sum(src.nbytes for src in inv.tensors.values())
+    total = sum(src.nbytes for src in headers.tensors.values())
     details["bytes"] = total
-    return f"{len(inv.tensors)} tensors, {total:,} bytes read through safetensors"
+    return f"{len(headers.tensors)} tensors, {total:,} bytes read through safetensors"
 
 
 # --- sizes and checksums -----------------------------------------------------------------
@@ -299,49 +300,56 @@ def _declared_total_size(ctx: _Context) -> Any:
 
 
 def check_sizes(ctx: _Context, details: dict[str, Any]) -> str:
-    inv = ctx.need_inventory()
-    total = sum(src.nbytes for src in inv.tensors.values())
+    headers = ctx.need_headers()
+    total = sum(src.nbytes for src in headers.tensors.values())
     declared = _declared_total_size(ctx)
     if not _is_int(declared) or declared != total:
         raise CheckError(
-            f"{ctx.where(INDEX_NAME)}: metadata.total_size is {_brief(declared)} but the {len(inv.tensors)} tensors hold {total:,} bytes",
+            f"{ctx.where(INDEX_NAME)}: metadata.total_size is {_brief(declared)} but the {len(headers.tensors)} "
+            f"tensors hold {total:,} bytes",
             kind="size_check",
             path=str(ctx.where(INDEX_NAME)),
         )
     record = _conversion_record(ctx)
     listed = record.tensors
-    missing = sorted(set(inv.tensors) - set(listed))
+    missing = sorted(set(headers.tensors) - set(listed))
     if missing:
         raise CheckError(
-            f"{ctx.where(CONVERSION_RECORD)}: does not list {len(missing)} tensor(s) the shards hold: {_short(missing)}",
+            f"{ctx.where(CONVERSION_RECORD)}: does not list {len(missing)} tensor(s) the shards hold: "
+            f"{_short(missing)}",
             kind="size_check",
             path=str(ctx.where(CONVERSION_RECORD)),
         )
-    extra = sorted(set(listed) - set(inv.tensors))
+    extra = sorted(set(listed) - set(headers.tensors))
     if extra:
         raise CheckError(
-            f"{ctx.where(CONVERSION_RECORD)}: lists {len(extra)} tensor(s) no shard holds: {_short([repr(n) for n in extra])}",
+            f"{ctx.where(CONVERSION_RECORD)}: lists {len(extra)} tensor(s) no shard holds: "
+            f"{_short([repr(n) for n in extra])}",
             kind="size_check",
             path=str(ctx.where(CONVERSION_RECORD)),
         )
-    for name, src in sorted(inv.tensors.items()):
+    for name, src in sorted(headers.tensors.items()):
         entry = listed[name]
         if entry.file != src.file or entry.nbytes != src.nbytes:
             raise CheckError(
-                f"{ctx.where(CONVERSION_RECORD)}: tensor {name}: recorded as {entry.nbytes!r} bytes in {entry.file!r}, but it is {src.nbytes:,} bytes in {src.file}",
+                f"{ctx.where(CONVERSION_RECORD)}: tensor {name}: recorded as {entry.nbytes!r} bytes in "
+                f"{entry.file!r}, but it is {src.nbytes:,} bytes in {src.file}",
                 kind="size_check",
                 path=str(ctx.where(CONVERSION_RECORD)),
                 tensor=name,
             )
     ctx.record = record
     details["total_size"] = total
-    return f"total_size {total:,} bytes = the tensors' sum; {CONVERSION_RECORD} lists the same {len(listed)} tensors, files and sizes"
+    return (
+        f"total_size {total:,} bytes = the tensors' sum; {CONVERSION_RECORD} lists the same {len(listed)} tensors, "
+        "files and sizes"
+    )
 
 
 def check_checksums(ctx: _Context, details: dict[str, Any]) -> str:
-    inv = ctx.need_inventory()
+    headers = ctx.need_headers()
     if ctx.fast:
-        raise _Skipped(f"--fast: {len(inv.tensors)} tensors not hashed (sizes, names and files still checked)")
+        raise _Skipped(f"--fast: {len(headers.tensors)} tensors not hashed (sizes, names and files still checked)")
     if ctx.record is None:
         raise _Skipped(f"needs {CONVERSION_RECORD} with every tensor (sizes check failed)")
     if ctx.checksum_error is not None:
@@ -350,7 +358,7 @@ def check_checksums(ctx: _Context, details: dict[str, Any]) -> str:
     wrong = sorted(n for n, h in ctx.hashes.items() if listed[n].sha256 != h)
     details.update(hashed=len(ctx.hashes), differ=wrong, unreadable=sorted(ctx.unreadable))
     if wrong:
-        first = inv.tensors[wrong[0]]
+        first = headers.tensors[wrong[0]]
         raise CheckError(
             f"{ctx.where(first.file)}: tensor {first.name}: sha256 differs from {CONVERSION_RECORD}"
             + (f" ({len(wrong)} tensors differ: {_short(wrong)})" if len(wrong) > 1 else ""),
@@ -405,7 +413,8 @@ def _recorded_layout(ctx: _Context, where: str) -> tuple[str, str, str, str]:
         if conv is None or conv.has_layout_record:
             said = "" if conv is not None else f", and no readable {CONVERSION_RECORD} names the layout"
             raise CheckError(
-                f"{where}: no {LAYOUT_RECORD} record with layout, table, table_version, tool_version{said}: not a checkpoint this converter wrote",
+                f"{where}: no {LAYOUT_RECORD} record with layout, table, table_version, tool_version{said}: not a "
+                "checkpoint this converter wrote",
                 kind="config_check",
                 path=str(where),
             )
@@ -416,8 +425,8 @@ def _recorded_layout(ctx: _Context, where: str) -> tuple[str, str, str, str]:
 def check_config(ctx: _Context, details: dict[str, Any]) -> str:
     where = ctx.where("config.json")
     if ctx.config is None or ctx.cfg is None:
-        raise CheckError(f"{where}: {ctx.config_error}", kind="config_check", path=str(where))
-    inv = ctx.need_inventory()
+        raise CheckError(str(ctx.config_error), kind="config_check", path=str(where))
+    headers = ctx.need_headers()
     config, cfg = ctx.config, ctx.cfg
     table_name, table_version, target, field = _recorded_layout(ctx, where)
     try:
@@ -430,13 +439,15 @@ def check_config(ctx: _Context, details: dict[str, Any]) -> str:
         ) from None
     if (target, table_version) != (table.target, table.version):
         raise CheckError(
-            f"{where}: converted to layout {target!r} with table {table_name} v{table_version}, but this tool's table {table.name} is v{table.version} for layout {table.target!r}: reconvert",
+            f"{where}: converted to layout {target!r} with table {table_name} v{table_version}, but this tool's "
+            f"table {table.name} is v{table.version} for layout {table.target!r}: reconvert",
             kind="config_check",
             path=str(where),
         )
     if ctx.record is not None and (ctx.record.table, ctx.record.target) != (table_name, target):
         raise CheckError(
-            f"{where}: {LAYOUT_RECORD} says table {table_name!r} / layout {target!r}, {CONVERSION_RECORD} says {ctx.record.table!r} / {ctx.record.target!r}",
+            f"{where}: {LAYOUT_RECORD} says table {table_name!r} / layout {target!r}, {CONVERSION_RECORD} says "
+            f"{ctx.record.table!r} / {ctx.record.target!r}",
             kind="config_check",
             path=str(where),
         )
@@ -444,45 +455,59 @@ def check_config(ctx: _Context, details: dict[str, Any]) -> str:
     drafter = "dspark" if cfg.is_dspark else "mtp"
     if table.drafter != drafter:
         raise CheckError(
-            f"{where}: {field} {table_name!r} maps {table.drafter} drafters, but config.json describes a{'' if cfg.is_dspark else 'n'} {drafter} drafter{' (dspark_* fields)' if cfg.is_dspark else ' (no dspark_* fields)'}",
+            f"{where}: {field} {table_name!r} maps {table.drafter} drafters, but config.json describes "
+            f"a{'' if cfg.is_dspark else 'n'} {drafter} "
+            f"drafter{' (dspark_* fields)' if cfg.is_dspark else ' (no dspark_* fields)'}",
             kind="config_check",
             path=str(where),
         )
     draft = target == DRAFT_TARGET
     if draft:  # native names: MTP block or DSpark stage mtp.{n}
-        present = {int(m.group(1)) for name in inv.tensors if (m := NATIVE_BLOCK.match(name))}
+        present = {int(m.group(1)) for name in headers.tensors if (m := NATIVE_BLOCK.match(name))}
         expected_layers = set(range(cfg.dspark_stages if cfg.is_dspark else cfg.num_nextn_predict_layers))
         meaning = (
-            f"dspark_target_layer_ids ({len(cfg.dspark_target_layer_ids or ())} entries) means DSpark stage(s) mtp.{sorted(expected_layers)}"
+            f"dspark_target_layer_ids ({len(cfg.dspark_target_layer_ids or ())} entries) means DSpark stage(s) "
+            f"mtp.{sorted(expected_layers)}"
             if cfg.is_dspark
-            else f"num_nextn_predict_layers = {cfg.num_nextn_predict_layers} means MTP block(s) mtp.{sorted(expected_layers)}"
+            else (
+                f"num_nextn_predict_layers = {cfg.num_nextn_predict_layers} means MTP block(s) "
+                f"mtp.{sorted(expected_layers)}"
+            )
         )
         held = f"mtp.{sorted(present)}"
     else:
-        present = {int(m.group(1)) for name in inv.tensors if (m := LAYER.match(name))}
+        present = {int(m.group(1)) for name in headers.tensors if (m := LAYER.match(name))}
         if cfg.is_dspark:  # the stages are an nn.ModuleList: model.layers.{s}, s < S
             expected_layers = set(range(cfg.dspark_stages))
-            meaning = f"dspark_target_layer_ids ({len(cfg.dspark_target_layer_ids or ())} entries) means DSpark stage layer(s) {sorted(expected_layers)}"
+            meaning = (
+                f"dspark_target_layer_ids ({len(cfg.dspark_target_layer_ids or ())} entries) means DSpark stage "
+                f"layer(s) {sorted(expected_layers)}"
+            )
         else:
             expected_layers = {cfg.mtp_layer_index(i) for i in range(cfg.num_nextn_predict_layers)}
-            meaning = f"num_nextn_predict_layers = {cfg.num_nextn_predict_layers} and num_hidden_layers = {cfg.num_hidden_layers} mean MTP layer(s) {sorted(expected_layers)}"
+            meaning = (
+                f"num_nextn_predict_layers = {cfg.num_nextn_predict_layers} and num_hidden_layers = "
+                f"{cfg.num_hidden_layers} mean MTP layer(s) {sorted(expected_layers)}"
+            )
         held = f"layer(s) {sorted(present)}"
     if present != expected_layers:
         raise CheckError(f"{where}: {meaning}, but the tensors hold {held}", kind="config_check", path=str(where))
 
-    for name, src in sorted(inv.tensors.items()):
+    for name, src in sorted(headers.tensors.items()):
         implied = _expert_dtype_of(name, src.dtype)
         if implied is not None and implied != cfg.expert_dtype:
             raise CheckError(
-                f"{where}: expert_dtype is {cfg.expert_dtype!r} but {src.file}: tensor {name} ({src.dtype}) holds {implied} experts",
+                f"{where}: expert_dtype is {cfg.expert_dtype!r} but {src.file}: tensor {name} ({src.dtype}) holds "
+                f"{implied} experts",
                 kind="config_check",
                 path=str(where),
                 tensor=name,
             )
-    experts = {int(m.group(1)) for name in inv.tensors if (m := NATIVE_EXPERT.match(name))}
+    experts = {int(m.group(1)) for name in headers.tensors if (m := NATIVE_EXPERT.match(name))}
     if draft and experts != set(range(cfg.n_routed_experts)):
         raise CheckError(
-            f"{where}: n_routed_experts = {cfg.n_routed_experts}, but the tensors hold routed experts {min(experts, default=None)}..{max(experts, default=None)} ({len(experts)})",
+            f"{where}: n_routed_experts = {cfg.n_routed_experts}, but the tensors hold routed experts "
+            f"{min(experts, default=None)}..{max(experts, default=None)} ({len(experts)})",
             kind="config_check",
             path=str(where),
         )
@@ -500,13 +525,15 @@ def check_config(ctx: _Context, details: dict[str, Any]) -> str:
             )
         block = list(cfg.weight_block_size)
         layout = layout_of(target, cfg)
-        for name, src in sorted(inv.tensors.items()):
-            weight = inv.tensors.get(_weight_of_scale(name, target) or "")
+        for name, src in sorted(headers.tensors.items()):
+            weight = headers.tensors.get(_weight_of_scale(name, target) or "")
             if weight is None or weight.dtype != "F8_E4M3" or name not in layout or weight.name not in layout:
                 continue
             if weight.shape == layout[weight.name][1] and src.shape != layout[name][1]:
                 raise CheckError(
-                    f"{where}: quantization_config.weight_block_size {block} gives {name} the shape {list(layout[name][1])}, but {src.file} holds {list(src.shape)} for {weight.name} {list(weight.shape)}",
+                    f"{where}: quantization_config.weight_block_size {block} gives {name} the shape "
+                    f"{list(layout[name][1])}, but {src.file} holds {list(src.shape)} for {weight.name} "
+                    f"{list(weight.shape)}",
                     kind="config_check",
                     path=str(where),
                 )
@@ -536,7 +563,8 @@ def check_config(ctx: _Context, details: dict[str, Any]) -> str:
             was, now = ctx.record.config_fields.get(key, ABSENT), config.get(key, ABSENT)
             if was != now:
                 raise CheckError(
-                    f"{where}: {key} is {_brief(now)}, but the conversion wrote {_brief(was)} ({CONVERSION_RECORD} config_fields; the runtimes read it)",
+                    f"{where}: {key} is {_brief(now)}, but the conversion wrote {_brief(was)} ({CONVERSION_RECORD} "
+                    "config_fields; the runtimes read it)",
                     kind="config_check",
                     path=str(where),
                 )
@@ -558,7 +586,10 @@ def check_config(ctx: _Context, details: dict[str, Any]) -> str:
         if cfg.is_dspark
         else f"MTP layer(s) {sorted(present)}"
     )
-    return f"converted to {target!r} with table {table_name} v{table_version}; {layers}; expert_dtype {cfg.expert_dtype}; {what} agree with the tensors"
+    return (
+        f"converted to {target!r} with table {table_name} v{table_version}; {layers}; expert_dtype "
+        f"{cfg.expert_dtype}; {what} agree with the tensors"
+    )
 
 
 # --- layout ------------------------------------------------------------------------------
@@ -576,21 +607,21 @@ def _layout_target(ctx: _Context) -> str:
 
 
 def check_layout(ctx: _Context, details: dict[str, Any]) -> str:
-    inv, cfg = ctx.need_inventory(), ctx.need_config()
+    headers, cfg = ctx.need_headers(), ctx.need_config()
     target = _layout_target(ctx)
     want = layout_of(target, cfg)
-    missing = sorted(set(want) - set(inv.tensors))
-    unexpected = sorted(set(inv.tensors) - set(want))
-    both = sorted(set(want) & set(inv.tensors))
+    missing = sorted(set(want) - set(headers.tensors))
+    unexpected = sorted(set(headers.tensors) - set(want))
+    both = sorted(set(want) & set(headers.tensors))
     shape = [
-        f"{n} is {list(inv.tensors[n].shape)} in {inv.tensors[n].file}, expected {list(want[n][1])}"
+        f"{n} is {list(headers.tensors[n].shape)} in {headers.tensors[n].file}, expected {list(want[n][1])}"
         for n in both
-        if inv.tensors[n].shape != want[n][1]
+        if headers.tensors[n].shape != want[n][1]
     ]
     dtype = [
-        f"{n} is {inv.tensors[n].dtype} in {inv.tensors[n].file}, expected {want[n][0]}"
+        f"{n} is {headers.tensors[n].dtype} in {headers.tensors[n].file}, expected {want[n][0]}"
         for n in both
-        if inv.tensors[n].dtype != want[n][0]
+        if headers.tensors[n].dtype != want[n][0]
     ]
     details.update(missing=missing, unexpected=unexpected, shape=shape, dtype=dtype)
     findings: list[tuple[Callable[..., CheckError], str]] = []
@@ -600,7 +631,7 @@ def check_layout(ctx: _Context, details: dict[str, Any]) -> str:
         findings.append(
             (
                 partial(CheckError, kind="unexpected_tensors"),
-                f"{len(unexpected)} unexpected: {_short([f'{n} in {inv.tensors[n].file}' for n in unexpected])}",
+                f"{len(unexpected)} unexpected: {_short([f'{n} in {headers.tensors[n].file}' for n in unexpected])}",
             )
         )
     if shape:
@@ -678,11 +709,18 @@ def check_smoke(ctx: _Context, details: dict[str, Any]) -> str:
                 )
             }
         )
-        return f"strict load and one DSpark block ({ctx.tokens}-token context) on {report['device']}: hidden {report['hidden_shape']}, logits {report['logits_shape']}, draft tokens {report['draft_tokens']}, finite; fused norms: {report['kernels']}"
+        return (
+            f"strict load and one DSpark block ({ctx.tokens}-token context) on {report['device']}: hidden "
+            f"{report['hidden_shape']}, logits {report['logits_shape']}, draft tokens {report['draft_tokens']}, "
+            f"finite; fused norms: {report['kernels']}"
+        )
     details.update(
         {k: report[k] for k in ("device", "kernels", "hidden_shape", "logits_shape", "load_ms", "forward_warm_ms")}
     )
-    return f"strict load and {ctx.tokens}-token forward on {report['device']}: hidden {report['hidden_shape']}, logits {report['logits_shape']}, finite; fused norms: {report['kernels']}"
+    return (
+        f"strict load and {ctx.tokens}-token forward on {report['device']}: hidden {report['hidden_shape']}, logits "
+        f"{report['logits_shape']}, finite; fused norms: {report['kernels']}"
+    )
 
 
 def check_native(ctx: _Context, details: dict[str, Any]) -> str:
@@ -730,16 +768,17 @@ def check_serve(ctx: _Context, details: dict[str, Any]) -> str:
         raise _Skipped(f"needs the draft's config.json: {ctx.config_error}")
     if _layout_target(ctx) != DRAFT_TARGET:
         raise _Skipped(
-            f"only a --target {DRAFT_TARGET} output is served beside a target model (this one is {_layout_target(ctx)!r})"
+            f"only a --target {DRAFT_TARGET} output is served beside a target model (this one is "
+            f"{_layout_target(ctx)!r})"
         )
     where = ctx.serve_with / "config.json" if ctx.serve_with.is_dir() else ctx.serve_with
     try:
-        target = parse_config(where.read_bytes())
-    except (OSError, CheckpointError) as exc:
-        if isinstance(exc, CheckpointError) and exc.kind not in ("malformed_config", "unsupported_layout"):
-            raise
+        target = parse_config(where.read_bytes(), str(where))
+    except (OSError, DSV4Error) as exc:  # a config error names `where` already: said once
         raise CheckError(
-            f"{where}: cannot read the target's config: {_first_line(exc)}", kind="serve_mismatch", path=str(where)
+            f"{where}: cannot read the target's config: {_first_line(exc).removeprefix(f'{where}: ')}",
+            kind="serve_mismatch",
+            path=str(where),
         ) from None
     for key in _serve_fields():
         mine, theirs = ctx.config.get(key, ABSENT), target.get(key, ABSENT)
@@ -753,13 +792,18 @@ def check_serve(ctx: _Context, details: dict[str, Any]) -> str:
         if mine != theirs:
             details.update(field=key)
             raise CheckError(
-                f"{where}: {key} is {_brief(theirs)}, the draft's is {_brief(mine)}: vLLM 0.33.0 builds the draft's layers from the "
-                "target's config and quantisation, so this draft would not load beside it (serve it beside the checkpoint it was converted from)",
+                f"{where}: {key} is {_brief(theirs)}, the draft's is {_brief(mine)}: vLLM 0.33.0 builds the draft's "
+                "layers from the "
+                "target's config and quantisation, so this draft would not load beside it (serve it beside the "
+                "checkpoint it was converted from)",
                 kind="serve_mismatch",
                 path=str(where),
                 field=key,
             )
-    return f"{where}: the {len(_serve_fields())} config fields vLLM builds the draft's layers from (quantization_config included) are the draft's own"
+    return (
+        f"{where}: the {len(_serve_fields())} config fields vLLM builds the draft's layers from (quantization_config "
+        "included) are the draft's own"
+    )
 
 
 # each check returns its one-line reason and may fill `details` (kept on failure too)
@@ -780,17 +824,10 @@ CHECKS: tuple[tuple[str, Callable[[_Context, dict[str, Any]], str]], ...] = (
 def _load_config(ctx: _Context) -> None:
     """config.json through the model's validating loader, as plan, convert and smoke read it;
     a refusal is the config check's finding (75) and the checks needing a config skip."""
-    path = ctx.root / "config.json"
     try:
-        ctx.config = parse_config(strictjson.read_record_bytes(path))
-        ctx.cfg = ModelConfig.from_dict(ctx.config)
-    except FileNotFoundError:
-        ctx.config_error = "no config.json in the checkpoint directory"
-    except OSError as exc:
-        ctx.config_error = f"cannot be read ({exc.strerror})"
-    except CheckpointError as exc:
-        if exc.kind not in ("malformed_config", "unsupported_layout"):
-            raise
+        ctx.config = ctx.checkpoint.config
+        ctx.cfg = ctx.checkpoint.model_config
+    except DSV4Error as exc:  # missing_config, malformed_config, unsupported_layout
         ctx.config_error = str(exc)
 
 

@@ -31,7 +31,6 @@ from dsv4.model.parity import MIN_TOP1, SMOKE_TOKENS
 from dsv4.model.presets import PRESETS
 
 if TYPE_CHECKING:
-    from dsv4.convert.location import HubSpec
     from dsv4.convert.plan import Plan
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -128,7 +127,8 @@ target_option = click.option(
     type=click.Choice(installed_targets()),
     default="xpu",
     show_default=True,
-    help="Runtime layout: its table for the checkpoint's drafter (MTP: mapping/xpu.toml, DSpark: mapping/xpu_dspark.toml) is chosen from config.json and the tensors.",
+    help="Runtime layout: its table for the checkpoint's drafter (MTP: mapping/xpu.toml, DSpark: "
+    "mapping/xpu_dspark.toml) is chosen from config.json and the tensors.",
 )
 native_option = click.option(
     "--native",
@@ -206,14 +206,17 @@ def _gb(n: int) -> str:
 @click.option(
     "--dry-run",
     is_flag=True,
-    help='Check SOURCE and OUT as the run would (the same refusals and exit codes), print the plan as `plan` does and what would become of OUT (--json: `plan --json` plus "output" and "would"), and stop; nothing is written.',
+    help="Check SOURCE and OUT as the run would (the same refusals and exit codes), print the plan as `plan` "
+    'does and what would become of OUT (--json: `plan --json` plus "output" and "would"), and stop; '
+    "nothing is written.",
 )
 @revision_option
 @token_option
 @click.option(
     "--verify-source",
     is_flag=True,
-    help="Hub source: download each shard the output uses whole, once, and check it against the sha256 and size the hub publishes (README: what is checked without it).",
+    help="Hub source: download each shard the output uses whole, once, and check it against the sha256 and size the "
+    "hub publishes (README: what is checked without it).",
 )
 @quiet_option
 @json_option
@@ -272,11 +275,13 @@ def convert_command(
         echo_json(result.to_json())
     elif result.status == "up-to-date":
         click.echo(
-            f"{out}: already up to date (same source, table {result.plan.table} v{result.plan.table_version}); nothing to do"
+            f"{out}: already up to date (same source, table {result.plan.table} v{result.plan.table_version}); "
+            "nothing to do"
         )
     else:
         click.echo(
-            f"{result.status} {result.tensors} tensors into {out}: read {_gb(result.bytes_read)}, wrote {_gb(result.bytes_written)} in {result.seconds:.1f} s"
+            f"{result.status} {result.tensors} tensors into {out}: read {_gb(result.bytes_read)}, wrote "
+            f"{_gb(result.bytes_written)} in {result.seconds:.1f} s"
         )
 
 
@@ -301,21 +306,12 @@ def plan_command(
     source: str, target: str, reverse: bool, revision: str | None, token: str | None, quiet: bool, as_json: bool
 ) -> None:
     """Show what converting SOURCE would read and write. Reads headers only."""
-    from dsv4.convert.location import locate
-
-    plan, header_bytes = _plan(locate(source, revision=revision, token=token), target, reverse, quiet=quiet or as_json)
-    _print_plan(plan, as_json, quiet, full=True, header_bytes=header_bytes)
-
-
-def _plan(source: str | Path | HubSpec, target: str, reverse: bool, *, quiet: bool = True) -> tuple[Plan, int]:
-    """The plan for SOURCE, from headers only, and the header bytes read."""
+    from dsv4.convert.location import locate, open_source  # start-up time (see the module's docstring)
     from dsv4.convert.pipeline import plan_source
-    from dsv4.convert.sources import open_source  # start-up time
 
-    inv, reader = open_source(source, quiet=quiet)
-    plan = plan_source(inv, reader, target, reverse=reverse)
-    reader.close()
-    return plan, inv.header_bytes
+    with open_source(locate(source, revision=revision, token=token), quiet=quiet or as_json) as opened:
+        plan = plan_source(opened, target, reverse=reverse)
+    _print_plan(plan, as_json, quiet, full=True, header_bytes=opened.inventory.header_bytes)
 
 
 # how `plan` names the layout it chose (convert/plan.py choose_table)
@@ -344,7 +340,8 @@ def _print_plan(plan: Plan, as_json: bool, quiet: bool, *, full: bool, header_by
     click.echo(f"  source keys consumed: {s['source_keys_consumed']}")
     click.echo(f"  source keys skipped:  {s['source_keys_skipped']}")
     click.echo(
-        f"  bytes to read:        {_gb(s['bytes_to_read'])} from {len(s['files_to_read'])} file(s): {', '.join(s['files_to_read'])}"
+        f"  bytes to read:        {_gb(s['bytes_to_read'])} from {len(s['files_to_read'])} file(s): "
+        f"{', '.join(s['files_to_read'])}"
     )
     click.echo(f"  bytes to write:       {_gb(s['bytes_to_write'])}")
     if header_bytes is not None:
@@ -370,7 +367,8 @@ def _print_plan(plan: Plan, as_json: bool, quiet: bool, *, full: bool, header_by
 @click.option(
     "--serve-with",
     type=click.Path(exists=True, path_type=Path),
-    help="A draft directory: the target model (its directory or config.json) it is to be served beside; fails when vLLM would build the draft's layers differently (another quantisation, another architecture).",
+    help="A draft directory: the target model (its directory or config.json) it is to be served beside; fails when "
+    "vLLM would build the draft's layers differently (another quantisation, another architecture).",
 )
 @quiet_option
 @json_option
@@ -434,12 +432,15 @@ def check_command(
     type=click.FloatRange(0, 1),
     default=MIN_TOP1,
     show_default=True,
-    help="With --native: fail when top-1 agreement with the reference is lower (a disagreement on a near-tie, within 1% of max|logit| in the reference, counts as agreeing; DSpark: each draft position given the reference's previous token). `check --native` applies the same rule.",
+    help="With --native: fail when top-1 agreement with the reference is lower (a disagreement on a near-tie, within "
+    "1% of max|logit| in the reference, counts as agreeing; DSpark: each draft position given the reference's "
+    "previous token). `check --native` applies the same rule.",
 )
 @click.option(
     "--features",
     type=click.Path(exists=True, dir_okay=False, path_type=Path),
-    help="DSpark: a safetensors file of target features h_<l> [T_ctx, H] for each of dspark_target_layer_ids (default: random, seeded).",
+    help="DSpark: a safetensors file of target features h_<l> [T_ctx, H] for each of dspark_target_layer_ids "
+    "(default: random, seeded).",
 )
 @click.option(
     "--anchor",
@@ -513,36 +514,45 @@ def _print_smoke(report: dict[str, Any], native: Path | None, quiet: bool) -> No
     dspark = report.get("layout") == "dspark"
     if dspark:
         click.echo(
-            f"  draft tokens {report['draft_tokens']} (anchor {report['anchor']}, block positions {report['block_positions'][0]}..{report['block_positions'][-1]})"
+            f"  draft tokens {report['draft_tokens']} (anchor {report['anchor']}, block positions "
+            f"{report['block_positions'][0]}..{report['block_positions'][-1]})"
         )
     if not quiet:
         if dspark:
             click.echo(
-                f"  load {report['load_ms']:.0f} ms; stages {report['hidden_first_ms']:.1f} ms first, {report['hidden_warm_ms']:.1f} ms warm; "
+                f"  load {report['load_ms']:.0f} ms; stages {report['hidden_first_ms']:.1f} ms first, "
+                f"{report['hidden_warm_ms']:.1f} ms warm; "
                 f"heads and sampler {report['logits_first_ms']:.1f} / {report['logits_warm_ms']:.1f} ms"
             )
         else:
             click.echo(
-                f"  load {report['load_ms']:.0f} ms; forward {report['forward_first_ms']:.1f} ms first, {report['forward_warm_ms']:.1f} ms warm; "
+                f"  load {report['load_ms']:.0f} ms; forward {report['forward_first_ms']:.1f} ms first, "
+                f"{report['forward_warm_ms']:.1f} ms warm; "
                 f"logits {report['logits_first_ms']:.1f} / {report['logits_warm_ms']:.1f} ms"
             )
         click.echo(f"  hidden {report['hidden_shape']}, logits {report['logits_shape']}, all finite")
     if native is None:
         return
     diffs = (
-        f"  vs reference {native}: hidden max|diff| {report['hidden_max_abs_diff']:.4g} (max|h| {report['hidden_max_abs']:.4g}), "
+        f"  vs reference {native}: hidden max|diff| {report['hidden_max_abs_diff']:.4g} (max|h| "
+        f"{report['hidden_max_abs']:.4g}), "
         f"logits max|diff| {report['logits_max_abs_diff']:.4g} (max {report['logits_max_abs']:.4g}), "
     )
     if dspark:
-        diffs += f"reference draft tokens {report['reference_draft_tokens']}, agreement {report['draft_token_agreement']:.3f} (equal up to position {report['draft_tokens_agree_to']}), "
+        diffs += (
+            f"reference draft tokens {report['reference_draft_tokens']}, "
+            f"agreement {report['draft_token_agreement']:.3f} "
+            f"(equal up to position {report['draft_tokens_agree_to']}), "
+        )
     click.echo(
-        diffs
-        + f"top-1 agreement {report['top1_agreement']:.3f} ({report['top1_agreement_up_to_ties']:.3f} counting near-ties)"
+        diffs + f"top-1 agreement {report['top1_agreement']:.3f} "
+        f"({report['top1_agreement_up_to_ties']:.3f} counting near-ties)"
     )
     for d in report["routing_disagreements"]:
         kind = "a near-tie" if d["near_tie"] else "NOT a near-tie"
         click.echo(
-            f"  routing differs at MoE call {d['call']}, token {d['token']}: margin {d['margin']:.4g}, tolerance {d['tolerance']:.4g} ({kind})"
+            f"  routing differs at MoE call {d['call']}, token {d['token']}: margin {d['margin']:.4g}, tolerance "
+            f"{d['tolerance']:.4g} ({kind})"
         )
 
 
@@ -616,7 +626,8 @@ def synth_command(
         holes = " (sparse)" if sparse else ""
         size = summary["bytes"]
         click.echo(
-            f"synth: {summary['tensors']} tensors in {summary['files']} files, {size:,} bytes ({size / 1e9:.1f} GB) logical{holes} -> {out}"
+            f"synth: {summary['tensors']} tensors in {summary['files']} files, {size:,} bytes ({size / 1e9:.1f} GB) "
+            f"logical{holes} -> {out}"
         )
 
 
@@ -693,9 +704,13 @@ def batch_command(
     if as_json:
         echo_json(report)
     else:
-        done = f"{counts['converted']} converted, {counts['skipped']} skipped, {counts['failed']} failed of {counts['planned']}"
+        done = (
+            f"{counts['converted']} converted, {counts['skipped']} skipped, "
+            f"{counts['failed']} failed of {counts['planned']}"
+        )
         click.echo(
-            f"shard {k}/{n}: {done}; {report['bytes_fetched']:,} bytes fetched in {report['seconds']:.1f} s; report {path}"
+            f"shard {k}/{n}: {done}; {report['bytes_fetched']:,} bytes fetched in {report['seconds']:.1f} s; report "
+            f"{path}"
         )
     if counts["failed"]:
         raise HubError(
@@ -727,7 +742,8 @@ def targets_command(quiet: bool, as_json: bool) -> None:
         return
     for r in rows:
         click.echo(
-            f"{r['target']:8} {r['table']:12} drafter {r['drafter']:7} v{r['table_version']:4} {r['runtime']} ({r['runtime_class']})"
+            f"{r['target']:8} {r['table']:12} drafter {r['drafter']:7} v{r['table_version']:4} {r['runtime']} "
+            f"({r['runtime_class']})"
         )
 
 
@@ -832,7 +848,8 @@ def _run_command() -> None:
                 click.echo(_os_error(exc), err=True)
             else:
                 click.echo(
-                    f"internal error: {type(exc).__name__}: {_one_line(exc)} (please report this bug with the command that caused it; {TRACEBACK_ENV}=1 shows the traceback)",
+                    f"internal error: {type(exc).__name__}: {_one_line(exc)} (please report this bug with the command "
+                    f"that caused it; {TRACEBACK_ENV}=1 shows the traceback)",
                     err=True,
                 )
             sys.exit(INTERNAL_ERROR)

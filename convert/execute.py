@@ -20,8 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dsv4.convert.local import DIRECT_ALIGN
 from dsv4.convert.plan import PlannedTensor
-from dsv4.convert.readers import DIRECT_ALIGN, ByteReader
+from dsv4.convert.source import ByteReader
 from dsv4.convert.writer import ShardWriter
 
 CHUNK = 8 * 1024 * 1024  # bytes per read/write: large enough for full disk speed
@@ -94,7 +95,7 @@ def schedule(jobs: list[tuple[PlannedTensor, ShardWriter]], streams: int) -> lis
 
 def _read_view(reader: ByteReader, file: str, offset: int, n: int, buf: memoryview) -> memoryview:
     """The n bytes at `offset` of `file`, in `buf`: the reader's direct read where it has one
-    (convert/readers.py: LocalReader.read_view), else a read into the front of buf."""
+    (convert/local.py: LocalReader.read_view), else a read into the front of buf."""
     if n == 0:  # a tensor with no elements reads nothing
         return buf[:0]
     read_view = getattr(reader, "read_view", None)
@@ -235,4 +236,4 @@ def still_valid(path: Path, entries: list[dict[str, Any]], offsets: dict[str, in
     journaled tensor may be stale: it is then redone."""
     with ThreadPoolExecutor(max_workers=hasher_lanes()) as pool:
         digests = pool.map(lambda e: _hash_range(path, offsets[e["name"]], e["nbytes"]), entries)
-        return {e["name"] for e, digest in zip(entries, digests) if digest == e["sha256"]}
+        return {e["name"] for e, digest in zip(entries, digests, strict=True) if digest == e["sha256"]}

@@ -1,4 +1,5 @@
-"""Hub sources: a model-hub repository `org/name[@revision]`, read in place.
+"""Hub sources: a model-hub repository `org/name[@revision]`, read in place, opened as a
+Source (convert/source.py) as convert/local.py opens a directory.
 
 The revision is resolved to its commit first (model info) and every later request is pinned
 to that commit, so a branch that moves during a conversion cannot mix two versions of a
@@ -56,12 +57,13 @@ from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_st
 
 from dsv4.convert import progress
 from dsv4.convert.errors import HubError
-from dsv4.convert.inventory import Inventory, TensorSource, merge_shards, parse_header, tensors_from_header
-from dsv4.convert.location import HubSpec, parse_hub_spec
-from dsv4.convert.readers import LocalReader
-from dsv4.model.checkpoint import INDEX_NAME, SINGLE_FILE, load_index
-from dsv4.model.config import config_errors, parse_config
+from dsv4.convert.inventory import Inventory
+from dsv4.convert.local import LocalReader
+from dsv4.convert.source import HubSpec, Source
+from dsv4.model.checkpoint import INDEX_NAME, SINGLE_FILE, load_index, merge_shards
+from dsv4.model.config import parse_config
 from dsv4.model.errors import CheckpointError, DSV4Error
+from dsv4.model.safetensors_header import TensorBytes, read_header
 
 T = TypeVar("T")
 log = logging.getLogger("dsv4.hub")
@@ -130,7 +132,8 @@ def _hub_error(exc: BaseException, what: str, fallback: Callable[..., HubError])
         return HubError(f"{what}: revision not found in the repository", kind="revision_not_found", path=str(what))
     if isinstance(exc, OfflineModeIsEnabled):
         return HubError(
-            f"{what}: HF_HUB_OFFLINE is set and the cache does not hold this repository's files; download them first (`hf download`) or unset HF_HUB_OFFLINE",
+            f"{what}: HF_HUB_OFFLINE is set and the cache does not hold this repository's files; download them first "
+            "(`hf download`) or unset HF_HUB_OFFLINE",
             kind="hub_request_failed",
             path=str(what),
         )
@@ -170,7 +173,8 @@ def with_retries(what: str, attempt: Callable[[], T], fallback: Callable[..., Hu
         if problem.retry_after is not None:
             if problem.retry_after > RETRY_AFTER_CAP_S:
                 raise fallback(
-                    f"{what}: {problem.reason}: the hub asks to wait {problem.retry_after} s, longer than the {RETRY_AFTER_CAP_S} s this tool waits; try again later",
+                    f"{what}: {problem.reason}: the hub asks to wait {problem.retry_after} s, longer than the "
+                    f"{RETRY_AFTER_CAP_S} s this tool waits; try again later",
                     path=str(what),
                 )
             wait = float(problem.retry_after)
@@ -254,7 +258,8 @@ class HubReader:
             raise
         if response.status_code != 206:  # the Range was ignored: retrying would pull whole shards again
             raise HubError(
-                f"{self._where(file)}: bytes {offset}..{offset + n}: the hub answered HTTP {response.status_code}, not 206 Partial Content",
+                f"{self._where(file)}: bytes {offset}..{offset + n}: the hub answered HTTP {response.status_code}, "
+                "not 206 Partial Content",
                 kind="download_failed",
                 path=self._where(file),
             )
@@ -302,7 +307,8 @@ class HubReader:
             data = self.fetch(file, offset, len(buf))
         if len(data) != len(buf):
             raise CheckpointError(
-                f"{self._where(file)}: ends at byte {offset + len(data)}, before the planned range {offset}..{offset + len(buf)}",
+                f"{self._where(file)}: ends at byte {offset + len(data)}, before the planned range "
+                f"{offset}..{offset + len(buf)}",
                 kind="truncated_shard",
                 path=self._where(file),
             )
@@ -322,7 +328,8 @@ class HubReader:
             published = (self.published or {}).get(file)
             if published is None:
                 raise HubError(
-                    f"{self._where(file)}: the hub publishes no sha256 or git id for this file, so --verify-source cannot check it",
+                    f"{self._where(file)}: the hub publishes no sha256 or git id for this file, so --verify-source "
+                    "cannot check it",
                     kind="download_failed",
                     path=self._where(file),
                 )
@@ -337,7 +344,8 @@ class HubReader:
                     out.write(chunk)
             if digest.hexdigest() != published.digest:
                 raise HubError(
-                    f"{self._where(file)}: the {size:,} bytes downloaded do not match the {published.kind} the hub publishes ({published.digest[:16]}...): refused, nothing written from it",
+                    f"{self._where(file)}: the {size:,} bytes downloaded do not match the {published.kind} the hub "
+                    f"publishes ({published.digest[:16]}...): refused, nothing written from it",
                     kind="download_failed",
                     path=self._where(file),
                 )
@@ -347,7 +355,8 @@ class HubReader:
                 if hashlib.sha256(os.pread(fd, 8 + n, 0)).hexdigest() != header:
                     os.close(fd)
                     raise HubError(
-                        f"{self._where(file)}: the header the plan was made from differs from the verified file's: refused",
+                        f"{self._where(file)}: the header the plan was made from differs from the verified file's: "
+                        "refused",
                         kind="download_failed",
                         path=self._where(file),
                     )
@@ -356,6 +365,9 @@ class HubReader:
 
     def fingerprint(self, files: list[str]) -> dict[str, object]:
         return {"location": self.location, "revision": self.commit, "files": {f: self.sizes[f] for f in files}}
+
+    def verify_unchanged(self, files: list[str]) -> None:
+        """Nothing to do: every request is pinned to one commit, which cannot change."""
 
     def close(self) -> None:
         """The verified copies are deleted; the HTTP session is huggingface_hub's, shared
@@ -458,14 +470,15 @@ def _small_file(reader: HubReader | CachedHubReader, hub: HubSpec, file: str) ->
         digest.update(data)
         if digest.hexdigest() != published[file].digest:
             raise HubError(
-                f"{where}: the {len(data):,} bytes downloaded do not match the {published[file].kind} the hub publishes: refused",
+                f"{where}: the {len(data):,} bytes downloaded do not match the {published[file].kind} the hub "
+                "publishes: refused",
                 kind="download_failed",
                 path=where,
             )
     return data
 
 
-def _read_shard_header(reader: HubReader, file: str) -> tuple[dict[str, TensorSource], int]:
+def _read_shard_header(reader: HubReader, file: str) -> tuple[dict[str, TensorBytes], int]:
     """The tensors of one hub shard and its header's size: one speculative ranged read of
     the first SPECULATIVE_HEADER_BYTES (a second for the rest of a longer header), checked
     as the local reader checks them."""
@@ -473,7 +486,8 @@ def _read_shard_header(reader: HubReader, file: str) -> tuple[dict[str, TensorSo
     size = reader.sizes.get(file)  # known now from model info or this answer's Content-Range, unless neither said
     if size is None:
         raise HubError(
-            f"{reader.location}/{file}@{reader.commit[:12]}: the hub gives no size for this file (neither model info nor Content-Range)",
+            f"{reader.location}/{file}@{reader.commit[:12]}: the hub gives no size for this file (neither model info "
+            "nor Content-Range)",
             kind="download_failed",
             path=file,
         )
@@ -485,68 +499,74 @@ def _read_shard_header(reader: HubReader, file: str) -> tuple[dict[str, TensorSo
         raw.append(have if len(have) == n else have + reader.fetch(file, len(first), 8 + n - len(first)))
         return raw[0]
 
-    header, data_start = parse_header(first[:8], rest, file, size)
+    tensors, data_start = read_header(first[:8], rest, file, size)
     if isinstance(reader, HubReader):  # what --verify-source compares the verified file with
         reader.header_sha256[file] = hashlib.sha256(first[:8] + raw[0]).hexdigest()
-    return tensors_from_header(header, file, data_start, size), data_start
+    return tensors, data_start
 
 
-def _cached(hub: HubSpec) -> tuple[str, CachedHubReader]:
-    """HF_HUB_OFFLINE: the commit the cache pins `hub.revision` to, and a reader of its snapshot."""
+def _cached(hub: HubSpec) -> CachedHubReader:
+    """HF_HUB_OFFLINE: a reader of the snapshot of the commit the cache pins `hub.revision` to."""
     config = try_to_load_from_cache(hub.repo, "config.json", revision=hub.revision)
     if not isinstance(config, str):
         what = f"{hub.location}@{hub.revision or 'default branch'}"
         raise HubError(
-            f"{what}: HF_HUB_OFFLINE is set and huggingface_hub's cache has no config.json of it; download the repository first (`hf download {hub.repo}`) or unset HF_HUB_OFFLINE",
+            f"{what}: HF_HUB_OFFLINE is set and huggingface_hub's cache has no config.json of it; download the "
+            f"repository first (`hf download {hub.repo}`) or unset HF_HUB_OFFLINE",
             kind="hub_request_failed",
             path=what,
         )
     snapshot = Path(config).parent  # .../snapshots/<commit>/, its files linked to the cache's blobs
-    return snapshot.name, CachedHubReader(snapshot, hub, snapshot.name)
+    return CachedHubReader(snapshot, hub, snapshot.name)
 
 
-def open_hub_source(spec: str | HubSpec, *, quiet: bool = True) -> tuple[Inventory, HubReader | CachedHubReader]:
-    """Inventory of hub repo `org/name[@revision]` from its headers, and a reader pinned to
-    the resolved commit. Applies the same checks as the local reader. Unless `quiet`, a bar
-    counts the shard headers read (progress.py's rule: a terminal only)."""
-    hub = parse_hub_spec(spec) if isinstance(spec, str) else spec
-    reader: HubReader | CachedHubReader
+def open_hub(hub: HubSpec, *, quiet: bool = True) -> Source:
+    """Hub repository `hub` as a Source: a reader pinned to the commit its revision names now
+    (from huggingface_hub's cache with HF_HUB_OFFLINE), and its inventory from config.json, the
+    index and each shard's header, with the same checks as a local directory's. Unless `quiet`,
+    a bar counts the shard headers read (progress.py's rule: a terminal only)."""
+    reader, names = _connect(hub)
+    return Source(hub, reader, partial(_read_inventory, reader, hub, names, quiet))
+
+
+def _connect(hub: HubSpec) -> tuple[HubReader | CachedHubReader, set[str]]:
+    """A reader of the commit `hub.revision` names, and the names of the files it has."""
     if constants.HF_HUB_OFFLINE:
         if hub.verify_files:
             raise HubError(
-                f"{hub.location}: --verify-source checks files against the digests the hub publishes, and HF_HUB_OFFLINE is set",
+                f"{hub.location}: --verify-source checks files against the digests the hub publishes, and "
+                "HF_HUB_OFFLINE is set",
                 kind="hub_request_failed",
                 path=hub.location,
             )
-        commit, reader = _cached(hub)
-        names = set(reader.sizes)
-    else:
-        try:
-            commit, info = _model_info(hub, files_metadata=True)
-        except HubError as exc:
-            if hub.explicit:
-                raise
-            # a bare org/name may also have been meant as a local path: say both readings
-            raise type(exc)(
-                f"{hub.repo}: no such local directory, and as a hub repository: {exc}", kind=exc.kind
-            ) from None
-        names = {s.rfilename for s in info.siblings or []}
-        sizes = {s.rfilename: s.size for s in info.siblings or [] if s.size is not None}  # a mirror may leave sizes out
-        published = (
-            {s.rfilename: p for s in info.siblings or [] if (p := Published.of(s)) is not None}
-            if hub.verify_files
-            else None
-        )
-        reader = HubReader(hub, commit, sizes, published)
+        cached = _cached(hub)
+        return cached, set(cached.sizes)
+    try:
+        commit, info = _model_info(hub, files_metadata=True)
+    except HubError as exc:
+        if hub.explicit:
+            raise
+        # a bare org/name may also have been meant as a local path: say both readings
+        raise type(exc)(f"{hub.repo}: no such local directory, and as a hub repository: {exc}", kind=exc.kind) from None
+    sizes = {s.rfilename: s.size for s in info.siblings or [] if s.size is not None}  # a mirror may leave sizes out
+    published = (
+        {s.rfilename: p for s in info.siblings or [] if (p := Published.of(s)) is not None}
+        if hub.verify_files
+        else None
+    )
+    return HubReader(hub, commit, sizes, published), {s.rfilename for s in info.siblings or []}
 
+
+def _read_inventory(reader: HubReader | CachedHubReader, hub: HubSpec, names: set[str], quiet: bool) -> Inventory:
+    """The inventory of the commit `reader` reads, whose files are `names`."""
+    commit = reader.commit
     config_where = f"{hub.location}/config.json@{commit[:12]}"
     if "config.json" not in names:
         raise CheckpointError(
             f"{config_where}: no config.json in the repository", kind="missing_config", path=str(config_where)
         )
     raw_config = _small_file(reader, hub, "config.json")
-    with config_errors(config_where):
-        config = parse_config(raw_config)
+    config = parse_config(raw_config, config_where)
     weight_map: dict[str, str] | None
     if INDEX_NAME in names:
         weight_map = load_index(_small_file(reader, hub, INDEX_NAME), INDEX_NAME)
@@ -564,25 +584,21 @@ def open_hub_source(spec: str | HubSpec, *, quiet: bool = True) -> tuple[Invento
                 kind="missing_shard",
             )
 
-    try:
-        # Latency-bound (Flash: 46 shards), so several shards at a time. map yields in shard
-        # order: the first shard in that order that fails is the error reported, as when
-        # they were read one by one, and the shards not yet started are cancelled.
-        with (
-            ThreadPoolExecutor(max_workers=reader.header_reads, thread_name_prefix="hub-header") as pool,
-            progress.bar(len(files), "shard headers", "shard", quiet) as shown,
-        ):
-            headers = []
-            for header in pool.map(partial(_read_shard_header, reader), files):
-                headers.append(header)
-                shown.update(1)
-        header_bytes = sum(data_start for _, data_start in headers)
-        tensors = merge_shards(
-            hub.location, weight_map, [(file, found) for file, (found, _) in zip(files, headers, strict=True)]
-        )
-    except BaseException:
-        reader.close()
-        raise
+    # Latency-bound (Flash: 46 shards), so several shards at a time. map yields in shard
+    # order: the first shard in that order that fails is the error reported, as when
+    # they were read one by one, and the shards not yet started are cancelled.
+    with (
+        ThreadPoolExecutor(max_workers=reader.header_reads, thread_name_prefix="hub-header") as pool,
+        progress.bar(len(files), "shard headers", "shard", quiet) as shown,
+    ):
+        headers = []
+        for header in pool.map(partial(_read_shard_header, reader), files):
+            headers.append(header)
+            shown.update(1)
+    header_bytes = sum(data_start for _, data_start in headers)
+    tensors = merge_shards(
+        hub.location, weight_map, [(file, found) for file, (found, _) in zip(files, headers, strict=True)]
+    )
     return Inventory(
         hub.location,
         config,
@@ -591,4 +607,4 @@ def open_hub_source(spec: str | HubSpec, *, quiet: bool = True) -> tuple[Invento
         header_bytes,
         revision=commit,
         config_bytes=raw_config,
-    ), reader
+    )

@@ -13,9 +13,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from dsv4.convert.location import open_source
 from dsv4.convert.plan import Plan, choose_table, plan_conversion
-from dsv4.convert.readers import ByteReader
-from dsv4.convert.sources import open_source
+from dsv4.convert.source import ByteReader
 from dsv4.model.loader import has_layout_record, load_state
 
 if TYPE_CHECKING:
@@ -49,20 +49,17 @@ def read_planned(plan: Plan, reader: ByteReader) -> dict[str, torch.Tensor]:
 
 def xpu_plan(root: Path) -> Plan:
     """The plan of converting native-named checkpoint `root` to the xpu layout (headers only)."""
-    inv, reader = open_source(root)
-    reader.close()
+    with open_source(root) as source:
+        inv = source.inventory
     return plan_conversion(inv, choose_table(XPU_TARGET, inv))
 
 
 def load_native_named(root: Path, device: torch.device) -> nn.Module:
     """The bundled draft model loaded from native-named checkpoint `root` through the xpu
     table's plan, in memory; the planner's errors (exit 30-35) name what does not fit."""
-    inv, reader = open_source(root)
-    try:
-        plan = plan_conversion(inv, choose_table(XPU_TARGET, inv))
-        state = read_planned(plan, reader)
-    finally:
-        reader.close()
+    with open_source(root) as source:
+        plan = plan_conversion(source.inventory, choose_table(XPU_TARGET, source.inventory))
+        state = read_planned(plan, source.reader)
     return load_state(plan.model_config, state, device)
 
 

@@ -1,5 +1,6 @@
-"""Where a source is: a local checkpoint directory or a model-hub repository. The one rule
-that tells them apart, and the one reading of a repo id, for every command.
+"""From what the user typed to an open Source (convert/source.py): where the source is, a
+local checkpoint directory or a model-hub repository, and `open_source`, which opens either.
+The one rule that tells them apart, and the one reading of a repo id, for every command.
 
   - an existing path is a local directory;
   - `hf://org/name[@revision]` is always the hub;
@@ -11,30 +12,30 @@ that tells them apart, and the one reading of a repo id, for every command.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 
 import click
 
 from dsv4.convert.errors import HubError
+from dsv4.convert.local import open_local
+from dsv4.convert.source import HubSpec, Source
 from dsv4.model.errors import CheckpointError
 
 HF_PREFIX = "hf://"  # the hub's URL scheme in huggingface_hub's file system (HfFileSystem)
-HUB_SCHEME = "hub:"  # how records and messages name a hub location: hub:org/name
 LOCAL_PREFIXES = ("./", "../", "/")
 
 
-@dataclass(frozen=True)
-class HubSpec:
-    repo: str
-    revision: str | None  # None: the repo's default branch
-    explicit: bool = False  # written hf://...: not also a possible local path
-    token: str | None = field(default=None, repr=False, compare=False)  # --token; None: HF_TOKEN or the stored login
-    verify_files: bool = False  # --verify-source: check whole files against the hub's sha256 (convert/hub.py)
+def open_source(typed: str | Path | HubSpec, *, quiet: bool = True) -> Source:
+    """The source `typed` names (located here, unless it is already a HubSpec), opened:
+    `with open_source(typed) as source:`. Unless `quiet`, a hub source's header reads (a
+    request per shard: seconds) show a bar; local headers take well under a second."""
+    where = typed if isinstance(typed, HubSpec) else locate(typed)
+    if isinstance(where, Path):
+        return open_local(where)
+    from dsv4.convert.hub import open_hub  # start-up time: only hub sources load the network client
 
-    @property
-    def location(self) -> str:
-        return f"{HUB_SCHEME}{self.repo}"
+    return open_hub(where, quiet=quiet)
 
 
 def parse_hub_spec(spec: str) -> HubSpec:
@@ -61,22 +62,22 @@ def parse_hub_spec(spec: str) -> HubSpec:
 
 
 def locate(
-    source: str | Path | HubSpec, *, revision: str | None = None, token: str | None = None, verify_files: bool = False
+    typed: str | Path | HubSpec, *, revision: str | None = None, token: str | None = None, verify_files: bool = False
 ) -> Path | HubSpec:
-    """The local directory `source` names, or the hub repository; source_not_found (19)
+    """The local directory `typed` names, or the hub repository; source_not_found (19)
     when it can only be a local path that does not exist. `revision`, `token` and
     `verify_files` are the hub options `--revision` and `--token` (as in the `hf` CLI) and
     `--verify-source`: a revision given twice, by option and by `@rev`, must be the same
     one, and none of them applies to a local directory (click.UsageError, exit 2)."""
-    where = source if isinstance(source, HubSpec) else _locate(source)
+    where = typed if isinstance(typed, HubSpec) else _locate(typed)
     if revision is None and token is None and not verify_files:
         return where
     if isinstance(where, Path):
         raise click.UsageError(
-            f"--revision, --token and --verify-source are for hub sources; {source} is a local directory"
+            f"--revision, --token and --verify-source are for hub sources; {typed} is a local directory"
         )
     if revision is not None and where.revision not in (None, revision):
-        raise click.UsageError(f"{source} names revision {where.revision!r} but --revision says {revision!r}; give one")
+        raise click.UsageError(f"{typed} names revision {where.revision!r} but --revision says {revision!r}; give one")
     return replace(
         where,
         revision=revision or where.revision,
@@ -85,11 +86,11 @@ def locate(
     )
 
 
-def _locate(source: str | Path) -> Path | HubSpec:
-    text = str(source)
+def _locate(typed: str | Path) -> Path | HubSpec:
+    text = str(typed)
     if text.startswith(HF_PREFIX):
         return parse_hub_spec(text)
-    path = Path(source)
+    path = Path(typed)
     if path.exists():
         return path
     repo = text.partition("@")[0]

@@ -1,5 +1,5 @@
 """Running a Plan: the executor, and the run that owns OUT (convert/output.py) while it
-plans, writes and publishes.
+plans, writes and publishes. The caller holds the Source (convert/source.py) open around it.
 
 Work happens in a hidden partial directory beside OUT with a journal of finished tensors;
 OUT appears (one rename) only once every tensor is written and the result is verified.
@@ -23,19 +23,16 @@ from dsv4 import __version__
 from dsv4.convert import progress
 from dsv4.convert.errors import OutputError, PlanError
 from dsv4.convert.execute import Executor, still_valid
-from dsv4.convert.inventory import Inventory, read_local_header
-from dsv4.convert.location import HubSpec, locate
-from dsv4.convert.output import CONFIG, OutputClaim, claim_output, read_record, resolve_output
+from dsv4.convert.location import locate, open_source
+from dsv4.convert.output import CONFIG, OutputClaim, claim_output, resolve_output
 from dsv4.convert.plan import Direction, Plan, PlannedTensor, choose_table, plan_conversion, plan_reverse
 from dsv4.convert.quant_config import carried_quantization
-from dsv4.convert.readers import ByteReader, LocalReader
-from dsv4.convert.sources import open_source
+from dsv4.convert.source import HubSpec, Source, local_root
 from dsv4.convert.writer import ShardWriter, TensorSpec, shard_name
 from dsv4.mapping.table import require_target
 from dsv4.model import strictjson
-from dsv4.model.checkpoint import INDEX_NAME
+from dsv4.model.checkpoint import INDEX_NAME, read_local_header
 from dsv4.model.record import (
-    CONVERSION_RECORD,
     LAYOUT_RECORD,
     ConversionRecord,
     LayoutRecord,
@@ -106,7 +103,7 @@ def output_config(plan: Plan) -> dict[str, Any] | bytes:
     return config
 
 
-def _fingerprint(plan: Plan, reader: ByteReader, shards: list[list[PlannedTensor]]) -> dict[str, Any]:
+def _fingerprint(plan: Plan, source: Source, shards: list[list[PlannedTensor]]) -> dict[str, Any]:
     layout = [
         [(t.name, t.dtype, list(t.shape), [(p.file, p.start, p.end) for p in t.pieces]) for t in s] for s in shards
     ]
@@ -115,7 +112,7 @@ def _fingerprint(plan: Plan, reader: ByteReader, shards: list[list[PlannedTensor
         "direction": plan.direction,
         "table": plan.table,
         "table_version": plan.table_version,
-        "source": {**reader.fingerprint(plan.files_needed), "revision": plan.revision},
+        "source": {**source.reader.fingerprint(plan.files_needed), "revision": plan.revision},
         "plan_sha256": hashlib.sha256(json.dumps(layout).encode()).hexdigest(),
         # the output's config.json is made from it (a draft directory's is it, byte for byte)
         "config_sha256": sha256_hex(plan.config_bytes),
@@ -145,7 +142,7 @@ def _verify(
     partial: Path, shards: list[list[PlannedTensor]], names: list[str], journal: dict[str, dict[str, Any]]
 ) -> None:
     """Re-read every written header and check it against the plan and the journal."""
-    for tensors, name in zip(shards, names):
+    for tensors, name in zip(shards, names, strict=True):
         found, _ = read_local_header(partial / name)
         for t in tensors:
             src = found.get(t.name)
@@ -167,7 +164,7 @@ def _verify(
 
 def run_plan(
     plan: Plan,
-    reader: ByteReader,
+    source: Source,
     out: str | Path,
     *,
     overwrite: bool = False,
@@ -175,17 +172,10 @@ def run_plan(
     max_shard_size: int = DEFAULT_MAX_SHARD,
     quiet: bool = True,
 ) -> ConversionResult:
-    """Write an already made plan into OUT, owning OUT (its lock) from here to publish;
-    the reader is closed at the end. `convert` takes OUT before it plans."""
-    try:
-        with claim_output(out, source=_local_root(reader), wait=wait, on_wait=_waiting_notice(quiet)) as claim:
-            return _write_output(plan, reader, claim, overwrite=overwrite, max_shard_size=max_shard_size, quiet=quiet)
-    finally:
-        reader.close()
-
-
-def _local_root(reader: ByteReader) -> Path | None:
-    return reader.root if isinstance(reader, LocalReader) else None
+    """Write a plan already made of open `source` into OUT, owning OUT (its lock) from here
+    to publish. `convert` takes OUT before it plans."""
+    with claim_output(out, source=source.local_root, wait=wait, on_wait=_waiting_notice(quiet)) as claim:
+        return _write_output(plan, source, claim, overwrite=overwrite, max_shard_size=max_shard_size, quiet=quiet)
 
 
 def _waiting_notice(quiet: bool) -> Callable[[str], object] | None:
@@ -206,7 +196,7 @@ def _up_to_date(claim: OutputClaim, fingerprint: dict[str, Any], overwrite: bool
 
 
 def _write_output(
-    plan: Plan, reader: ByteReader, claim: OutputClaim, *, overwrite: bool, max_shard_size: int, quiet: bool
+    plan: Plan, source: Source, claim: OutputClaim, *, overwrite: bool, max_shard_size: int, quiet: bool
 ) -> ConversionResult:
     """Convert `plan` into the claimed OUT: nothing if it is up to date, else in the
     partial directory (resuming its work), then publish."""
@@ -214,7 +204,7 @@ def _write_output(
     config = output_config(plan)  # before any byte is written: a config that cannot be carried fails here
     shards = shard_layout(plan, max_shard_size)
     names = [shard_name(k, len(shards)) for k in range(len(shards))]
-    fingerprint = _fingerprint(plan, reader, shards)
+    fingerprint = _fingerprint(plan, source, shards)
 
     if _up_to_date(claim, fingerprint, overwrite):
         return ConversionResult(claim.out, "up-to-date", 0, 0, time.monotonic() - start, len(plan.tensors), plan)
@@ -227,17 +217,17 @@ def _write_output(
         raise claim.write_failed(exc) from None
     partial = claim.partial
 
-    shard_of = {t.name: name for tensors, name in zip(shards, names) for t in tensors}
+    shard_of = {t.name: name for tensors, name in zip(shards, names, strict=True) for t in tensors}
     todo = sum(t.nbytes for s in shards for t in s if t.name not in journal)
     bar = progress_bar(plan.bytes_to_write, plan.bytes_to_write - todo, quiet)
-    executor = Executor(reader, bar.update)
+    executor = Executor(source.reader, bar.update)
     try:
         with open(claim.journal, "a") as jf, ExitStack() as open_shards:
             # every shard open at once: the executor reads the largest tensors first,
             # whichever shard they go into
             jobs: list[tuple[PlannedTensor, ShardWriter]] = []
             writers: list[ShardWriter] = []
-            for tensors, name in zip(shards, names):
+            for tensors, name in zip(shards, names, strict=True):
                 claim.ensure_owner()  # never open a shard in a partial directory another run may own now
                 specs = [TensorSpec(t.name, t.dtype, t.shape) for t in tensors]
                 writer = open_shards.enter_context(ShardWriter(partial / name, specs, {"format": "pt"}, resume=resumed))
@@ -257,9 +247,8 @@ def _write_output(
                 writer.sync()
         # the journal is closed: nothing writes into the partial directory once it is OUT
         _verify(partial, shards, names, journal)
-        _write_records(plan, config, partial, shards, names, journal, fingerprint, _published_source(plan, reader))
-        if isinstance(reader, LocalReader):  # a hub source is pinned to its commit
-            reader.verify_unchanged([CONFIG, INDEX_NAME, *plan.files_needed])
+        _write_records(plan, config, partial, shards, names, journal, fingerprint, _published_source(plan, source))
+        source.reader.verify_unchanged([CONFIG, INDEX_NAME, *plan.files_needed])
         claim.publish()
     except PlanError as exc2:
         if exc2.kind != "source_changed":
@@ -274,7 +263,7 @@ def _write_output(
     return ConversionResult(
         claim.out,
         "resumed" if resumed else "converted",
-        reader.bytes_read,
+        source.reader.bytes_read,
         executor.written,
         time.monotonic() - start,
         len(plan.tensors),
@@ -282,12 +271,13 @@ def _write_output(
     )
 
 
-def _published_source(plan: Plan, reader: ByteReader) -> SourceRecord:
+def _published_source(plan: Plan, source: Source) -> SourceRecord:
     """The source as conversion.json names it: a hub repo and commit, or a local
     directory's name (not its path: a pushed output would publish it), the sizes of the
     files read and the sha256 of the config.json read."""
-    location = reader.root.resolve().name if isinstance(reader, LocalReader) else plan.source
-    sizes = reader.fingerprint(plan.files_needed)["files"]
+    root = source.local_root
+    location = root.resolve().name if root is not None else plan.location
+    sizes = source.reader.fingerprint(plan.files_needed)["files"]
     return SourceRecord(
         location, plan.revision, dict(sizes), sha256_hex(plan.config_bytes) if plan.config_bytes else None
     )
@@ -301,9 +291,9 @@ def _write_records(
     names: list[str],
     journal: dict[str, dict[str, Any]],
     fingerprint: dict[str, Any],
-    source: SourceRecord,
+    published: SourceRecord,
 ) -> None:
-    weight_map = {t.name: name for tensors, name in zip(shards, names) for t in tensors}
+    weight_map = {t.name: name for tensors, name in zip(shards, names, strict=True) for t in tensors}
     write_record(partial / INDEX_NAME, {"metadata": {"total_size": plan.bytes_to_write}, "weight_map": weight_map})
     if isinstance(config, bytes):
         write_bytes(partial / CONFIG, config)
@@ -315,7 +305,7 @@ def _write_records(
         table=plan.table,
         table_version=plan.table_version,
         target=plan.target,
-        source=source,
+        source=published,
         fingerprint=fingerprint_digest(fingerprint),
         tensors={
             t.name: TensorEntry(journal[t.name]["file"], t.nbytes, journal[t.name]["sha256"]) for s in shards for t in s
@@ -331,20 +321,16 @@ def _write_records(
     ).write(partial)
 
 
-def plan_source(inv: Inventory, reader: ByteReader, target: str, *, reverse: bool = False) -> Plan:
-    """Plan the conversion of an opened source to `target` with the table for the draft
-    layout it holds (MTP or DSpark); the reader is closed when planning fails."""
-    try:
-        direction: Direction = "reverse" if reverse else "forward"
-        table = choose_table(target, inv, direction)
-        return plan_reverse(inv, table) if reverse else plan_conversion(inv, table)
-    except BaseException:
-        reader.close()
-        raise
+def plan_source(source: Source, target: str, *, reverse: bool = False) -> Plan:
+    """Plan the conversion of open `source` to `target` with the table for the draft
+    layout it holds (MTP or DSpark)."""
+    direction: Direction = "reverse" if reverse else "forward"
+    table = choose_table(target, source.inventory, direction)
+    return plan_reverse(source.inventory, table) if reverse else plan_conversion(source.inventory, table)
 
 
 def convert(
-    source: str | Path | HubSpec,
+    typed: str | Path | HubSpec,
     out: str | Path,
     *,
     target: str = "xpu",
@@ -354,21 +340,19 @@ def convert(
     max_shard_size: int = DEFAULT_MAX_SHARD,
     quiet: bool = True,
 ) -> ConversionResult:
-    """Convert `source` (native checkpoint, or with reverse=True a converted one) into `out`.
+    """Convert the source `typed` names (native checkpoint, or with reverse=True a converted
+    one) into `out`.
 
-    OUT is owned (checked safe, locked) before the source is planned and until the output
+    OUT is owned (checked safe, locked) before the source is opened and until the output
     is published; with `wait` a run finding OUT locked waits for the other run."""
     require_target(target)  # a bad name is refused before OUT is touched
-    where = locate(source)
-    with claim_output(
-        out, source=where if isinstance(where, Path) else None, wait=wait, on_wait=_waiting_notice(quiet)
-    ) as claim:
-        inv, reader = open_source(where, quiet=quiet)
-        plan = plan_source(inv, reader, target, reverse=reverse)
-        try:
-            return _write_output(plan, reader, claim, overwrite=overwrite, max_shard_size=max_shard_size, quiet=quiet)
-        finally:
-            reader.close()
+    where = locate(typed)
+    with (
+        claim_output(out, source=local_root(where), wait=wait, on_wait=_waiting_notice(quiet)) as claim,
+        open_source(where, quiet=quiet) as source,
+    ):
+        plan = plan_source(source, target, reverse=reverse)
+        return _write_output(plan, source, claim, overwrite=overwrite, max_shard_size=max_shard_size, quiet=quiet)
 
 
 class DryRun(NamedTuple):
@@ -378,7 +362,7 @@ class DryRun(NamedTuple):
 
 
 def dry_run(
-    source: str | Path | HubSpec,
+    typed: str | Path | HubSpec,
     out: str | Path,
     *,
     target: str = "xpu",
@@ -391,19 +375,16 @@ def dry_run(
     43-46, the source and its plan, a quantisation config that cannot be carried, an OUT
     that is not empty 41 or not replaceable 48). Another run holding OUT's lock is not looked for."""
     require_target(target)
-    where = locate(source)
-    claim = OutputClaim(Path(out), resolve_output(Path(out), where if isinstance(where, Path) else None))
-    inv, reader = open_source(where)
-    plan = plan_source(inv, reader, target, reverse=reverse)
-    try:
+    where = locate(typed)
+    claim = OutputClaim(Path(out), resolve_output(Path(out), local_root(where)))
+    with open_source(where) as source:
+        plan = plan_source(source, target, reverse=reverse)
         output_config(plan)
-        shards = shard_layout(plan, max_shard_size)
-        fingerprint = _fingerprint(plan, reader, shards)
-    finally:
-        reader.close()
+        fingerprint = _fingerprint(plan, source, shard_layout(plan, max_shard_size))
+        header_bytes = source.inventory.header_bytes
     if _up_to_date(claim, fingerprint, overwrite):
-        return DryRun(plan, "up-to-date", inv.header_bytes)
+        return DryRun(plan, "up-to-date", header_bytes)
     claim.refuse_unless_replaceable(overwrite)
     return DryRun(
-        plan, "replace" if os.path.lexists(claim.path) and any(claim.path.iterdir()) else "create", inv.header_bytes
+        plan, "replace" if os.path.lexists(claim.path) and any(claim.path.iterdir()) else "create", header_bytes
     )

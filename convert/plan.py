@@ -14,34 +14,21 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 from dsv4.convert.errors import PlanError
-from dsv4.convert.inventory import Inventory, TensorSource
+from dsv4.convert.inventory import Inventory
 from dsv4.mapping.errors import TableError
 from dsv4.mapping.probe import stage_binding
 from dsv4.mapping.table import PINNED, Rule, Table, expand, load_table, rule_bindings, table_name_for
 from dsv4.model import native
 from dsv4.model.checkpoint import is_full_native
-from dsv4.model.config import ModelConfig, config_errors
+from dsv4.model.config import ModelConfig
 from dsv4.model.dtypes import ITEMSIZE, nbytes
 from dsv4.model.errors import CheckpointError
 from dsv4.model.layout import TARGET_LAYER, draft_layers_present, layout_of
 from dsv4.model.record import LAYOUT_RECORD
+from dsv4.model.safetensors_header import TensorBytes
 
 Direction = Literal["forward", "reverse"]
 NATIVE_BLOCK = re.compile(r"(mtp\.\d+)\.")  # a native draft block's prefix
-
-
-@dataclass(frozen=True)
-class Piece:
-    """Bytes [start, end) of `file`, which hold (part of) source tensor `source`."""
-
-    source: str
-    file: str
-    start: int
-    end: int
-
-    @property
-    def nbytes(self) -> int:
-        return self.end - self.start
 
 
 @dataclass(frozen=True)
@@ -49,7 +36,7 @@ class PlannedTensor:
     name: str
     dtype: str
     shape: tuple[int, ...]
-    pieces: tuple[Piece, ...]
+    pieces: tuple[TensorBytes, ...]  # the source bytes it is made of, in order
     op: str
     rule: str
 
@@ -61,7 +48,7 @@ class PlannedTensor:
 @dataclass(frozen=True)
 class Plan:
     direction: Direction
-    source: str
+    location: str  # the source's: a directory, or hub:org/name (its inventory's location)
     config: dict[str, Any]  # the source's config.json, as read
     model_config: ModelConfig  # the same, validated (model/config.py): what the layout was planned for
     table: str
@@ -95,7 +82,7 @@ class Plan:
         reasons = Counter(self.skipped.values())
         return {
             "direction": self.direction,
-            "source": self.source,
+            "source": self.location,
             "revision": self.revision,
             "table": self.table,
             "table_version": self.table_version,
@@ -104,7 +91,7 @@ class Plan:
             "runtime": self.runtime,
             "runtime_class": self.runtime_class,
             "tensors_out": len(self.tensors),
-            "source_keys_consumed": sum(len({p.source for p in t.pieces}) for t in self.tensors),
+            "source_keys_consumed": sum(len({p.name for p in t.pieces}) for t in self.tensors),
             "source_keys_skipped": len(self.skipped),
             "bytes_to_read": self.bytes_to_read,
             "bytes_to_write": self.bytes_to_write,
@@ -122,18 +109,12 @@ class Plan:
                 "shape": list(t.shape),
                 "op": t.op,
                 "rule": t.rule,
-                "pieces": [asdict(p) for p in t.pieces],
+                "pieces": [{**asdict(p), "shape": list(p.shape)} for p in t.pieces],  # as JSON reads back
             }
             for t in self.tensors
         ]
         out["skipped"] = self.skipped
         return out
-
-
-def model_config(inv: Inventory) -> ModelConfig:
-    """The validated config of `inv` (malformed_config 18, unsupported_layout 35)."""
-    with config_errors(f"{inv.location}/config.json"):
-        return ModelConfig.from_dict(inv.config)
 
 
 # The tensor that makes a checkpoint a DSpark drafter besides its config's dspark_* fields
@@ -147,14 +128,17 @@ def drafter_of(inv: Inventory, cfg: ModelConfig, direction: Direction = "forward
     marker = DSPARK_MARKER[direction]
     if marker in inv.tensors and not cfg.is_dspark:
         raise CheckpointError(
-            f"{inv.tensors[marker].file}: tensor {marker}: a DSpark drafter's projection, but {inv.location}/config.json has no dspark_* fields (mapping/README.md#dspark-source-checkpoint); refusing to convert",
+            f"{inv.tensors[marker].file}: tensor {marker}: a DSpark drafter's projection, but "
+            f"{inv.location}/config.json has no dspark_* fields (mapping/README.md#dspark-source-checkpoint); "
+            "refusing to convert",
             kind="unsupported_layout",
             path=str(inv.tensors[marker].file),
             tensor=marker,
         )
     if cfg.is_dspark and marker not in inv.tensors:
         raise CheckpointError(
-            f"{inv.location}/config.json: dspark_* fields (a DSpark drafter, mapping/README.md#dspark-v4-flash-0731), but the checkpoint has no tensor {marker}; refusing to convert",
+            f"{inv.location}/config.json: dspark_* fields (a DSpark drafter, mapping/README.md#dspark-v4-flash-0731), "
+            f"but the checkpoint has no tensor {marker}; refusing to convert",
             kind="unsupported_layout",
         )
     return "dspark" if cfg.is_dspark else "mtp"
@@ -167,8 +151,10 @@ def choose_table(target: str, inv: Inventory, direction: Direction = "forward") 
     where = inv.location
     if direction == "forward" and isinstance(inv.config.get(LAYOUT_RECORD), dict):
         raise CheckpointError(
-            f"{where}: is a converted checkpoint (its config.json has the {LAYOUT_RECORD} layout record), not a native one: "
-            f"convert-dsv4 {where} OUT --reverse turns it back into native names, convert-dsv4 check {where} verifies it",
+            f"{where}: is a converted checkpoint (its config.json has the {LAYOUT_RECORD} layout record), not a "
+            "native one: "
+            f"convert-dsv4 {where} OUT --reverse turns it back into native names, convert-dsv4 check {where} "
+            "verifies it",
             kind="unsupported_layout",
             path=str(where),
         )
@@ -179,7 +165,7 @@ def choose_table(target: str, inv: Inventory, direction: Direction = "forward") 
             kind="unsupported_layout",
             path=str(where),
         )
-    return load_table(table_name_for(target, drafter_of(inv, model_config(inv), direction)))
+    return load_table(table_name_for(target, drafter_of(inv, inv.model_config, direction)))
 
 
 def _refuse(inv: Inventory, table: Table) -> None:
@@ -216,7 +202,7 @@ def _by_first_component(rules: list[Rule]) -> dict[str, list[tuple[Rule, re.Patt
     a full Flash checkpoint has 69,187 keys."""
     index: dict[str, list[tuple[Rule, re.Pattern[str]]]] = {}
     for r in rules:
-        for pattern, rx in zip(r.sources, r.source_regexes):
+        for pattern, rx in zip(r.sources, r.source_regexes, strict=True):
             head = pattern.split(".", 1)[0]
             index.setdefault("*" if "{" in head else head, []).append((r, rx))
     return index
@@ -233,7 +219,8 @@ def _classify(inv: Inventory, rules: list[Rule], cfg: ModelConfig) -> dict[str, 
         hits = [(r, m) for r, rx in by_head.get(key.split(".", 1)[0], anywhere) if (m := rx.match(key))]
         if not hits:
             raise PlanError(
-                f"{src.file}: tensor {key}: no rule of the mapping table covers it (unknown key; refusing to drop it silently)",
+                f"{src.file}: tensor {key}: no rule of the mapping table covers it (unknown key; refusing to drop it "
+                "silently)",
                 kind="uncovered_key",
                 path=str(src.file),
                 tensor=key,
@@ -249,7 +236,8 @@ def _classify(inv: Inventory, rules: list[Rule], cfg: ModelConfig) -> dict[str, 
             value = groups.get(ph)
             if value is not None and int(value) >= limit:
                 raise CheckpointError(
-                    f"{src.file}: tensor {key}: index {value} but config.json has {what} = {limit} (keys and config disagree)",
+                    f"{src.file}: tensor {key}: index {value} but config.json has {what} = {limit} (keys and config "
+                    "disagree)",
                     kind="unsupported_layout",
                     path=str(src.file),
                     tensor=key,
@@ -258,7 +246,8 @@ def _classify(inv: Inventory, rules: list[Rule], cfg: ModelConfig) -> dict[str, 
             for ph, want in stage_binding(cfg).items():
                 if groups.get(ph) is not None and int(groups[ph]) != want:
                     raise CheckpointError(
-                        f"{src.file}: tensor {key}: only the {ph} stage mtp.{want} holds this tensor, not stage {groups[ph]} (mapping/README.md#dspark-source-checkpoint)",
+                        f"{src.file}: tensor {key}: only the {ph} stage mtp.{want} holds this tensor, not stage "
+                        f"{groups[ph]} (mapping/README.md#dspark-source-checkpoint)",
                         kind="unsupported_layout",
                         path=str(src.file),
                         tensor=key,
@@ -302,7 +291,8 @@ def _require_stages(inv: Inventory, cfg: ModelConfig, stages: set[int]) -> None:
     missing = sorted(set(range(cfg.dspark_stages)) - stages)
     if missing:
         raise CheckpointError(
-            f"{inv.location}/config.json: {cfg.dspark_stages} DSpark stages (len(dspark_target_layer_ids)) but the tensors hold stage(s) {sorted(stages)}: stage {missing[0]} is missing (keys and config disagree)",
+            f"{inv.location}/config.json: {cfg.dspark_stages} DSpark stages (len(dspark_target_layer_ids)) but the "
+            f"tensors hold stage(s) {sorted(stages)}: stage {missing[0]} is missing (keys and config disagree)",
             kind="unsupported_layout",
         )
 
@@ -310,7 +300,7 @@ def _require_stages(inv: Inventory, cfg: ModelConfig, stages: set[int]) -> None:
 def plan_conversion(inv: Inventory, table: Table) -> Plan:
     """Forward: a native checkpoint -> the table's target layout."""
     _refuse(inv, table)
-    cfg = model_config(inv)
+    cfg = inv.model_config
     rules = [r for r in table.rules_for(cfg.expert_dtype) if r.op != "refuse"]
     skipped = _classify(inv, rules, cfg)
     blocks = {
@@ -319,8 +309,7 @@ def plan_conversion(inv: Inventory, table: Table) -> Plan:
     if cfg.is_dspark:
         _require_stages(inv, cfg, {int(b.removeprefix("mtp.")) for b in blocks})
     else:
-        with config_errors(f"{inv.location}/config.json"):
-            cfg.require_draft_blocks(sorted(blocks))
+        cfg.require_draft_blocks(sorted(blocks), f"{inv.location}/config.json")
     variant = native.variant_of(cfg)
     expected_src = native.draft_layout(cfg, with_emb_head=True)
     layout = layout_of(table.target, cfg)
@@ -344,12 +333,13 @@ def plan_conversion(inv: Inventory, table: Table) -> Plan:
                 want = expected_src[name]
                 if (src.dtype, src.shape) != want:
                     raise PlanError(
-                        f"{src.file}: tensor {name}: {src.dtype}{list(src.shape)} but config.json ({variant}) implies {want[0]}{list(want[1])}",
+                        f"{src.file}: tensor {name}: {src.dtype}{list(src.shape)} but config.json ({variant}) "
+                        f"implies {want[0]}{list(want[1])}",
                         kind="layout_mismatch",
                         path=str(src.file),
                         tensor=name,
                     )
-                pieces.append(Piece(name, src.file, src.start, src.end))
+                pieces.append(src)
                 shapes.append(src.shape)
                 dtypes.add(src.dtype)
                 consumed[name] += 1
@@ -383,7 +373,8 @@ def plan_conversion(inv: Inventory, table: Table) -> Plan:
                 )
             if (dtype, shape) != want_t:
                 raise PlanError(
-                    f"{target}: would be {dtype}{list(shape)} but the model expects {want_t[0]}{list(want_t[1])} (sources {pieces[0].source}...)",
+                    f"{target}: would be {dtype}{list(shape)} but the model expects {want_t[0]}{list(want_t[1])} "
+                    f"(sources {pieces[0].name}...)",
                     kind="layout_mismatch",
                     path=str(target),
                 )
@@ -391,7 +382,8 @@ def plan_conversion(inv: Inventory, table: Table) -> Plan:
     missing = sorted(set(layout) - set(out))
     if missing:
         raise PlanError(
-            f"{missing[0]}: no rule of table {table.name} v{table.version} produces this parameter ({len(missing)} missing)",
+            f"{missing[0]}: no rule of table {table.name} v{table.version} produces this parameter ({len(missing)} "
+            "missing)",
             kind="missing_source",
             path=str(missing[0]),
         )
@@ -433,12 +425,11 @@ def _plan(
 def plan_reverse(inv: Inventory, table: Table) -> Plan:
     """Reverse: a checkpoint in the table's target layout -> native names (only the tensors
     the draft uses). Fused parameters are split back at the native sizes."""
-    cfg = model_config(inv)
+    cfg = inv.model_config
     if cfg.is_dspark:  # stages are model.layers.{s}, s < S
         _require_stages(inv, cfg, {int(m.group(1)) for key in inv.tensors if (m := TARGET_LAYER.match(key))})
     else:
-        with config_errors(f"{inv.location}/config.json"):
-            cfg.require_draft_blocks(draft_layers_present(cfg, inv.tensors))
+        cfg.require_draft_blocks(draft_layers_present(cfg, inv.tensors), f"{inv.location}/config.json")
     layout = layout_of(table.target, cfg)
     expected_src = native.draft_layout(cfg, with_emb_head=False)
     out: dict[str, PlannedTensor] = {}
@@ -452,7 +443,8 @@ def plan_reverse(inv: Inventory, table: Table) -> Plan:
             )
         if (src.dtype, src.shape) != layout[key]:
             raise PlanError(
-                f"{src.file}: tensor {key}: {src.dtype}{list(src.shape)} but the model expects {layout[key][0]}{list(layout[key][1])}",
+                f"{src.file}: tensor {key}: {src.dtype}{list(src.shape)} but the model expects "
+                f"{layout[key][0]}{list(layout[key][1])}",
                 kind="layout_mismatch",
                 path=str(src.file),
                 tensor=key,
@@ -462,7 +454,7 @@ def plan_reverse(inv: Inventory, table: Table) -> Plan:
             continue
         for binding in rule_bindings(rule, cfg):
             target = expand(rule.target, binding)
-            fused: TensorSource | None = inv.tensors.get(target)
+            fused: TensorBytes | None = inv.tensors.get(target)
             if fused is None:
                 raise PlanError(
                     f"{target}: parameter missing from the {table.target} checkpoint",
@@ -475,12 +467,18 @@ def plan_reverse(inv: Inventory, table: Table) -> Plan:
                 n = nbytes(dtype, shape)
                 if name not in out:  # a shared tensor copied into every block comes back once
                     out[name] = PlannedTensor(
-                        name, dtype, shape, (Piece(target, fused.file, at, at + n),), f"split-{rule.op}", rule.label
+                        name,
+                        dtype,
+                        shape,
+                        (TensorBytes(target, fused.file, dtype, shape, at, at + n),),
+                        f"split-{rule.op}",
+                        rule.label,
                     )
                 at += n
             if at != fused.end:
                 raise PlanError(
-                    f"{fused.file}: tensor {target}: {fused.nbytes} bytes but its native parts add up to {at - fused.start}",
+                    f"{fused.file}: tensor {target}: {fused.nbytes} bytes but its native parts add up to "
+                    f"{at - fused.start}",
                     kind="layout_mismatch",
                     path=str(fused.file),
                     tensor=target,

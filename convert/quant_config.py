@@ -130,7 +130,7 @@ def layer_map(plan: Plan) -> LayerMap:
             continue  # a norm or hyper-connection parameter: not a quantisation layer
         kinds[owner.name] = owner.kind
         for piece in t.pieces:
-            parts.setdefault(owner.name, {})[piece.source.rsplit(".", 1)[0]] = None
+            parts.setdefault(owner.name, {})[piece.name.rsplit(".", 1)[0]] = None
     return LayerMap(kinds, {name: tuple(p) for name, p in parts.items()})
 
 
@@ -319,7 +319,7 @@ def carried_quantization(plan: Plan) -> tuple[dict[str, Any] | None, dict[str, A
     rewritten to the draft's names and the source kept in the record. Reverse: the source
     config comes back from that record.
     """
-    where = f"{plan.source}/config.json"
+    where = f"{plan.location}/config.json"
     qc = plan.config.get("quantization_config")
     if plan.direction == "reverse":
         try:

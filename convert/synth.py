@@ -31,7 +31,7 @@ from dsv4.convert.errors import OutputError
 from dsv4.convert.writer import ShardWriter, TensorSpec, shard_name
 from dsv4.model import strictjson
 from dsv4.model.checkpoint import INDEX_NAME, load_index
-from dsv4.model.config import ModelConfig, config_errors, parse_config
+from dsv4.model.config import CONFIG_FILE, ModelConfig, parse_config
 from dsv4.model.dtypes import TORCH_DTYPES, nbytes
 from dsv4.model.native import Layout, dspark_stage_layout, main_layer_layout, mtp_layout, top_level_layout
 from dsv4.model.presets import Variant, preset_config, with_variant
@@ -180,15 +180,17 @@ def write_checkpoint(
     seed: int = 0,
     sparse: bool = False,
     quiet: bool = True,
+    config_where: str = CONFIG_FILE,
 ) -> Path:
     """Write a native checkpoint (config.json, index, shards) into `out_dir` and return it.
 
     `config` (a full config.json dict) replaces `preset` when given; either way the
     variant sets "expert_dtype". `main_layers` is how many of the main decoder layers
     to write ("all" = num_hidden_layers); the embedding, head and MTP are always written.
+    `config_where` names the config in a refusal.
     """
     raw = _resolve_config(preset, config, variant)
-    cfg = ModelConfig.from_dict(raw)
+    cfg = ModelConfig.from_dict(raw, config_where)
     n_main = cfg.num_hidden_layers if main_layers == "all" else main_layers
     if not isinstance(n_main, int) or not 0 <= n_main <= cfg.num_hidden_layers:
         raise ValueError(f"main_layers must be 0..{cfg.num_hidden_layers} or 'all', not {main_layers!r}")
@@ -241,25 +243,26 @@ def synthesize(
             kind="output_exists",
             path=str(out),
         )
-    with config_errors(str(config_path) if config_path else f"preset {preset}"):
-        config = parse_config(config_path.read_bytes()) if config_path else None
-        try:
-            write_checkpoint(
-                out,
-                preset=preset,
-                config=config,
-                variant=variant,
-                main_layers=main_layers,
-                seed=seed,
-                sparse=sparse,
-                quiet=quiet,
-            )
-        except OSError as exc:  # a write's ENOSPC or EIO names no file: name OUT
-            raise OutputError(
-                f"{exc.filename or out}: {exc.strerror or exc}; the synthetic checkpoint in {out} is incomplete",
-                kind="write_failed",
-                path=str(out),
-            ) from None
+    where = str(config_path) if config_path else f"preset {preset}"  # names the config in a refusal
+    config = parse_config(config_path.read_bytes(), where) if config_path else None
+    try:
+        write_checkpoint(
+            out,
+            preset=preset,
+            config=config,
+            variant=variant,
+            main_layers=main_layers,
+            seed=seed,
+            sparse=sparse,
+            quiet=quiet,
+            config_where=where,
+        )
+    except OSError as exc:  # a write's ENOSPC or EIO names no file: name OUT
+        raise OutputError(
+            f"{exc.filename or out}: {exc.strerror or exc}; the synthetic checkpoint in {out} is incomplete",
+            kind="write_failed",
+            path=str(out),
+        ) from None
     raw = (out / INDEX_NAME).read_bytes()
     weight_map = load_index(raw, str(out / INDEX_NAME))
     return {

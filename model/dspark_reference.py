@@ -18,9 +18,8 @@ from pathlib import Path
 from typing import NamedTuple
 
 import torch
-from safetensors import safe_open
 
-from dsv4.model.checkpoint import local_weight_map
+from dsv4.model.checkpoint import Checkpoint
 from dsv4.model.config import ModelConfig
 from dsv4.model.reference import VOCAB_SLICE, NativeReference, _norm, _rotate, fp8_weight
 
@@ -78,23 +77,17 @@ class DSparkReference:
     """The DSpark draft computed straight from a native checkpoint directory."""
 
     def __init__(self, native_dir: str | Path, device: str | torch.device = "cpu") -> None:
-        root = Path(native_dir)
-        self.cfg = cfg = ModelConfig.from_file(root / "config.json")
+        checkpoint = Checkpoint(native_dir)
+        self.cfg = cfg = checkpoint.model_config
         if not cfg.is_dspark:
-            raise ValueError(f"{root / 'config.json'}: not a DSpark config (no dspark_* fields)")
+            raise ValueError(f"{checkpoint.config_path}: not a DSpark config (no dspark_* fields)")
         self.device = torch.device(device)
-        weight_map, _ = local_weight_map(root)
         stages = tuple(f"mtp.{s}." for s in range(cfg.dspark_stages))
-        wanted = sorted(k for k in weight_map if k in ("embed.weight", "head.weight") or k.startswith(stages))
-        self.t: dict[str, torch.Tensor] = {}
-        by_file: dict[str, list[str]] = {}
-        for k in wanted:
-            by_file.setdefault(weight_map[k], []).append(k)
-        # on the CPU, views of safetensors' private map: a page is read when first touched
-        for fname, keys in by_file.items():
-            with safe_open(root / fname, framework="pt", device="cpu") as f:
-                for k in keys:
-                    self.t[k] = f.get_tensor(k).to(self.device)
+        wanted = sorted(
+            k for k in checkpoint.headers.tensors if k in ("embed.weight", "head.weight") or k.startswith(stages)
+        )
+        # on the CPU, views of safetensors' private map of each shard: a page is read when first touched
+        self.t: dict[str, torch.Tensor] = checkpoint.load_tensors(wanted, device)
         self.stages = [_StageReference(cfg, self.t, p, self.device) for p in stages]
 
     @torch.no_grad()

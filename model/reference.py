@@ -19,10 +19,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
 
-from dsv4.model.checkpoint import local_weight_map
-from dsv4.model.config import ModelConfig
+from dsv4.model.checkpoint import Checkpoint
 
 VOCAB_SLICE = 8192  # rows of the head upcast to fp32 at once in compute_logits: 128 MiB at Flash size
 
@@ -88,24 +86,15 @@ class NativeReference:
     routing_log: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
     def __init__(self, native_dir: str | Path, device: str | torch.device = "cpu", block_index: int = 0) -> None:
-        root = Path(native_dir)
-        self.cfg = ModelConfig.from_file(root / "config.json")
+        checkpoint = Checkpoint(native_dir)
+        self.cfg = checkpoint.model_config
         self.device = torch.device(device)
         self.p = f"mtp.{block_index}."
-        weight_map, _ = local_weight_map(root)
-        wanted = {"embed.weight", "head.weight"}
+        listed = checkpoint.headers.tensors
         # Base checkpoints also carry mtp.{i}.emb.tok_emb / head: the draft uses the top-level ones
-        own = {k for k in weight_map if k.startswith(self.p) and not k.startswith((f"{self.p}emb.", f"{self.p}head."))}
-        by_file: dict[str, list[str]] = {}
-        for k in sorted(wanted | own):
-            by_file.setdefault(weight_map[k], []).append(k)
-        self.t: dict[str, torch.Tensor] = {}
-        # On the CPU .to() returns the tensor itself, a view of safetensors' private map of
-        # the file: nothing is copied and a page is read when the forward first touches it.
-        for fname, keys in by_file.items():
-            with safe_open(root / fname, framework="pt", device="cpu") as f:
-                for k in keys:
-                    self.t[k] = f.get_tensor(k).to(self.device)
+        own = {k for k in listed if k.startswith(self.p) and not k.startswith((f"{self.p}emb.", f"{self.p}head."))}
+        # on the CPU, views of safetensors' private map of each shard: a page is read when first touched
+        self.t: dict[str, torch.Tensor] = checkpoint.load_tensors(sorted({"embed.weight", "head.weight"} | own), device)
 
     def w(self, name: str) -> torch.Tensor:
         return self.t[self.p + name]

@@ -16,7 +16,7 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from dsv4.model import kernels
-from dsv4.model.config import ModelConfig, config_errors
+from dsv4.model.config import ModelConfig
 from dsv4.model.dspark import DraftBlock, DSparkDraft, target_features
 from dsv4.model.dspark_reference import DSparkReference, ReferenceBlock
 from dsv4.model.errors import LoadError
@@ -96,7 +96,7 @@ def run_smoke(
 
     for run in ("first", "warm"):
         h, report[f"forward_{run}_ms"] = _timed(dev, lambda: model(ids, positions, prev))
-        logits, report[f"logits_{run}_ms"] = _timed(dev, lambda: model.compute_logits(h))
+        logits, report[f"logits_{run}_ms"] = _timed(dev, lambda h=h: model.compute_logits(h))
     report["hidden_shape"], report["logits_shape"] = list(h.shape), list(logits.shape)
     where = f"{out_dir}"
     if tuple(h.shape) != (tokens, cfg.hc_dim):
@@ -121,8 +121,7 @@ def run_smoke(
         # resident, go before the reference maps the native ones (peak: the larger side)
         del model
         gc.collect()
-        with config_errors(f"{reference_dir}/config.json"):  # the reference reads the native config
-            ref, report["reference_load_ms"] = _timed(dev, lambda: NativeReference(reference_dir, dev))
+        ref, report["reference_load_ms"] = _timed(dev, lambda: NativeReference(reference_dir, dev))
         with logging_routing([ref], RoutingLog()) as ref_routing:
             h_ref, report["reference_forward_ms"] = _timed(dev, lambda: ref.forward(ids, positions, prev))
         logits_ref, report["reference_logits_ms"] = _timed(dev, lambda: ref.compute_logits(h_ref))
@@ -161,7 +160,8 @@ def read_target_features(path: str | Path, cfg: ModelConfig) -> torch.Tensor:
                 name = f"h_{layer}"
                 if name not in present:
                     raise LoadError(
-                        f"{path}: no tensor {name} (the target features are h_l for dspark_target_layer_ids {list(ids)})",
+                        f"{path}: no tensor {name} (the target features are h_l for dspark_target_layer_ids "
+                        f"{list(ids)})",
                         kind="missing_key",
                         path=str(path),
                         tensor=name,
@@ -187,7 +187,8 @@ def read_target_features(path: str | Path, cfg: ModelConfig) -> torch.Tensor:
                 t = t.to(torch.bfloat16)
                 if not bool(torch.isfinite(t).all()):  # else the draft's output is non-finite and the checkpoint blamed
                     raise LoadError(
-                        f"{path}: tensor {name} holds {int((~torch.isfinite(t)).sum()):,} non-finite value(s) (NaN or Inf, in bf16): target features are finite",
+                        f"{path}: tensor {name} holds {int((~torch.isfinite(t)).sum()):,} non-finite value(s) (NaN "
+                        "or Inf, in bf16): target features are finite",
                         kind="load_failed",
                         path=str(path),
                         tensor=name,
@@ -262,7 +263,8 @@ def run_dspark_smoke(
     report["draft_tokens"] = tokens.tolist()
     if tuple(h.shape) != (B, cfg.hc_dim) or tuple(logits.shape) != (B, cfg.vocab_size) or tuple(tokens.shape) != (B,):
         raise LoadError(
-            f"{out_dir}: the draft returned hidden {list(h.shape)}, logits {list(logits.shape)}, tokens {list(tokens.shape)}; expected {[B, cfg.hc_dim]}, {[B, cfg.vocab_size]}, {[B]}",
+            f"{out_dir}: the draft returned hidden {list(h.shape)}, logits {list(logits.shape)}, tokens "
+            f"{list(tokens.shape)}; expected {[B, cfg.hc_dim]}, {[B, cfg.vocab_size]}, {[B]}",
             kind="smoke_output",
             path=str(out_dir),
         )
@@ -276,15 +278,14 @@ def run_dspark_smoke(
     if reference_dir is not None:
         # both sides at once: dspark_against_reference runs the model again with the
         # reference's routing where they differ on a near-tie (model/parity.py)
-        with config_errors(f"{reference_dir}/config.json"):  # the reference reads the native config
-            ref, report["reference_load_ms"] = _timed(dev, lambda: DSparkReference(reference_dir, dev))
+        ref, report["reference_load_ms"] = _timed(dev, lambda: DSparkReference(reference_dir, dev))
         (mine, out, routing), report["reference_draft_ms"] = _timed(
             dev, lambda: dspark_against_reference(model, ref, feats, ctx, anchor)
         )
         report["reference"] = str(reference_dir)
         report.update(dspark_parity(mine, out, routing))
         report["reference_draft_tokens"] = out.draft_tokens.tolist()
-        same = [a == b for a, b in zip(report["draft_tokens"], report["reference_draft_tokens"])]
+        same = [a == b for a, b in zip(report["draft_tokens"], report["reference_draft_tokens"], strict=True)]
         # greedy drafting conditions each token on the one before: after a first disagreement
         # the rest compare different continuations
         report["draft_tokens_agree_to"] = same.index(False) if False in same else B

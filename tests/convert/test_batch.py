@@ -30,11 +30,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 from inprocess import run_main, run_one_line
 
-from dsv4.convert.batch import Manifest, Source, load_manifest, run_check, select_shard, shard_from_env
+from dsv4.convert.batch import Manifest, ManifestEntry, load_manifest, run_check, select_shard, shard_from_env
 from dsv4.convert.errors import CheckError, HubError
-from dsv4.convert.pipeline import CONVERSION_RECORD, convert
+from dsv4.convert.pipeline import convert
 from dsv4.convert.sizes import MAX_SHARD_SIZE
 from dsv4.convert.synth import write_checkpoint
+from dsv4.model.record import CONVERSION_RECORD
 
 TOKEN = "hf_fakeTokenThatMustNeverBeWritten1234"
 REPOS = ("org/alpha", "org/beta", "org/gamma")  # gamma starts broken (a half DSpark checkpoint: exit 35)
@@ -197,8 +198,8 @@ def test_two_shards_cover_every_repo_exactly_once(hub: FakeHub, tmp_path: Path) 
     assert sorted(planned) == sorted(REPOS) and len(planned) == len(set(planned))
 
 
-def _sources(n: int) -> list[Source]:
-    return [Source(f"org/m{k:03d}", None, Path(f"m{k}"), None) for k in range(n)]
+def _sources(n: int) -> list[ManifestEntry]:
+    return [ManifestEntry(f"org/m{k:03d}", None, Path(f"m{k}"), None) for k in range(n)]
 
 
 @pytest.mark.parametrize("count", [1, 2, 3, 5, 8])

@@ -40,7 +40,8 @@ from inprocess import one_error_line, run_in_subprocess_one_line, run_main
 from dsv4.convert.check import _Context, check_checksums, check_index, check_readable, check_sizes, run_checks
 from dsv4.convert.cli import cli
 from dsv4.convert.exit_codes import exit_code
-from dsv4.convert.pipeline import convert, read_record
+from dsv4.convert.output import read_record
+from dsv4.convert.pipeline import convert
 from dsv4.convert.synth import write_checkpoint
 
 # "serve" (check --serve-with, its tests below) is the last check; not asked for here, it skips
@@ -353,9 +354,9 @@ def check_record(ctx: _Context, raw: bytes) -> dict[str, Any] | None:
 
 def assert_accepted_record_is_true(ctx: _Context, record: dict[str, Any]) -> None:
     """Passing both checks means the record lists exactly the shards' tensors, right."""
-    assert ctx.inv is not None
-    assert set(record["tensors"]) == set(ctx.inv.tensors)
-    for name, src in ctx.inv.tensors.items():
+    assert ctx.headers is not None
+    assert set(record["tensors"]) == set(ctx.headers.tensors)
+    for name, src in ctx.headers.tensors.items():
         entry = record["tensors"][name]
         assert (entry["file"], entry["nbytes"], entry["sha256"]) == (src.file, src.nbytes, ctx.hashes[name])
 
@@ -653,6 +654,18 @@ def test_another_architecture_fails_naming_the_field(pair: tuple[Path, Path], tm
     result = serve_result(draft, target)
     assert (result.status, result.exit_code) == ("fail", 86)
     assert "num_hidden_layers is 3, the draft's is 2" in result.reason
+
+
+def test_a_target_config_that_is_not_a_json_object_is_named_once(pair: tuple[Path, Path], tmp_path: Path) -> None:
+    # config errors carry their file (model/config.py): the reason must not say the path twice
+    _, draft = pair
+    target = tmp_path / "config.json"
+    target.write_text("[]")
+    result = serve_result(draft, target)
+    assert (result.status, result.exit_code) == ("fail", 86)
+    assert result.reason == (
+        f"{target}: cannot read the target's config: the top level is [] (a list); expected a JSON object"
+    )
 
 
 def test_not_asked_or_not_a_draft_directory_skips(pair: tuple[Path, Path], tmp_path: Path) -> None:

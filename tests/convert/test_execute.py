@@ -16,13 +16,14 @@ import pytest
 
 from dsv4.convert import execute, pipeline
 from dsv4.convert.execute import CHUNK, schedule
-from dsv4.convert.plan import Piece, PlannedTensor
-from dsv4.convert.readers import DIRECT_ALIGN, LocalReader
+from dsv4.convert.local import DIRECT_ALIGN, LocalReader
+from dsv4.convert.plan import PlannedTensor
 from dsv4.model.errors import CheckpointError
+from dsv4.model.safetensors_header import TensorBytes
 
 
 def tensor(name: str, nbytes: int) -> PlannedTensor:
-    return PlannedTensor(name, "U8", (nbytes,), (Piece(name, "f", 0, nbytes),), "rename", "r")
+    return PlannedTensor(name, "U8", (nbytes,), (TensorBytes(name, "f", "U8", (nbytes,), 0, nbytes),), "rename", "r")
 
 
 def test_schedule_reads_the_largest_tensors_first_several_at_a_time() -> None:

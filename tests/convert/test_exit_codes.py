@@ -11,11 +11,11 @@ from pathlib import Path
 import dsv4
 from dsv4.convert import errors as convert_errors
 from dsv4.convert.exit_codes import EXIT_CODES, INTERNAL_ERROR, code_of, exit_code
-from dsv4.convert.inventory import tensors_from_header
 from dsv4.mapping import errors as mapping_errors
 from dsv4.model import config
 from dsv4.model import errors as model_errors
 from dsv4.model.presets import preset_config
+from dsv4.model.safetensors_header import tensors_from_header
 
 ROOT = Path(dsv4.__file__).resolve().parent  # the repository: the package is its root folder
 README = ROOT / "README.md"
@@ -141,6 +141,6 @@ def test_a_config_error_carries_its_field() -> None:
     try:
         config.ModelConfig.from_dict({**preset_config("tiny"), "hidden_size": "256"})
     except model_errors.CheckpointError as exc:
-        assert exc.fields() == {"kind": "malformed_config", "field": "hidden_size"}
+        assert exc.fields() == {"kind": "malformed_config", "path": "config.json", "field": "hidden_size"}
     else:
         raise AssertionError("a string hidden_size was accepted")

@@ -19,12 +19,14 @@ from hubserver import QUICK_RETRIES, FakeHub, Fault, hub_env, on, run_cli
 from dsv4.convert.errors import HubError
 from dsv4.convert.hub import SPECULATIVE_HEADER_BYTES
 from dsv4.convert.inventory import read_inventory
-from dsv4.convert.location import HubSpec, parse_hub_spec
-from dsv4.convert.pipeline import CONVERSION_RECORD, convert
+from dsv4.convert.location import parse_hub_spec
+from dsv4.convert.pipeline import convert
 from dsv4.convert.plan import plan_conversion
+from dsv4.convert.source import HubSpec
 from dsv4.convert.synth import write_checkpoint
 from dsv4.mapping.table import load_table
 from dsv4.model.checkpoint import INDEX_NAME
+from dsv4.model.record import CONVERSION_RECORD
 
 REPO = "org/tiny"
 COMPARED = ("config.json", INDEX_NAME)  # plus every shard; conversion.json names the source, so it differs
@@ -393,6 +395,25 @@ def test_offline_mode_converts_from_the_cache_when_the_pinned_files_are_there(
     assert json.loads((tmp_path / "out" / CONVERSION_RECORD).read_text())["source"]["revision"] == commit
     r = run_cli("convert", REPO, str(tmp_path / "out"), env=hub_env(hub, tmp_path / "hf2"))  # online, another cache
     assert r.returncode == 0 and "already up to date" in r.stdout, r.stderr  # the same source, either way
+
+
+def test_an_output_converted_offline_from_the_cache_names_the_hub_repository_as_its_source(
+    native: Path, hub: FakeHub, tmp_path: Path
+) -> None:
+    """conversion.json names the repository and commit however the files were read (was: the
+    cache's snapshot folder, i.e. the commit, as if it were a local directory; so batch, which
+    looks for hub:org/name, converted the repository again)."""
+    from huggingface_hub import snapshot_download
+
+    commit = hub.commit_dir(REPO, native / "seed0")
+    snapshot_download(REPO, cache_dir=tmp_path / "hf" / "hub", endpoint=hub.url)
+    online, offline = tmp_path / "online", tmp_path / "offline"
+    assert run_cli("convert", REPO, str(online), env=hub_env(hub, tmp_path / "hf2")).returncode == 0
+    r = run_cli("convert", REPO, str(offline), env=hub_env(hub, tmp_path / "hf", HF_HUB_OFFLINE="1"))
+    assert r.returncode == 0, r.stderr
+    source = json.loads((offline / CONVERSION_RECORD).read_text())["source"]
+    assert (source["location"], source["revision"]) == (f"hub:{REPO}", commit)
+    assert source == json.loads((online / CONVERSION_RECORD).read_text())["source"]
 
 
 # --- issue 18 item 3: --verify-source ------------------------------------------------------------

@@ -35,11 +35,13 @@ from safetensors.torch import save_file
 
 from dsv4.convert.check import run_checks
 from dsv4.convert.exit_codes import code_of
-from dsv4.convert.inventory import MAX_HEADER, parse_header, read_inventory, read_local_header
+from dsv4.convert.inventory import read_inventory
 from dsv4.model import errors as model_errors
-from dsv4.model.checkpoint import INDEX_NAME, load_index
+from dsv4.model.checkpoint import INDEX_NAME, load_index, read_local_header
 from dsv4.model.dtypes import ITEMSIZE, SAFETENSORS_NAMES, nbytes, tensor_bytes
 from dsv4.model.errors import CheckpointError
+from dsv4.model.loader import load_converted
+from dsv4.model.safetensors_header import MAX_HEADER, parse_header
 
 CONFIG = {"model_type": "deepseek_v4"}
 
@@ -544,6 +546,37 @@ def test_check_refuses_a_gap_with_the_inventorys_rule(tmp_path: Path) -> None:
     failed = report.failures[0]
     assert (failed.name, report.exit_code) == ("index", code_of("index_check"))
     assert f"{shard}: data bytes 2..3 before tensor b belong to no tensor" in failed.reason
+
+
+def test_the_inventory_check_and_the_loader_refuse_one_malformed_header_alike(
+    tiny_pair: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """The first tensor of a converted shard dropped from its header (and from the index):
+    its bytes belong to no tensor. All three read headers through the one parser
+    (model/safetensors_header.py), so all three give the same one-line malformed_header.
+    Before it, the loader read the index its own way and said missing_key instead."""
+    out = Path(shutil.copytree(tiny_pair[1], tmp_path / "converted"))
+    index = json.loads((out / INDEX_NAME).read_text())
+    shard = sorted(set(index["weight_map"].values()))[0]
+    text, data = header_text(out / shard)
+    header = json.loads(text)
+    first = min((n for n in header if n != "__metadata__"), key=lambda n: header[n]["data_offsets"][0])
+    del header[first]
+    (out / shard).write_bytes(shard_bytes(header, data))
+    del index["weight_map"][first]
+    (out / INDEX_NAME).write_text(json.dumps(index))
+
+    with pytest.raises(model_errors.CheckpointError) as by_inventory:
+        read_inventory(out)
+    assert by_inventory.value.kind == "malformed_header"
+    with pytest.raises(model_errors.CheckpointError) as by_loader:
+        load_converted(out, "cpu")
+    assert by_loader.value.kind == "malformed_header"
+    said = str(by_inventory.value)
+    assert said.startswith(f"{shard}: data bytes 0..") and "belong to no tensor" in said and "\n" not in said
+    assert str(by_loader.value) == said
+    report = run_checks(out)
+    assert (report.failures[0].name, report.failures[0].reason) == ("index", said)
 
 
 EXAMPLES = 250

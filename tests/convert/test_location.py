@@ -11,7 +11,8 @@ import pytest
 from hubserver import FakeHub, hub_env, run_cli
 from inprocess import run_main
 
-from dsv4.convert.location import HubSpec, locate, parse_hub_spec
+from dsv4.convert.location import locate, parse_hub_spec
+from dsv4.convert.source import HubSpec
 from dsv4.model.errors import CheckpointError
 
 

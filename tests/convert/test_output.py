@@ -40,6 +40,7 @@ from dsv4.convert import pipeline
 from dsv4.convert.check import run_checks
 from dsv4.convert.errors import HubError
 from dsv4.convert.exit_codes import code_of
+from dsv4.convert.location import open_source
 from dsv4.convert.output import claim_output
 from dsv4.convert.pipeline import convert
 from dsv4.convert.synth import write_checkpoint
@@ -500,9 +501,8 @@ def test_a_source_file_changed_mid_run_is_refused_and_a_rerun_converts_the_settl
     change: Callable[[Path], None], said: str, tiny_native: Path, tmp_path: Path, run, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     src, out = Path(shutil.copytree(tiny_native, tmp_path / "src")), tmp_path / "out"
-    inv, reader = pipeline.open_source(src)
-    plan = pipeline.plan_source(inv, reader, "xpu")
-    reader.close()
+    with open_source(src) as source:
+        plan = pipeline.plan_source(source, "xpu")
     shard = src / plan.files_needed[-1]  # a file the conversion reads tensor bytes from
     os.utime(shard, ns=(10**18, 10**18))  # set long ago: any rewrite moves the time, however coarse the clock
     at_first_write(monkeypatch, lambda: change(shard))

@@ -21,6 +21,7 @@ from dsv4.convert.pipeline import convert
 from dsv4.convert.plan import plan_conversion
 from dsv4.convert.writer import ShardWriter
 from dsv4.mapping.table import load_table
+from dsv4.model import errors as model_errors
 from dsv4.model.checkpoint import INDEX_NAME
 
 L = "model.layers.2."  # tiny: num_hidden_layers = 2
@@ -206,7 +207,7 @@ def test_round_trip_is_byte_identical(tiny_native: Path, tiny_xpu: Path, tmp_pat
     back = tmp_path / "back"
     result = convert(tiny_xpu, back, reverse=True)
     n, b = load_all(tiny_native), load_all(back)
-    used = {p.source for t in plan_conversion(read_inventory(tiny_native), load_table()).tensors for p in t.pieces}
+    used = {p.name for t in plan_conversion(read_inventory(tiny_native), load_table()).tensors for p in t.pieces}
     assert set(b) == used
     for name, t in b.items():
         assert t.dtype == n[name].dtype and t.shape == n[name].shape, name
@@ -370,3 +371,53 @@ assert report.ok, report.summary()
 """
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+# --- issue 21 item 2: a source is one object with a lifetime -----------------------------------
+@pytest.fixture
+def closes(monkeypatch: pytest.MonkeyPatch) -> list[object]:
+    """Every LocalReader, each time it is closed (convert/source.py: Source.close); kept
+    alive here, so two readers are never the same object."""
+    from dsv4.convert import local
+
+    closed: list[object] = []
+    close = local.LocalReader.close
+
+    def counted(self: local.LocalReader) -> None:
+        closed.append(self)
+        close(self)
+
+    monkeypatch.setattr(local.LocalReader, "close", counted)
+    return closed
+
+
+def _interrupting_bar(total: int, done: int, quiet: bool) -> None:
+    raise KeyboardInterrupt  # Ctrl-C once the source is open and planned, before a byte is written
+
+
+def test_a_source_is_closed_exactly_once_on_every_path(
+    tiny_native: Path, tmp_path: Path, closes: list[object], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from dsv4.convert import pipeline
+    from dsv4.convert.pipeline import dry_run
+
+    convert(tiny_native, tmp_path / "ok")  # success
+    assert len(closes) == 1
+    dry_run(tiny_native, tmp_path / "preview")  # plans, writes nothing
+    assert len(closes) == 2 and closes[0] is not closes[1]
+    with pytest.raises(model_errors.DSV4Error):  # the plan is refused: a native checkpoint has no layout record
+        convert(tiny_native, tmp_path / "reverse", reverse=True)
+    assert len(closes) == 3
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for p in tiny_native.iterdir():
+        (broken / p.name).write_bytes(p.read_bytes())
+    os.truncate(broken / "model-00005-of-00005.safetensors", 4)  # its header cannot be read: the inventory fails
+    with pytest.raises(model_errors.CheckpointError) as raised:
+        convert(broken, tmp_path / "from-broken")
+    assert raised.value.kind == "truncated_shard"
+    assert len(closes) == 4  # the reader exists before the headers are read (it notes the files first)
+    monkeypatch.setattr(pipeline, "progress_bar", _interrupting_bar)
+    with pytest.raises(KeyboardInterrupt):
+        convert(tiny_native, tmp_path / "interrupted")
+    assert len(closes) == 5 and len({id(r) for r in closes}) == 5  # five sources, each closed once

@@ -13,7 +13,7 @@ import pytest
 from spec02 import spec_layout
 
 from dsv4.convert import errors
-from dsv4.convert.inventory import Inventory, TensorSource, read_inventory
+from dsv4.convert.inventory import Inventory, read_inventory
 from dsv4.convert.plan import plan_conversion
 from dsv4.convert.synth import write_checkpoint
 from dsv4.mapping.table import load_table
@@ -21,6 +21,7 @@ from dsv4.model import errors as model_errors
 from dsv4.model import layout
 from dsv4.model.config import ModelConfig
 from dsv4.model.presets import preset_config
+from dsv4.model.safetensors_header import TensorBytes
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +39,7 @@ def test_plan_yields_the_41_spec_parameters(preset: str, variant: str, table, tm
     assert {t.name: (t.dtype, t.shape) for t in plan.tensors} == spec_layout(cfg)
     assert not [t for t in plan.tensors if "norm_gate" in t.name]
     # every source key under mtp. is consumed exactly once or skipped with its reason
-    consumed = Counter(p.source for t in plan.tensors for p in t.pieces)
+    consumed = Counter(p.name for t in plan.tensors for p in t.pieces)
     mtp_keys = {k for k in inv.tensors if k.startswith("mtp.")}
     for key in mtp_keys:
         assert (consumed[key] == 1) != (key in plan.skipped), key
@@ -51,26 +52,26 @@ def test_plan_yields_the_41_spec_parameters(preset: str, variant: str, table, tm
 
 def test_gate_bias_lands_on_e_score_correction_bias(tiny_native: Path, table) -> None:
     plan = plan_conversion(read_inventory(tiny_native), table)
-    (t,) = [t for t in plan.tensors if t.pieces[0].source == "mtp.0.ffn.gate.bias"]
+    (t,) = [t for t in plan.tensors if t.pieces[0].name == "mtp.0.ffn.gate.bias"]
     assert t.name == "model.layers.2.mtp_block.ffn.gate.e_score_correction_bias"
 
 
 def test_pieces_follow_the_ops(tiny_native: Path, table) -> None:
     plan = {t.name: t for t in plan_conversion(read_inventory(tiny_native), table).tensors}
     fused = plan["model.layers.2.mtp_block.attn.fused_wqa_wkv.weight"]
-    assert [p.source for p in fused.pieces] == ["mtp.0.attn.wq_a.weight", "mtp.0.attn.wkv.weight"]
+    assert [p.name for p in fused.pieces] == ["mtp.0.attn.wq_a.weight", "mtp.0.attn.wkv.weight"]
     w13 = plan["model.layers.2.mtp_block.ffn.experts.routed_experts.w13_weight"]
-    assert [p.source for p in w13.pieces[:4]] == [
+    assert [p.name for p in w13.pieces[:4]] == [
         "mtp.0.ffn.experts.0.w1.weight",
         "mtp.0.ffn.experts.0.w3.weight",
         "mtp.0.ffn.experts.1.w1.weight",
         "mtp.0.ffn.experts.1.w3.weight",
     ]
-    assert plan["model.embed_tokens.weight"].pieces[0].source == "embed.weight"
-    assert plan["model.layers.2.shared_head.head.weight"].pieces[0].source == "head.weight"
+    assert plan["model.embed_tokens.weight"].pieces[0].name == "embed.weight"
+    assert plan["model.layers.2.shared_head.head.weight"].pieces[0].name == "head.weight"
 
 
-def with_tensors(inv: Inventory, tensors: dict[str, TensorSource]) -> Inventory:
+def with_tensors(inv: Inventory, tensors: dict[str, TensorBytes]) -> Inventory:
     return dataclasses.replace(inv, tensors=tensors)
 
 

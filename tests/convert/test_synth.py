@@ -22,6 +22,7 @@ from safetensors import safe_open
 from dsv4.convert import synth
 from dsv4.convert.cli import cli
 from dsv4.convert.synth import INDEX_NAME, pack_e2m1, write_checkpoint
+from dsv4.model.checkpoint import Checkpoint
 from dsv4.model.config import ModelConfig
 from dsv4.model.presets import PRESETS, preset_config
 
@@ -164,7 +165,7 @@ def test_safetensors_reads_every_tensor(name: str, request: pytest.FixtureReques
 
 
 def test_tiny_values_are_sane(tiny: Path) -> None:
-    cfg = ModelConfig.from_file(tiny / "config.json")
+    cfg = Checkpoint(tiny).model_config
     tensors = load_all(tiny)
     for n, t in tensors.items():
         raw = t.view(torch.uint8)

@@ -251,12 +251,12 @@ def test_plan_is_spec_04_and_the_models_layout(native: Path, cfg: ModelConfig) -
     plan = plan_conversion(read_inventory(native), load_table("xpu_dspark"))
     spec = spec04_sources(cfg)
     assert len(spec) == 98
-    assert {t.name: [p.source for p in t.pieces] for t in plan.tensors} == spec
+    assert {t.name: [p.name for p in t.pieces] for t in plan.tensors} == spec
     assert {t.name: (t.dtype, t.shape) for t in plan.tensors} == target_layout(cfg)
     assert plan.skipped["mtp.2.confidence_head.proj.weight"].startswith("confidence head: NVIDIA only")
     skipped_top = {k for k in plan.skipped if not k.startswith(("layers.", "mtp."))}
     assert skipped_top == {"norm.weight", "hc_head_fn", "hc_head_base", "hc_head_scale"}
-    consumed = [p.source for t in plan.tensors for p in t.pieces]
+    consumed = [p.name for t in plan.tensors for p in t.pieces]
     assert len(consumed) == len(set(consumed))  # every source read once
     assert set(consumed) | set(plan.skipped) == set(read_inventory(native).tensors)
 

@@ -1,9 +1,9 @@
-"""Reading planned byte ranges from a checkpoint: a local directory or a model hub repo.
+"""Local sources: a checkpoint directory, opened as a Source (convert/source.py).
 
-The executor reads exact byte ranges (never whole shards), so readers are positional:
+The executor reads exact byte ranges (never whole shards), so the reader is positional:
 `read_into(file, offset, buffer)` fills the buffer from that offset and counts the bytes.
-A local reader also has `read_view`, which reads with direct I/O (the disk writes into the
-buffer itself: no copy through the page cache) and returns the view of the bytes asked for.
+It also has `read_view`, which reads with direct I/O (the disk writes into the buffer
+itself: no copy through the page cache) and returns the view of the bytes asked for.
 """
 
 from __future__ import annotations
@@ -12,23 +12,18 @@ import errno
 import os
 import threading
 from pathlib import Path
-from typing import Protocol
 
 from dsv4.convert.errors import PlanError
+from dsv4.convert.inventory import read_inventory
+from dsv4.convert.source import Source
 from dsv4.model.errors import CheckpointError
 
 
-class ByteReader(Protocol):
-    bytes_read: int
-
-    def read_into(self, file: str, offset: int, buf: memoryview) -> None: ...
-
-    def fingerprint(self, files: list[str]) -> dict[str, object]:
-        """What identifies the source's content: its location and, per file read, its size
-        plus what changes with its content (mtime locally, the commit on a hub)."""
-        ...
-
-    def close(self) -> None: ...
+def open_local(root: Path) -> Source:
+    """Checkpoint directory `root` (index + shards, or one model.safetensors) as a Source:
+    its inventory from config.json, the index and each shard's header, and a LocalReader."""
+    reader = LocalReader(root)  # first: it notes each file before a header is read
+    return Source(root, reader, lambda: read_inventory(root))
 
 
 def _identity(info: os.stat_result) -> tuple[int, int, int, int, int]:
@@ -178,7 +173,8 @@ class LocalReader:
             if not now or changed is not None:
                 what = "was removed" if not now else _what_changed(noted, changed)
                 raise PlanError(
-                    f"{path}: the source file {what} during the conversion; nothing was published: rerun once the source no longer changes",
+                    f"{path}: the source file {what} during the conversion; nothing was published: rerun once the "
+                    "source no longer changes",
                     kind="source_changed",
                     path=str(path),
                 )
