@@ -57,16 +57,12 @@ _SHORT.maxdict, _SHORT.maxlevel = 3, 2
 def _malformed(where: str, field: str | None, message: str) -> CheckpointError:
     """A field missing, of the wrong type, out of range or contradicting another (exit 18): one
     line headed by the file, `field` kept for a program to read (DSV4Error.fields)."""
-    exc = CheckpointError(f"{where}: {message}", kind="malformed_config", path=where)
-    exc.field = field
-    return exc
+    return CheckpointError(f"{where}: {message}", kind="malformed_config", path=where, field=field)
 
 
 def _unsupported(where: str, field: str, message: str) -> CheckpointError:
     """A well-formed value this tool has no layout for (exit 35), headed by the file."""
-    exc = CheckpointError(f"{where}: {message}", kind="unsupported_layout", path=where)
-    exc.field = field
-    return exc
+    return CheckpointError(f"{where}: {message}", kind="unsupported_layout", path=where, field=field)
 
 
 def _describe(value: Any) -> str:
