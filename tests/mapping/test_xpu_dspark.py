@@ -15,6 +15,7 @@ import pytest
 import torch
 from dspark_fixtures import write_half_dspark
 from inprocess import run_main
+from quant_configs import FP8_BLOCK, INT4_GROUP
 from tensors import load_all
 
 from dsv4.convert import quant_config as quant
@@ -377,26 +378,6 @@ def test_quantisation_layer_names_of_the_dspark_draft(cfg: ModelConfig) -> None:
         } <= names
 
 
-CT_FP8 = {
-    "num_bits": 8,
-    "type": "float",
-    "symmetric": True,
-    "strategy": "block",
-    "block_structure": [128, 128],
-    "dynamic": False,
-    "observer": "static_minmax",
-}
-CT_INT4 = {
-    "num_bits": 4,
-    "type": "int",
-    "symmetric": True,
-    "strategy": "group",
-    "group_size": 32,
-    "dynamic": False,
-    "observer": "minmax",
-}
-
-
 def test_a_compressed_tensors_config_is_carried_to_the_dspark_layer_names(tmp_path: Path) -> None:
     pytest.importorskip("compressed_tensors.utils.match")
     qc: dict[str, Any] = {
@@ -405,14 +386,14 @@ def test_a_compressed_tensors_config_is_carried_to_the_dspark_layer_names(tmp_pa
         "config_groups": {
             "experts": {
                 "targets": [r"re:^(layers|mtp)\.\d+\.ffn\.experts\.\d+\.w[123]$"],
-                "weights": CT_INT4,
+                "weights": INT4_GROUP,
                 "format": "pack-quantized",
             },
             "fp8": {
                 "targets": [
                     r"re:^(layers|mtp)\.\d+\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b)|ffn\.shared_experts\.w[123]|main_proj)$"
                 ],
-                "weights": CT_FP8,
+                "weights": FP8_BLOCK,
                 "format": "float-quantized",
             },
         },
