@@ -614,45 +614,15 @@ def test_a_features_file_that_is_not_safetensors_is_a_load_error(tmp_path):
 @pytest.mark.slow
 def test_the_smoke_command_drafts_a_block_and_compares_with_the_native_reference(tiny_dspark, monkeypatch, capsys):
     native, converted = tiny_dspark[0]
-    code, out, err = run_main(
-        monkeypatch,
-        capsys,
-        "smoke",
-        converted,
-        "--device",
-        "cpu",
-        "--tokens",
-        "12",
-        "--position",
-        "30",
-        "--native",
-        native,
-        "--seed",
-        "4",
-        "--json",
-    )
+    smoke = ("smoke", converted, "--device", "cpu", "--tokens", "12", "--position", "30", "--native", native)
+    code, out, err = run_main(monkeypatch, capsys, *smoke, "--seed", "4", "--json")
     assert (code, err) == (0, ""), err
     report = json.loads(out)
     cfg = Checkpoint(converted).model_config
     assert report["layout"] == "dspark" and len(report["draft_tokens"]) == cfg.dspark_block_size
     assert report["draft_tokens"] == report["reference_draft_tokens"] and report["draft_token_agreement"] == 1.0
     assert report["block_positions"] == list(range(42, 42 + cfg.dspark_block_size))  # p+1..p+B after the context 30..41
-    code, out, _ = run_main(
-        monkeypatch,
-        capsys,
-        "smoke",
-        converted,
-        "--device",
-        "cpu",
-        "--tokens",
-        "12",
-        "--position",
-        "30",
-        "--native",
-        native,
-        "--seed",
-        "4",
-    )
+    code, out, _ = run_main(monkeypatch, capsys, *smoke, "--seed", "4")
     assert code == 0 and f"draft tokens {report['draft_tokens']}" in out and "agreement 1.000" in out
 
 
