@@ -308,17 +308,6 @@ def test_overlapping_offsets_one_norm_reading_another_norms_bytes(tiny_native: P
     assert not (tmp_path / "out").exists()
 
 
-def test_overlap_inside_another_tensor(tmp_path: Path, tiny_native: Path) -> None:
-    a, b = entry("U8", [8], 0, 8), entry("U8", [2], 3, 5)
-    root = single_file(tmp_path / "c", tiny_native / "config.json", shard_bytes({"a": a, "b": b}, bytes(8)))
-    with pytest.raises(
-        model_errors.CheckpointError,
-        match=r"model.safetensors: tensor b: data_offsets \[3, 5\] overlap tensor a's \[0, 8\]",
-    ) as raised:
-        read_inventory(root)
-    assert raised.value.kind == "malformed_header"
-
-
 def test_gap_in_the_data_section(tiny_native: Path, tmp_path: Path) -> None:
     """A header that forgets a tensor leaves its bytes owned by nobody."""
     src = native_copy(tiny_native, tmp_path / "src")
@@ -338,27 +327,37 @@ def test_gap_in_the_data_section(tiny_native: Path, tmp_path: Path) -> None:
     assert raised.value.kind == "malformed_header"
 
 
-def test_data_section_must_start_at_zero(tmp_path: Path, tiny_native: Path) -> None:
-    root = single_file(
-        tmp_path / "c", tiny_native / "config.json", shard_bytes({"a": entry("U8", [2], 2, 4)}, bytes(4))
-    )
-    with pytest.raises(
-        model_errors.CheckpointError, match=r"data bytes 0..2 before tensor a belong to no tensor"
-    ) as raised:
-        read_inventory(root)
-    assert raised.value.kind == "malformed_header"
+# one shard whose tensors do not tile its data section: (header, data length, the refusal)
+UNTILED_SHARDS = [
+    pytest.param(
+        {"a": entry("U8", [8], 0, 8), "b": entry("U8", [2], 3, 5)},
+        8,
+        r"model.safetensors: tensor b: data_offsets \[3, 5\] overlap tensor a's \[0, 8\]",
+        id="overlap-inside-another-tensor",
+    ),
+    pytest.param(
+        {"a": entry("U8", [2], 2, 4)},
+        4,
+        r"data bytes 0..2 before tensor a belong to no tensor",
+        id="data-section-must-start-at-zero",
+    ),
+    # safetensors refuses a file its tensors do not cover to the end (MetadataIncompleteBuffer)
+    pytest.param(
+        {"a": entry("U8", [2], 0, 2)},
+        3,
+        r"model.safetensors: data bytes 2..3 after the last tensor belong to no tensor",
+        id="bytes-after-the-last-tensor",
+    ),
+]
 
 
-def test_bytes_after_the_last_tensor_are_refused_as_safetensors_does(tmp_path: Path, tiny_native: Path) -> None:
-    """safetensors refuses a file its tensors do not cover to the end (MetadataIncompleteBuffer)."""
-    root = single_file(
-        tmp_path / "c", tiny_native / "config.json", shard_bytes({"a": entry("U8", [2], 0, 2)}, bytes(3))
-    )
+@pytest.mark.parametrize(("header", "data_len", "message"), UNTILED_SHARDS)
+def test_a_shard_its_tensors_do_not_tile_is_refused_as_safetensors_does(
+    header: dict, data_len: int, message: str, tmp_path: Path, tiny_native: Path
+) -> None:
+    root = single_file(tmp_path / "c", tiny_native / "config.json", shard_bytes(header, bytes(data_len)))
     assert safetensors_refuses(root / "model.safetensors")
-    with pytest.raises(
-        model_errors.CheckpointError,
-        match=r"model.safetensors: data bytes 2..3 after the last tensor belong to no tensor",
-    ) as raised:
+    with pytest.raises(model_errors.CheckpointError, match=message) as raised:
         read_inventory(root)
     assert raised.value.kind == "malformed_header"
 
