@@ -67,66 +67,59 @@ def test_norm_rules_are_anchored(key: str) -> None:
     )
 
 
-def test_old_buggy_norm_gate_entries_are_rejected(tmp_path: Path) -> None:
-    """vLLM's XPU remap sent ffn.gate.tid2eid into ffn.norm_gate: the MTP block has no
-    tid2eid, so such a rule can never fire: the loader names it as dead."""
-    bad = add_to_section("rename", '"mtp.{i}.ffn.gate.tid2eid" = "model.layers.{L}.mtp_block.ffn.norm_gate.tid2eid"')
-    with pytest.raises(
-        mapping_errors.TableError, match=r"\[rename\] model.layers.\{L\}.mtp_block.ffn.norm_gate.tid2eid.*dead rule"
-    ) as raised:
-        load_table_file(table_with(tmp_path, bad))
-    assert raised.value.kind == "dead_rule"
-
-
-def test_rule_reading_a_norm_gate_source_is_dead(tmp_path: Path) -> None:
-    bad = add_to_section("skip", '"mtp.{i}.ffn.norm_gate.{rest}" = "old remap"')
-    with pytest.raises(mapping_errors.TableError, match=r"mtp.\{i\}.ffn.norm_gate") as raised:
-        load_table_file(table_with(tmp_path, bad))
-    assert raised.value.kind == "dead_rule"
-
-
-def test_target_that_is_not_a_parameter(tmp_path: Path) -> None:
+# a bad table is refused when loaded: (its text, the refusal's message, its kind)
+BAD_TABLES = [
+    # vLLM's XPU remap sent ffn.gate.tid2eid into ffn.norm_gate: the MTP block has no
+    # tid2eid, so such a rule can never fire: the loader names it as dead
+    pytest.param(
+        add_to_section("rename", '"mtp.{i}.ffn.gate.tid2eid" = "model.layers.{L}.mtp_block.ffn.norm_gate.tid2eid"'),
+        r"\[rename\] model.layers.\{L\}.mtp_block.ffn.norm_gate.tid2eid.*dead rule",
+        "dead_rule",
+        id="old-buggy-norm-gate-entries-are-rejected",
+    ),
+    pytest.param(
+        add_to_section("skip", '"mtp.{i}.ffn.norm_gate.{rest}" = "old remap"'),
+        r"mtp.\{i\}.ffn.norm_gate",
+        "dead_rule",
+        id="rule-reading-a-norm-gate-source-is-dead",
+    ),
     # the block's ffn_norm rule lives in mapping/include/v4_block.toml: this rule writes it elsewhere
-    bad = add_to_section("rename", '"mtp.{i}.ffn_norm.weight" = "model.layers.{L}.mtp_block.ffn.norm_gate.norm.weight"')
-    with pytest.raises(
-        mapping_errors.TableError,
-        match=r"model.layers.2.mtp_block.ffn.norm_gate.norm.weight is not a parameter",
-    ) as raised:
-        load_table_file(table_with(tmp_path, bad))
-    assert raised.value.kind == "unknown_target"
+    pytest.param(
+        add_to_section("rename", '"mtp.{i}.ffn_norm.weight" = "model.layers.{L}.mtp_block.ffn.norm_gate.norm.weight"'),
+        r"model.layers.2.mtp_block.ffn.norm_gate.norm.weight is not a parameter",
+        "unknown_target",
+        id="target-that-is-not-a-parameter",
+    ),
+    pytest.param(SHIPPED + '\n[morph]\n"a" = "b"\n', "morph", "unknown_op", id="unknown-op"),
+    pytest.param(
+        SHIPPED.replace('"model.layers.{L}.hnorm.weight"', '"model.layers.{L}.experts.{e}.hnorm.weight"'),
+        r"\{e\}",
+        "unbound_placeholder",
+        id="unbound-placeholder",
+    ),
+    pytest.param(
+        add_to_section("skip", '"mtp.{k}.foo" = "x"'),
+        r"unknown placeholder \{k\}",
+        "unbound_placeholder",
+        id="unknown-placeholder",
+    ),
+    pytest.param(
+        add_to_section("copy", '"norm.weight" = "model.layers.{L}.shared_head.norm.weight"'),
+        "shared_head.norm.weight",
+        "duplicate_target_rule",
+        id="two-rules-writing-one-target",
+    ),
+    pytest.param(
+        add_to_section("skip", '"mtp.{i}.foo" = ""'), "needs a reason", "malformed_table", id="skip-needs-a-reason"
+    ),
+]
 
 
-def test_unknown_op(tmp_path: Path) -> None:
-    with pytest.raises(mapping_errors.TableError, match="morph") as raised:
-        load_table_file(table_with(tmp_path, SHIPPED + '\n[morph]\n"a" = "b"\n'))
-    assert raised.value.kind == "unknown_op"
-
-
-def test_unbound_placeholder(tmp_path: Path) -> None:
-    bad = SHIPPED.replace('"model.layers.{L}.hnorm.weight"', '"model.layers.{L}.experts.{e}.hnorm.weight"')
-    with pytest.raises(mapping_errors.TableError, match=r"\{e\}") as raised:
-        load_table_file(table_with(tmp_path, bad))
-    assert raised.value.kind == "unbound_placeholder"
-
-
-def test_unknown_placeholder(tmp_path: Path) -> None:
-    bad = add_to_section("skip", '"mtp.{k}.foo" = "x"')
-    with pytest.raises(mapping_errors.TableError, match=r"unknown placeholder \{k\}") as raised:
-        load_table_file(table_with(tmp_path, bad))
-    assert raised.value.kind == "unbound_placeholder"
-
-
-def test_two_rules_writing_one_target(tmp_path: Path) -> None:
-    bad = add_to_section("copy", '"norm.weight" = "model.layers.{L}.shared_head.norm.weight"')
-    with pytest.raises(mapping_errors.TableError, match="shared_head.norm.weight") as raised:
-        load_table_file(table_with(tmp_path, bad))
-    assert raised.value.kind == "duplicate_target_rule"
-
-
-def test_skip_needs_a_reason(tmp_path: Path) -> None:
-    bad = add_to_section("skip", '"mtp.{i}.foo" = ""')
-    with pytest.raises(mapping_errors.TableError, match="needs a reason"):
-        load_table_file(table_with(tmp_path, bad))
+@pytest.mark.parametrize(("text", "message", "kind"), BAD_TABLES)
+def test_a_bad_table_is_refused_naming_the_rule(text: str, message: str, kind: str, tmp_path: Path) -> None:
+    with pytest.raises(mapping_errors.TableError, match=message) as raised:
+        load_table_file(table_with(tmp_path, text))
+    assert raised.value.kind == kind
 
 
 # --- --target is a name, never a path ---------------------------------------------------------
