@@ -113,41 +113,40 @@ def test_missing_shard(tmp_path: Path) -> None:
     assert raised.value.kind == "missing_shard"
 
 
-def test_index_key_not_in_named_shard(tmp_path: Path) -> None:
-    root = make_checkpoint(
-        tmp_path / "c",
+# shards and an index that disagree: (shard -> its tensors, the index's weight_map, the refusal, its kind)
+SHARDS_AGAINST_INDEX = [
+    pytest.param(
         {"a.safetensors": {"x": torch.zeros(2)}, "b.safetensors": {"y": torch.zeros(2)}},
-        weight_map={"x": "b.safetensors", "y": "b.safetensors"},
-    )
-    with pytest.raises(
-        model_errors.CheckpointError, match=r"b.safetensors: tensor x is listed in .* but not in the shard.s header"
-    ) as raised:
-        read_inventory(root)
-    assert raised.value.kind == "index_mismatch"
-
-
-def test_index_key_missing_from_every_shard(tmp_path: Path) -> None:
-    root = make_checkpoint(
-        tmp_path / "c",
+        {"x": "b.safetensors", "y": "b.safetensors"},
+        r"b.safetensors: tensor x is listed in .* but not in the shard.s header",
+        "index_mismatch",
+        id="index-key-not-in-named-shard",
+    ),
+    pytest.param(
         {"a.safetensors": {"x": torch.zeros(2)}},
-        weight_map={"x": "a.safetensors", "ghost": "a.safetensors"},
-    )
-    with pytest.raises(model_errors.CheckpointError, match="tensor ghost") as raised:
-        read_inventory(root)
-    assert raised.value.kind == "index_mismatch"
-
-
-def test_key_in_two_shards(tmp_path: Path) -> None:
-    root = make_checkpoint(
-        tmp_path / "c",
+        {"x": "a.safetensors", "ghost": "a.safetensors"},
+        "tensor ghost",
+        "index_mismatch",
+        id="index-key-missing-from-every-shard",
+    ),
+    pytest.param(
         {"a.safetensors": {"x": torch.zeros(2)}, "b.safetensors": {"x": torch.zeros(2), "y": torch.zeros(2)}},
-        weight_map={"x": "a.safetensors", "y": "b.safetensors"},
-    )
-    with pytest.raises(
-        model_errors.CheckpointError, match="tensor x is in both a.safetensors and b.safetensors"
-    ) as raised:
+        {"x": "a.safetensors", "y": "b.safetensors"},
+        "tensor x is in both a.safetensors and b.safetensors",
+        "duplicate_tensor",
+        id="key-in-two-shards",
+    ),
+]
+
+
+@pytest.mark.parametrize(("shards", "weight_map", "message", "kind"), SHARDS_AGAINST_INDEX)
+def test_shards_that_disagree_with_the_index_are_refused(
+    shards: dict[str, dict[str, torch.Tensor]], weight_map: dict[str, str], message: str, kind: str, tmp_path: Path
+) -> None:
+    root = make_checkpoint(tmp_path / "c", shards, weight_map=weight_map)
+    with pytest.raises(model_errors.CheckpointError, match=message) as raised:
         read_inventory(root)
-    assert raised.value.kind == "duplicate_tensor"
+    assert raised.value.kind == kind
 
 
 def test_truncated_shard(tmp_path: Path) -> None:
