@@ -72,6 +72,13 @@ def two_shards(root: Path) -> Path:
     )
 
 
+def inventory_refusal(root: Path, match: str) -> model_errors.CheckpointError:
+    """The error read_inventory(root) refuses with (its message matching `match`)."""
+    with pytest.raises(model_errors.CheckpointError, match=match) as raised:
+        read_inventory(root)
+    return raised.value
+
+
 def test_byte_ranges_point_at_each_tensors_bytes(tiny_native: Path) -> None:
     inv = read_inventory(tiny_native)
     assert inv.config["model_type"] == "deepseek_v4"
@@ -108,9 +115,7 @@ def test_reads_headers_only(flash_sparse: Path) -> None:
 def test_missing_shard(tmp_path: Path) -> None:
     root = two_shards(tmp_path / "c")
     os.remove(root / "model-00002-of-00002.safetensors")
-    with pytest.raises(model_errors.CheckpointError, match="model-00002-of-00002.safetensors") as raised:
-        read_inventory(root)
-    assert raised.value.kind == "missing_shard"
+    assert inventory_refusal(root, "model-00002-of-00002.safetensors").kind == "missing_shard"
 
 
 # shards and an index that disagree: (shard -> its tensors, the index's weight_map, the refusal, its kind)
@@ -144,20 +149,14 @@ def test_shards_that_disagree_with_the_index_are_refused(
     shards: dict[str, dict[str, torch.Tensor]], weight_map: dict[str, str], message: str, kind: str, tmp_path: Path
 ) -> None:
     root = make_checkpoint(tmp_path / "c", shards, weight_map=weight_map)
-    with pytest.raises(model_errors.CheckpointError, match=message) as raised:
-        read_inventory(root)
-    assert raised.value.kind == kind
+    assert inventory_refusal(root, message).kind == kind
 
 
 def test_truncated_shard(tmp_path: Path) -> None:
     root = two_shards(tmp_path / "c")
     shard = root / "model-00001-of-00002.safetensors"
     os.truncate(shard, shard.stat().st_size - 1)
-    with pytest.raises(
-        model_errors.CheckpointError, match="model-00001-of-00002.safetensors: tensor embed.weight"
-    ) as raised:
-        read_inventory(root)
-    assert raised.value.kind == "truncated_shard"
+    assert inventory_refusal(root, "model-00001-of-00002.safetensors: tensor embed.weight").kind == "truncated_shard"
 
 
 def rewrite_header(path: Path, edit) -> None:
@@ -172,17 +171,13 @@ def rewrite_header(path: Path, edit) -> None:
 def test_unknown_dtype(tmp_path: Path) -> None:
     root = two_shards(tmp_path / "c")
     rewrite_header(root / "model-00001-of-00002.safetensors", lambda h: h["embed.weight"].update(dtype="F4"))
-    with pytest.raises(model_errors.CheckpointError, match="tensor embed.weight: unknown dtype F4") as raised:
-        read_inventory(root)
-    assert raised.value.kind == "unknown_dtype"
+    assert inventory_refusal(root, "tensor embed.weight: unknown dtype F4").kind == "unknown_dtype"
 
 
 def test_offsets_that_disagree_with_shape(tmp_path: Path) -> None:
     root = two_shards(tmp_path / "c")
     rewrite_header(root / "model-00001-of-00002.safetensors", lambda h: h["embed.weight"].update(shape=[4, 9]))
-    with pytest.raises(model_errors.CheckpointError, match="tensor embed.weight") as raised:
-        read_inventory(root)
-    assert raised.value.kind == "malformed_header"
+    assert inventory_refusal(root, "tensor embed.weight").kind == "malformed_header"
 
 
 def test_header_not_json(tmp_path: Path) -> None:
@@ -191,11 +186,8 @@ def test_header_not_json(tmp_path: Path) -> None:
     raw = bytearray(shard.read_bytes())
     raw[8] = ord("#")
     shard.write_bytes(bytes(raw))
-    with pytest.raises(
-        model_errors.CheckpointError, match="model-00001-of-00002.safetensors: header is not valid JSON"
-    ) as raised:
-        read_inventory(root)
-    assert raised.value.kind == "malformed_header"
+    not_json = "model-00001-of-00002.safetensors: header is not valid JSON"
+    assert inventory_refusal(root, not_json).kind == "malformed_header"
 
 
 @pytest.mark.parametrize("bad", ["../x.safetensors", "/etc/x.safetensors", "sub/x.safetensors", ".."])
@@ -204,9 +196,7 @@ def test_shard_names_must_be_plain_files(tmp_path: Path, bad: str) -> None:
     index = json.loads((root / INDEX_NAME).read_text())
     index["weight_map"]["embed.weight"] = bad
     (root / INDEX_NAME).write_text(json.dumps(index))
-    with pytest.raises(model_errors.CheckpointError, match="not a plain file name") as raised:
-        read_inventory(root)
-    assert raised.value.kind == "unsafe_shard_path"
+    assert inventory_refusal(root, "not a plain file name").kind == "unsafe_shard_path"
 
 
 def test_symlink_leaving_the_directory(tmp_path: Path) -> None:
@@ -214,17 +204,13 @@ def test_symlink_leaving_the_directory(tmp_path: Path) -> None:
     outside = tmp_path / "elsewhere.safetensors"
     shutil.move(root / "model-00001-of-00002.safetensors", outside)
     (root / "model-00001-of-00002.safetensors").symlink_to(outside)
-    with pytest.raises(model_errors.CheckpointError, match="outside the checkpoint directory") as raised:
-        read_inventory(root)
-    assert raised.value.kind == "unsafe_shard_path"
+    assert inventory_refusal(root, "outside the checkpoint directory").kind == "unsafe_shard_path"
 
 
 def test_missing_config(tmp_path: Path) -> None:
     root = two_shards(tmp_path / "c")
     os.remove(root / "config.json")
-    with pytest.raises(model_errors.CheckpointError, match="config.json") as raised:
-        read_inventory(root)
-    assert raised.value.kind == "missing_config"
+    assert inventory_refusal(root, "config.json").kind == "missing_config"
 
 
 MTP_SHARD = "model-00005-of-00005.safetensors"  # the tiny preset's shard holding mtp.0.*
@@ -318,12 +304,8 @@ def test_gap_in_the_data_section(tiny_native: Path, tmp_path: Path) -> None:
     del index["weight_map"]["mtp.0.hnorm.weight"]
     (src / INDEX_NAME).write_text(json.dumps(index))
     assert safetensors_refuses(src / MTP_SHARD)
-    with pytest.raises(
-        model_errors.CheckpointError,
-        match=rf"{MTP_SHARD}: data bytes 512..1024 before tensor mtp.0.norm.weight belong to no tensor",
-    ) as raised:
-        read_inventory(src)
-    assert raised.value.kind == "malformed_header"
+    unowned = rf"{MTP_SHARD}: data bytes 512..1024 before tensor mtp.0.norm.weight belong to no tensor"
+    assert inventory_refusal(src, unowned).kind == "malformed_header"
 
 
 # one shard whose tensors do not tile its data section: (header, data length, the refusal)
@@ -356,9 +338,7 @@ def test_a_shard_its_tensors_do_not_tile_is_refused_as_safetensors_does(
 ) -> None:
     root = single_file(tmp_path / "c", tiny_native / "config.json", shard_bytes(header, bytes(data_len)))
     assert safetensors_refuses(root / "model.safetensors")
-    with pytest.raises(model_errors.CheckpointError, match=message) as raised:
-        read_inventory(root)
-    assert raised.value.kind == "malformed_header"
+    assert inventory_refusal(root, message).kind == "malformed_header"
 
 
 def test_tensors_tile_in_offset_order_whatever_the_header_order(tmp_path: Path, tiny_native: Path) -> None:
@@ -400,9 +380,7 @@ def test_header_size_limit_is_safetensors_own_and_checked_before_reading() -> No
 
 def test_header_longer_than_the_file_is_still_a_truncated_shard(tmp_path: Path, tiny_native: Path) -> None:
     root = single_file(tmp_path / "c", tiny_native / "config.json", struct.pack("<Q", 1000) + b"{}")
-    with pytest.raises(model_errors.CheckpointError, match="header claims 1000 bytes but the file has 10") as raised:
-        read_inventory(root)
-    assert raised.value.kind == "truncated_shard"
+    assert inventory_refusal(root, "header claims 1000 bytes but the file has 10").kind == "truncated_shard"
 
 
 # --- JSON pathologies through the CLI ---------------------------------------------------------
@@ -476,9 +454,7 @@ def test_numbers_safetensors_does_not_read_as_sizes_are_refused(
     raw = b'{"a":{"dtype":"U8","shape":[' + literal + b'],"data_offsets":[0,0]}}'
     root = single_file(tmp_path / "c", tiny_native / "config.json", shard_bytes(raw))
     assert safetensors_refuses(root / "model.safetensors")
-    with pytest.raises(model_errors.CheckpointError, match=reason) as raised:
-        read_inventory(root)
-    assert raised.value.kind == "malformed_header"
+    assert inventory_refusal(root, reason).kind == "malformed_header"
 
 
 # --- the index file ---------------------------------------------------------------------------
