@@ -5,7 +5,9 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 
 import pytest
@@ -70,3 +72,24 @@ def raising(exc: BaseException) -> Callable[..., object]:
         raise exc
 
     return convert
+
+
+@contextmanager
+def held_by_a_thread(hold: Callable[[], AbstractContextManager[object]]) -> Iterator[None]:
+    """What `hold()` takes (a lock, OUT) held, for the with-block, by another thread of this
+    process: another run as it looks from here, whose pid is ours."""
+    taken, done = threading.Event(), threading.Event()
+
+    def holder() -> None:
+        with hold():
+            taken.set()
+            done.wait()
+
+    thread = threading.Thread(target=holder)
+    thread.start()
+    assert taken.wait(30)
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()

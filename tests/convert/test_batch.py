@@ -28,7 +28,7 @@ from hubserver import FakeHub, Fault, hub_env, on, run_cli
 from huggingface_hub import ModelCard
 from hypothesis import given
 from hypothesis import strategies as st
-from inprocess import run_main, run_one_line
+from inprocess import held_by_a_thread, run_main, run_one_line
 
 from dsv4.convert.batch import Manifest, ManifestEntry, load_manifest, run_check, select_shard, shard_from_env
 from dsv4.convert.errors import CheckError, HubError
@@ -392,7 +392,6 @@ def test_a_second_run_on_the_same_report_is_refused_and_the_first_runs_report_is
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     import socket
-    import threading
 
     from dsv4.convert.output import hold_lock
 
@@ -400,23 +399,9 @@ def test_a_second_run_on_the_same_report_is_refused_and_the_first_runs_report_is
     report = tmp_path / "out" / "batch-report.json"
     report.parent.mkdir()
     report.write_text('{"the first run": "its report"}\n')
-    taken, done = threading.Event(), threading.Event()
-
-    def first_run() -> None:  # holds the report as a batch run on this manifest and out-dir does
-        with hold_lock(
-            report, report.parent / ".batch-report.json.lock", report.parent / ".batch-report.json.lock.owner"
-        ):
-            taken.set()
-            done.wait()
-
-    thread = threading.Thread(target=first_run)
-    thread.start()
-    assert taken.wait(30)
-    try:
+    lock = report.parent / ".batch-report.json.lock"  # the report's lock, as a batch run on this out-dir takes it
+    with held_by_a_thread(lambda: hold_lock(report, lock, report.parent / ".batch-report.json.lock.owner")):
         code, _, err = run_main(monkeypatch, capsys, "batch", manifest)
-    finally:
-        done.set()
-        thread.join()
     assert code == 47
     assert (
         err

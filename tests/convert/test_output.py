@@ -34,7 +34,7 @@ import pytest
 from edits import RECORD, replace_by_special_file
 from filelock import FileLock
 from hubserver import FakeHub, hub_env, run_cli
-from inprocess import one_error_line, raising, run_in_subprocess_one_line, run_main
+from inprocess import held_by_a_thread, one_error_line, raising, run_in_subprocess_one_line, run_main
 
 from dsv4.convert import pipeline
 from dsv4.convert.check import run_checks
@@ -91,21 +91,8 @@ def one_line(err: str) -> str:
 def held(out: Path, *, lock_only: bool = False) -> Iterator[None]:
     """OUT owned by another run (a thread of this process, so the owner's pid is ours);
     with lock_only, just its lock file is held, as by a run that has only just taken it."""
-    taken, done = threading.Event(), threading.Event()
-
-    def holder() -> None:
-        with FileLock(out.parent / f".{out.name}.lock") if lock_only else claim_output(out):
-            taken.set()
-            done.wait()
-
-    thread = threading.Thread(target=holder)
-    thread.start()
-    assert taken.wait(30)
-    try:
+    with held_by_a_thread(lambda: FileLock(out.parent / f".{out.name}.lock") if lock_only else claim_output(out)):
         yield
-    finally:
-        done.set()
-        thread.join()
 
 
 # --- the source is never touched ---------------------------------------------------------
