@@ -59,7 +59,7 @@ from dsv4.convert import progress
 from dsv4.convert.errors import HubError
 from dsv4.convert.inventory import Inventory
 from dsv4.convert.local import LocalReader
-from dsv4.convert.source import HubSpec, Source
+from dsv4.convert.source import HubSpec, Source, ended_early
 from dsv4.model.checkpoint import INDEX_NAME, SINGLE_FILE, load_index, merge_shards
 from dsv4.model.config import parse_config
 from dsv4.model.errors import CheckpointError, DSV4Error
@@ -288,11 +288,7 @@ class HubReader:
         counts tensor data)."""
         size = self.sizes.get(file)
         if size is not None and offset + n > size:
-            raise CheckpointError(
-                f"{self._where(file)}: ends at byte {size}, before the planned range {offset}..{offset + n}",
-                kind="truncated_shard",
-                path=self._where(file),
-            )
+            raise ended_early(self._where(file), size, offset, n)
         return with_retries(
             f"{self._where(file)}: bytes {offset}..{offset + n}",
             partial(self._ranged, file, offset, n),
@@ -306,12 +302,7 @@ class HubReader:
         else:
             data = self.fetch(file, offset, len(buf))
         if len(data) != len(buf):
-            raise CheckpointError(
-                f"{self._where(file)}: ends at byte {offset + len(data)}, before the planned range "
-                f"{offset}..{offset + len(buf)}",
-                kind="truncated_shard",
-                path=self._where(file),
-            )
+            raise ended_early(self._where(file), offset + len(data), offset, len(buf))
         buf[:] = data
         with self._lock:  # called from several reader threads
             self.bytes_read += len(buf)

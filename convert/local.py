@@ -15,7 +15,7 @@ from pathlib import Path
 
 from dsv4.convert.errors import PlanError
 from dsv4.convert.inventory import read_inventory
-from dsv4.convert.source import Source
+from dsv4.convert.source import Source, ended_early
 from dsv4.model.errors import CheckpointError
 
 
@@ -97,19 +97,12 @@ class LocalReader:
                     self._direct_fds[file] = None
             return None if file in self._buffered else self._direct_fds[file]
 
-    def _truncated(self, file: str, at: int, offset: int, n: int) -> CheckpointError:
-        return CheckpointError(
-            f"{self.root / file}: ends at byte {at}, before the planned range {offset}..{offset + n}",
-            kind="truncated_shard",
-            path=str(self.root / file),
-        )
-
     def read_into(self, file: str, offset: int, buf: memoryview) -> None:
         fd, done = self._fd(file), 0
         while done < len(buf):
             n = os.preadv(fd, [buf[done:]], offset + done)
             if n == 0:
-                raise self._truncated(file, offset + done, offset, len(buf))
+                raise ended_early(str(self.root / file), offset + done, offset, len(buf))
             done += n
         with self._lock:
             self.bytes_read += done
@@ -130,7 +123,7 @@ class LocalReader:
                     done += got
                     # a direct read stops short only at the end of the file
                     if done < need and (got == 0 or done % DIRECT_ALIGN):
-                        raise self._truncated(file, offset - lead + done, offset, n)
+                        raise ended_early(str(self.root / file), offset - lead + done, offset, n)
             except OSError as exc:
                 if exc.errno != errno.EINVAL or done:
                     raise

@@ -18,6 +18,7 @@ from types import TracebackType
 from typing import Protocol
 
 from dsv4.convert.inventory import Inventory
+from dsv4.model.errors import CheckpointError
 
 HUB_SCHEME = "hub:"  # how records and messages name a hub location: hub:org/name
 
@@ -63,6 +64,16 @@ class ByteReader(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+def ended_early(where: str, at: int, offset: int, n: int) -> CheckpointError:
+    """A ByteReader's refusal when the file `where` names ends at byte `at`, before the
+    planned range offset..offset+n (the shard is shorter than its header said)."""
+    return CheckpointError(
+        f"{where}: ends at byte {at}, before the planned range {offset}..{offset + n}",
+        kind="truncated_shard",
+        path=where,
+    )
 
 
 class Source:
