@@ -1,4 +1,4 @@
-"""The exit code of every outcome of `convert-dsv4`: the one table (README "Exit codes"
+"""The exit code of every outcome of `convert-dsv4`: the one table (docs/exit-codes.md
 documents it; users' CI scripts depend on these numbers, so a code is never reused or
 renumbered, only added).
 

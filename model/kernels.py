@@ -118,7 +118,7 @@ class LaunchConfig(NamedTuple):
 # does: T <= 64 from h8's warps x rows sweeps (at T in {1, 4, 16, 64}); above, from one sweep
 # of 4-16 warps x 1-2 rows x load / store cache hints x contiguous at T in {256, 512, 1024,
 # 2048, 4096, 16384}: per range of T the config whose worst ratio to vLLM over the range was
-# lowest, with as few entries as that allowed (BENCHMARKS.md, "Against vLLM 0.33.0").
+# lowest, with as few entries as that allowed (docs/results/kernels.md, "Against vLLM 0.33.0").
 # Loading the rows evict_last was in nearly every range's best; storing .cs with two
 # adjacent rows of prev per program is what beats vLLM at H = 7168, T = 256 (sweep: 0.87 of
 # vLLM's time, against 1.03 for the previous 4 warps x 1 row). A table, not autotuning: a

@@ -342,7 +342,7 @@ def test_manifest_errors_name_file_and_key(tmp_path: Path, text: str, words: str
 
 @pytest.mark.parametrize(("value", "size"), [('"5GB"', 5 * 10**9), ('"2GiB"', 2 * 2**30), ("1_000_000", 1_000_000)])
 def test_manifest_max_shard_size_follows_the_options_rule(tmp_path: Path, value: str, size: int) -> None:
-    """options.max_shard_size takes what --max-shard-size takes (convert/sizes.py), as README says."""
+    """options.max_shard_size takes what --max-shard-size takes (convert/sizes.py), as docs/batch.md says."""
     path = tmp_path / "m.toml"
     path.write_text(f'sources = ["org/a"]\n[options]\nmax_shard_size = {value}\n')
     assert load_manifest(path).max_shard_size == size

@@ -439,7 +439,7 @@ def test_verify_source_checks_whole_files_against_the_hubs_sha256_reading_each_o
 
 
 def test_a_flipped_byte_is_caught_only_by_verify_source(native: Path, hub: FakeHub, tmp_path: Path) -> None:
-    """README: without --verify-source the tensor bytes themselves are not checked."""
+    """docs/hub.md: without --verify-source the tensor bytes themselves are not checked."""
     hub.commit_dir(REPO, native / "seed0")
     env = hub_env(hub, tmp_path / "hf")
     hub.faults.append(Fault(_whole_file_chunk, status=None, flip=SPECULATIVE_HEADER_BYTES + 1000))
@@ -454,4 +454,4 @@ def test_a_flipped_byte_is_caught_only_by_verify_source(native: Path, hub: FakeH
 
     hub.faults.append(Fault(_data_range, status=None, flip=10))
     r = run_cli("convert", REPO, str(tmp_path / "unverified"), env=env)
-    assert r.returncode == 0 and hub.faults[1].times == 0, r.stderr  # not verified: what README says
+    assert r.returncode == 0 and hub.faults[1].times == 0, r.stderr  # not verified: what docs/hub.md says

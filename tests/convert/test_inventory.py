@@ -11,7 +11,7 @@ the only outcomes allowed are a valid result or one of the tool's own errors, wi
 message naming the file. Whenever the inventory accepts a shard, the safetensors library accepts
 the same bytes and agrees on every tensor's dtype, shape and bytes: the inventory is at least as
 strict as safetensors, never laxer. Runs are reproducible (derandomize: the examples depend only
-on the test) and small enough for CI; BENCHMARKS.md lists each target's examples and seconds."""
+on the test) and small enough for CI; docs/results/fuzzing.md lists each target's examples and seconds."""
 
 from __future__ import annotations
 

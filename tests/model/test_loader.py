@@ -1,7 +1,7 @@
 """Memory of the bundled model and of the native reference: on the CPU their weights are
 views of the memory-mapped safetensors shards (no copy of the embedding, the head or the
 routed experts), a write to one never reaches the file, and the logits are computed without
-an fp32 copy of the head. Real-size figures: BENCHMARKS.md, "Model memory"."""
+an fp32 copy of the head. Real-size figures: docs/results/model-memory.md."""
 
 import hashlib
 import json
