@@ -141,5 +141,5 @@ class TargetMethod:
     `decide(qc, layers, native, where, error)` gives every module of `layers` its scheme."""
 
     method: str | None
-    label: str  # what the method is, for messages
+    label: str  # what the method is, for the refusal that lists the known ones
     decide: Callable[[Mapping[str, Any] | None, LayerMap, Layout, str, ErrorFactory], list[Decision]]

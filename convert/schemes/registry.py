@@ -21,7 +21,7 @@ METHODS: dict[str | None, TargetMethod] = {entry.method: entry for entry in (dee
 
 
 def _known() -> str:
-    return ", ".join(m if m is not None else "none (no quantization_config)" for m in METHODS)
+    return "; ".join(f"{m if m is not None else 'none'}: {entry.label}" for m, entry in METHODS.items())
 
 
 def target_method(qc: object, where: str, error: ErrorFactory) -> TargetMethod:

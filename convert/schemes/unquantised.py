@@ -17,4 +17,4 @@ def decide(
     return [Decision(m, layers.kinds[m], parts, UNQUANTISED, why) for m, parts in layers.parts.items()]
 
 
-ENTRY = TargetMethod(None, "none (bf16)", decide)
+ENTRY = TargetMethod(None, "no quantization_config, every layer bf16", decide)
