@@ -32,7 +32,8 @@ The checks, in order (a later one may need an earlier one's result):
              for DSpark also the draft tokens
   serve      a draft directory against the target it is to be served beside
              (--serve-with): vLLM builds the draft's layers from the target's config and
-             quantisation, so those fields must be the draft's own
+             quantisation, so those fields must be the draft's own, and each draft module
+             must hold what the scheme the target gives it takes (convert/schemes/)
 """
 
 from __future__ import annotations
@@ -800,9 +801,19 @@ def check_serve(ctx: _Context, details: dict[str, Any]) -> str:
                 path=str(where),
                 field=key,
             )
+    # and each draft module holds what the scheme the target gives it takes (convert/schemes/)
+    from dsv4.convert.inmemory import xpu_plan
+    from dsv4.convert.schemes.registry import check_draft_served
+
+    try:
+        plan = xpu_plan(ctx.root)
+    except DSV4Error as exc:
+        raise _Skipped(f"needs the xpu plan of this draft directory: {_first_line(exc)}") from None
+    have = {name: (t.dtype, tuple(t.shape)) for name, t in ctx.need_headers().tensors.items()}
+    served = check_draft_served(target, plan, have, str(where), partial(CheckError, kind="serve_mismatch"))
     return (
         f"{where}: the {len(_serve_fields())} config fields vLLM builds the draft's layers from (quantization_config "
-        "included) are the draft's own"
+        f"included) are the draft's own; {served}"
     )
 
 

@@ -9,7 +9,9 @@ such as "Linear"). Written for the native checkpoint it names `mtp.0.attn.wq_a`,
 1. every native module feeding a draft layer is resolved against the source config with
    compressed-tensors' own matching functions (ignore first, then the most specific target);
 2. which native modules make up which draft layer comes from the conversion plan, i.e. from
-   the mapping table's rules (a concat fuses wq_a + wkv, a stack fuses all routed experts);
+   the mapping table's rules (a concat fuses wq_a + wkv, a stack fuses all routed experts),
+   and the layers' names from the bundled model's, cached beside its layout: no model is
+   built (convert/schemes/base.py `layer_map`);
 3. the parts of one draft layer must agree, otherwise no config for the draft can reproduce
    the source's assignment: that is an error, never a silent change;
 4. the output config lists each draft layer by its exact name, in the group (or the ignore
@@ -33,8 +35,10 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from dsv4.convert.errors import CheckError, PlanError
 from dsv4.convert.plan import Plan
+from dsv4.convert.schemes import deepseek_fp8
+from dsv4.convert.schemes.base import LayerMap, layer_map
 from dsv4.model.errors import CheckpointError
-from dsv4.model.layout import build_draft_model
+from dsv4.model.layout import LayerKind, draft_layers
 from dsv4.model.record import LayoutRecord, RecordError
 
 if TYPE_CHECKING:
@@ -47,10 +51,7 @@ NO_TARGET = "Unable to find matching target for {name} in the compressed-tensors
 # Parts of a compressed-tensors config that name layers but are not config groups or ignore:
 # carrying them would leave native names behind, so a non-empty one is refused.
 NAMED_SIBLINGS = ("sparsity_config", "transform_config", "moe_sparsity_config")
-# An FP8 config with a list of layer names left unquantised would keep native names.
-FP8_NAME_LISTS = ("modules_to_not_convert", "ignored_layers")
 
-LayerKind = Literal["linear", "moe", "embedding"]
 Status = Literal["scheme", "ignored", "unmatched", "ambiguous"]
 
 
@@ -59,7 +60,8 @@ def _stand_in(kind: LayerKind) -> nn.Module:
     # Class targets are matched on the module's class (its MRO names), nothing else: a
     # 1x1 layer on the meta device stands for every layer of its kind.
     # torch is imported here, not at module level: a conversion imports this module for
-    # carried_quantization and should not pay torch's start-up time for it
+    # carried_quantization and should not pay torch's start-up time for it (a config that
+    # needs matching imports compressed-tensors, and so torch, anyway)
     from torch import nn
 
     class FusedMoE(nn.Linear):
@@ -69,69 +71,6 @@ def _stand_in(kind: LayerKind) -> nn.Module:
 
     stand_in_class: dict[LayerKind, type[nn.Module]] = {"linear": nn.Linear, "moe": FusedMoE, "embedding": nn.Embedding}
     return stand_in_class[kind](1, 1, device="meta")
-
-
-@dataclass(frozen=True)
-class DraftLayer:
-    path: str  # module path in the model
-    name: str  # quantisation layer name ("" when built without one)
-    kind: LayerKind
-
-
-def draft_layers(model: nn.Module) -> list[DraftLayer]:
-    """Every linear-like module of `model` with its quantisation layer name. A plain torch
-    Linear or Embedding carries no name at all: it is listed with "" (the seed bug's shape)."""
-    from torch import nn  # start-up time: see _stand_in
-
-    from dsv4.model.mtp import Experts
-    from dsv4.model.quantized import Embedding, QuantLayer
-
-    out = []
-    for path, mod in model.named_modules():
-        if not isinstance(mod, (QuantLayer, nn.Linear, nn.Embedding)):
-            continue
-        name = mod.quant_name if isinstance(mod, QuantLayer) else ""
-        kind: LayerKind = (
-            "embedding"
-            if isinstance(mod, (Embedding, nn.Embedding))
-            else "moe"
-            if isinstance(mod, Experts)
-            else "linear"
-        )
-        out.append(DraftLayer(path, name, kind))
-    return out
-
-
-@dataclass(frozen=True)
-class LayerMap:
-    """The draft's quantisation layers and the native modules each is made of."""
-
-    kinds: dict[str, LayerKind]
-    parts: dict[str, tuple[str, ...]]
-
-    def native_kind(self, draft: str) -> LayerKind:
-        # the parts of fused experts are each a plain linear (w1, w2, w3 of one expert)
-        return "linear" if self.kinds[draft] == "moe" else self.kinds[draft]
-
-
-def layer_map(plan: Plan) -> LayerMap:
-    """From a forward plan: each planned tensor belongs to the draft layer whose module path
-    prefixes its name, and is made of source tensors whose module is their name minus the
-    last component (`mtp.0.attn.wq_a.scale` -> `mtp.0.attn.wq_a`)."""
-    layers = {layer.path: layer for layer in draft_layers(build_draft_model(plan.model_config))}
-    kinds: dict[str, LayerKind] = {}
-    parts: dict[str, dict[str, None]] = {}  # insertion-ordered sets
-    for t in plan.tensors:
-        segments = t.name.split(".")
-        owner = next(
-            (layers[p] for k in range(len(segments) - 1, 0, -1) if (p := ".".join(segments[:k])) in layers), None
-        )
-        if owner is None:
-            continue  # a norm or hyper-connection parameter: not a quantisation layer
-        kinds[owner.name] = owner.kind
-        for piece in t.pieces:
-            parts.setdefault(owner.name, {})[piece.name.rsplit(".", 1)[0]] = None
-    return LayerMap(kinds, {name: tuple(p) for name, p in parts.items()})
 
 
 def compressed_tensors() -> ModuleType | None:
@@ -331,15 +270,10 @@ def carried_quantization(plan: Plan) -> tuple[dict[str, Any] | None, dict[str, A
     if qc is None:
         return None, None
     method = qc.get("quant_method")
-    if method == "fp8":
-        named = [k for k in FP8_NAME_LISTS if qc.get(k)]
-        if named:
-            raise PlanError(
-                f"{where}: quantization_config.{named[0]} lists native module names; "
-                "carrying them to the draft is not supported",
-                kind="quant_carry",
-                path=str(where),
-            )
+    if method == deepseek_fp8.METHOD:
+        deepseek_fp8.refuse_named_layers(
+            qc, where, partial(PlanError, kind="quant_carry"), "carrying them to the draft"
+        )
         return qc, None
     if method != CT_METHOD:
         raise PlanError(
@@ -404,7 +338,7 @@ def check_draft_quantization(model: nn.Module, config: Mapping[str, Any], where:
     if ct_config is None:
         what = (
             "FP8 block quantisation (checked against the scale shapes under config)"
-            if isinstance(qc, Mapping) and qc.get("quant_method") == "fp8"
+            if isinstance(qc, Mapping) and qc.get("quant_method") == deepseek_fp8.METHOD
             else "no compressed-tensors quantization_config"
         )
         return QuantSummary(len(layers), False, f"{len(layers)} quantisation layer names, none empty; {what}")

@@ -36,9 +36,10 @@ import json
 import os
 import re
 from collections.abc import Iterable
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from dsv4 import __version__
 from dsv4.model import native
@@ -164,3 +165,69 @@ def draft_layers_present(cfg: ModelConfig, names: Iterable[str]) -> list[str]:
     """The target-layout draft layers ("model.layers.{L}", L >= num_hidden_layers) `names` hold."""
     layers = {int(m.group(1)) for name in names if (m := TARGET_LAYER.match(name))}
     return [f"model.layers.{L}" for L in sorted(layers) if L >= cfg.num_hidden_layers]
+
+
+# --- the quantisation layers, cached beside the layout --------------------------------------
+LayerKind = Literal["linear", "moe", "embedding"]
+
+
+@dataclass(frozen=True)
+class DraftLayer:
+    """One linear-like module of the bundled draft model (mapping/README.md#quantisation-layer-names)."""
+
+    path: str  # module path in the model
+    name: str  # quantisation layer name, vLLM's prefix ("" when built without one)
+    kind: LayerKind
+
+
+def draft_layers(model: nn.Module) -> list[DraftLayer]:
+    """Every linear-like module of `model` with its quantisation layer name. A plain torch
+    Linear or Embedding carries no name at all: it is listed with "" (the seed bug's shape)."""
+    from torch import nn  # start-up time: only what reads a built model pays for torch
+
+    from dsv4.model.mtp import Experts
+    from dsv4.model.quantized import Embedding, QuantLayer
+
+    out = []
+    for path, mod in model.named_modules():
+        if not isinstance(mod, (QuantLayer, nn.Linear, nn.Embedding)):
+            continue
+        name = mod.quant_name if isinstance(mod, QuantLayer) else ""
+        kind: LayerKind = (
+            "embedding"
+            if isinstance(mod, (Embedding, nn.Embedding))
+            else "moe"
+            if isinstance(mod, Experts)
+            else "linear"
+        )
+        out.append(DraftLayer(path, name, kind))
+    return out
+
+
+def quant_layers_of(cfg: ModelConfig) -> list[DraftLayer]:
+    """`draft_layers` of the draft model for `cfg`, cached beside its layout (the same key and
+    digest rule): a conversion that carries a quantization_config names the draft's layers
+    without building the model a second time."""
+    key = _cache_key(cfg)
+    layout_path = cache_entry(cfg)
+    path = layout_path.with_name(layout_path.name.replace("layout-", "quant-layers-", 1))
+    try:
+        entry = loads(read_record_bytes(path))
+        rows = entry["layers"]
+        if entry["key"] == key and entry["sha256"] == _digest(key, rows):
+            layers = [DraftLayer(p, n, k) for p, n, k in rows]
+            if layers and all(
+                isinstance(layer.path, str) and isinstance(layer.name, str) and layer.kind in get_args(LayerKind)
+                for layer in layers
+            ):
+                return layers
+    except (OSError, UnicodeDecodeError, StrictJSONError, KeyError, TypeError, ValueError, AttributeError):
+        pass  # absent, not a regular file, corrupt or edited: rebuilt from the model below
+    layers = draft_layers(build_draft_model(cfg))
+    rows = [list(dataclasses.astuple(layer)) for layer in layers]
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_record(path, {"key": key, "layers": rows, "sha256": _digest(key, rows)})
+    except OSError:
+        pass  # a read-only or full cache directory: the next run rebuilds them
+    return layers

@@ -289,3 +289,19 @@ def test_check_reports_linears_without_exactly_one_scheme(
     report = run_checks(out, fast=True)
     assert (report.failures[0].name, report.exit_code) == ("quant", code_of("quant_scheme"))
     assert said in report.failures[0].reason
+
+
+def test_carrying_a_config_builds_no_model_once_the_layers_are_cached(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The draft's quantisation layers come from the cache beside the layout (model/layout.py
+    quant_layers_of), not from a second build of the model on the meta device."""
+    native = native_with(tmp_path, REGEX)
+    convert(native, tmp_path / "warm")  # fills the cache if this session has not yet
+
+    def no_build(*_: object) -> None:
+        raise AssertionError("the draft model was built")
+
+    monkeypatch.setattr(DeepSeekV4MTP, "__init__", no_build)
+    out = convert(native, tmp_path / "out").out
+    assert config_of(out)["quantization_config"] == config_of(tmp_path / "warm")["quantization_config"]

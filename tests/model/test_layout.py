@@ -135,3 +135,20 @@ def test_an_unwritable_cache_costs_only_the_rebuild(tmp_path: Path, monkeypatch:
     (tmp_path / "file").write_text("")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "file"))  # a file: no directory under it
     assert layout.target_layout(cfg()) == layout.build_target_layout(cfg())
+
+
+def test_cached_quant_layers_are_the_models_and_a_bad_entry_is_rebuilt(layout_cache: Path) -> None:
+    c = cfg(vocab_size=preset_config("tiny", "instruct")["vocab_size"] + 24)
+    built = layout.draft_layers(layout.build_draft_model(c))
+    assert layout.quant_layers_of(c) == built  # a miss
+    (entry,) = [
+        p
+        for p in layout_cache.glob("quant-layers-*.json")
+        if json.loads(p.read_text())["key"]["config"]["vocab_size"] == c.vocab_size
+    ]
+    assert layout.quant_layers_of(c) == built  # a hit
+    edited = json.loads(entry.read_text())
+    edited["layers"][0][1] = "model.elsewhere"  # a name changed: the digest no longer matches
+    entry.write_text(json.dumps(edited))
+    assert layout.quant_layers_of(c) == built
+    assert json.loads(entry.read_text())["layers"][0][1] == built[0].name  # rewritten from the model
