@@ -26,6 +26,7 @@ from typing import Any, NamedTuple
 from dsv4.mapping.errors import TableError
 from dsv4.mapping.probe import draft_bindings, probe_keys, stage_binding
 from dsv4.model.config import ModelConfig
+from dsv4.model.storage import EXPERT_DTYPES  # what a rule's `when` may name: one storage each
 
 TABLE_DIR = Path(__file__).parent
 
@@ -45,7 +46,6 @@ PLACEHOLDERS = {
 }
 PINNED = {"first", "last"}
 DERIVED = {"L": "i"}  # {L} = num_hidden_layers + {i}; needs {i} bound
-EXPERT_DTYPES = ("fp4", "fp8")
 DRAFTERS = ("mtp", "dspark")
 # the block placeholders a table of each drafter kind binds (the other kind's are unbound)
 DRAFTER_PLACEHOLDERS = {"mtp": {"i", "L"}, "dspark": {"s", "first", "last"}}
