@@ -11,7 +11,7 @@ from dsv4.model import native
 from dsv4.model.config import ModelConfig
 from dsv4.model.layout import layout_of
 from dsv4.model.presets import preset_config
-from dsv4.model.storage import EXPERT_DTYPES
+from dsv4.model.storage import expert_dtypes
 
 
 def probe_config(expert_dtype: str, drafter: str = "mtp") -> ModelConfig:
@@ -50,8 +50,8 @@ def probe_keys(
     """(native names, the target layout's names) per expert dtype, the probe configuration
     per expert dtype (what a target pattern's placeholders are bound for), and its
     {first}/{last} stages (none for MTP: the same for every expert dtype)."""
-    cfgs = {d: probe_config(d, drafter) for d in EXPERT_DTYPES}
+    cfgs = {d: probe_config(d, drafter) for d in expert_dtypes()}
     natives = {d: native_keys(c) for d, c in cfgs.items()}
     targets = {d: set(layout_of(target, c)) for d, c in cfgs.items()}
-    cfg = cfgs[EXPERT_DTYPES[0]]
+    cfg = next(iter(cfgs.values()))
     return natives, targets, cfgs, stage_binding(cfg) if cfg.is_dspark else {}

@@ -99,8 +99,12 @@ FP8 = ExpertStorage(  # Base releases ("FP8 mixed"): e4m3 [out, in], F32 block s
 )
 
 STORAGES: dict[str, ExpertStorage] = {s.name: s for s in (FP4, FP8)}
-EXPERT_DTYPES = tuple(STORAGES)
 DENSE_LINEAR = FP8  # every release's dense linears are FP8 e4m3 blocks: synth draws them with FP8's magnitudes
+
+
+def expert_dtypes() -> tuple[str, ...]:
+    """The expert_dtype values this tool has a storage for (read at each call: a test may register one)."""
+    return tuple(STORAGES)
 
 
 def storage_of(expert_dtype: str, where: str) -> ExpertStorage:
@@ -108,7 +112,7 @@ def storage_of(expert_dtype: str, where: str) -> ExpertStorage:
     headed by `where`, the file the value came from."""
     storage = STORAGES.get(expert_dtype)
     if storage is None:
-        *rest, last = EXPERT_DTYPES
+        *rest, last = expert_dtypes()
         expected = f"{', '.join(rest)} or {last}" if rest else last
         raise CheckpointError(
             f"{where}: unknown {FIELD} {expert_dtype!r} (expected {expected})",
