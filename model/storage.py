@@ -7,7 +7,8 @@ containers (the xpu layout's `routed_experts` parameters), how the stored values
 `synth` draws realistic ones. The native format (model/native.py), the bundled model
 (model/quantized.py, model/mtp.py), the presets, the table probe and validation (mapping/), `check`
 and `synth` read these fields; none names a format itself. So a new storage is one entry here (and
-the table lines that map it): `storage_of` refuses any other name by name, never reads it as another.
+the table lines that map it to xpu): `storage_of` refuses any other name by name, never reads it as
+another. Only the independent reference (model/reference.py) decodes fp4 and fp8 its own way, by design.
 
 Its functions take the expert_dtype string, not a ModelConfig, and it imports nothing of this package
 but the errors and no torch: every layer reads it, so it sits at the bottom and closes no import circle.
