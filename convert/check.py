@@ -75,6 +75,7 @@ from dsv4.model.record import (
     RecordError,
 )
 from dsv4.model.safetensors_header import TensorBytes
+from dsv4.model.storage import holding_layout_tensor, holding_native_weight, scale_params
 
 READ_BLOCK = 64 << 20  # bytes per read of one tensor: bounded memory at any tensor size
 LIST_AT_MOST = 3  # names quoted in a one-line reason; the JSON details list all of them
@@ -370,26 +371,22 @@ def check_checksums(ctx: _Context, details: dict[str, Any]) -> str:
 
 
 # --- config ------------------------------------------------------------------------------
-EXPERT = re.compile(r"\.ffn\.experts\.routed_experts\.(w13|w2)_(weight|weight_scale|weight_scale_inv)\Z")
+EXPERT = re.compile(rf"\.ffn\.experts\.routed_experts\.(w13|w2)_(weight|{'|'.join(scale_params())})\Z")
 NATIVE_EXPERT = re.compile(r"mtp\.\d+\.ffn\.experts\.(\d+)\.w[123]\.(weight|scale)\Z")
 LAYER = re.compile(r"model\.layers\.(\d+)\.")
 NATIVE_BLOCK = re.compile(r"mtp\.(\d+)\.")
 ABSENT = "(absent)"
 
 
-def _expert_dtype_of(name: str, dtype: str) -> str | None:
-    """The expert_dtype a routed-expert tensor implies (mapping/README.md#mtp-parameters): FP4
-    experts are uint8 weights with `_weight_scale` (native: I8 packed weights), FP8 experts
-    e4m3 weights with `_weight_scale_inv` (native: F8_E4M3 weights)."""
+def _expert_dtype_of(name: str, dtype: str) -> tuple[str, ...] | None:
+    """The expert_dtypes a routed-expert tensor may hold (mapping/README.md#mtp-parameters, model/storage.py):
+    a native weight by its dtype (FP4: I8 packed, FP8: F8_E4M3), a layout weight by its container dtype and a
+    layout scale by its name (FP4 `_weight_scale`, FP8 `_weight_scale_inv`); () for none."""
     native = NATIVE_EXPERT.match(name)
     if native is not None:
-        return {"I8": "fp4", "F8_E4M3": "fp8"}.get(dtype, f"unknown ({dtype})") if native.group(2) == "weight" else None
+        return holding_native_weight(dtype) if native.group(2) == "weight" else None
     m = EXPERT.search(name)
-    if m is None:
-        return None
-    if m.group(2) == "weight":
-        return {"U8": "fp4", "F8_E4M3": "fp8"}.get(dtype, f"unknown ({dtype})")
-    return "fp4" if m.group(2) == "weight_scale" else "fp8"
+    return None if m is None else holding_layout_tensor(m.group(2), dtype)
 
 
 def _weight_of_scale(name: str, target: str) -> str | None:
@@ -496,10 +493,10 @@ def check_config(ctx: _Context, details: dict[str, Any]) -> str:
 
     for name, src in sorted(headers.tensors.items()):
         implied = _expert_dtype_of(name, src.dtype)
-        if implied is not None and implied != cfg.expert_dtype:
+        if implied is not None and cfg.expert_dtype not in implied:
             raise CheckError(
                 f"{where}: expert_dtype is {cfg.expert_dtype!r} but {src.file}: tensor {name} ({src.dtype}) holds "
-                f"{implied} experts",
+                f"{' or '.join(implied) or f'unknown ({src.dtype})'} experts",
                 kind="config_check",
                 path=str(where),
                 tensor=name,

@@ -28,7 +28,7 @@ from dsv4.mapping.table import installed_targets, table_headers
 from dsv4.model.errors import DSV4Error, OutOfMemoryError
 from dsv4.model.memory import refuse_unless_torch_fits
 from dsv4.model.parity import MIN_TOP1, SMOKE_TOKENS
-from dsv4.model.presets import PRESETS
+from dsv4.model.presets import PRESETS, VARIANTS
 
 if TYPE_CHECKING:
     from dsv4.convert.plan import Plan
@@ -578,7 +578,7 @@ def _main_layers_arg(ctx: click.Context, param: click.Parameter, value: str) -> 
     type=click.Path(dir_okay=False, exists=True, path_type=Path),
     help="A config.json to use instead of a preset.",
 )
-@click.option("--variant", type=click.Choice(["instruct", "base", "dspark"]), default="instruct", show_default=True)
+@click.option("--variant", type=click.Choice(VARIANTS), default="instruct", show_default=True)
 @click.option(
     "--main-layers",
     default="0",

@@ -33,30 +33,35 @@ from dsv4.model import strictjson
 from dsv4.model.checkpoint import INDEX_NAME, load_index
 from dsv4.model.config import CONFIG_FILE, ModelConfig, parse_config
 from dsv4.model.dtypes import TORCH_DTYPES, nbytes
-from dsv4.model.native import Layout, dspark_stage_layout, main_layer_layout, mtp_layout, top_level_layout
+from dsv4.model.native import (
+    Layout,
+    dspark_stage_layout,
+    expert_storage,
+    main_layer_layout,
+    mtp_layout,
+    top_level_layout,
+)
 from dsv4.model.presets import Variant, preset_config, with_variant
+from dsv4.model.storage import DENSE_LINEAR, ExpertStorage
 
 # what `synth` writes without --preset: tiny, except for the dspark variant, which is the
 # V4-Flash-0731 release (there is no other DSpark release)
-DEFAULT_PRESET: dict[str, str] = {"instruct": "tiny", "base": "tiny", "dspark": "flash"}
+DEFAULT_PRESET, DSPARK_DEFAULT_PRESET = "tiny", "flash"
 CHUNK_BYTES = 1 << 20  # output bytes generated per write; temporaries stay within ~32x this
 SHARD_METADATA = {"format": "pt"}  # what the released shards carry
-
-# Realistic magnitudes: a released FP8 block has its amax scaled to ~448, and weights of
-# std ~0.02 then need scales around 2^-13; FP4 groups of 32 have amax ~6 -> ~2^-8.
-FP8_WEIGHT_STD = 100.0
-FP8_SCALE_EXPONENTS = (-15, -11)  # inclusive range of log2 of an FP8 block scale
-FP4_SCALE_EXPONENTS = (-10, -6)
-E4M3_MAX = 448.0  # largest finite float8_e4m3fn; clamping keeps NaN bytes (0x7F/0xFF) out
 E8M0_BIAS = 127
 
 Fill = Callable[[tuple[int, ...], torch.Generator], torch.Tensor]
 
 
-def pack_e2m1(codes: torch.Tensor) -> torch.Tensor:
-    """Pack e2m1 codes (uint8 0..15, last dim even) two per byte along the last dim, as the
-    release stores FP4 experts (mapping/README.md#storage-dtypes): LOW nibble = even index, HIGH = odd."""
-    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).view(torch.int8)
+def pack_codes(codes: torch.Tensor, storage: ExpertStorage) -> torch.Tensor:
+    """Pack codes (uint8, last dim a multiple of codes_per_byte) along the last dim, as the release
+    stores packed experts (mapping/README.md#storage-dtypes): LOW bits = even index (FP4: two per byte)."""
+    n, bits = storage.codes_per_byte, 8 // storage.codes_per_byte
+    packed = codes[..., 0::n]
+    for k in range(1, n):
+        packed = packed | (codes[..., k::n] << (k * bits))
+    return packed.view(TORCH_DTYPES[storage.weight_dtype])
 
 
 def shard_layouts(cfg: ModelConfig, variant: Variant, main_layers: int) -> list[Layout]:
@@ -70,7 +75,7 @@ def shard_layouts(cfg: ModelConfig, variant: Variant, main_layers: int) -> list[
         return [first, *layers, top, *(dspark_stage_layout(cfg, s) for s in range(cfg.dspark_stages))]
     mtp: Layout = {}
     for i in range(cfg.num_nextn_predict_layers):
-        mtp.update(mtp_layout(cfg, i, with_emb_head=variant == "base"))
+        mtp.update(mtp_layout(cfg, i, with_emb_head=expert_storage(cfg).mtp_emb_head))
     return [first, *layers, top, mtp]
 
 
@@ -83,27 +88,42 @@ def _gauss(std: float, mean: float = 0.0, dtype: torch.dtype = torch.float32) ->
     return lambda shape, gen: (torch.randn(shape, generator=gen) * std + mean).to(dtype)
 
 
-def _e8m0(exponents: tuple[int, int]) -> Fill:
-    lo, hi = (e + E8M0_BIAS for e in exponents)
-    return lambda shape, gen: torch.randint(lo, hi + 1, shape, generator=gen, dtype=torch.uint8).view(
-        torch.float8_e8m0fnu
+def _pow2_scales(dtype: str, exponents: tuple[int, int]) -> Fill:
+    """Power-of-two scales, stored as E8M0 bytes or as values of `dtype` (F32)."""
+    lo, hi = exponents
+    if dtype == "F8_E8M0":
+        return lambda shape, gen: torch.randint(
+            lo + E8M0_BIAS, hi + E8M0_BIAS + 1, shape, generator=gen, dtype=torch.uint8
+        ).view(torch.float8_e8m0fnu)
+    return lambda shape, gen: torch.exp2(torch.randint(lo, hi + 1, shape, generator=gen).float()).to(
+        TORCH_DTYPES[dtype]
     )
 
 
-def _f32_pow2(exponents: tuple[int, int]) -> Fill:
-    lo, hi = exponents
-    return lambda shape, gen: torch.exp2(torch.randint(lo, hi + 1, shape, generator=gen).float())
+def _numeric_weights(std: float, dtype: str) -> Fill:
+    # clamped into the dtype's finite range: for e4m3 that keeps NaN bytes (0x7F/0xFF) out
+    target = TORCH_DTYPES[dtype]
+    limit = float((torch.finfo if target.is_floating_point else torch.iinfo)(target).max)
+    return lambda shape, gen: (torch.randn(shape, generator=gen) * std).clamp_(-limit, limit).to(target)
 
 
-def _fp8_weight(shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
-    w = torch.randn(shape, generator=gen) * FP8_WEIGHT_STD
-    return w.clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+def _packed_weights(storage: ExpertStorage) -> Fill:
+    assert storage.codebook is not None
+    n_codes = len(storage.codebook)
+    # uniform codes: every code (e2m1's -0 too) is a finite value
+    return lambda shape, gen: pack_codes(
+        torch.randint(0, n_codes, (*shape[:-1], storage.codes_per_byte * shape[-1]), generator=gen, dtype=torch.uint8),
+        storage,
+    )
 
 
-def _fp4_weight(shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
-    # uniform codes: every nibble, including -0, is a finite e2m1 value
-    codes = torch.randint(0, 16, (*shape[:-1], 2 * shape[-1]), generator=gen, dtype=torch.uint8)
-    return pack_e2m1(codes)
+def _quantized(storage: ExpertStorage, leaf: str, dtype: str) -> Fill:
+    """A weight or scale of a linear stored as `storage` says, with its realistic magnitudes."""
+    if leaf == "scale":
+        return _pow2_scales(dtype, storage.synth_scale_exponents)
+    return (
+        _packed_weights(storage) if storage.codebook is not None else _numeric_weights(storage.synth_weight_std, dtype)
+    )
 
 
 def _hc_fn(shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
@@ -124,12 +144,10 @@ def _expert_ids(n_experts: int) -> Fill:
 def _filler(name: str, dtype: str, cfg: ModelConfig) -> Fill:
     """How to draw tensor `name`'s values, from its dtype and role."""
     leaf = name.rsplit(".", 1)[-1]
-    if dtype == "F8_E4M3":
-        return _fp8_weight
-    if dtype == "I8":
-        return _fp4_weight
-    if dtype == "F8_E8M0":
-        return _e8m0(FP4_SCALE_EXPONENTS if ".experts." in name else FP8_SCALE_EXPONENTS)
+    if ".experts." in name:  # a routed expert's weight or scale (not shared_experts')
+        return _quantized(expert_storage(cfg), leaf, dtype)
+    if dtype == DENSE_LINEAR.weight_dtype or (leaf == "scale" and dtype in ("F8_E8M0", "F32")):
+        return _quantized(DENSE_LINEAR, leaf, dtype)  # a dense FP8 linear (its scale as the experts' storage says)
     if dtype == "I64":
         return _expert_ids(cfg.n_routed_experts)
     if dtype == "BF16":
@@ -140,8 +158,6 @@ def _filler(name: str, dtype: str, cfg: ModelConfig) -> Fill:
         if leaf.endswith("_fn"):
             return _hc_fn
         return _hc_scale if leaf.endswith("_scale") else _gauss(0.1)
-    if leaf == "scale":  # Base: FP8 block scales stored as F32 powers of two
-        return _f32_pow2(FP8_SCALE_EXPONENTS)
     if leaf == "attn_sink":
         return _gauss(0.1)
     return _gauss(0.01)  # gate.bias, compressor ape
@@ -234,7 +250,7 @@ def synthesize(
     config.json, refused with the converter's verdict if it would refuse the config; returns
     what was written (tensors, files, bytes)."""
     # the dspark variant names a release (V4-Flash-0731); tiny is for tests and asked for by name
-    preset = preset or (None if config_path else DEFAULT_PRESET[variant])
+    preset = preset or (None if config_path else DSPARK_DEFAULT_PRESET if variant == "dspark" else DEFAULT_PRESET)
     # writing into a directory that holds something would replace part of it (a typo for a
     # real download) and leave a mix of two checkpoints
     if out.is_dir() and any(out.iterdir()):

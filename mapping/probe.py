@@ -1,4 +1,4 @@
-"""The small configuration a table is validated against, for both expert dtypes: which
+"""The small configuration a table is validated against, for every expert storage: which
 native names the source format allows (model/native.py) and which tensors its target's
 layout has (model/layout.py `layout_of`: the bundled model's parameters for `xpu`, a native
 draft directory's tensors for `draft`), for the table's drafter kind (MTP or DSpark)."""
@@ -11,20 +11,20 @@ from dsv4.model import native
 from dsv4.model.config import ModelConfig
 from dsv4.model.layout import layout_of
 from dsv4.model.presets import preset_config
-
-VARIANT_OF_EXPERT_DTYPE = {"fp4": "instruct", "fp8": "base"}
+from dsv4.model.storage import expert_dtypes
 
 
 def probe_config(expert_dtype: str, drafter: str = "mtp") -> ModelConfig:
-    if drafter == "dspark":  # the tiny DSpark release, with either expert storage
-        return ModelConfig.from_dict({**preset_config("tiny", "dspark"), "expert_dtype": expert_dtype})
-    return ModelConfig.from_dict(preset_config("tiny", VARIANT_OF_EXPERT_DTYPE[expert_dtype]))
+    """The tiny release of `drafter` with its experts stored as `expert_dtype` (an unknown one is
+    refused by name, as the config loader refuses it)."""
+    tiny = preset_config("tiny", "dspark" if drafter == "dspark" else "instruct")
+    return ModelConfig.from_dict({**tiny, "expert_dtype": expert_dtype})
 
 
 def native_keys(cfg: ModelConfig) -> set[str]:
     """Every name a native checkpoint with this config may hold (Base's optional MTP
     emb/head included)."""
-    keys = set(native.draft_layout(cfg, with_emb_head=native.variant_of(cfg) == "base"))
+    keys = set(native.draft_layout(cfg, with_emb_head=native.expert_storage(cfg).mtp_emb_head))
     for j in range(cfg.num_hidden_layers):
         keys |= set(native.main_layer_layout(cfg, j))
     return keys
@@ -49,9 +49,9 @@ def probe_keys(
 ) -> tuple[dict[str, set[str]], dict[str, set[str]], dict[str, ModelConfig], dict[str, int]]:
     """(native names, the target layout's names) per expert dtype, the probe configuration
     per expert dtype (what a target pattern's placeholders are bound for), and its
-    {first}/{last} stages (none for MTP)."""
-    cfgs = {d: probe_config(d, drafter) for d in VARIANT_OF_EXPERT_DTYPE}
+    {first}/{last} stages (none for MTP: the same for every expert dtype)."""
+    cfgs = {d: probe_config(d, drafter) for d in expert_dtypes()}
     natives = {d: native_keys(c) for d, c in cfgs.items()}
     targets = {d: set(layout_of(target, c)) for d, c in cfgs.items()}
-    cfg = cfgs["fp4"]
+    cfg = next(iter(cfgs.values()))
     return natives, targets, cfgs, stage_binding(cfg) if cfg.is_dspark else {}

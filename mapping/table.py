@@ -26,6 +26,7 @@ from typing import Any, NamedTuple
 from dsv4.mapping.errors import TableError
 from dsv4.mapping.probe import draft_bindings, probe_keys, stage_binding
 from dsv4.model.config import ModelConfig
+from dsv4.model.storage import expert_dtypes  # what a rule's `when` may name: one storage each
 
 TABLE_DIR = Path(__file__).parent
 
@@ -45,7 +46,6 @@ PLACEHOLDERS = {
 }
 PINNED = {"first", "last"}
 DERIVED = {"L": "i"}  # {L} = num_hidden_layers + {i}; needs {i} bound
-EXPERT_DTYPES = ("fp4", "fp8")
 DRAFTERS = ("mtp", "dspark")
 # the block placeholders a table of each drafter kind binds (the other kind's are unbound)
 DRAFTER_PLACEHOLDERS = {"mtp": {"i", "L"}, "dspark": {"s", "first", "last"}}
@@ -251,9 +251,9 @@ def _parse_rules(raw: dict[str, Any], where: str, src: str = "", dst: str = "") 
     for r in rules:
         if not all(isinstance(x, str) for x in (*r.sources, r.target or "")):
             raise TableError(f"{where}: {r.label}: names must be strings", kind="malformed_table", path=str(where))
-        if r.when is not None and r.when not in EXPERT_DTYPES:
+        if r.when is not None and r.when not in expert_dtypes():
             raise TableError(
-                f"{where}: {r.label}: when = {r.when!r}; expected one of {EXPERT_DTYPES}",
+                f"{where}: {r.label}: when = {r.when!r}; expected one of {expert_dtypes()}",
                 kind="malformed_table",
                 path=str(where),
             )
@@ -359,7 +359,7 @@ def validate(
                 path=str(where),
             )
         if rule.op != "refuse":  # refuse rules describe other formats by design
-            allowed = set().union(*(native_keys[d] for d in EXPERT_DTYPES if rule.applies(d)))
+            allowed = set().union(*(keys for d, keys in native_keys.items() if rule.applies(d)))
             for src in rule.sources:
                 rx = compile_pattern(pin(src, pins))
                 if not any(rx.match(k) for k in allowed):
@@ -371,7 +371,7 @@ def validate(
                     )
         if rule.target is None:
             continue
-        for dtype in EXPERT_DTYPES:
+        for dtype in target_keys:  # the probe's expert dtypes
             if not rule.applies(dtype):
                 continue
             prior = seen.get((rule.target, dtype))

@@ -21,6 +21,7 @@ from dataclasses import MISSING, InitVar, dataclass, fields
 from typing import Any
 
 from dsv4.model.errors import CheckpointError
+from dsv4.model.storage import storage_of
 from dsv4.model.strictjson import StrictJSONError, loads
 
 # Upper bounds, each far above the released values (Flash / Pro in brackets): they refuse
@@ -46,7 +47,6 @@ DSPARK_FIELDS = ("dspark_block_size", "dspark_noise_token_id", "dspark_target_la
 
 SUPPORTED_MODEL_TYPE = "deepseek_v4"
 CONFIG_FILE = "config.json"  # what a refusal names when no path is given (a preset, a test's dict)
-EXPERT_DTYPES = ("fp4", "fp8")  # instruct (FP4 experts) and Base ("FP8 mixed")
 
 _SHORT = reprlib.Repr()  # values in messages stay short, however large the JSON value
 _SHORT.maxstring = _SHORT.maxother = _SHORT.maxlong = 40
@@ -331,10 +331,7 @@ class ModelConfig:
                 "num_nextn_predict_layers",
                 "num_nextn_predict_layers is 0: the checkpoint has no MTP draft layer to convert",
             )
-        if self.expert_dtype not in EXPERT_DTYPES:
-            raise _unsupported(
-                where, "expert_dtype", f"unknown expert_dtype {self.expert_dtype!r} (expected fp4 or fp8)"
-            )
+        storage_of(self.expert_dtype, where)  # an expert storage this tool has (model/storage.py), or refused
         # vLLM creates ffn.gate.e_score_correction_bias only for noaux_tc routing (NOTES.md),
         # and the draft's router is sqrtsoftplus (model/README.md#moe-routing)
         for field, want in (("topk_method", "noaux_tc"), ("scoring_func", "sqrtsoftplus")):

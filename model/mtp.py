@@ -27,15 +27,14 @@ from torch import nn
 
 from dsv4.model import kernels
 from dsv4.model.config import ModelConfig
-from dsv4.model.native import variant_of
+from dsv4.model.dtypes import TORCH_DTYPES
+from dsv4.model.native import expert_storage, fp8_scale_dtype
 from dsv4.model.quantized import (
-    E8M0,
     Bf16Linear,
     Embedding,
-    Fp4RoutedExperts,
     Fp8Linear,
-    Fp8RoutedExperts,
     QuantLayer,
+    RoutedExperts,
     weight_param,
 )
 
@@ -43,7 +42,7 @@ from dsv4.model.quantized import (
 def fp8_linear_scale_dtype(cfg: ModelConfig) -> torch.dtype:
     """vLLM 0.33 registers FP8 `weight_scale_inv` as E8M0 beside FP4 experts (instruct) and
     as float32 beside FP8 experts (Base), matching the bytes on disk (mapping/README.md#scale-dtypes)."""
-    return E8M0 if variant_of(cfg) == "instruct" else torch.float32
+    return TORCH_DTYPES[fp8_scale_dtype(cfg)]
 
 
 class RMSNorm(nn.Module):
@@ -229,11 +228,7 @@ class Experts(QuantLayer):
     def __init__(self, cfg: ModelConfig, quant_name: str) -> None:
         super().__init__(quant_name)
         E, H, I = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
-        self.routed_experts: Fp4RoutedExperts | Fp8RoutedExperts
-        if variant_of(cfg) == "instruct":
-            self.routed_experts = Fp4RoutedExperts(E, H, I)
-        else:
-            self.routed_experts = Fp8RoutedExperts(E, H, I, cfg.weight_block_size)
+        self.routed_experts = RoutedExperts(expert_storage(cfg), E, H, I, cfg.weight_block_size)
 
 
 class MoE(nn.Module):

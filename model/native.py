@@ -10,42 +10,37 @@ into their native parts.
 
 from __future__ import annotations
 
-from typing import Literal
-
-from dsv4.model.config import ModelConfig
+from dsv4.model.config import CONFIG_FILE, ModelConfig
+from dsv4.model.storage import DENSE_LINEAR, ExpertStorage, storage_of
 
 # name -> (safetensors dtype, shape)
 Layout = dict[str, tuple[str, tuple[int, ...]]]
-Variant = Literal["instruct", "base"]
-
-FP4_GROUP = 32  # one E8M0 scale per 32 packed e2m1 inputs
 
 
-def variant_of(cfg: ModelConfig) -> Variant:
-    """Instruct checkpoints carry FP4 routed experts, Base ("FP8 mixed") ones FP8 (ModelConfig
-    refuses any other expert_dtype)."""
-    return "instruct" if cfg.expert_dtype == "fp4" else "base"
+def expert_storage(cfg: ModelConfig) -> ExpertStorage:
+    """How `cfg`'s routed experts are stored (model/storage.py); an unknown expert_dtype is refused."""
+    return storage_of(cfg.expert_dtype, CONFIG_FILE)
 
 
-def ceil_div(n: int, d: int) -> int:
-    """Blocks of `d` needed for `n` (a block-scale grid's size: the last block may be partial)."""
-    return -(-n // d)
+def variant_of(cfg: ModelConfig) -> str:
+    """The release kind whose expert storage `cfg` names: "instruct" (FP4 experts), "base" ("FP8 mixed")."""
+    return expert_storage(cfg).release
 
 
 def _fp8_linear(out: Layout, name: str, rows: int, cols: int, cfg: ModelConfig, scale_dtype: str) -> None:
-    br, bc = cfg.weight_block_size
-    out[f"{name}.weight"] = ("F8_E4M3", (rows, cols))
-    out[f"{name}.scale"] = (scale_dtype, (ceil_div(rows, br), ceil_div(cols, bc)))
+    out[f"{name}.weight"] = (DENSE_LINEAR.weight_dtype, (rows, cols))
+    out[f"{name}.scale"] = (scale_dtype, DENSE_LINEAR.scale_shape(rows, cols, cfg.weight_block_size))
 
 
-def _fp4_linear(out: Layout, name: str, rows: int, cols: int) -> None:
-    out[f"{name}.weight"] = ("I8", (rows, cols // 2))
-    out[f"{name}.scale"] = ("F8_E8M0", (rows, cols // FP4_GROUP))
+def _expert_linear(out: Layout, name: str, rows: int, cols: int, cfg: ModelConfig) -> None:
+    storage = expert_storage(cfg)
+    out[f"{name}.weight"] = (storage.weight_dtype, storage.weight_shape(rows, cols))
+    out[f"{name}.scale"] = (storage.scale_dtype, storage.scale_shape(rows, cols, cfg.weight_block_size))
 
 
 def fp8_scale_dtype(cfg: ModelConfig) -> str:
-    """Base checkpoints store FP8 block scales as F32 values, instruct ones as E8M0 bytes."""
-    return "F8_E8M0" if variant_of(cfg) == "instruct" else "F32"
+    """The dense FP8 linears' scale dtype: E8M0 bytes beside FP4 experts (instruct), F32 values beside FP8 ones."""
+    return expert_storage(cfg).linear_scale_dtype
 
 
 def block_layout(cfg: ModelConfig, prefix: str) -> Layout:
@@ -73,10 +68,7 @@ def block_layout(cfg: ModelConfig, prefix: str) -> Layout:
     for e in range(E):
         for w, (rows, cols) in (("w1", (I, H)), ("w2", (H, I)), ("w3", (I, H))):
             name = f"{prefix}ffn.experts.{e}.{w}"
-            if variant_of(cfg) == "instruct":
-                _fp4_linear(out, name, rows, cols)
-            else:
-                _fp8_linear(out, name, rows, cols, cfg, sdt)
+            _expert_linear(out, name, rows, cols, cfg)
     _fp8_linear(out, f"{prefix}ffn.shared_experts.w1", I, H, cfg, sdt)
     _fp8_linear(out, f"{prefix}ffn.shared_experts.w2", H, I, cfg, sdt)
     _fp8_linear(out, f"{prefix}ffn.shared_experts.w3", I, H, cfg, sdt)

@@ -8,12 +8,17 @@ reads its config. Base variants differ only in "expert_dtype" (mapping/README.md
 from __future__ import annotations
 
 import copy
-from typing import Any, Literal
+from typing import Any
 
-Variant = Literal["instruct", "base", "dspark"]
+from dsv4.model.storage import STORAGES
 
-# Routed-expert storage per variant: Base is "FP8 mixed"; DSpark-0731 is an instruct release.
-EXPERT_DTYPE: dict[str, str] = {"instruct": "fp4", "base": "fp8", "dspark": "fp4"}
+Variant = str  # a key of EXPERT_DTYPE
+
+# Routed-expert storage per variant: each storage's release (model/storage.py: instruct stores FP4
+# experts, Base is "FP8 mixed"), and dspark, an instruct release (DSpark-0731).
+EXPERT_DTYPE: dict[str, str] = {s.release: s.name for s in STORAGES.values()}
+EXPERT_DTYPE["dspark"] = EXPERT_DTYPE["instruct"]
+VARIANTS = tuple(EXPERT_DTYPE)  # what `synth --variant` accepts
 
 # DeepSeek-V4-Pro's config.json, verbatim.
 _PRO: dict[str, Any] = {

@@ -16,15 +16,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dsv4.model.native import FP4_GROUP, ceil_div
+from dsv4.model.dtypes import TORCH_DTYPES
+from dsv4.model.storage import ExpertStorage, ceil_div
 
 FP8 = torch.float8_e4m3fn
 E8M0 = torch.float8_e8m0fnu
 
 FP32_STEP_BYTES = 64 << 20  # Bf16Linear.forward_fp32's fp32 buffer: 4096 rows of Flash's head
-
-# e2m1 code -> value; bit 3 is the sign (mapping/README.md#storage-dtypes)
-_FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
 
 def weight_param(shape: tuple[int, ...], dtype: torch.dtype) -> nn.Parameter:
@@ -43,10 +41,11 @@ def scale_to_float(scale: torch.Tensor) -> torch.Tensor:
     return scale.float()
 
 
-def dequant_fp8_block(
+def dequant_block(
     weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], out_dtype: torch.dtype = torch.bfloat16
 ) -> torch.Tensor:
-    """W[n, k] = w[n, k] * S[n // bn, k // bk]; the scale grid is ceil-sized, edges cropped."""
+    """W[n, k] = w[n, k] * S[n // bn, k // bk] for numeric weights (FP8 e4m3, integers); the scale
+    grid is ceil-sized, edges cropped."""
     bn, bk = block
     rows, cols = weight.shape[-2:]
     s = scale_to_float(scale)
@@ -54,21 +53,40 @@ def dequant_fp8_block(
     return (weight.float() * s).to(out_dtype)
 
 
-def dequant_fp4(packed: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """Packed e2m1 [.., rows, cols/2] (LOW nibble = even index) with one E8M0 scale per 32
-    inputs [.., rows, cols/32] -> [.., rows, cols]."""
-    # bf16 has fp32's exponent range, so an e2m1 value (2 significant bits) times an E8M0
-    # power of two is exact in it, NaN scales included: computing in bf16 gives the fp32
+def dequant_packed(
+    packed: torch.Tensor, scale: torch.Tensor, storage: ExpertStorage, out_dtype: torch.dtype = torch.bfloat16
+) -> torch.Tensor:
+    """Codes of `storage.codebook` packed `codes_per_byte` to a byte [.., rows, cols/n] (LOW bits = even
+    index) with one scale per group of inputs [.., rows, cols/group] -> [.., rows, cols] (FP4: e2m1)."""
+    assert storage.codebook is not None and storage.scale_block is not None  # ExpertStorage checks both
+    # bf16 has fp32's exponent range, so a code of few significant bits (e2m1: 2) times a
+    # power-of-two scale is exact in it, NaN scales included: computing in bf16 gives the fp32
     # result's bits with half the memory traffic. Any other output dtype goes through fp32.
     work = torch.bfloat16 if out_dtype == torch.bfloat16 else torch.float32
-    lut = torch.tensor(_FP4_VALUES, dtype=work, device=packed.device)
+    lut = torch.tensor(storage.codebook, dtype=work, device=packed.device)
     byte = torch.arange(256, device=packed.device)
-    pairs = torch.stack((lut[byte & 0xF], lut[byte >> 4]), dim=-1)  # byte -> (even, odd) value
+    bits = 8 // storage.codes_per_byte
+    mask = (1 << bits) - 1
+    # byte -> the values of its codes, even index first
+    per_byte = torch.stack([lut[(byte >> (k * bits)) & mask] for k in range(storage.codes_per_byte)], dim=-1)
     # one lookup per byte, int32 indices, the scale broadcast over its group: a quarter of
     # the temporaries of a lookup per nibble with a repeated scale (experts are ~8 MB each)
-    vals = nn.functional.embedding(packed.view(torch.uint8).int(), pairs).flatten(-2)
-    groups = vals.unflatten(-1, (-1, FP4_GROUP)) * scale_to_float(scale).to(work).unsqueeze(-1)
+    vals = nn.functional.embedding(packed.view(torch.uint8).int(), per_byte).flatten(-2)
+    groups = vals.unflatten(-1, (-1, storage.scale_block[1])) * scale_to_float(scale).to(work).unsqueeze(-1)
     return groups.flatten(-2).to(out_dtype)
+
+
+def dequantize(
+    storage: ExpertStorage,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    weight_block_size: tuple[int, int],
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """An expert weight and its scale grid, stored as `storage` says, -> [.., rows, cols] in `out_dtype`."""
+    if storage.codebook is not None:
+        return dequant_packed(weight, scale, storage, out_dtype)
+    return dequant_block(weight, scale, storage.block(weight_block_size), out_dtype)
 
 
 class QuantLayer(nn.Module):
@@ -110,10 +128,10 @@ class Fp8Linear(QuantLayer):
 
     def dequantized(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         if len(self.parts) == 1:
-            return dequant_fp8_block(self.weight, self.weight_scale_inv, self.block, dtype)
+            return dequant_block(self.weight, self.weight_scale_inv, self.block, dtype)
         ws = self.weight.split(list(self.parts), dim=0)
         ss = self.weight_scale_inv.split([ceil_div(p, self.block[0]) for p in self.parts], dim=0)
-        return torch.cat([dequant_fp8_block(w, s, self.block, dtype) for w, s in zip(ws, ss, strict=True)], dim=0)
+        return torch.cat([dequant_block(w, s, self.block, dtype) for w, s in zip(ws, ss, strict=True)], dim=0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x @ self.dequantized(x.dtype).T
@@ -158,46 +176,35 @@ class Embedding(QuantLayer):
         return nn.functional.embedding(ids, self.weight)
 
 
-class Fp4RoutedExperts(nn.Module):
-    """E stacked FP4 experts, vLLM's `routed_experts` (mapping/README.md#mtp-parameters): packed e2m1 bytes and
-    raw E8M0 scale bytes, both uint8. w13 = cat(w1, w3) on the output dim."""
+class RoutedExperts(nn.Module):
+    """E stacked experts, vLLM's `routed_experts` (mapping/README.md#mtp-parameters), in the containers
+    their storage names (FP4: packed e2m1 bytes and raw E8M0 scale bytes, both uint8; FP8: e4m3 weights and
+    F32 block scales): w13 = cat(w1, w3) on the output dim, each with its own scale grid."""
 
-    def __init__(self, n_experts: int, hidden: int, inter: int) -> None:
+    def __init__(
+        self, storage: ExpertStorage, n_experts: int, hidden: int, inter: int, weight_block_size: tuple[int, int]
+    ) -> None:
         super().__init__()
         E, H, I = n_experts, hidden, inter
-        self.w13_weight = weight_param((E, 2 * I, H // 2), torch.uint8)
-        self.w13_weight_scale = weight_param((E, 2 * I, H // FP4_GROUP), torch.uint8)
-        self.w2_weight = weight_param((E, H, I // 2), torch.uint8)
-        self.w2_weight_scale = weight_param((E, H, I // FP4_GROUP), torch.uint8)
+        self.storage = storage
+        self.block = weight_block_size
+        self.inter = inter
+        weight, scale = TORCH_DTYPES[storage.container_dtype], TORCH_DTYPES[storage.scale_container_dtype]
+        self.scale_name = storage.scale_param
+        s13, s2 = storage.scale_shape(I, H, weight_block_size), storage.scale_shape(H, I, weight_block_size)
+        self.w13_weight = weight_param((E, *storage.weight_shape(2 * I, H)), weight)
+        self.register_parameter(f"w13_{self.scale_name}", weight_param((E, 2 * s13[0], s13[1]), scale))
+        self.w2_weight = weight_param((E, *storage.weight_shape(H, I)), weight)
+        self.register_parameter(f"w2_{self.scale_name}", weight_param((E, *s2), scale))
 
     def expert_weights(self, e: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(w13 [2I, H], w2 [H, I]) of expert e, dequantised."""
-        w13 = dequant_fp4(self.w13_weight[e], self.w13_weight_scale[e], dtype)
-        w2 = dequant_fp4(self.w2_weight[e], self.w2_weight_scale[e], dtype)
-        return w13, w2
-
-
-class Fp8RoutedExperts(nn.Module):
-    """E stacked FP8 experts of a Base checkpoint: e4m3 weights, F32 128x128 block scales."""
-
-    def __init__(self, n_experts: int, hidden: int, inter: int, block: tuple[int, int]) -> None:
-        super().__init__()
-        E, H, I = n_experts, hidden, inter
-        bn, bk = block
-        self.block = block
-        self.inter = inter
-        self.w13_weight = weight_param((E, 2 * I, H), FP8)
-        self.w13_weight_scale_inv = weight_param((E, 2 * ceil_div(I, bn), ceil_div(H, bk)), torch.float32)
-        self.w2_weight = weight_param((E, H, I), FP8)
-        self.w2_weight_scale_inv = weight_param((E, ceil_div(H, bn), ceil_div(I, bk)), torch.float32)
-
-    def expert_weights(self, e: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        # w1 and w3 were concatenated with their own scale grids: dequantise them apart.
-        half = ceil_div(self.inter, self.block[0])
-        w1, w3 = self.w13_weight[e].split(self.inter, dim=0)
-        s1, s3 = self.w13_weight_scale_inv[e].split(half, dim=0)
-        w13 = torch.cat(
-            (dequant_fp8_block(w1, s1, self.block, dtype), dequant_fp8_block(w3, s3, self.block, dtype)), dim=0
-        )
-        w2 = dequant_fp8_block(self.w2_weight[e], self.w2_weight_scale_inv[e], self.block, dtype)
-        return w13, w2
+        w13, s13 = self.w13_weight[e], getattr(self, f"w13_{self.scale_name}")[e]
+        w2, s2 = self.w2_weight[e], getattr(self, f"w2_{self.scale_name}")[e]
+        if self.inter % self.storage.block(self.block)[0] == 0:  # w3's grid starts where w1's ends: one grid
+            w13 = dequantize(self.storage, w13, s13, self.block, dtype)
+        else:  # w1 and w3 were concatenated with their own (ragged) scale grids: dequantise them apart
+            half = s13.shape[0] // 2
+            parts = zip(w13.split(self.inter, dim=0), s13.split(half, dim=0), strict=True)
+            w13 = torch.cat([dequantize(self.storage, w, s, self.block, dtype) for w, s in parts], dim=0)
+        return w13, dequantize(self.storage, w2, s2, self.block, dtype)

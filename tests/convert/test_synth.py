@@ -21,10 +21,11 @@ from safetensors import safe_open
 
 from dsv4.convert import synth
 from dsv4.convert.cli import cli
-from dsv4.convert.synth import INDEX_NAME, pack_e2m1, write_checkpoint
+from dsv4.convert.synth import INDEX_NAME, pack_codes, write_checkpoint
 from dsv4.model.checkpoint import Checkpoint
 from dsv4.model.config import ModelConfig
 from dsv4.model.presets import PRESETS, preset_config
+from dsv4.model.storage import FP4
 
 # mapping/README.md#storage-dtypes, written out here rather than imported so the test checks the code
 E2M1_LUT = [0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6]
@@ -301,7 +302,7 @@ def test_dspark_flash_replica_is_the_0731_release(tmp_path: Path) -> None:
 def test_fp4_nibble_order() -> None:
     values = [0.5, -6.0, 1.5, 3.0]  # input indices 0, 1, 2, 3 of one row
     codes = torch.tensor([[E2M1_LUT.index(v) for v in values]], dtype=torch.uint8)
-    packed = pack_e2m1(codes)
+    packed = pack_codes(codes, FP4)
     assert packed.dtype == torch.int8 and packed.shape == (1, 2)
     assert packed.view(torch.uint8).tolist() == [[0xF1, 0x53]]  # low nibble = even index
     scale = torch.tensor([[126]], dtype=torch.uint8).view(torch.float8_e8m0fnu)  # 2^-1

@@ -23,8 +23,9 @@ from dsv4.model.layout import target_layout
 from dsv4.model.loader import default_device, load_converted
 from dsv4.model.mtp import DeepSeekV4MTP, hc_post, quant_layer_names
 from dsv4.model.presets import preset_config
-from dsv4.model.quantized import Fp8Linear, dequant_fp4
+from dsv4.model.quantized import Fp8Linear, dequant_packed
 from dsv4.model.reference import NativeReference, fp4_weight
+from dsv4.model.storage import FP4
 
 INDEX = "model.safetensors.index.json"
 
@@ -367,7 +368,7 @@ def test_fp4_dequantisation_to_bf16_has_the_bits_of_the_fp32_result_and_the_refe
     of the fp32 result rounded to bf16, and the reference's bit-arithmetic decode agrees."""
     packed = torch.arange(256, dtype=torch.uint8).repeat(256, 1)  # row r: all 256 bytes
     scale = torch.arange(256, dtype=torch.uint8).unsqueeze(1).repeat(1, 512 // 32)  # row r: scale byte r
-    fp32 = dequant_fp4(packed, scale, torch.float32)
-    assert torch.equal(dequant_fp4(packed, scale).view(torch.int16), fp32.to(torch.bfloat16).view(torch.int16))
+    fp32 = dequant_packed(packed, scale, FP4, torch.float32)
+    assert torch.equal(dequant_packed(packed, scale, FP4).view(torch.int16), fp32.to(torch.bfloat16).view(torch.int16))
     ref = fp4_weight(packed.view(torch.int8), scale)
     assert torch.equal(fp32.isnan(), ref.isnan()) and torch.equal(fp32.nan_to_num(), ref.nan_to_num())

@@ -1,0 +1,142 @@
+"""The routed experts' storage formats, one entry per config.json "expert_dtype" (mapping/README.md#storage-dtypes).
+
+An entry says everything the tool knows of one format: the native tensors of an expert linear
+(`ffn.experts.{e}.w{1,2,3}.weight` and `.scale`: safetensors dtypes, shapes as functions of the
+linear's dims), the dtype of the dense FP8 linears' scales beside such experts, the bundled model's
+containers (the xpu layout's `routed_experts` parameters), how the stored values decode, and how
+`synth` draws realistic ones. The native format (model/native.py), the bundled model
+(model/quantized.py, model/mtp.py), the presets, the table probe and validation (mapping/), `check`
+and `synth` read these fields; none names a format itself. So a new storage is one entry here (and
+the table lines that map it to xpu): `storage_of` refuses any other name by name, never reads it as
+another. Only the independent reference (model/reference.py) decodes fp4 and fp8 its own way, by design.
+
+Its functions take the expert_dtype string, not a ModelConfig, and it imports nothing of this package
+but the errors and no torch: every layer reads it, so it sits at the bottom and closes no import circle.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dsv4.model.errors import CheckpointError
+
+FIELD = "expert_dtype"  # the config.json field that names the storage
+
+
+def ceil_div(n: int, d: int) -> int:
+    """Blocks of `d` needed for `n` (a block-scale grid's size: the last block may be partial)."""
+    return -(-n // d)
+
+
+@dataclass(frozen=True)
+class ExpertStorage:
+    """How one release stores its routed experts: each expert linear [rows, cols] is a weight and a
+    grid of power-of-two scales, one per `scale_block` (or quantization_config's weight_block_size)."""
+
+    name: str  # the expert_dtype value
+    release: str  # the release kind that stores its experts so (synth --variant; plan messages)
+    weight_dtype: str  # safetensors dtype of a native expert weight
+    scale_dtype: str  # safetensors dtype of its scale
+    linear_scale_dtype: str  # the dense FP8 linears' scale dtype in such a checkpoint (and in vLLM's layout)
+    container_dtype: str  # dtype of the bundled model's (the xpu layout's) stacked expert weights
+    scale_container_dtype: str  # ... and of their scales
+    scale_param: str  # the layout's scale parameter: w13_<scale_param>, w2_<scale_param>
+    synth_scale_exponents: tuple[int, int]  # inclusive range of log2 of the scales synth draws
+    scale_block: tuple[int, int] | None = None  # (rows, cols) one scale covers; None: weight_block_size
+    codebook: tuple[float, ...] | None = None  # code -> value of packed codes; None: the weight's own numbers
+    codes_per_byte: int = 1  # codes packed in one byte along the input dim, the LOW bits first
+    synth_weight_std: float = 0.0  # numeric weights: N(0, std), clamped into the dtype's finite range
+    mtp_emb_head: bool = False  # such a release may carry mtp.{i}.emb.tok_emb.weight and mtp.{i}.head.weight
+
+    def __post_init__(self) -> None:
+        # dequantisation (model/quantized.py) decodes packed codes one byte at a time, scaled per row group
+        if self.codebook is not None and (
+            len(self.codebook) != 1 << (8 // self.codes_per_byte) or (self.scale_block or (0,))[0] != 1
+        ):
+            raise ValueError(f"{self.name}: a codebook fills its code's bits and is scaled per (1, n) group")
+
+    def block(self, weight_block_size: tuple[int, int]) -> tuple[int, int]:
+        """(rows, cols) one scale covers, for a config whose quantization_config has `weight_block_size`."""
+        return self.scale_block or weight_block_size
+
+    def weight_shape(self, rows: int, cols: int) -> tuple[int, int]:
+        return rows, cols // self.codes_per_byte
+
+    def scale_shape(self, rows: int, cols: int, weight_block_size: tuple[int, int]) -> tuple[int, int]:
+        br, bc = self.block(weight_block_size)
+        return ceil_div(rows, br), ceil_div(cols, bc)
+
+
+FP4 = ExpertStorage(  # instruct releases: e2m1 codes two per byte, E8M0 scales per 32 inputs
+    name="fp4",
+    release="instruct",
+    weight_dtype="I8",
+    scale_dtype="F8_E8M0",
+    linear_scale_dtype="F8_E8M0",
+    # vLLM's FP4 MoE holds packed codes and E8M0 scales as raw bytes (the table views them as U8)
+    container_dtype="U8",
+    scale_container_dtype="U8",
+    scale_param="weight_scale",
+    scale_block=(1, 32),
+    codebook=(0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0),  # bit 3: sign
+    codes_per_byte=2,
+    # an FP4 group of 32 has its amax ~6: weights of std ~0.02 need scales around 2^-8
+    synth_scale_exponents=(-10, -6),
+)
+
+FP8 = ExpertStorage(  # Base releases ("FP8 mixed"): e4m3 [out, in], F32 block scales
+    name="fp8",
+    release="base",
+    weight_dtype="F8_E4M3",
+    scale_dtype="F32",
+    linear_scale_dtype="F32",
+    container_dtype="F8_E4M3",
+    scale_container_dtype="F32",
+    scale_param="weight_scale_inv",
+    # a released FP8 block has its amax scaled to ~448: weights of std ~0.02 need scales around 2^-13
+    synth_weight_std=100.0,
+    synth_scale_exponents=(-15, -11),
+    mtp_emb_head=True,
+)
+
+STORAGES: dict[str, ExpertStorage] = {s.name: s for s in (FP4, FP8)}
+DENSE_LINEAR = FP8  # every release's dense linears are FP8 e4m3 blocks: synth draws them with FP8's magnitudes
+
+
+def expert_dtypes() -> tuple[str, ...]:
+    """The expert_dtype values this tool has a storage for (read at each call: a test may register one)."""
+    return tuple(STORAGES)
+
+
+def storage_of(expert_dtype: str, where: str) -> ExpertStorage:
+    """The storage `expert_dtype` names; any other value is refused (unsupported_layout, exit 35),
+    headed by `where`, the file the value came from."""
+    storage = STORAGES.get(expert_dtype)
+    if storage is None:
+        *rest, last = expert_dtypes()
+        expected = f"{', '.join(rest)} or {last}" if rest else last
+        raise CheckpointError(
+            f"{where}: unknown {FIELD} {expert_dtype!r} (expected {expected})",
+            kind="unsupported_layout",
+            path=where,
+            field=FIELD,
+        )
+    return storage
+
+
+def holding_native_weight(dtype: str) -> tuple[str, ...]:
+    """The expert_dtypes whose native expert weight may be of safetensors `dtype` (several may share one)."""
+    return tuple(s.name for s in STORAGES.values() if s.weight_dtype == dtype)
+
+
+def holding_layout_tensor(param: str, dtype: str) -> tuple[str, ...]:
+    """The expert_dtypes whose stacked layout parameter `param` ("weight" or a scale parameter) may be of
+    `dtype`: a weight by its container dtype, a scale by its parameter name."""
+    if param == "weight":
+        return tuple(s.name for s in STORAGES.values() if s.container_dtype == dtype)
+    return tuple(s.name for s in STORAGES.values() if s.scale_param == param)
+
+
+def scale_params() -> tuple[str, ...]:
+    """Every storage's layout scale parameter name (weight_scale, weight_scale_inv)."""
+    return tuple(sorted({s.scale_param for s in STORAGES.values()}))
