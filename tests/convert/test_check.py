@@ -37,7 +37,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 from inprocess import one_error_line, run_in_subprocess_one_line, run_main
 
-from dsv4.convert.check import _Context, check_checksums, check_index, check_readable, check_sizes, run_checks
+from dsv4.convert.check import run_checks
+from dsv4.convert.check_context import Context as _Context
+from dsv4.convert.check_files import check_checksums, check_index, check_readable, check_sizes
 from dsv4.convert.cli import cli
 from dsv4.convert.exit_codes import exit_code
 from dsv4.convert.output import read_record
