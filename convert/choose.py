@@ -8,7 +8,7 @@ from typing import Literal
 from dsv4.convert.inventory import Inventory
 from dsv4.mapping.table import Table, load_table
 from dsv4.mapping.targets import table_name_for
-from dsv4.model.checkpoint import is_full_native
+from dsv4.model.checkpoint import CONFIG, is_full_native
 from dsv4.model.config import ModelConfig
 from dsv4.model.errors import CheckpointError
 from dsv4.model.record import LAYOUT_RECORD
@@ -28,7 +28,7 @@ def drafter_of(inv: Inventory, cfg: ModelConfig, direction: Direction = "forward
     if marker in inv.tensors and not cfg.is_dspark:
         raise CheckpointError(
             f"{inv.tensors[marker].file}: tensor {marker}: a DSpark drafter's projection, but "
-            f"{inv.location}/config.json has no dspark_* fields (mapping/README.md#dspark-source-checkpoint); "
+            f"{inv.location}/{CONFIG} has no dspark_* fields (mapping/README.md#dspark-source-checkpoint); "
             "refusing to convert",
             kind="unsupported_layout",
             path=str(inv.tensors[marker].file),
@@ -36,7 +36,7 @@ def drafter_of(inv: Inventory, cfg: ModelConfig, direction: Direction = "forward
         )
     if cfg.is_dspark and marker not in inv.tensors:
         raise CheckpointError(
-            f"{inv.location}/config.json: dspark_* fields (a DSpark drafter, mapping/README.md#dspark-v4-flash-0731), "
+            f"{inv.location}/{CONFIG}: dspark_* fields (a DSpark drafter, mapping/README.md#dspark-v4-flash-0731), "
             f"but the checkpoint has no tensor {marker}; refusing to convert",
             kind="unsupported_layout",
         )

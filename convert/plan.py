@@ -26,6 +26,7 @@ from dsv4.mapping.probe import stage_binding
 from dsv4.mapping.table import Rule, Table, rule_bindings
 from dsv4.mapping.targets import require_target
 from dsv4.model import native
+from dsv4.model.checkpoint import CONFIG
 from dsv4.model.config import ModelConfig
 from dsv4.model.dtypes import ITEMSIZE, nbytes
 from dsv4.model.errors import CheckpointError
@@ -235,7 +236,7 @@ def _require_stages(inv: Inventory, cfg: ModelConfig, stages: set[int]) -> None:
     missing = sorted(set(range(cfg.dspark_stages)) - stages)
     if missing:
         raise CheckpointError(
-            f"{inv.location}/config.json: {cfg.dspark_stages} DSpark stages (len(dspark_target_layer_ids)) but the "
+            f"{inv.location}/{CONFIG}: {cfg.dspark_stages} DSpark stages (len(dspark_target_layer_ids)) but the "
             f"tensors hold stage(s) {sorted(stages)}: stage {missing[0]} is missing (keys and config disagree)",
             kind="unsupported_layout",
         )
@@ -295,7 +296,7 @@ def plan_conversion(inv: Inventory, table: Table) -> Plan:
     if cfg.is_dspark:
         _require_stages(inv, cfg, {int(b.removeprefix("mtp.")) for b in blocks})
     else:
-        cfg.require_draft_blocks(sorted(blocks), f"{inv.location}/config.json")
+        cfg.require_draft_blocks(sorted(blocks), f"{inv.location}/{CONFIG}")
     expected_src = native.draft_layout(cfg, with_emb_head=True)
     layout = require_target(table.target).layout(cfg)
     consumed: Counter[str] = Counter()
@@ -381,7 +382,7 @@ def plan_reverse(inv: Inventory, table: Table) -> Plan:
     if cfg.is_dspark:  # stages are model.layers.{s}, s < S
         _require_stages(inv, cfg, {int(m.group(1)) for key in inv.tensors if (m := TARGET_LAYER.match(key))})
     else:
-        cfg.require_draft_blocks(draft_layers_present(cfg, inv.tensors), f"{inv.location}/config.json")
+        cfg.require_draft_blocks(draft_layers_present(cfg, inv.tensors), f"{inv.location}/{CONFIG}")
     layout = require_target(table.target).layout(cfg)
     expected_src = native.draft_layout(cfg, with_emb_head=False)
     out: dict[str, PlannedTensor] = {}

@@ -614,6 +614,19 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return native, root / "draft"
 
 
+def test_check_plans_a_draft_directory_once(pair: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The quant check and the smoke run both need the draft directory's plan into the bundled
+    layout; each made its own (convert/check.py and convert/inmemory.py) before."""
+    from dsv4.convert import inmemory
+
+    planned = []
+    plan = inmemory.plan_conversion
+    monkeypatch.setattr(inmemory, "plan_conversion", lambda *args: planned.append(1) or plan(*args))
+    report = run_checks(pair[1], smoke=True)
+    assert {r.name: r.status for r in report.results}["smoke"] == "pass"
+    assert len(planned) == 1
+
+
 def target_config(tmp_path: Path, native: Path, **changes: object) -> Path:
     config = {**json.loads((native / "config.json").read_text()), **changes}
     path = tmp_path / "config.json"
