@@ -65,7 +65,7 @@ def test_each_runtime_version_is_stated_once_in_its_target_file() -> None:
     and mapping/ names a runtime version (comments and docstrings may cite the version whose
     line numbers they quote)."""
     runtimes = {(r, v) for t in installed_targets() for r, v in require_target(t).runtimes}
-    assert runtimes == {("vLLM", "0.33.0"), ("SGLang", "0.5.23")}
+    assert {r for r, _ in runtimes} == {"vLLM", "SGLang"}
     versions = {f"{r} {v}" for r, v in runtimes}
     for name in installed_tables():
         header = tomllib.loads((TABLE_DIR / f"{name}.toml").read_text())["table"]
