@@ -4,8 +4,9 @@ The card is made at push time and goes into the same commit as the output; the l
 stays exactly the converter's output (check and the output-safety rules see no extra file).
 Its front matter is the hub's model-card metadata, written by huggingface_hub's
 ModelCardData: `base_model` (the source repo), `library_name` and `tags`. Its body says who
-reads the repo and, for a draft directory, how to serve it in vLLM 0.33.0 and SGLang 0.5.23,
-from which source commit and with which table and version.
+reads the repo and, for a target runtimes load from disk (a draft directory), how to serve it
+in the runtime versions of its target (mapping/targets/TARGET.toml), from which source
+commit and with which table and version.
 
 Serve commands, from the runtimes' code:
 - vLLM: `--speculative-config` with `method` always given (vllm/config/speculative.py
@@ -29,6 +30,7 @@ from huggingface_hub import ModelCard, ModelCardData
 
 from dsv4 import __version__
 from dsv4.mapping.table import Table
+from dsv4.mapping.targets import Target, require_target
 
 CARD_NAME = "README.md"
 HUB_URL = "https://huggingface.co"
@@ -60,7 +62,7 @@ def _provenance(source: str, commit: str, table: Table) -> str:
     )
 
 
-def _draft_body(repo: str, source: str, commit: str, table: Table) -> str:
+def _draft_body(repo: str, source: str, commit: str, table: Table, target: Target) -> str:
     kind = DRAFTER_NAMES[table.drafter]
     return f"""# {repo.split("/")[1]}
 
@@ -73,10 +75,10 @@ the checkpoint's own tensor names, bytes unchanged, and its config.json byte for
 Beside the target model it was converted from ({source}, commit `{commit}`):
 
 ```bash
-# vLLM 0.33.0 (XPU, CUDA, ROCm)
+# {target.runtime_named("vLLM")} (XPU, CUDA, ROCm)
 {vllm_command(source, repo, table.drafter)}
 
-# SGLang 0.5.23
+# {target.runtime_named("SGLang")}
 {sglang_command(source, repo, table.drafter)}
 ```
 
@@ -95,12 +97,12 @@ convert-dsv4 check draft --serve-with TARGET_DIR
 """
 
 
-def _xpu_body(repo: str, source: str, commit: str, table: Table) -> str:
+def _layout_body(repo: str, source: str, commit: str, table: Table, target: Target) -> str:
     kind = DRAFTER_NAMES[table.drafter]
     return f"""# {repo.split("/")[1]}
 
 The {kind} draft of [{source}]({HUB_URL}/{source}) in the in-memory parameter layout of
-vLLM 0.33.0's XPU draft model. {_provenance(source, commit, table)}
+{target.runtime_named("vLLM")}'s XPU draft model. {_provenance(source, commit, table)}
 
 ## What reads it
 
@@ -126,9 +128,10 @@ def model_card(repo: str, source: str, commit: str, table: Table) -> str:
         "dsv4-convert",
         f"target-{table.target}",
     ]
-    serving = table.target == "draft"  # the one target a runtime loads from disk (shared/spec/05 §5.2)
+    target = require_target(table.target)
+    serving = target.kind.native_names  # a layout runtimes load from disk as a draft model
     data = ModelCardData(base_model=source, library_name="vllm" if serving else None, tags=tags)
-    body = (_draft_body if serving else _xpu_body)(repo, source, commit, table)
+    body = (_draft_body if serving else _layout_body)(repo, source, commit, table, target)
     return str(ModelCard(f"---\n{data.to_yaml()}\n---\n\n{body}"))
 
 

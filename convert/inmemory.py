@@ -1,6 +1,7 @@
 """A checkpoint in native names (a `--target draft` directory, or a native checkpoint) as the
-bundled model's state dict: the plan of `convert-dsv4 DIR OUT --target xpu`, executed into
-memory instead of into shards.
+bundled model's state dict: the plan of `convert-dsv4 DIR OUT --target xpu` (the target whose
+layout is the bundled model's, mapping/targets.py `bundled_target`), executed into memory
+instead of into shards.
 
 So `smoke` and `check --smoke/--native` run the bundled model on exactly the tensors that
 conversion would write (the xpu table is the mapping; there is no second one), and a draft
@@ -16,13 +17,12 @@ from typing import TYPE_CHECKING
 from dsv4.convert.location import open_source
 from dsv4.convert.plan import Plan, choose_table, plan_conversion
 from dsv4.convert.source import ByteReader
+from dsv4.mapping.targets import bundled_target
 from dsv4.model.loader import has_layout_record, load_state
 
 if TYPE_CHECKING:
     import torch
     from torch import nn
-
-XPU_TARGET = "xpu"  # the bundled model's layout (model/layout.py target_layout)
 
 
 def read_planned(plan: Plan, reader: ByteReader) -> dict[str, torch.Tensor]:
@@ -47,26 +47,29 @@ def read_planned(plan: Plan, reader: ByteReader) -> dict[str, torch.Tensor]:
     return state
 
 
-def xpu_plan(root: Path) -> Plan:
-    """The plan of converting native-named checkpoint `root` to the xpu layout (headers only)."""
+def bundled_plan(root: Path) -> Plan:
+    """The plan of converting native-named checkpoint `root` to the bundled layout (headers only)."""
     with open_source(root) as source:
         inv = source.inventory
-    return plan_conversion(inv, choose_table(XPU_TARGET, inv))
+    return plan_conversion(inv, choose_table(bundled_target().name, inv))
 
 
-def load_native_named(root: Path, device: torch.device) -> nn.Module:
+def load_native_named(root: Path, device: torch.device, plan: Plan | None = None) -> nn.Module:
     """The bundled draft model loaded from native-named checkpoint `root` through the xpu
-    table's plan, in memory; the planner's errors (exit 30-35) name what does not fit."""
+    table's plan (`plan`, when the caller has made it), in memory; the planner's errors
+    (exit 30-35) name what does not fit."""
     with open_source(root) as source:
-        plan = plan_conversion(source.inventory, choose_table(XPU_TARGET, source.inventory))
+        if plan is None:
+            plan = plan_conversion(source.inventory, choose_table(bundled_target().name, source.inventory))
         state = read_planned(plan, source.reader)
     return load_state(plan.model_config, state, device)
 
 
-def model_loader(root: Path) -> Callable[[torch.device], nn.Module] | None:
+def model_loader(root: Path, plan: Callable[[], Plan] | None = None) -> Callable[[torch.device], nn.Module] | None:
     """How `smoke` and `check` load `root` into the bundled model: None for a converted
     checkpoint (its config.json has the layout record: the strict loader reads its names
-    as they are), the in-memory xpu plan for a checkpoint in native names."""
+    as they are), the in-memory xpu plan for a checkpoint in native names (`plan()` gives
+    it when the caller has one, so `check` plans a draft directory once)."""
     if has_layout_record(root):
         return None
-    return lambda device: load_native_named(root, device)
+    return lambda device: load_native_named(root, device, plan() if plan is not None else None)

@@ -302,17 +302,12 @@ def _write_records(
     ConversionRecord(
         tool_version=__version__,
         direction=plan.direction,
-        table=plan.table,
-        table_version=plan.table_version,
-        target=plan.target,
+        identity=plan.identity,
         source=published,
         fingerprint=fingerprint_digest(fingerprint),
         tensors={
             t.name: TensorEntry(journal[t.name]["file"], t.nbytes, journal[t.name]["sha256"]) for s in shards for t in s
         },
-        drafter=plan.drafter,
-        runtime=plan.runtime,
-        runtime_class=plan.runtime_class,
         config=plan.config_kind if plan.direction == "forward" else "record",
         skipped=len(plan.skipped),
         config_fields=runtime_config_fields(

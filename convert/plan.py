@@ -8,26 +8,32 @@ tensor is simply a list of byte ranges: the executor needs no knowledge of the o
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections import Counter
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from typing import Any
 
+from dsv4.convert.choose import Direction
+from dsv4.convert.choose import (
+    choose_table as choose_table,  # re-exported: pipeline.py, inmemory.py and tests take it from here
+)
 from dsv4.convert.errors import PlanError
 from dsv4.convert.inventory import Inventory
 from dsv4.mapping.errors import TableError
+from dsv4.mapping.patterns import PINNED, expand
 from dsv4.mapping.probe import stage_binding
-from dsv4.mapping.table import PINNED, Rule, Table, expand, load_table, rule_bindings, table_name_for
+from dsv4.mapping.table import Rule, Table, rule_bindings
+from dsv4.mapping.targets import require_target
 from dsv4.model import native
-from dsv4.model.checkpoint import is_full_native
+from dsv4.model.checkpoint import CONFIG
 from dsv4.model.config import ModelConfig
 from dsv4.model.dtypes import ITEMSIZE, nbytes
 from dsv4.model.errors import CheckpointError
-from dsv4.model.layout import TARGET_LAYER, draft_layers_present, layout_of
-from dsv4.model.record import LAYOUT_RECORD
+from dsv4.model.layout import TARGET_LAYER, draft_layers_present
+from dsv4.model.record import Identified, TableIdentity
 from dsv4.model.safetensors_header import TensorBytes
 
-Direction = Literal["forward", "reverse"]
 NATIVE_BLOCK = re.compile(r"(mtp\.\d+)\.")  # a native draft block's prefix
 
 
@@ -46,20 +52,15 @@ class PlannedTensor:
 
 
 @dataclass(frozen=True)
-class Plan:
+class Plan(Identified):
     direction: Direction
     location: str  # the source's: a directory, or hub:org/name (its inventory's location)
     config: dict[str, Any]  # the source's config.json, as read
     model_config: ModelConfig  # the same, validated (model/config.py): what the layout was planned for
-    table: str
-    table_version: str
-    target: str
+    identity: TableIdentity  # the table's, its target "native" for a reverse plan
     tensors: tuple[PlannedTensor, ...]
     skipped: dict[str, str] = field(default_factory=dict)  # source key -> reason
     revision: str | None = None
-    drafter: str = "mtp"  # the draft model kind the table maps ("mtp" or "dspark")
-    runtime: str = ""  # the table's runtime version(s) and class(es) ([table] runtime, runtime_class)
-    runtime_class: str = ""
     config_kind: str = "record"  # the table's [table] config: what the output's config.json is
     config_bytes: bytes = b""  # the source's config.json as read (config_kind "source" writes it unchanged)
 
@@ -84,12 +85,7 @@ class Plan:
             "direction": self.direction,
             "source": self.location,
             "revision": self.revision,
-            "table": self.table,
-            "table_version": self.table_version,
-            "target": self.target,
-            "drafter": self.drafter,
-            "runtime": self.runtime,
-            "runtime_class": self.runtime_class,
+            **self.identity.to_json(),
             "tensors_out": len(self.tensors),
             "source_keys_consumed": sum(len({p.name for p in t.pieces}) for t in self.tensors),
             "source_keys_skipped": len(self.skipped),
@@ -115,57 +111,6 @@ class Plan:
         ]
         out["skipped"] = self.skipped
         return out
-
-
-# The tensor that makes a checkpoint a DSpark drafter besides its config's dspark_* fields
-# (mapping/README.md#xpu-dspark-layout: one without the other is refused), in the native and in the target layout.
-DSPARK_MARKER: dict[Direction, str] = {"forward": "mtp.0.main_proj.weight", "reverse": "model.main_proj.weight"}
-
-
-def drafter_of(inv: Inventory, cfg: ModelConfig, direction: Direction = "forward") -> str:
-    """ "dspark" or "mtp": which draft layout `inv` holds, from its config AND its tensors,
-    which must agree (unsupported_layout 35 otherwise)."""
-    marker = DSPARK_MARKER[direction]
-    if marker in inv.tensors and not cfg.is_dspark:
-        raise CheckpointError(
-            f"{inv.tensors[marker].file}: tensor {marker}: a DSpark drafter's projection, but "
-            f"{inv.location}/config.json has no dspark_* fields (mapping/README.md#dspark-source-checkpoint); "
-            "refusing to convert",
-            kind="unsupported_layout",
-            path=str(inv.tensors[marker].file),
-            tensor=marker,
-        )
-    if cfg.is_dspark and marker not in inv.tensors:
-        raise CheckpointError(
-            f"{inv.location}/config.json: dspark_* fields (a DSpark drafter, mapping/README.md#dspark-v4-flash-0731), "
-            f"but the checkpoint has no tensor {marker}; refusing to convert",
-            kind="unsupported_layout",
-        )
-    return "dspark" if cfg.is_dspark else "mtp"
-
-
-def choose_table(target: str, inv: Inventory, direction: Direction = "forward") -> Table:
-    """The installed table of `target` for the draft layout `inv` holds (MTP or DSpark).
-    A converted checkpoint given to a forward conversion, or a full native one given to a
-    reverse conversion, is refused naming the command that takes it (unsupported_layout)."""
-    where = inv.location
-    if direction == "forward" and isinstance(inv.config.get(LAYOUT_RECORD), dict):
-        raise CheckpointError(
-            f"{where}: is a converted checkpoint (its config.json has the {LAYOUT_RECORD} layout record), not a "
-            "native one: "
-            f"convert-dsv4 {where} OUT --reverse turns it back into native names, convert-dsv4 check {where} "
-            "verifies it",
-            kind="unsupported_layout",
-            path=str(where),
-        )
-    if direction == "reverse" and is_full_native(inv.tensors):
-        raise CheckpointError(
-            f"{where}: is a native DeepSeek V4 checkpoint (the main model's layers.* tensors), not a converted one: "
-            f"convert-dsv4 {where} OUT --target {target} converts it (without --reverse)",
-            kind="unsupported_layout",
-            path=str(where),
-        )
-    return load_table(table_name_for(target, drafter_of(inv, inv.model_config, direction)))
 
 
 def _refuse(inv: Inventory, table: Table) -> None:
@@ -291,10 +236,52 @@ def _require_stages(inv: Inventory, cfg: ModelConfig, stages: set[int]) -> None:
     missing = sorted(set(range(cfg.dspark_stages)) - stages)
     if missing:
         raise CheckpointError(
-            f"{inv.location}/config.json: {cfg.dspark_stages} DSpark stages (len(dspark_target_layer_ids)) but the "
+            f"{inv.location}/{CONFIG}: {cfg.dspark_stages} DSpark stages (len(dspark_target_layer_ids)) but the "
             f"tensors hold stage(s) {sorted(stages)}: stage {missing[0]} is missing (keys and config disagree)",
             kind="unsupported_layout",
         )
+
+
+def _source_pieces(
+    inv: Inventory,
+    rule: Rule,
+    binding: dict[str, int],
+    target: str,
+    expected_src: dict[str, tuple[str, tuple[int, ...]]],
+    consumed: Counter[str],
+) -> tuple[list[TensorBytes], str]:
+    """The source tensors parameter `target` is made of (counted in `consumed`), each of the
+    dtype and shape config.json implies, and their one dtype."""
+    pieces, dtypes = [], set()
+    variant = native.variant_of(inv.model_config)
+    for name in _source_names(rule, binding, inv.model_config):
+        src = inv.tensors.get(name)
+        if src is None:
+            raise PlanError(
+                f"{target}: its source tensor {name} is not in the checkpoint ({rule.label})",
+                kind="missing_source",
+                path=str(target),
+                tensor=name,
+            )
+        want = expected_src[name]
+        if (src.dtype, src.shape) != want:
+            raise PlanError(
+                f"{src.file}: tensor {name}: {src.dtype}{list(src.shape)} but config.json ({variant}) "
+                f"implies {want[0]}{list(want[1])}",
+                kind="layout_mismatch",
+                path=str(src.file),
+                tensor=name,
+            )
+        pieces.append(src)
+        dtypes.add(src.dtype)
+        consumed[name] += 1
+    if len(dtypes) != 1:
+        raise PlanError(
+            f"{target}: sources of one parameter have different dtypes {sorted(dtypes)}",
+            kind="layout_mismatch",
+            path=str(target),
+        )
+    return pieces, dtypes.pop()
 
 
 def plan_conversion(inv: Inventory, table: Table) -> Plan:
@@ -309,10 +296,9 @@ def plan_conversion(inv: Inventory, table: Table) -> Plan:
     if cfg.is_dspark:
         _require_stages(inv, cfg, {int(b.removeprefix("mtp.")) for b in blocks})
     else:
-        cfg.require_draft_blocks(sorted(blocks), f"{inv.location}/config.json")
-    variant = native.variant_of(cfg)
+        cfg.require_draft_blocks(sorted(blocks), f"{inv.location}/{CONFIG}")
     expected_src = native.draft_layout(cfg, with_emb_head=True)
-    layout = layout_of(table.target, cfg)
+    layout = require_target(table.target).layout(cfg)
     consumed: Counter[str] = Counter()
     out: dict[str, PlannedTensor] = {}
     for rule in rules:
@@ -320,36 +306,8 @@ def plan_conversion(inv: Inventory, table: Table) -> Plan:
             continue
         for binding in rule_bindings(rule, cfg):
             target = expand(rule.target, binding)
-            pieces, shapes, dtypes = [], [], set()
-            for name in _source_names(rule, binding, cfg):
-                src = inv.tensors.get(name)
-                if src is None:
-                    raise PlanError(
-                        f"{target}: its source tensor {name} is not in the checkpoint ({rule.label})",
-                        kind="missing_source",
-                        path=str(target),
-                        tensor=name,
-                    )
-                want = expected_src[name]
-                if (src.dtype, src.shape) != want:
-                    raise PlanError(
-                        f"{src.file}: tensor {name}: {src.dtype}{list(src.shape)} but config.json ({variant}) "
-                        f"implies {want[0]}{list(want[1])}",
-                        kind="layout_mismatch",
-                        path=str(src.file),
-                        tensor=name,
-                    )
-                pieces.append(src)
-                shapes.append(src.shape)
-                dtypes.add(src.dtype)
-                consumed[name] += 1
-            if len(dtypes) != 1:
-                raise PlanError(
-                    f"{target}: sources of one parameter have different dtypes {sorted(dtypes)}",
-                    kind="layout_mismatch",
-                    path=str(target),
-                )
-            src_dtype = dtypes.pop()
+            pieces, src_dtype = _source_pieces(inv, rule, binding, target, expected_src, consumed)
+            shapes = [p.shape for p in pieces]
             dtype = rule.view or src_dtype
             if ITEMSIZE[dtype] != ITEMSIZE[src_dtype]:
                 raise TableError(
@@ -391,15 +349,15 @@ def plan_conversion(inv: Inventory, table: Table) -> Plan:
     twice = sorted(n for n, c in consumed.items() if c > 1 and n not in once)
     if twice:
         raise PlanError(f"tensor {twice[0]} is consumed by more than one rule", kind="plan_failed")
-    return _plan("forward", inv, cfg, table, table.target, _write_order(list(out.values())), skipped)
+    return _plan("forward", inv, cfg, table.identity, table.config, _write_order(list(out.values())), skipped)
 
 
 def _plan(
     direction: Direction,
     inv: Inventory,
     cfg: ModelConfig,
-    table: Table,
-    target: str,
+    identity: TableIdentity,
+    config_kind: str,
     tensors: tuple[PlannedTensor, ...],
     skipped: dict[str, str],
 ) -> Plan:
@@ -408,16 +366,11 @@ def _plan(
         inv.location,
         inv.config,
         cfg,
-        table.name,
-        table.version,
-        target,
+        identity,
         tensors,
         skipped,
         inv.revision,
-        table.drafter,
-        table.runtime,
-        table.runtime_class,
-        table.config,
+        config_kind,
         inv.config_bytes,
     )
 
@@ -429,8 +382,8 @@ def plan_reverse(inv: Inventory, table: Table) -> Plan:
     if cfg.is_dspark:  # stages are model.layers.{s}, s < S
         _require_stages(inv, cfg, {int(m.group(1)) for key in inv.tensors if (m := TARGET_LAYER.match(key))})
     else:
-        cfg.require_draft_blocks(draft_layers_present(cfg, inv.tensors), f"{inv.location}/config.json")
-    layout = layout_of(table.target, cfg)
+        cfg.require_draft_blocks(draft_layers_present(cfg, inv.tensors), f"{inv.location}/{CONFIG}")
+    layout = require_target(table.target).layout(cfg)
     expected_src = native.draft_layout(cfg, with_emb_head=False)
     out: dict[str, PlannedTensor] = {}
     for key, src in inv.tensors.items():
@@ -483,4 +436,5 @@ def plan_reverse(inv: Inventory, table: Table) -> Plan:
                     path=str(fused.file),
                     tensor=target,
                 )
-    return _plan("reverse", inv, cfg, table, "native", _write_order(list(out.values())), {})
+    reverse = dataclasses.replace(table.identity, target="native")
+    return _plan("reverse", inv, cfg, reverse, table.config, _write_order(list(out.values())), {})

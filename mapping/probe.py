@@ -1,15 +1,15 @@
 """The small configuration a table is validated against, for every expert storage: which
 native names the source format allows (model/native.py) and which tensors its target's
-layout has (model/layout.py `layout_of`: the bundled model's parameters for `xpu`, a native
-draft directory's tensors for `draft`), for the table's drafter kind (MTP or DSpark)."""
+layout has (the target registry, mapping/targets.py: the bundled model's parameters for `xpu`,
+a native draft directory's tensors for `draft`), for the table's drafter kind (MTP or DSpark)."""
 
 from __future__ import annotations
 
 from functools import cache
 
+from dsv4.mapping.targets import require_target
 from dsv4.model import native
 from dsv4.model.config import ModelConfig
-from dsv4.model.layout import layout_of
 from dsv4.model.presets import preset_config
 from dsv4.model.storage import expert_dtypes
 
@@ -52,6 +52,6 @@ def probe_keys(
     {first}/{last} stages (none for MTP: the same for every expert dtype)."""
     cfgs = {d: probe_config(d, drafter) for d in expert_dtypes()}
     natives = {d: native_keys(c) for d, c in cfgs.items()}
-    targets = {d: set(layout_of(target, c)) for d, c in cfgs.items()}
+    targets = {d: set(require_target(target).layout(c)) for d, c in cfgs.items()}
     cfg = next(iter(cfgs.values()))
     return natives, targets, cfgs, stage_binding(cfg) if cfg.is_dspark else {}

@@ -2,10 +2,10 @@
 
 A table is data: `copy`, `rename`, `keep`, `concat`, `stack`, `skip` and `refuse` sections
 whose keys and values are full tensor names with typed placeholders. Loading checks the
-table against the native format (model/native.py) and its target's layout (model/layout.py
-`layout_of`: the bundled model for `xpu`, the native draft directory for `draft`) before any
-checkpoint is read, so a rule that can never fire, or that writes something the
-model does not have, is an error at once, not a silent gap at serving time.
+table against the native format (model/native.py) and its target's layout (the target
+registry, mapping/targets.py: the bundled model for `xpu`, the native draft directory for
+`draft`) before any checkpoint is read, so a rule that can never fire, or that writes
+something the model does not have, is an error at once, not a silent gap at serving time.
 
 Rules several tables share (one V4 block: mapping/include/v4_block.toml) are written once
 and pulled in by `[[include]]` with a source and a target prefix. A target (`--target xpu`)
@@ -19,33 +19,26 @@ import re
 import tomllib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from functools import cache, cached_property
+from functools import cached_property
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 from dsv4.mapping.errors import TableError
+from dsv4.mapping.patterns import DERIVED, PINNED, PLACEHOLDERS, compile_pattern, expand, pin, placeholders
 from dsv4.mapping.probe import draft_bindings, probe_keys, stage_binding
+from dsv4.mapping.targets import TABLE_DIR, installed_tables
+from dsv4.mapping.targets import (  # re-exported: convert/cli.py, batch.py and pipeline.py import them from here
+    installed_targets as installed_targets,
+)
+from dsv4.mapping.targets import require_target as require_target
+from dsv4.mapping.targets import table_headers as table_headers
+from dsv4.mapping.targets import tables_of_target as tables_of_target
 from dsv4.model.config import ModelConfig
+from dsv4.model.record import TableIdentity
 from dsv4.model.storage import expert_dtypes  # what a rule's `when` may name: one storage each
-
-TABLE_DIR = Path(__file__).parent
 
 INCLUDE_DIR = TABLE_DIR / "include"
 
-# placeholder -> regex of what it matches in a source name. {i}: MTP block, {s}: DSpark
-# stage, {e}: routed expert, {j}: main layer; {first} and {last} name stage 0 and stage S-1
-# (PINNED: each binds one value, which the planner checks a matched key against).
-PLACEHOLDERS = {
-    "i": r"\d+",
-    "s": r"\d+",
-    "first": r"\d+",
-    "last": r"\d+",
-    "e": r"\d+",
-    "j": r"\d+",
-    "rest": r"[A-Za-z0-9_.]+",
-}
-PINNED = {"first", "last"}
-DERIVED = {"L": "i"}  # {L} = num_hidden_layers + {i}; needs {i} bound
 DRAFTERS = ("mtp", "dspark")
 # the block placeholders a table of each drafter kind binds (the other kind's are unbound)
 DRAFTER_PLACEHOLDERS = {"mtp": {"i", "L"}, "dspark": {"s", "first", "last"}}
@@ -57,11 +50,6 @@ KEEP_KEYS = {"names"}
 # what config.json of an output is: the source's with the dsv4_convert record (and a
 # compressed-tensors config renamed to the layout's modules), or the source's bytes unchanged
 CONFIG_KINDS = ("record", "source")
-_FIELD = re.compile(r"\{([^{}]*)\}")
-
-
-def placeholders(pattern: str) -> list[str]:
-    return _FIELD.findall(pattern)
 
 
 @dataclass(frozen=True)
@@ -90,24 +78,6 @@ class Rule:
         return self.when is None or self.when == expert_dtype
 
 
-def compile_pattern(pattern: str) -> re.Pattern[str]:
-    """Anchored regex for a name pattern; each placeholder becomes a named group and a
-    repeated placeholder must match the same text."""
-    out, seen, pos = [], set(), 0
-    for m in _FIELD.finditer(pattern):
-        out.append(re.escape(pattern[pos : m.start()]))
-        name = m.group(1)
-        out.append(f"(?P={name})" if name in seen else f"(?P<{name}>{PLACEHOLDERS[name]})")
-        seen.add(name)
-        pos = m.end()
-    out.append(re.escape(pattern[pos:]))
-    return re.compile("".join(out) + r"\Z")
-
-
-def expand(pattern: str, binding: Mapping[str, int | str]) -> str:
-    return _FIELD.sub(lambda m: str(binding[m.group(1)]), pattern)
-
-
 @dataclass(frozen=True)
 class Table:
     name: str
@@ -117,12 +87,17 @@ class Table:
     rules: tuple[Rule, ...]
     path: str
     drafter: str = "mtp"  # the draft model kind this table maps to (DRAFTERS)
-    runtime: str = ""  # the runtime version(s) the layout is for, e.g. "vLLM 0.33.0"
+    runtime: str = ""  # its target's runtime versions (mapping/targets/TARGET.toml), e.g. "vLLM 0.33.0"
     runtime_class: str = ""  # the runtime's draft model class(es) that read it
     config: str = "record"  # CONFIG_KINDS: what the output's config.json is
 
     def rules_for(self, expert_dtype: str) -> list[Rule]:
         return [r for r in self.rules if r.applies(expert_dtype)]
+
+    @property
+    def identity(self) -> TableIdentity:
+        """What an output records of the table that made it (conversion.json, plan --json)."""
+        return TableIdentity(self.name, self.version, self.target, self.drafter, self.runtime, self.runtime_class)
 
 
 def _parse(raw: dict[str, Any], where: str) -> tuple[dict[str, Any], list[Rule]]:
@@ -150,7 +125,14 @@ def _parse(raw: dict[str, Any], where: str) -> tuple[dict[str, Any], list[Rule]]
             kind="malformed_table",
             path=str(where),
         )
-    for key in ("layout", "runtime", "runtime_class"):
+    if "runtime" in meta:
+        raise TableError(
+            f"{where}: [table] runtime: the runtime versions are the target's, stated once in "
+            f"mapping/targets/{meta['target']}.toml",
+            kind="malformed_table",
+            path=str(where),
+        )
+    for key in ("layout", "runtime_class"):
         if not isinstance(meta.get(key, ""), str):
             raise TableError(f"{where}: [table] {key} must be a string", kind="malformed_table", path=str(where))
     rules = _parse_rules(raw, where)
@@ -328,11 +310,6 @@ def rule_bindings(rule: Rule, cfg: ModelConfig) -> list[dict[str, int]]:
     return out
 
 
-def pin(pattern: str, pins: Mapping[str, int]) -> str:
-    """`pattern` with its pinned placeholders ({first}, {last}) replaced by their stage numbers."""
-    return _FIELD.sub(lambda m: str(pins[m.group(1)]) if m.group(1) in pins else m.group(0), pattern)
-
-
 def validate(
     table: Table,
     native_keys: Mapping[str, set[str]],
@@ -392,77 +369,6 @@ def validate(
                     )
 
 
-def installed_tables() -> list[str]:
-    """The names `load_table` accepts: the tables shipped in this package (mapping/*.toml)."""
-    return sorted(p.stem for p in TABLE_DIR.glob("*.toml"))
-
-
-class TableHeader(NamedTuple):
-    """A table's [table] section, as far as choosing and listing tables needs it."""
-
-    target: str
-    drafter: str
-    version: str
-    runtime: str  # the runtime version the layout is that of, e.g. "vLLM 0.33.0"
-    runtime_class: str  # the runtime's model class that loads it, e.g. "DeepSeekV4MTP"
-
-
-@cache
-def _table_headers() -> dict[str, TableHeader]:
-    """table name -> its header, from the [table] sections alone: no validation, so the
-    CLI can list the targets at start-up for the cost of reading two small files."""
-    out = {}
-    for name in installed_tables():
-        meta = tomllib.loads((TABLE_DIR / f"{name}.toml").read_text()).get("table", {})
-        out[name] = TableHeader(
-            meta.get("target"),
-            meta.get("drafter", "mtp"),
-            meta.get("version"),
-            meta.get("runtime", ""),
-            meta.get("runtime_class", ""),
-        )
-    return out
-
-
-def table_headers() -> dict[str, TableHeader]:
-    """Every installed table's header, by table name (`convert-dsv4 targets`)."""
-    return dict(_table_headers())
-
-
-def installed_targets() -> list[str]:
-    """The names `--target` accepts: each a runtime (xpu), with one table per drafter kind."""
-    return sorted({head.target for head in _table_headers().values()})
-
-
-def require_target(target: str) -> None:
-    """TableError (listing the installed targets) unless `target` is one."""
-    if target not in installed_targets():
-        raise TableError(
-            f"no target {target!r} (installed: {', '.join(installed_targets())}); a target is chosen by name, not path",
-            kind="malformed_table",
-        )
-
-
-def tables_of_target(target: str) -> list[str]:
-    """The installed tables of `target`, one per drafter kind."""
-    require_target(target)
-    return [name for name, head in _table_headers().items() if head.target == target]
-
-
-def table_name_for(target: str, drafter: str) -> str:
-    """The installed table that maps a `drafter` ("mtp", "dspark") checkpoint to `target`."""
-    require_target(target)
-    names = [name for name, head in _table_headers().items() if (head.target, head.drafter) == (target, drafter)]
-    if len(names) != 1:
-        have = ", ".join(f"{n} ({h.target}, {h.drafter})" for n, h in _table_headers().items())
-        raise TableError(
-            f"target {target!r} has {'no' if not names else 'more than one'} "
-            f"table for {drafter} drafters (installed: {have})",
-            kind="malformed_table",
-        )
-    return names[0]
-
-
 def load_table(name: str = "xpu") -> Table:
     """Load the installed table `name` (mapping/<name>.toml) and validate it completely.
 
@@ -487,15 +393,16 @@ def load_table_file(path: Path) -> Table:
     except tomllib.TOMLDecodeError as exc:
         raise TableError(f"{path}: not valid TOML ({exc})", kind="malformed_table", path=str(path)) from None
     meta, rules = _parse(raw, path.name)
+    runtime = require_target(meta["target"]).runtime
     table = Table(
         meta["name"],
         meta["version"],
         meta["target"],
-        meta.get("layout", ""),
+        meta.get("layout", "").replace("{runtime}", runtime),  # a description may quote the target's runtime
         tuple(rules),
         path.name,
         meta.get("drafter", "mtp"),
-        meta.get("runtime", ""),
+        runtime,
         meta.get("runtime_class", ""),
         meta.get("config", "record"),
     )

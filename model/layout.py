@@ -1,11 +1,8 @@
-"""The target layouts: what a table of each target writes (`layout_of`, the one place that
-says which layout a target has).
+"""The bundled draft model's layout: the parameters the xpu target's tables write
+(`target_layout`). Which layout a target has is the target registry's word
+(mapping/targets.py); this is the layout of the bundled model.
 
-`xpu`: vLLM's in-memory XPU draft layout, derived from the bundled model itself.
-`draft`: a standalone draft directory in native names (model/native.py
-`standalone_draft_layout`), which runtimes load as a separate draft model.
-
-For `xpu` the model is the single source of truth for target names, shapes and dtypes: the model is
+The model is the single source of truth for target names, shapes and dtypes: the model is
 instantiated on the meta device (no memory, any size) and its state_dict is read off.
 The converter's plan and `check` compare against this; nothing hand-copies it.
 
@@ -42,7 +39,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from dsv4 import __version__
-from dsv4.model import native
 from dsv4.model.config import ModelConfig
 from dsv4.model.memory import refuse_unless_torch_fits
 from dsv4.model.native import Layout
@@ -57,16 +53,6 @@ PACKAGE = Path(__file__).resolve().parent.parent
 MODEL_CODE = ("model",)
 CACHE_FORMAT = 2  # 2: entries carry the sha256 of their key and layout
 TARGET_LAYER = re.compile(r"model\.layers\.(\d+)\.")  # a target-layout layer's number L
-
-
-DRAFT_TARGET = "draft"  # the target whose layout is the native draft directory
-
-
-def layout_of(target: str, cfg: ModelConfig) -> Layout:
-    """name -> (safetensors dtype, shape) of every tensor a table of `target` writes for
-    `cfg`: a standalone draft directory's native tensors for `draft`, the bundled draft
-    model's parameters for any other target (`xpu`)."""
-    return native.standalone_draft_layout(cfg) if target == DRAFT_TARGET else target_layout(cfg)
 
 
 def target_layout(cfg: ModelConfig) -> Layout:

@@ -1,8 +1,8 @@
 """What a conversion writes about itself, as types: one strict reader and one writer each.
 
 Two records:
-  conversion.json         `ConversionRecord`: tool and table (name, version, target, drafter,
-                          the runtime(s) the layout is for), the source (its name, commit,
+  conversion.json         `ConversionRecord`: tool and table (its `TableIdentity`: name,
+                          version, target, drafter, runtime versions and class), the source (its name, commit,
                           the sizes of the files read and the sha256 of its config.json), a
                           digest of the conversion's fingerprint (the up-to-date test), the
                           config fields the runtimes read, and every tensor's file, size and
@@ -25,6 +25,7 @@ directory's state file and never reaches OUT.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import re
 from dataclasses import dataclass, field
@@ -38,8 +39,8 @@ CONVERSION_RECORD = "conversion.json"
 LAYOUT_RECORD = "dsv4_convert"  # the key of the layout record in a converted config.json
 SHA256 = re.compile(r"[0-9a-f]{64}")  # hashlib's hexdigest
 DIRECTIONS = ("forward", "reverse")
-# config.json fields that vLLM 0.33.0 and SGLang 0.5.23 read from a draft's config.json or
-# build the draft from (shared/spec/05 §5.2): recorded so `check` can name one that changed
+# config.json fields that the serving runtimes (mapping/targets/draft.toml) read from a draft's
+# config.json or build the draft from: recorded so `check` can name one that changed
 RUNTIME_CONFIG_FIELDS = (
     "architectures",
     "model_type",
@@ -68,14 +69,53 @@ class RecordError(ValueError):
         self.sha256 = sha256
 
 
-def _brief(value: Any) -> str:
+def brief(value: Any) -> str:
     """A value quoted in a one-line reason, cut short."""
     text = repr(value)
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-def _is_int(value: Any) -> bool:
+def is_int(value: Any) -> bool:
+    """An int that is not a bool (JSON's true is no count)."""
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class TableIdentity:
+    """The table an output was made with, as conversion.json and `plan --json` write it (these
+    field names are their keys): its name and version, the target (`native` for a reverse
+    conversion), the drafter kind, and the runtime versions and class its layout is for."""
+
+    table: str
+    table_version: str
+    target: str
+    drafter: str = "mtp"
+    runtime: str = ""
+    runtime_class: str = ""
+
+    def to_json(self) -> dict[str, str]:
+        return dataclasses.asdict(self)
+
+
+IDENTITY_DEFAULTS = {f.name: f.default for f in dataclasses.fields(TableIdentity)}
+
+
+class Identified:
+    """Plan and ConversionRecord: the table fields their readers name, from one `identity`."""
+
+    identity: TableIdentity
+
+    @property
+    def table(self) -> str:
+        return self.identity.table
+
+    @property
+    def table_version(self) -> str:
+        return self.identity.table_version
+
+    @property
+    def target(self) -> str:
+        return self.identity.target
 
 
 def sha256_hex(data: bytes) -> str:
@@ -117,7 +157,7 @@ class SourceRecord:
     @classmethod
     def from_json(cls, value: Any, where: str) -> SourceRecord:
         if not isinstance(value, dict):
-            raise RecordError(where, "source", f"source is {_brief(value)}, not an object")
+            raise RecordError(where, "source", f"source is {brief(value)}, not an object")
         location, revision, files, digest = (
             value.get("location"),
             value.get("revision"),
@@ -125,36 +165,31 @@ class SourceRecord:
             value.get("config_sha256"),
         )
         if not isinstance(location, str):
-            raise RecordError(where, "source.location", f"source.location is {_brief(location)}, not a string")
+            raise RecordError(where, "source.location", f"source.location is {brief(location)}, not a string")
         if revision is not None and not isinstance(revision, str):
-            raise RecordError(where, "source.revision", f"source.revision is {_brief(revision)}, not a commit")
+            raise RecordError(where, "source.revision", f"source.revision is {brief(revision)}, not a commit")
         if not isinstance(files, dict) or not all(
-            isinstance(k, str) and _is_int(v) and v >= 0 for k, v in files.items()
+            isinstance(k, str) and is_int(v) and v >= 0 for k, v in files.items()
         ):
-            raise RecordError(where, "source.files", f"source.files is {_brief(files)}, not file names and sizes")
+            raise RecordError(where, "source.files", f"source.files is {brief(files)}, not file names and sizes")
         if digest is not None and not (isinstance(digest, str) and SHA256.fullmatch(digest)):
             raise RecordError(
-                where, "source.config_sha256", f"source.config_sha256 is {_brief(digest)}, not 64 lowercase hex digits"
+                where, "source.config_sha256", f"source.config_sha256 is {brief(digest)}, not 64 lowercase hex digits"
             )
         return cls(location, revision, dict(files), digest)
 
 
 @dataclass(frozen=True)
-class ConversionRecord:
+class ConversionRecord(Identified):
     """conversion.json. `config` says what the output's config.json is: "record" (the
     source's plus the `dsv4_convert` layout record) or "source" (the source's bytes)."""
 
     tool_version: str
     direction: str
-    table: str
-    table_version: str
-    target: str
+    identity: TableIdentity
     source: SourceRecord
     fingerprint: str
     tensors: dict[str, TensorEntry]
-    drafter: str = "mtp"
-    runtime: str = ""
-    runtime_class: str = ""
     config: str = "record"
     skipped: int = 0
     config_fields: dict[str, Any] = field(default_factory=dict)
@@ -176,12 +211,7 @@ class ConversionRecord:
             "tool": self.tool,
             "tool_version": self.tool_version,
             "direction": self.direction,
-            "table": self.table,
-            "table_version": self.table_version,
-            "target": self.target,
-            "drafter": self.drafter,
-            "runtime": self.runtime,
-            "runtime_class": self.runtime_class,
+            **self.identity.to_json(),
             "config": self.config,
             "source": self.source.to_json(),
             "fingerprint": self.fingerprint,
@@ -208,24 +238,25 @@ class ConversionRecord:
         for name, entry in value["tensors"].items():
             at = f"tensors[{name!r}]"
             if not isinstance(entry, dict):
-                raise RecordError(where, at, f"{at} is {_brief(entry)}, not an object with file, nbytes and sha256")
+                raise RecordError(where, at, f"{at} is {brief(entry)}, not an object with file, nbytes and sha256")
             if not isinstance(entry.get("file"), str):
-                raise RecordError(where, f"{at}.file", f"{at}.file is {_brief(entry.get('file'))}, not a file name")
-            if not _is_int(entry.get("nbytes")):
+                raise RecordError(where, f"{at}.file", f"{at}.file is {brief(entry.get('file'))}, not a file name")
+            if not is_int(entry.get("nbytes")):
                 raise RecordError(
-                    where, f"{at}.nbytes", f"{at}.nbytes is {_brief(entry.get('nbytes'))}, not a byte count"
+                    where, f"{at}.nbytes", f"{at}.nbytes is {brief(entry.get('nbytes'))}, not a byte count"
                 )
         for name, entry in value["tensors"].items():
             sha = entry.get("sha256")
             if not (isinstance(sha, str) and SHA256.fullmatch(sha)) and sha256:
                 at = f"tensors[{name!r}].sha256"
-                raise RecordError(where, at, f"{at} is {_brief(sha)}, not 64 lowercase hex digits", sha256=True)
+                raise RecordError(where, at, f"{at} is {brief(sha)}, not 64 lowercase hex digits", sha256=True)
             tensors[name] = TensorEntry(entry["file"], entry["nbytes"], sha if isinstance(sha, str) else "")
         if value.get("tool") != TOOL:
-            raise RecordError(where, "tool", f"tool is {_brief(value.get('tool'))}, not {TOOL!r}")
+            raise RecordError(where, "tool", f"tool is {brief(value.get('tool'))}, not {TOOL!r}")
         strings = {}
         if isinstance(value.get("fingerprint"), dict):  # a record written before the digest: the same digest
             value = {**value, "fingerprint": fingerprint_digest(value["fingerprint"])}
+        # in this order, so a record with several bad fields names the same one as ever
         for key, default in (
             ("tool_version", None),
             ("direction", None),
@@ -233,37 +264,30 @@ class ConversionRecord:
             ("table_version", None),
             ("target", None),
             ("fingerprint", None),
-            ("drafter", "mtp"),
-            ("runtime", ""),
-            ("runtime_class", ""),
+            *((k, v) for k, v in IDENTITY_DEFAULTS.items() if v is not dataclasses.MISSING),
             ("config", "record"),
         ):
             v = value.get(key, default)
             if not isinstance(v, str):
-                raise RecordError(where, key, f"{key} is {_brief(v)}, not a string")
+                raise RecordError(where, key, f"{key} is {brief(v)}, not a string")
             strings[key] = v
         if strings["direction"] not in DIRECTIONS:
             raise RecordError(
-                where, "direction", f"direction is {_brief(strings['direction'])}, not one of {DIRECTIONS}"
+                where, "direction", f"direction is {brief(strings['direction'])}, not one of {DIRECTIONS}"
             )
         skipped, fields = value.get("skipped", 0), value.get("config_fields", {})
-        if not _is_int(skipped):
-            raise RecordError(where, "skipped", f"skipped is {_brief(skipped)}, not a count")
+        if not is_int(skipped):
+            raise RecordError(where, "skipped", f"skipped is {brief(skipped)}, not a count")
         if not isinstance(fields, dict):
-            raise RecordError(where, "config_fields", f"config_fields is {_brief(fields)}, not an object")
+            raise RecordError(where, "config_fields", f"config_fields is {brief(fields)}, not an object")
         source = SourceRecord.from_json(value.get("source"), where)
         return cls(
             strings["tool_version"],
             strings["direction"],
-            strings["table"],
-            strings["table_version"],
-            strings["target"],
+            TableIdentity(**{k: strings[k] for k in IDENTITY_DEFAULTS}),
             source,
             strings["fingerprint"],
             tensors,
-            strings["drafter"],
-            strings["runtime"],
-            strings["runtime_class"],
             strings["config"],
             skipped,
             fields,
@@ -337,13 +361,13 @@ class LayoutRecord:
         for k in keys:
             if not isinstance(value[k], str):
                 raise RecordError(
-                    where, f"{LAYOUT_RECORD}.{k}", f"{LAYOUT_RECORD}.{k} is {_brief(value[k])}, not a string"
+                    where, f"{LAYOUT_RECORD}.{k}", f"{LAYOUT_RECORD}.{k} is {brief(value[k])}, not a string"
                 )
         note = value.get("quantization_config")
         if note is not None and not (isinstance(note, dict) and isinstance(note.get("source"), dict)):
             raise RecordError(
                 where,
                 f"{LAYOUT_RECORD}.quantization_config",
-                f"{LAYOUT_RECORD}.quantization_config is {_brief(note)}, not a note holding the source's config",
+                f"{LAYOUT_RECORD}.quantization_config is {brief(note)}, not a note holding the source's config",
             )
         return cls(value["layout"], value["table"], value["table_version"], value["tool_version"], note)

@@ -37,7 +37,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 from inprocess import one_error_line, run_in_subprocess_one_line, run_main
 
-from dsv4.convert.check import _Context, check_checksums, check_index, check_readable, check_sizes, run_checks
+from dsv4.convert.check import run_checks
+from dsv4.convert.check_context import Context as _Context
+from dsv4.convert.check_files import check_checksums, check_index, check_readable, check_sizes
 from dsv4.convert.cli import cli
 from dsv4.convert.exit_codes import exit_code
 from dsv4.convert.output import read_record
@@ -610,6 +612,19 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     native = write_checkpoint(root / "native", preset="tiny", seed=0)
     convert(native, root / "draft", target="draft")
     return native, root / "draft"
+
+
+def test_check_plans_a_draft_directory_once(pair: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The quant check and the smoke run both need the draft directory's plan into the bundled
+    layout; each made its own (convert/check.py and convert/inmemory.py) before."""
+    from dsv4.convert import inmemory
+
+    planned = []
+    plan = inmemory.plan_conversion
+    monkeypatch.setattr(inmemory, "plan_conversion", lambda *args: planned.append(1) or plan(*args))
+    report = run_checks(pair[1], smoke=True)
+    assert {r.name: r.status for r in report.results}["smoke"] == "pass"
+    assert len(planned) == 1
 
 
 def target_config(tmp_path: Path, native: Path, **changes: object) -> Path:

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from inprocess import run_main
 
-from dsv4.convert import check
+from dsv4.convert import check_files
 from dsv4.convert.pipeline import convert
 
 # A test-only launcher (as in tests/convert/test_output.py's concurrency test): one Python that has imported
@@ -215,7 +215,7 @@ sys.exit(main())
 def test_an_interruption_a_library_wrapped_in_its_own_error_is_no_finding_of_check(
     tiny_pair: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    read = check._read_tensor
+    read = check_files._read_tensor
     signalled = []
 
     def read_interrupted(*args: object) -> None:
@@ -228,6 +228,6 @@ def test_an_interruption_a_library_wrapped_in_its_own_error_is_no_finding_of_che
         except BaseException as exc:  # as a Rust extension may report it: an Exception of its own
             raise RuntimeError("read interrupted") from exc
 
-    monkeypatch.setattr(check, "_read_tensor", read_interrupted)
+    monkeypatch.setattr(check_files, "_read_tensor", read_interrupted)
     code, _, err = run_main(monkeypatch, capsys, "check", tiny_pair[1], "-q")
     assert (code, err) == (130, "interrupted\n")  # not 72, "tensor ... unreadable"

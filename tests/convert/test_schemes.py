@@ -13,7 +13,7 @@ import pytest
 
 from dsv4.convert.check import run_checks
 from dsv4.convert.errors import PlanError
-from dsv4.convert.inmemory import xpu_plan
+from dsv4.convert.inmemory import bundled_plan
 from dsv4.convert.pipeline import convert
 from dsv4.convert.plan import Plan
 from dsv4.convert.schemes import registry
@@ -57,7 +57,7 @@ def fp8_decision(variant: str, n: int) -> dict[str, str]:
 def plans(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Plan]:
     root = tmp_path_factory.mktemp("schemes")
     variants = ("instruct", "base", "dspark")
-    return {v: xpu_plan(write_checkpoint(root / v, preset="tiny", variant=v, seed=0)) for v in variants}
+    return {v: bundled_plan(write_checkpoint(root / v, preset="tiny", variant=v, seed=0)) for v in variants}
 
 
 def decisions(plan: Plan, qc: dict[str, Any] | None, **target: Any) -> dict[str, Decision]:

@@ -222,11 +222,12 @@ def test_a_rule_for_a_tensor_of_another_stage_is_a_dead_rule(tmp_path: Path, old
 
 @pytest.mark.parametrize("name", ["../xpu", "nope", "/work/x"])
 def test_an_include_is_named_never_a_path(tmp_path: Path, name: str) -> None:
-    # two includes are installed since --target draft (v4_block_native: the block in native names)
+    # two includes are installed since --target draft (v4_block_native: the block in native names),
+    # three since the DSpark tables share their skips and refusals (dspark_skip_refuse)
     with pytest.raises(
         mapping_errors.TableError,
-        match=rf"\[\[include\]\] file '{re.escape(name)}' is not an installed include \(installed: v4_block, "
-        rf"v4_block_native\)",
+        match=rf"\[\[include\]\] file '{re.escape(name)}' is not an installed include \(installed: "
+        rf"dspark_skip_refuse, v4_block, v4_block_native\)",
     ):
         load_table_file(dspark_table_with(tmp_path, 'file = "v4_block"', f'file = "{name}"'))
 

@@ -1,0 +1,67 @@
+"""Which installed table a checkpoint takes for a target: the one of its drafter kind (MTP or
+DSpark), read from its config AND its tensors, which must agree (mapping/README.md#choosing-the-table)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from dsv4.convert.inventory import Inventory
+from dsv4.mapping.table import Table, load_table
+from dsv4.mapping.targets import table_name_for
+from dsv4.model.checkpoint import CONFIG, is_full_native
+from dsv4.model.config import ModelConfig
+from dsv4.model.errors import CheckpointError
+from dsv4.model.record import LAYOUT_RECORD
+
+Direction = Literal["forward", "reverse"]
+
+
+# The tensor that makes a checkpoint a DSpark drafter besides its config's dspark_* fields
+# (mapping/README.md#xpu-dspark-layout: one without the other is refused), in the native and in the target layout.
+DSPARK_MARKER: dict[Direction, str] = {"forward": "mtp.0.main_proj.weight", "reverse": "model.main_proj.weight"}
+
+
+def drafter_of(inv: Inventory, cfg: ModelConfig, direction: Direction = "forward") -> str:
+    """ "dspark" or "mtp": which draft layout `inv` holds, from its config AND its tensors,
+    which must agree (unsupported_layout 35 otherwise)."""
+    marker = DSPARK_MARKER[direction]
+    if marker in inv.tensors and not cfg.is_dspark:
+        raise CheckpointError(
+            f"{inv.tensors[marker].file}: tensor {marker}: a DSpark drafter's projection, but "
+            f"{inv.location}/{CONFIG} has no dspark_* fields (mapping/README.md#dspark-source-checkpoint); "
+            "refusing to convert",
+            kind="unsupported_layout",
+            path=str(inv.tensors[marker].file),
+            tensor=marker,
+        )
+    if cfg.is_dspark and marker not in inv.tensors:
+        raise CheckpointError(
+            f"{inv.location}/{CONFIG}: dspark_* fields (a DSpark drafter, mapping/README.md#dspark-v4-flash-0731), "
+            f"but the checkpoint has no tensor {marker}; refusing to convert",
+            kind="unsupported_layout",
+        )
+    return "dspark" if cfg.is_dspark else "mtp"
+
+
+def choose_table(target: str, inv: Inventory, direction: Direction = "forward") -> Table:
+    """The installed table of `target` for the draft layout `inv` holds (MTP or DSpark).
+    A converted checkpoint given to a forward conversion, or a full native one given to a
+    reverse conversion, is refused naming the command that takes it (unsupported_layout)."""
+    where = inv.location
+    if direction == "forward" and isinstance(inv.config.get(LAYOUT_RECORD), dict):
+        raise CheckpointError(
+            f"{where}: is a converted checkpoint (its config.json has the {LAYOUT_RECORD} layout record), not a "
+            "native one: "
+            f"convert-dsv4 {where} OUT --reverse turns it back into native names, convert-dsv4 check {where} "
+            "verifies it",
+            kind="unsupported_layout",
+            path=str(where),
+        )
+    if direction == "reverse" and is_full_native(inv.tensors):
+        raise CheckpointError(
+            f"{where}: is a native DeepSeek V4 checkpoint (the main model's layers.* tensors), not a converted one: "
+            f"convert-dsv4 {where} OUT --target {target} converts it (without --reverse)",
+            kind="unsupported_layout",
+            path=str(where),
+        )
+    return load_table(table_name_for(target, drafter_of(inv, inv.model_config, direction)))

@@ -1,0 +1,246 @@
+"""The target registry: what `--target NAME` is, read from mapping/targets/NAME.toml and the
+`[table]` headers of the tables that name it (mapping/README.md#targets).
+
+A target is its name, the runtime versions its layouts were verified against (stated once,
+in its file: conversion.json's `runtime`, `targets`, `--version`, check's messages and the
+model card all quote them from here), its layout kind, and its tables, one per drafter kind
+(their `[table]` headers give each drafter's version and runtime class). The layout kind is
+what code knows about a layout (LAYOUT_KINDS): where its tensor list comes from, how it
+names a draft block and an FP8 scale's weight, and whether a runtime loads it from disk. So a
+runtime bump is one line of a target file, and a new target with a known layout kind is a
+target file and its tables: no code.
+
+Reading it costs the small TOML files alone (no validation, no torch): the command line
+lists the targets at start-up.
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from dsv4.mapping.errors import TableError
+from dsv4.model import native
+from dsv4.model.config import ModelConfig
+from dsv4.model.layout import target_layout
+from dsv4.model.native import Layout
+
+TABLE_DIR = Path(__file__).parent
+TARGET_DIR = TABLE_DIR / "targets"
+TARGET_KEYS = {"name", "runtimes", "layout", "default"}
+
+
+@dataclass(frozen=True)
+class LayoutKind:
+    """What follows from a target's layout, for every target that has it. `block` finds a
+    draft block's number in a tensor name; an FP8 scale's name ends with `scale_suffix`, its
+    weight's is the same stem with `weight_suffix`; `native_names`: the tensors keep the
+    checkpoint's own names, which runtimes load from disk as a draft model."""
+
+    provider: Callable[[ModelConfig], Layout]
+    block: re.Pattern[str]
+    scale_suffix: str
+    weight_suffix: str
+    native_names: bool
+
+
+LAYOUT_KINDS = {
+    # the bundled draft model's parameters: no runtime reads them from disk (mapping/README.md#versions-and-loaders)
+    "bundled": LayoutKind(target_layout, re.compile(r"model\.layers\.(\d+)\."), "_scale_inv", "", False),
+    # a standalone draft directory: native names, which vLLM and SGLang load as a draft model
+    "native": LayoutKind(native.standalone_draft_layout, re.compile(r"mtp\.(\d+)\."), ".scale", ".weight", True),
+}
+
+
+class TableHeader(NamedTuple):
+    """A table's [table] section, as far as choosing and listing tables needs it."""
+
+    target: str
+    drafter: str
+    version: str
+    runtime: str  # its target's runtime versions, e.g. "vLLM 0.33.0"
+    runtime_class: str  # the runtime's model class that loads it, e.g. "DeepSeekV4MTP"
+
+
+@dataclass(frozen=True)
+class Target:
+    """One installed target (mapping/targets/NAME.toml)."""
+
+    name: str
+    runtimes: tuple[tuple[str, str], ...]  # (runtime, verified version), in the file's order
+    layout_kind: str  # a key of LAYOUT_KINDS
+    default: bool
+
+    @property
+    def runtime(self) -> str:
+        """The runtime versions as conversion.json records them: "vLLM 0.33.0, SGLang 0.5.23"."""
+        return ", ".join(f"{name} {version}" for name, version in self.runtimes)
+
+    @property
+    def runtimes_said(self) -> str:
+        """The runtime versions in a sentence: "vLLM 0.33.0 and SGLang 0.5.23"."""
+        return " and ".join(f"{name} {version}" for name, version in self.runtimes)
+
+    def runtime_named(self, name: str) -> str:
+        """One runtime with its version ("vLLM 0.33.0"); TableError if the target has none of that name."""
+        for runtime, version in self.runtimes:
+            if runtime == name:
+                return f"{runtime} {version}"
+        raise TableError(f"target {self.name!r} names no {name} version", kind="malformed_table")
+
+    @property
+    def kind(self) -> LayoutKind:
+        return LAYOUT_KINDS[self.layout_kind]
+
+    def layout(self, cfg: ModelConfig) -> Layout:
+        """name -> (safetensors dtype, shape) of every tensor a table of this target writes for `cfg`."""
+        return self.kind.provider(cfg)
+
+    def weight_of_scale(self, name: str) -> str | None:
+        """The weight an FP8 block scale `name` belongs to, in this layout's names (None: not a scale)."""
+        kind = self.kind
+        return name.removesuffix(kind.scale_suffix) + kind.weight_suffix if name.endswith(kind.scale_suffix) else None
+
+    @property
+    def tables(self) -> list[str]:
+        """Its installed tables, one per drafter kind."""
+        return [name for name, head in _table_headers().items() if head.target == self.name]
+
+
+def _target_file(path: Path) -> Target:
+    where = f"{TARGET_DIR.name}/{path.name}"
+    try:
+        raw = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise TableError(f"{where}: not valid TOML ({exc})", kind="malformed_table", path=where) from None
+    meta = raw.get("target")
+    runtimes = meta.get("runtimes") if isinstance(meta, dict) else None
+    if not (
+        isinstance(meta, dict)
+        and set(raw) == {"target"}
+        and set(meta) <= TARGET_KEYS
+        and meta.get("name") == path.stem
+        and isinstance(runtimes, dict)
+        and runtimes
+        and all(isinstance(v, str) and v for v in runtimes.values())
+        and meta.get("layout") in LAYOUT_KINDS
+        and isinstance(meta.get("default", False), bool)
+    ):
+        raise TableError(
+            f'{where}: needs exactly [target] with name = {path.stem!r}, runtimes = {{ RUNTIME = "VERSION", ... }}, '
+            f"layout (one of {sorted(LAYOUT_KINDS)}) and optionally default = true",
+            kind="malformed_table",
+            path=where,
+        )
+    return Target(meta["name"], tuple(runtimes.items()), meta["layout"], meta.get("default", False))
+
+
+@cache
+def _targets() -> dict[str, Target]:
+    return {p.stem: _target_file(p) for p in sorted(TARGET_DIR.glob("*.toml"))}
+
+
+def installed_tables() -> list[str]:
+    """The names `load_table` accepts: the tables shipped in this package (mapping/*.toml)."""
+    return sorted(p.stem for p in TABLE_DIR.glob("*.toml"))
+
+
+@cache
+def _table_headers() -> dict[str, TableHeader]:
+    """table name -> its header, from the [table] sections alone: no validation, so the
+    CLI can list the targets at start-up for the cost of reading a few small files."""
+    out = {}
+    for name in installed_tables():
+        meta = tomllib.loads((TABLE_DIR / f"{name}.toml").read_text()).get("table", {})
+        target = _targets().get(meta.get("target"))
+        out[name] = TableHeader(
+            meta.get("target"),
+            meta.get("drafter", "mtp"),
+            meta.get("version"),
+            target.runtime if target is not None else "",
+            meta.get("runtime_class", ""),
+        )
+    return out
+
+
+def table_headers() -> dict[str, TableHeader]:
+    """Every installed table's header, by table name (`convert-dsv4 targets`)."""
+    return dict(_table_headers())
+
+
+def installed_targets() -> list[str]:
+    """The names `--target` accepts (mapping/targets/*.toml)."""
+    return sorted(_targets())
+
+
+def require_target(target: Any) -> Target:
+    """The installed target `target`, or TableError listing the installed targets."""
+    found = _targets().get(target) if isinstance(target, str) else None
+    if found is None:
+        raise TableError(
+            f"no target {target!r} (installed: {', '.join(installed_targets())}); a target is chosen by name, not path",
+            kind="malformed_table",
+        )
+    return found
+
+
+def default_target() -> str:
+    """`--target`'s default: the target whose file says `default = true`."""
+    (name,) = [t.name for t in _targets().values() if t.default]
+    return name
+
+
+def bundled_target() -> Target:
+    """The target whose layout is the bundled model's (what `smoke` and `check` map a
+    native-named checkpoint into, in memory)."""
+    (target,) = [t for t in _targets().values() if t.layout_kind == "bundled"]
+    return target
+
+
+def serving_targets() -> list[str]:
+    """The targets a runtime loads from disk as a draft model (native names)."""
+    return [t.name for t in _targets().values() if t.kind.native_names]
+
+
+def tables_of_target(target: str) -> list[str]:
+    """The installed tables of `target`, one per drafter kind."""
+    return require_target(target).tables
+
+
+def table_name_for(target: str, drafter: str) -> str:
+    """The installed table that maps a `drafter` ("mtp", "dspark") checkpoint to `target`."""
+    require_target(target)
+    names = [name for name, head in _table_headers().items() if (head.target, head.drafter) == (target, drafter)]
+    if len(names) != 1:
+        have = ", ".join(f"{n} ({h.target}, {h.drafter})" for n, h in _table_headers().items())
+        raise TableError(
+            f"target {target!r} has {'no' if not names else 'more than one'} "
+            f"table for {drafter} drafters (installed: {have})",
+            kind="malformed_table",
+        )
+    return names[0]
+
+
+def target_rows() -> list[dict[str, str]]:
+    """`convert-dsv4 targets`: one row per installed table, by target then table name."""
+    return [
+        {
+            "target": h.target,
+            "table": name,
+            "drafter": h.drafter,
+            "table_version": h.version,
+            "runtime": h.runtime,
+            "runtime_class": h.runtime_class,
+        }
+        for name, h in sorted(_table_headers().items(), key=lambda item: (item[1].target, item[0]))
+    ]
+
+
+def runtimes_by_target() -> dict[str, str]:
+    """`--version`: each installed target's runtime versions."""
+    return {name: target.runtime for name, target in sorted(_targets().items())}
