@@ -378,15 +378,24 @@ def push(
     except HubError as exc:
         if exc.kind != "push_failed":
             raise
-        now = HubSpec(repo, None, explicit=True)
-        landed = resolve_commit(now)
-        if (
-            landed == head
-            or download(now, landed, CONVERSION_RECORD, partial(HubError, kind="push_failed"), missing_ok=True)
-            != (out / CONVERSION_RECORD).read_bytes()
-        ):
+        try:
+            landed = _landed(repo, head, out)
+        except HubError:
+            raise exc from None  # the read-back failed too: it says nothing of the push, whose own error stands
+        if landed is None:
             raise
         return landed
+
+
+def _landed(repo: str, head: str, out: Path) -> str | None:
+    """The head of `repo` when it moved from `head` and holds exactly `out`'s conversion.json
+    (the push landed although its answer said otherwise), else None."""
+    now = HubSpec(repo, None, explicit=True)
+    landed = resolve_commit(now)
+    if landed == head:
+        return None
+    pushed = download(now, landed, CONVERSION_RECORD, partial(HubError, kind="push_failed"), missing_ok=True)
+    return landed if pushed == (out / CONVERSION_RECORD).read_bytes() else None
 
 
 def run_check(out: Path) -> str:
