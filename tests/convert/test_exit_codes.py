@@ -123,6 +123,18 @@ def test_every_code_appears_in_the_readme() -> None:
     assert missing == []
 
 
+def test_every_code_has_its_meaning_in_the_readme() -> None:
+    """Issue 28: 50 (`smoke --features` with NaN) was in the README only as the bound of the
+    range "50-55", never with its meaning. A code counts here where it stands alone (its
+    meaning follows it), not as a range's bound."""
+    text = README.read_text()
+    section = text[text.index("## Exit codes") :]
+    section = section[: section.index("\n## ", 4)]
+    explained = {int(n) for n in re.findall(r"(?<![\d-])(\d{1,3})(?![\d-])", section)}
+    check_table = {int(n) for row in re.findall(r"\| ([\d /]+) \|$", text, re.M) for n in row.split(" / ")}
+    assert sorted({code for code in EXIT_CODES.values() if code not in explained | check_table}) == []
+
+
 def test_an_error_carries_the_file_and_tensor_it_names_as_fields() -> None:
     header = {
         "a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
