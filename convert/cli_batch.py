@@ -64,13 +64,9 @@ def batch_command(
     target repo) already records the source's current commit and the table's version. A
     failing repo is reported and the others go on; the exit code is non-zero if any failed.
     """
-    from dsv4.convert.batch import (
-        default_report_path,
-        load_manifest,
-        run_batch,
-        shard_from_env,
-    )  # start-up time: the hub client
+    from dsv4.convert.batch import default_report_path, run_batch  # start-up time: the hub client
     from dsv4.convert.errors import HubError
+    from dsv4.convert.manifest import load_manifest, shard_from_env
 
     try:
         n, k = shard_from_env(num_shards, shard_index)

@@ -30,8 +30,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 from inprocess import held_by_a_thread, run_main, run_one_line
 
-from dsv4.convert.batch import Manifest, ManifestEntry, load_manifest, run_check, select_shard, shard_from_env
+from dsv4.convert.batch import run_check
 from dsv4.convert.errors import CheckError, HubError
+from dsv4.convert.manifest import Manifest, ManifestEntry, load_manifest, select_shard, shard_from_env
 from dsv4.convert.pipeline import convert
 from dsv4.convert.sizes import MAX_SHARD_SIZE
 from dsv4.convert.synth import write_checkpoint
