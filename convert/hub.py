@@ -535,9 +535,9 @@ def _connect(hub: HubSpec) -> tuple[HubReader | CachedHubReader, set[str]]:
     try:
         commit, info = _model_info(hub, files_metadata=True)
     except HubError as exc:
-        if hub.explicit:
+        if hub.explicit or exc.kind != "repo_not_found":  # a timeout or a refusal says nothing of a mistyped path
             raise
-        # a bare org/name may also have been meant as a local path: say both readings
+        # a bare org/name the hub does not have may also have been meant as a local path: say both readings
         raise type(exc)(f"{hub.repo}: no such local directory, and as a hub repository: {exc}", kind=exc.kind) from None
     sizes = {s.rfilename: s.size for s in info.siblings or [] if s.size is not None}  # a mirror may leave sizes out
     published = (

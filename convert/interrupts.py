@@ -16,6 +16,10 @@ Whatever moment a signal lands, the command ends with one line, `interrupted`, a
   (flock), and a rerun resumes as after kill -9.
 * an Interrupted raised where Python cannot propagate it (inside a `__del__` or a weakref
   callback) is not printed; the command notices at its end and exits as interrupted.
+* the program (convert/entry.py) ends in its last exit hook (`end_before_teardown`), not in
+  the interpreter's teardown: that teardown first puts the default handlers back, so a
+  signal landing there (tens of milliseconds after the result line) would kill the process
+  by the signal itself, without the line or the code of its own.
 
 Standard library only: the entry point (convert/entry.py) installs this before it
 imports anything else, so a Ctrl-C during the seconds of imports is handled too.
@@ -23,6 +27,7 @@ imports anything else, so a Ctrl-C during the seconds of imports is handled too.
 
 from __future__ import annotations
 
+import atexit
 import os
 import signal
 import sys
@@ -49,6 +54,7 @@ class _State:
     received: int | None = None  # the first signal
     running = False  # the command's body runs: a first signal unwinds it
     reported = False  # the `interrupted` line is printed
+    status = 1  # the program's exit status, as `exiting` was told (1: an exception nothing caught)
 
 
 def install() -> None:
@@ -126,6 +132,32 @@ def report() -> None:
                 os.write(2, f"{LINE}\n".encode())
             except OSError:
                 pass
+
+
+def end_before_teardown() -> None:
+    """End this process in an exit hook that runs after every other one (it is registered
+    before them) instead of the interpreter's teardown: with SIGINT and SIGTERM blocked, a
+    signal that arrived ends it as interrupted, else it exits with the status `exiting`
+    recorded. For the program's entry point only: a process that embeds the tool keeps its
+    own end."""
+    atexit.register(_end)
+
+
+def exiting(code: object) -> None:
+    """Record the program's exit status: SystemExit's `code` (None: 0; not an int: 1, the
+    message Python printed)."""
+    _State.status = 0 if code is None else code if isinstance(code, int) else 1
+
+
+def _end() -> NoReturn:
+    signal.pthread_sigmask(signal.SIG_BLOCK, set(EXIT_CODES))  # a signal from here on waits for the look below
+    pending = sorted(set(EXIT_CODES) & signal.sigpending())
+    if _State.received is None and pending:
+        _State.received = pending[0]
+    if _State.received is not None:
+        exit_now()
+    _flush()
+    os._exit(_State.status)
 
 
 def exit_interrupted(exc: BaseException | None = None) -> NoReturn:

@@ -17,7 +17,6 @@ siblings of a killed run are removed by the next run that holds OUT's lock, and 
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import socket
 import time
@@ -30,6 +29,19 @@ from typing import Any
 from filelock import FileLock, Timeout
 
 from dsv4.convert.errors import OutputError
+from dsv4.convert.outpath import (
+    CONFIG,
+    JOURNAL,
+    LOCK,
+    OLD,
+    OWNER,
+    PARTIAL,
+    STATE,
+    refuse_too_long,
+    resolve_output,
+    sibling,
+    sibling_pattern,
+)
 from dsv4.model.checkpoint import INDEX_NAME
 from dsv4.model.record import CONVERSION_RECORD, LAYOUT_RECORD, TOOL, ConversionRecord, LayoutRecord, RecordError
 from dsv4.model.strictjson import (
@@ -38,21 +50,12 @@ from dsv4.model.strictjson import (
     json_bytes,
     loads,
     read_record_bytes,
-    temp_path,
     write_record,
 )
 
-CONFIG = "config.json"
-# the partial directory's bookkeeping, removed before it becomes OUT
-JOURNAL = "journal.jsonl"  # one line per finished tensor
-STATE = "state.json"  # the fingerprint of the conversion the partial directory holds
-# OUT's hidden siblings are `.OUT.<suffix>` in OUT's parent; the previous output aside is
-# `.OUT.old-<pid of the run replacing it>`
-PARTIAL, LOCK, OWNER, OLD = "partial", "lock", "lock.owner", "old-"
 # A run that just took the lock writes its owner record a moment later; a refused run
 # looks this long for that record before it says the owner is unknown.
 OWNER_GRACE_SECONDS = 2.0
-NAME_MAX = 255  # bytes per file name, where the file system does not say (Linux's ext4, xfs, btrfs)
 
 
 def read_record(path: Path) -> dict[str, Any] | None:
@@ -72,94 +75,6 @@ def _remove(path: Path) -> None:
         path.unlink(missing_ok=True)
     else:
         shutil.rmtree(path)
-
-
-def _is_within(inner: Path, outer: Path) -> bool:
-    return outer in inner.parents
-
-
-def resolve_output(out: Path, source: Path | None) -> Path:
-    """Where OUT really is (symlinks followed), after refusing every OUT that could destroy
-    the source or cannot hold a directory. `source` is a local source directory (a hub
-    source has none). Reads the file system only."""
-    real = Path(os.path.realpath(out))
-    if real.parent == real:
-        raise OutputError(f"{out}: OUT cannot be a file system root", kind="output_parent", path=str(out))
-    if source is not None:
-        src = Path(os.path.realpath(source))
-        if real == src:
-            raise OutputError(
-                f"{out}: OUT is the source directory {source} itself; write the output to another directory",
-                kind="output_is_source",
-                path=str(out),
-            )
-        if _is_within(real, src):
-            raise OutputError(
-                f"{out}: OUT is inside the source directory {source}; write the output outside it",
-                kind="output_in_source",
-                path=str(out),
-            )
-        if _is_within(src, real):
-            raise OutputError(
-                f"{source}: the source is inside OUT {out}; "
-                "write the output to a directory that does not contain the source",
-                kind="source_in_output",
-                path=str(source),
-            )
-        if _is_within(src, real.parent) and _sibling_pattern(real).fullmatch(src.relative_to(real.parent).parts[0]):
-            raise OutputError(
-                f"{source}: the source is inside {real.parent / src.relative_to(real.parent).parts[0]}, "
-                f"a working directory of OUT {out} that a run removes",
-                kind="source_in_output",
-                path=str(source),
-            )
-    ancestor = real.parent
-    while not ancestor.exists():
-        ancestor = ancestor.parent
-    if not ancestor.is_dir():
-        raise OutputError(
-            f"{ancestor}: is not a directory, so OUT {out} cannot be created under it",
-            kind="output_parent",
-            path=str(ancestor),
-        )
-    return real
-
-
-def _refuse_names_too_long(out: Path, real: Path) -> None:
-    """Refuse, before anything is created, an OUT whose hidden siblings' names (longer than
-    OUT's own) exceed the file system's limit on a name: one would fail midway."""
-    ancestor = real.parent
-    while not ancestor.exists():
-        ancestor = ancestor.parent
-    try:
-        limit = os.pathconf(ancestor, "PC_NAME_MAX")
-    except (OSError, ValueError):
-        limit = NAME_MAX
-    names = [
-        real.name,
-        *(_sibling(real, s).name for s in (PARTIAL, LOCK, f"{OLD}{os.getpid()}")),
-        temp_path(_sibling(real, OWNER)).name,
-    ]
-    longest = max(names, key=lambda n: len(os.fsencode(n)))
-    if len(os.fsencode(longest)) > limit:
-        raise OutputError(
-            f"{out}: the name is too long: this run writes {longest!r} beside it, "
-            f"{len(os.fsencode(longest))} bytes, and {ancestor}'s file system allows {limit} bytes per name; "
-            f"nothing was changed: choose a name {len(os.fsencode(longest)) - limit} bytes shorter",
-            kind="write_failed",
-            path=str(out),
-        )
-
-
-def _sibling(real: Path, suffix: str) -> Path:
-    return real.parent / f".{real.name}.{suffix}"
-
-
-def _sibling_pattern(real: Path, *, only_old: bool = False) -> re.Pattern[str]:
-    """The names of OUT's hidden siblings (or of its previous outputs aside only)."""
-    old = re.escape(OLD) + r"\d+"
-    suffixes = old if only_old else "|".join([old, *map(re.escape, (PARTIAL, LOCK, OWNER))])
-    return re.compile(rf"\.{re.escape(real.name)}\.({suffixes})")
 
 
 def _describe(owner: Any) -> str | None:
@@ -243,9 +158,9 @@ class OutputClaim:
     def __init__(self, out: Path, path: Path):
         self.out = out
         self.path = path
-        self.partial = _sibling(path, PARTIAL)
-        self.lock_path = _sibling(path, LOCK)
-        self.owner_path = _sibling(path, OWNER)
+        self.partial = sibling(path, PARTIAL)
+        self.lock_path = sibling(path, LOCK)
+        self.owner_path = sibling(path, OWNER)
         self.journal = self.partial / JOURNAL
         self._aside: Path | None = None  # the previous output, while it is being replaced
         self.published = False
@@ -284,7 +199,7 @@ class OutputClaim:
         renames of a publish, and a partial directory without resume state (one a publish
         already emptied of it, or one killed before its state was written). A partial
         directory that some conversion can resume is kept until a run needs the place."""
-        pattern = _sibling_pattern(self.path, only_old=True)
+        pattern = sibling_pattern(self.path, only_old=True)
         with os.scandir(self.path.parent) as entries:
             leftovers = [Path(e.path) for e in entries if pattern.fullmatch(e.name)]
         for old in leftovers:
@@ -368,7 +283,7 @@ class OutputClaim:
         (self.partial / STATE).unlink(missing_ok=True)
         fsync_dir(self.partial)
         if os.path.lexists(self.path):
-            self._aside = _sibling(self.path, f"{OLD}{os.getpid()}")
+            self._aside = sibling(self.path, f"{OLD}{os.getpid()}")
             self.path.rename(self._aside)
             try:
                 self.partial.rename(self.path)
@@ -397,7 +312,7 @@ class OutputClaim:
             )
         elif self._aside is not None:
             after = f"{self.out} was moved aside to {self._aside} and not restored; the next run on OUT removes it"
-        elif (self.partial / STATE).exists():
+        elif os.path.exists(self.partial / STATE):  # False, not a second OSError, where it cannot be looked at
             after = f"{self.out} was not changed; rerun to resume from {self.partial}"
         else:
             after = f"{self.out} was not changed"
@@ -417,7 +332,7 @@ def claim_output(
     out = Path(out)
     try:
         claim = OutputClaim(out, resolve_output(out, source))
-        _refuse_names_too_long(out, claim.path)
+        refuse_too_long(out, claim.path)
     except OSError as exc:
         raise OutputError(
             f"{exc.filename or out}: {exc.strerror or exc}; nothing was changed",

@@ -24,7 +24,8 @@ from dsv4.convert import progress
 from dsv4.convert.errors import OutputError, PlanError
 from dsv4.convert.execute import Executor, still_valid
 from dsv4.convert.location import locate, open_source
-from dsv4.convert.output import CONFIG, OutputClaim, claim_output, resolve_output
+from dsv4.convert.outpath import CONFIG, resolve_output
+from dsv4.convert.output import OutputClaim, claim_output
 from dsv4.convert.plan import Direction, Plan, PlannedTensor, choose_table, plan_conversion, plan_reverse
 from dsv4.convert.quant_config import carried_quantization
 from dsv4.convert.source import HubSpec, Source, local_root
@@ -247,7 +248,9 @@ def _write_output(
                 writer.sync()
         # the journal is closed: nothing writes into the partial directory once it is OUT
         _verify(partial, shards, names, journal)
-        _write_records(plan, config, partial, shards, names, journal, fingerprint, _published_source(plan, source))
+        _write_records(
+            plan, config, partial, shards, names, journal, fingerprint, _published_source(plan, source, fingerprint)
+        )
         source.reader.verify_unchanged([CONFIG, INDEX_NAME, *plan.files_needed])
         claim.publish()
     except PlanError as exc2:
@@ -271,13 +274,15 @@ def _write_output(
     )
 
 
-def _published_source(plan: Plan, source: Source) -> SourceRecord:
+def _published_source(plan: Plan, source: Source, fingerprint: dict[str, Any]) -> SourceRecord:
     """The source as conversion.json names it: a hub repo and commit, or a local
     directory's name (not its path: a pushed output would publish it), the sizes of the
-    files read and the sha256 of the config.json read."""
+    files read and the sha256 of the config.json read. The sizes are the run's fingerprint's,
+    taken before the first read, not asked of the source again: a source deleted meanwhile
+    is the refusal that follows (`verify_unchanged`, 36), not an OSError here."""
     root = source.local_root
     location = root.resolve().name if root is not None else plan.location
-    sizes = source.reader.fingerprint(plan.files_needed)["files"]
+    sizes = fingerprint["source"]["files"]
     return SourceRecord(
         location, plan.revision, dict(sizes), sha256_hex(plan.config_bytes) if plan.config_bytes else None
     )

@@ -2,12 +2,14 @@
 
     .venv/bin/python scripts/verify_runtimes.py DRAFT --expected XPU_OUT --native NATIVE \
         [--wheels DIR] [--loader NAME ...] [--json]
+    .venv/bin/python scripts/verify_runtimes.py --fetch-wheels [--wheels DIR]
 
 DRAFT is the directory fed to the loaders (a `--target draft` output, or anything else to
 see what the runtimes make of it); XPU_OUT is the `--target xpu` output of NATIVE, the
 native checkpoint DRAFT comes from. The wheels (`pip download --no-deps vllm==0.33.0`,
-`sglang==0.5.23`) are cached in --wheels (default ~/.cache/dsv4-convert/wheels) and
-downloaded on first use; only the few .py files named in VLLM_COMMON, VLLM_CUTS,
+`sglang==0.5.23`) are cached in --wheels (default: $DSV4_WHEELS, else
+~/.cache/dsv4-convert/wheels) and downloaded on first use, or by --fetch-wheels alone (the
+test command's install step, scripts/test.sh); only the few .py files named in VLLM_COMMON, VLLM_CUTS,
 SGLANG_COMMON and SGLANG_CUTS are read from them, never imported as packages. The loaders
 run: vLLM DeepSeekV4MTP.load_weights of xpu/, nvidia/ and amd/ mtp.py for an MTP config,
 vLLM xpu DSparkDeepseekV4ForCausalLM.load_weights for a config with dspark_* fields;
@@ -60,6 +62,7 @@ import concurrent.futures
 import copy
 import json
 import logging
+import os
 import re
 import subprocess
 import sys
@@ -79,6 +82,7 @@ from dsv4.model.checkpoint import local_weight_map
 from dsv4.model.errors import DSV4Error
 
 WHEELS = {"vllm": "vllm==0.33.0", "sglang": "sglang==0.5.23"}
+WHEELS_ENV = "DSV4_WHEELS"  # the wheel cache, where it is not the default one
 DEFAULT_WHEELS = Path.home() / ".cache" / "dsv4-convert" / "wheels"
 V4 = "vllm/models/deepseek_v4/"
 # What every vLLM loader run below needs besides its own class, each the wheel's own code:
@@ -189,6 +193,17 @@ class UsageError(Exception):
 
 
 # --- the wheels -----------------------------------------------------------------------
+
+
+def wheel_cache() -> Path:
+    """The wheel cache: $DSV4_WHEELS where it is set, else DEFAULT_WHEELS. The one rule the
+    script, scripts/test.sh (through --fetch-wheels) and the tests follow."""
+    return Path(os.environ.get(WHEELS_ENV) or DEFAULT_WHEELS)
+
+
+def wheels_cached(cache: Path) -> bool:
+    """Every pinned wheel is in `cache` already."""
+    return all(sorted(cache.glob(f"{p}-{pin.split('==')[1]}-*.whl")) for p, pin in WHEELS.items())
 
 
 def wheel_path(cache: Path, package: str) -> Path:
@@ -774,20 +789,23 @@ def table_lines(reports: list[Report]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("draft", type=Path, help="the directory fed to the runtimes' loaders")
+    ap.add_argument("draft", type=Path, nargs="?", help="the directory fed to the runtimes' loaders")
     ap.add_argument(
         "--expected",
         type=Path,
-        required=True,
         help="the --target xpu output of the same native checkpoint (parameters and their bytes)",
     )
     ap.add_argument(
         "--native",
         type=Path,
-        required=True,
         help="the native checkpoint they come from (SGLang's loader on it gives SGLang's parameters and bytes)",
     )
-    ap.add_argument("--wheels", type=Path, default=DEFAULT_WHEELS, help=f"wheel cache (default {DEFAULT_WHEELS})")
+    ap.add_argument(
+        "--wheels", type=Path, default=wheel_cache(), help=f"wheel cache (default ${WHEELS_ENV}, else {DEFAULT_WHEELS})"
+    )
+    ap.add_argument(
+        "--fetch-wheels", action="store_true", help="only download the wheels missing from the cache, and stop"
+    )
     ap.add_argument(
         "--loader",
         action="append",
@@ -796,7 +814,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--json", action="store_true", help="every report as JSON, per tensor")
     args = ap.parse_args(argv)
+    if not args.fetch_wheels and None in (args.draft, args.expected, args.native):
+        ap.error("DRAFT, --expected and --native are required (unless --fetch-wheels)")
     try:
+        if args.fetch_wheels:
+            for package in WHEELS:
+                print(wheel_path(args.wheels, package))
+            return 0
         reports = verify(args.draft, args.expected, args.native, args.wheels, args.loader)
     except (UsageError, DSV4Error) as exc:  # a missing wheel or directory, an unreadable checkpoint
         print(f"error: {exc}", file=sys.stderr)

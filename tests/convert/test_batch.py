@@ -30,8 +30,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 from inprocess import held_by_a_thread, run_main, run_one_line
 
-from dsv4.convert.batch import Manifest, ManifestEntry, load_manifest, run_check, select_shard, shard_from_env
+from dsv4.convert.batch import run_check
 from dsv4.convert.errors import CheckError, HubError
+from dsv4.convert.manifest import Manifest, ManifestEntry, load_manifest, select_shard, shard_from_env
 from dsv4.convert.pipeline import convert
 from dsv4.convert.sizes import MAX_SHARD_SIZE
 from dsv4.convert.synth import write_checkpoint
@@ -423,6 +424,28 @@ def test_a_push_whose_answer_is_lost_lands_once(native: Path, hub: FakeHub, tmp_
     assert len(hub.pushed) == 1  # was 2: the retried request made a second, identical commit
     rep = report_of(tmp_path / "out" / "batch-report.json")
     assert rep["converted"][0]["pushed"]["commit"] == hub.pushed[0]["oid"] == hub.repos["dest/alpha-xpu"].refs["main"]
+
+
+def test_a_failed_push_whose_read_back_fails_too_is_reported_as_the_push_failure(
+    native: Path, hub: FakeHub, tmp_path: Path
+) -> None:
+    """Issue 28: after a failed push the head is read to see whether the commit landed anyway; that
+    read failing as well was reported (60, hub_request_failed) instead of the push's own error (65)."""
+    manifest = write_manifest(tmp_path / "batch.toml", repo_template="dest/{name}-{target}", sources=REPOS[:1])
+    refused = Fault(on("commit"), status=403)
+    read_back = Fault(  # the head read after the push, not the one before it
+        lambda m, repo, route, p, rng: route == "info" and repo == "dest/alpha-xpu" and refused.times == 0,
+        status=429,
+        headers={"Retry-After": "3600"},  # beyond the cap: fails at once, not after the retries
+    )
+    hub.faults += [refused, read_back]
+    r = run_cli("batch", str(manifest), "--push", env=hub_env(hub, tmp_path / "hf", HF_TOKEN=TOKEN))
+    assert r.returncode == 66, r.stderr
+    assert refused.times == read_back.times == 0  # both fired
+    [failed] = report_of(tmp_path / "out" / "batch-report.json")["failed"]
+    assert (failed["exit_code"], failed["kind"]) == (65, "push_failed"), failed
+    assert failed["reason"].startswith("hub:dest/alpha-xpu") and "403" in failed["reason"], failed
+    assert hub.pushed == []
 
 
 DRAFTERS = {"org/mtp": "draft", "org/spark": "draft_dspark"}  # source repo -> the table its drafter takes

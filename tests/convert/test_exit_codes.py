@@ -123,6 +123,17 @@ def test_every_code_appears_in_the_docs() -> None:
     assert missing == []
 
 
+def test_every_code_has_its_meaning_in_the_docs() -> None:
+    """Issue 28: 50 (`smoke --features` with NaN) was documented only as the bound of the
+    range "50-55", never with its meaning. A code counts here where it stands alone (its
+    meaning follows it), not as a range's bound."""
+    section = EXIT_CODES_DOC.read_text()  # the page is the section
+    explained = {int(n) for n in re.findall(r"(?<![\d-])(\d{1,3})(?![\d-])", section)}
+    rows = re.findall(r"\| ([\d /]+) \|$", CHECK_DOC.read_text(), re.M)
+    check_table = {int(n) for row in rows for n in row.split(" / ")}
+    assert sorted({code for code in EXIT_CODES.values() if code not in explained | check_table}) == []
+
+
 def test_an_error_carries_the_file_and_tensor_it_names_as_fields() -> None:
     header = {
         "a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},

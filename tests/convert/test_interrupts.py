@@ -212,6 +212,64 @@ sys.exit(main())
     assert (done.returncode, done.stdout, done.stderr) == (INTERRUPTED[signum], "", "interrupted\n")
 
 
+# The program (the entry point, as `python -m dsv4` runs it) converting, with a SIGINT raised at
+# one moment after its result line is printed: MOMENT picks it.
+AFTER_THE_RESULT = """
+import atexit, os, signal, sys, time
+import click
+MOMENT = sys.argv.pop(1)
+echo = click.echo
+def echo_then_signal(message=None, *args, **kwargs):
+    echo(message, *args, **kwargs)
+    if str(message).startswith("converted"):
+        if MOMENT == "right after the result line":
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1)
+        elif MOMENT == "in an exit hook":  # as a library's: registered after the entry point's own
+            atexit.register(os.kill, os.getpid(), signal.SIGINT)
+click.echo = echo_then_signal
+
+class SignalInTeardown:
+    def __del__(self):  # runs if the interpreter tears its modules down, the default handlers back
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(1)
+if MOMENT == "in the interpreter's teardown":
+    click.signal_in_teardown = SignalInTeardown()
+
+from dsv4.convert.entry import main
+sys.argv = ["convert-dsv4", *sys.argv[1:]]
+main()
+"""
+
+
+def after_the_result(moment: str, native: Path, out: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", AFTER_THE_RESULT, moment, str(native), str(out), "-q"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+@pytest.mark.parametrize("moment", ["right after the result line", "in an exit hook"])
+def test_a_signal_after_the_result_line_is_one_line_and_130(moment: str, tiny_native: Path, tmp_path: Path) -> None:
+    done = after_the_result(moment, tiny_native, tmp_path / "out")
+    assert (done.returncode, done.stderr) == (130, "interrupted\n"), done
+    assert done.stdout.startswith("converted ") and (tmp_path / "out" / "conversion.json").is_file()
+
+
+def test_the_program_ends_before_the_interpreter_s_teardown_where_a_signal_would_kill_it(
+    tiny_native: Path, tmp_path: Path
+) -> None:
+    """Issue 28: the interpreter's teardown puts the default handlers back first; a Ctrl-C landing
+    there (tens of milliseconds after the result line) killed the process by the signal itself
+    (returncode -2, no `interrupted` line). The program now ends in its last exit hook: the
+    teardown, and the signal this test plants in it, never come."""
+    done = after_the_result("in the interpreter's teardown", tiny_native, tmp_path / "out")
+    assert (done.returncode, done.stderr) == (0, ""), done
+    assert done.stdout.startswith("converted ")
+
+
 def test_an_interruption_a_library_wrapped_in_its_own_error_is_no_finding_of_check(
     tiny_pair: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

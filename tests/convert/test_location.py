@@ -8,7 +8,7 @@ import socket
 from pathlib import Path
 
 import pytest
-from hubserver import FakeHub, hub_env, run_cli
+from hubserver import FakeHub, Fault, hub_env, on, run_cli
 from inprocess import run_main
 
 from dsv4.convert.location import locate, parse_hub_spec
@@ -106,3 +106,16 @@ def test_a_bare_repo_id_the_hub_does_not_have_names_both_readings(tmp_path: Path
         "error: org/missing: no such local directory, and as a hub repository: hub:org/missing"
     )
     assert "no such local directory" not in explicit.stderr and "repository not found" in explicit.stderr
+
+
+def test_a_bare_repo_id_the_hub_fails_to_answer_is_reported_as_the_hub_s_failure_alone(tmp_path: Path) -> None:
+    """Issue 28: every hub failure of a bare org/name, a timeout or a rate limit included, was
+    prefixed "no such local directory, and as a hub repository", sending the user looking for
+    a mistyped path. Only the hub's "no such repository" names both readings."""
+    with FakeHub() as hub:
+        hub.commit("org/present", {"config.json": b"{}"})
+        hub.faults.append(Fault(on("info"), status=429, headers={"Retry-After": "3600"}))  # fails at once
+        done = run_cli("plan", "org/present", env=hub_env(hub, tmp_path / "hf"))
+    assert done.returncode == 60, done.stderr  # hub_request_failed
+    assert done.stderr.startswith("error: hub:org/present@default branch: HTTP 429"), done.stderr
+    assert "no such local directory" not in done.stderr

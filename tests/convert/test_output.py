@@ -41,7 +41,7 @@ from dsv4.convert.check import run_checks
 from dsv4.convert.errors import HubError
 from dsv4.convert.exit_codes import code_of
 from dsv4.convert.location import open_source
-from dsv4.convert.output import claim_output
+from dsv4.convert.output import OutputClaim, claim_output
 from dsv4.convert.pipeline import convert
 from dsv4.convert.synth import write_checkpoint
 from dsv4.model.checkpoint import INDEX_NAME
@@ -512,6 +512,27 @@ def test_a_source_file_changed_mid_run_is_refused_and_a_rerun_converts_the_settl
     }
 
 
+def test_a_source_directory_deleted_mid_run_is_36_and_the_partial_work_is_dropped(
+    src: Path, tmp_path: Path, run, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 28: the run re-read the source files' sizes for conversion.json and met the
+    deleted directory first: exit 42, its partial directory left behind."""
+    out, verify = tmp_path / "out", pipeline._verify
+
+    def deleted_then_verified(*args: object) -> None:
+        shutil.rmtree(src)  # every tensor is read and written: only the records and the publish are left
+        verify(*args)
+
+    monkeypatch.setattr(pipeline, "_verify", deleted_then_verified)
+    code, _, err = run(src, out, "-q")
+    assert code == code_of("source_changed") == 36
+    assert one_line(err) == (
+        f"error: {src / 'config.json'}: the source file was removed during the conversion; nothing was published: "
+        "rerun once the source no longer changes"
+    )
+    assert not out.exists() and siblings(out) == [".out.lock"]  # the partial work dropped
+
+
 def test_a_run_whose_lock_file_was_removed_stops_before_it_writes_on_or_publishes(
     tiny_native: Path, tmp_path: Path, run, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -542,6 +563,40 @@ def test_an_out_name_its_siblings_cannot_carry_is_42_before_anything_is_created(
     assert code == code_of("write_failed") == 42
     assert one_line(err).startswith(f"error: {out}: the name is too long: this run writes ")
     assert "nothing was changed" in err and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    "shorter", [16, 30]
+)  # bytes than the limit: the lock owner's temporary file passes it, or (30) the state's
+def test_an_out_whose_siblings_paths_pass_the_path_limit_is_42_naming_out_before_anything_is_created(
+    shorter: int, tiny_native: Path, tmp_path: Path, run
+) -> None:
+    """Issue 28: OUT's own path fits, a file the run writes beside or under it does not. Was:
+    exit 1 naming `.OUT.partial/state.json` (the error handler failed on the long path a second
+    time), or 42 with a partial directory left."""
+    limit = os.pathconf(tmp_path, "PC_PATH_MAX")
+    name = "o" * 100
+    need = limit - shorter - len(os.fsencode(tmp_path / name))  # bytes of directories to put between
+    parent = tmp_path
+    while need > 250:  # nested directories: each name is legal, the whole path is not
+        parent, need = parent / ("d" * 200), need - 201
+    parent = parent / ("d" * (need - 1))
+    parent.mkdir(parents=True)
+    out = parent / name
+    assert len(os.fsencode(out)) == limit - shorter  # itself a legal path
+    code, _, err = run(tiny_native, out, "-q")
+    assert code == code_of("write_failed") == 42
+    assert one_line(err).startswith(f"error: {out}: the path is too long: this run writes '{out.parent}/.{out.name}.")
+    assert "nothing was changed" in err and list(parent.iterdir()) == []
+
+
+def test_the_exit_42_message_is_made_where_the_partial_directory_cannot_be_looked_at(tmp_path: Path) -> None:
+    """Its state file's path too long to stat: the message still says what became of OUT."""
+    out = tmp_path / ("o" * 200) / ("o" * 200)
+    claim = OutputClaim(out, out)
+    claim.partial = Path("/" + "p/" * os.pathconf(tmp_path, "PC_PATH_MAX"))  # stat: ENAMETOOLONG
+    error = claim.write_failed(OSError(errno.ENOSPC, "No space left on device", str(out)))
+    assert str(error) == f"{out}: No space left on device; {out} was not changed"
 
 
 KILL_IN_A_RECORD = """

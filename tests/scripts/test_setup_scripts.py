@@ -87,3 +87,12 @@ def test_the_test_command_prints_no_import_linter_banner() -> None:
     )
     assert proc.returncode == 0, proc.stdout
     assert not re.search(r"[╔╗╚╝═║]", proc.stdout) and "Contracts: 2 kept, 0 broken." in proc.stdout
+
+
+def test_the_test_command_fetches_the_runtime_wheels_before_the_suite() -> None:
+    """Issue 26 item 6: the runtime verification ran nowhere the wheels were not cached by hand
+    (its tests skipped on every clean machine); the test command now fetches them first."""
+    lines = [line.split("#")[0].strip() for line in (ROOT / "scripts" / "test.sh").read_text().splitlines()]
+    fetch = lines.index(".venv/bin/python scripts/verify_runtimes.py --fetch-wheels >/dev/null")
+    suite = next(k for k, line in enumerate(lines) if "-m pytest" in line)
+    assert lines.index("scripts/bootstrap.sh test,quant") < fetch < suite

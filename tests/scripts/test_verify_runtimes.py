@@ -1,16 +1,17 @@
 """scripts/verify_runtimes.py: the runtimes' own loaders, cut out of their wheels.
 
 The pass rule is tested with stand-in loaders, so a wrong directory fails whatever the
-machine has; the wheels' own loaders run when the wheels are already in the cache
-(DSV4_WHEELS, default ~/.cache/dsv4-convert/wheels), and are skipped otherwise: the test
-never downloads (no network in tests).
+machine has; the wheels' own loaders run on the wheels in the cache (verify_runtimes.wheel_cache:
+DSV4_WHEELS, default ~/.cache/dsv4-convert/wheels). The test command, scripts/test.sh, fetches
+them there first (`verify_runtimes.py --fetch-wheels`, pip download --no-deps: an install
+step); the tests never download (no network in tests) and never skip: without the wheels
+they fail, saying how to fetch them.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import sys
 from collections.abc import Iterable
 from pathlib import Path
@@ -30,7 +31,7 @@ vr = importlib.util.module_from_spec(_SPEC)
 sys.modules["verify_runtimes"] = vr
 _SPEC.loader.exec_module(vr)
 
-WHEELS = Path(os.environ.get("DSV4_WHEELS", vr.DEFAULT_WHEELS))
+WHEELS = vr.wheel_cache()
 
 
 def write_dir(root: Path, tensors: dict[str, torch.Tensor]) -> Path:
@@ -139,14 +140,30 @@ def test_cut_refuses_a_name_the_file_does_not_have() -> None:
 # --- the wheels' own loaders (only where the wheels are already cached) -------------------
 
 
-def _wheels_present() -> bool:
-    return all(sorted(WHEELS.glob(f"{p}-{pin.split('==')[1]}-*.whl")) for p, pin in vr.WHEELS.items())
+@pytest.fixture(scope="module")
+def wheels() -> Path:
+    """The cache holding the pinned wheels; without them the runtime tests fail (never skip)."""
+    if not vr.wheels_cached(WHEELS):
+        pytest.fail(
+            f"vllm 0.33.0 and sglang 0.5.23 wheels not in {WHEELS}: scripts/test.sh fetches them "
+            "(.venv/bin/python scripts/verify_runtimes.py --fetch-wheels)"
+        )
+    return WHEELS
 
 
-needs_wheels = pytest.mark.skipif(
-    not _wheels_present(),
-    reason=f"vllm 0.33.0 and sglang 0.5.23 wheels not in {WHEELS} (scripts/verify_runtimes.py downloads them)",
-)
+def test_the_wheel_cache_is_dsv4_wheels_else_the_default(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv(vr.WHEELS_ENV, str(tmp_path))
+    assert vr.wheel_cache() == tmp_path
+    monkeypatch.delenv(vr.WHEELS_ENV)
+    assert vr.wheel_cache() == vr.DEFAULT_WHEELS == Path.home() / ".cache" / "dsv4-convert" / "wheels"
+
+
+def test_fetch_wheels_takes_cached_wheels_without_pip(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    for package, pin in vr.WHEELS.items():
+        (tmp_path / f"{package}-{pin.split('==')[1]}-py3-none-any.whl").touch()
+    monkeypatch.setattr(vr.subprocess, "run", lambda *a, **k: pytest.fail(f"pip ran: {a}"))
+    assert vr.main(["--fetch-wheels", "--wheels", str(tmp_path)]) == 0
+    assert vr.wheels_cached(tmp_path)
 
 
 @pytest.fixture(scope="module")
@@ -168,7 +185,6 @@ def tiny_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return dirs
 
 
-@needs_wheels
 @pytest.mark.parametrize(
     ("variant", "loaders", "hit"),
     [
@@ -181,10 +197,10 @@ def tiny_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     ],
 )
 def test_every_runtime_loads_a_draft_directory_whole(
-    tiny_dirs: dict[str, Path], variant: str, loaders: list[str], hit: int
+    tiny_dirs: dict[str, Path], wheels: Path, variant: str, loaders: list[str], hit: int
 ) -> None:
     reports = vr.verify(
-        tiny_dirs[f"{variant}/draft"], tiny_dirs[f"{variant}/xpu"], tiny_dirs[f"{variant}/native"], WHEELS
+        tiny_dirs[f"{variant}/draft"], tiny_dirs[f"{variant}/xpu"], tiny_dirs[f"{variant}/native"], wheels
     )
     assert [r.loader for r in reports] == loaders
     for r in reports:
@@ -193,11 +209,10 @@ def test_every_runtime_loads_a_draft_directory_whole(
     assert len(reports[0].hit) == hit
 
 
-@needs_wheels
 @pytest.mark.parametrize("variant", ["instruct", "dspark"])
-def test_no_runtime_loads_the_xpu_layout(tiny_dirs: dict[str, Path], variant: str) -> None:
+def test_no_runtime_loads_the_xpu_layout(tiny_dirs: dict[str, Path], wheels: Path, variant: str) -> None:
     reports = vr.verify(
-        tiny_dirs[f"{variant}/xpu"], tiny_dirs[f"{variant}/xpu"], tiny_dirs[f"{variant}/native"], WHEELS
+        tiny_dirs[f"{variant}/xpu"], tiny_dirs[f"{variant}/xpu"], tiny_dirs[f"{variant}/native"], wheels
     )
     assert not any(r.passed for r in reports)
     if variant == "instruct":  # vLLM prefixes a second mtp_block. (xpu/mtp.py:504-506)

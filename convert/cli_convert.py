@@ -1,0 +1,191 @@
+"""The commands `convert` (convert-dsv4 IN OUT) and `plan` (convert/cli.py puts them on the command line)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import click
+
+from dsv4.convert.cli_common import (
+    ShardSize,
+    echo_json,
+    gb,
+    json_option,
+    quiet_option,
+    revision_option,
+    target_option,
+    token_option,
+)
+
+if TYPE_CHECKING:
+    from dsv4.convert.plan import Plan
+
+
+@click.command("convert")
+@click.argument("source")
+@click.argument("out", type=click.Path(file_okay=False))
+@target_option
+@click.option(
+    "--reverse",
+    is_flag=True,
+    help="SOURCE is a converted checkpoint: write the draft's tensors back under native names.",
+)
+@click.option(
+    "--overwrite", is_flag=True, help="Replace OUT if it is a previous output of this tool (anything else is refused)."
+)
+@click.option(
+    "--wait", is_flag=True, help="If another run holds OUT, wait for it to finish instead of exiting with code 47."
+)
+@click.option(
+    "--max-shard-size",
+    type=ShardSize(),
+    default="5GB",
+    show_default=True,
+    help="Largest output shard: bytes, or with a unit (K, M, G, T = 1000^n; KiB, MiB, GiB, TiB = 1024^n).",
+)
+@click.option(
+    "--dry-run",
+    is_flag=True,
+    help="Check SOURCE and OUT as the run would (the same refusals and exit codes), print the plan as `plan` "
+    'does and what would become of OUT (--json: `plan --json` plus "output" and "would"), and stop; '
+    "nothing is written.",
+)
+@revision_option
+@token_option
+@click.option(
+    "--verify-source",
+    is_flag=True,
+    help="Hub source: download each shard the output uses whole, once, and check it against the sha256 and size the "
+    "hub publishes (README: what is checked without it).",
+)
+@quiet_option
+@json_option
+def convert_command(
+    source: str,
+    out: str,
+    target: str,
+    reverse: bool,
+    overwrite: bool,
+    wait: bool,
+    max_shard_size: int,
+    dry_run: bool,
+    revision: str | None,
+    token: str | None,
+    verify_source: bool,
+    quiet: bool,
+    as_json: bool,
+) -> None:
+    """Convert SOURCE (a native checkpoint directory, or hub repo [hf://]org/name[@revision]) into OUT.
+
+    Reads only the byte ranges the plan needs, writes shards header-first with bounded
+    memory in a hidden partial directory, and resumes there if interrupted. OUT appears
+    only when complete and verified; rerunning on an up-to-date OUT does nothing.
+    """
+    from dsv4.convert.location import locate
+    from dsv4.convert.pipeline import convert  # start-up time (see the module's docstring)
+    from dsv4.convert.pipeline import dry_run as preview
+
+    # the hub options are checked against SOURCE here; without them convert() locates it
+    where = (
+        locate(source, revision=revision, token=token, verify_files=verify_source)
+        if revision or token or verify_source
+        else source
+    )
+    if dry_run:
+        plan, would, header_bytes = preview(
+            where, out, target=target, reverse=reverse, overwrite=overwrite, max_shard_size=max_shard_size
+        )
+        if as_json:
+            echo_json(plan.to_json() | {"header_bytes_read": header_bytes, "output": out, "would": would})
+            return
+        _print_plan(plan, False, quiet, full=True, header_bytes=header_bytes)
+        click.echo(f"dry run: {out} {DRY_RUN_OUTCOMES[would]}; nothing was written")
+        return
+    result = convert(
+        where,
+        out,
+        target=target,
+        reverse=reverse,
+        overwrite=overwrite,
+        wait=wait,
+        max_shard_size=max_shard_size,
+        quiet=quiet or as_json,
+    )
+    if as_json:
+        echo_json(result.to_json())
+    elif result.status == "up-to-date":
+        click.echo(
+            f"{out}: already up to date (same source, table {result.plan.table} v{result.plan.table_version}); "
+            "nothing to do"
+        )
+    else:
+        click.echo(
+            f"{result.status} {result.tensors} tensors into {out}: read {gb(result.bytes_read)}, wrote "
+            f"{gb(result.bytes_written)} in {result.seconds:.1f} s"
+        )
+
+
+DRY_RUN_OUTCOMES = {
+    "up-to-date": "is already up to date: the run would do nothing",
+    "create": "would be created",
+    "replace": "would be replaced (--overwrite)",
+}
+
+
+@click.command("plan")
+@click.argument("source")
+@target_option
+@click.option("--reverse", is_flag=True, help="Plan the reverse conversion of a converted checkpoint.")
+@revision_option
+@token_option
+@quiet_option
+@click.option(
+    "--json", "as_json", is_flag=True, help="The whole plan (every tensor and byte range, every skip) as JSON."
+)
+def plan_command(
+    source: str, target: str, reverse: bool, revision: str | None, token: str | None, quiet: bool, as_json: bool
+) -> None:
+    """Show what converting SOURCE would read and write. Reads headers only."""
+    from dsv4.convert.location import locate, open_source  # start-up time (see the module's docstring)
+    from dsv4.convert.pipeline import plan_source
+
+    with open_source(locate(source, revision=revision, token=token), quiet=quiet or as_json) as opened:
+        plan = plan_source(opened, target, reverse=reverse)
+    _print_plan(plan, as_json, quiet, full=True, header_bytes=opened.inventory.header_bytes)
+
+
+# how `plan` names the layout it chose (convert/plan.py choose_table)
+DRAFTER_NAMES = {
+    "mtp": "MTP (no dspark_* fields in config.json)",
+    "dspark": "DSpark (dspark_* fields and mtp.0.main_proj.weight)",
+}
+
+
+def _print_plan(plan: Plan, as_json: bool, quiet: bool, *, full: bool, header_bytes: int | None = None) -> None:
+    if as_json:
+        data = plan.to_json() if full else plan.summary()
+        if header_bytes is not None:
+            data["header_bytes_read"] = header_bytes
+        echo_json(data)
+        return
+    s = plan.summary()
+    click.echo(
+        f"{s['direction']} plan: {s['source']} -> {s['target']} (table {s['table']} v{s['table_version']})"
+        + (f": {s['tensors_out']} tensors, {gb(s['bytes_to_read'])} to read" if quiet else "")
+    )
+    if quiet:
+        return
+    click.echo(f"  draft layout:         {DRAFTER_NAMES[s['drafter']]}: {s['runtime']} {s['runtime_class']}")
+    click.echo(f"  tensors out:          {s['tensors_out']}")
+    click.echo(f"  source keys consumed: {s['source_keys_consumed']}")
+    click.echo(f"  source keys skipped:  {s['source_keys_skipped']}")
+    click.echo(
+        f"  bytes to read:        {gb(s['bytes_to_read'])} from {len(s['files_to_read'])} file(s): "
+        f"{', '.join(s['files_to_read'])}"
+    )
+    click.echo(f"  bytes to write:       {gb(s['bytes_to_write'])}")
+    if header_bytes is not None:
+        click.echo(f"  header bytes read:    {header_bytes:,} (no tensor data)")
+    click.echo("  ops:  " + ", ".join(f"{op} x{n}" for op, n in s["ops"].items()))
+    for reason, n in s["skip_reasons"].items():
+        click.echo(f"  skip x{n}: {reason}")
