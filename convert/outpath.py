@@ -140,3 +140,10 @@ def sibling_pattern(real: Path, *, only_old: bool = False) -> re.Pattern[str]:
     old = re.escape(OLD) + r"\d+"
     suffixes = old if only_old else "|".join([old, *map(re.escape, (PARTIAL, LOCK, OWNER))])
     return re.compile(rf"\.{re.escape(real.name)}\.({suffixes})")
+
+
+def owner_temp_pattern(real: Path) -> re.Pattern[str]:
+    """The temporary files of OUT's owner record (model/strictjson.py temp_path of
+    .OUT.lock.owner): only the lock's holder writes one, so beside a held lock any such file
+    is what a run killed mid-write left."""
+    return re.compile(rf"\.{re.escape(sibling(real, OWNER).name)}\.[0-9a-f]{{8}}\.tmp")

@@ -37,6 +37,7 @@ from dsv4.convert.outpath import (
     OWNER,
     PARTIAL,
     STATE,
+    owner_temp_pattern,
     refuse_too_long,
     resolve_output,
     sibling,
@@ -197,11 +198,12 @@ class OutputClaim:
     def _clean_leftovers(self) -> None:
         """Remove what killed runs left beside OUT: previous outputs caught between the two
         renames of a publish, and a partial directory without resume state (one a publish
-        already emptied of it, or one killed before its state was written). A partial
-        directory that some conversion can resume is kept until a run needs the place."""
-        pattern = sibling_pattern(self.path, only_old=True)
+        already emptied of it, or one killed before its state was written), and a temporary
+        owner record a kill mid-write left. A partial directory that some conversion can
+        resume is kept until a run needs the place."""
+        patterns = (sibling_pattern(self.path, only_old=True), owner_temp_pattern(self.path))
         with os.scandir(self.path.parent) as entries:
-            leftovers = [Path(e.path) for e in entries if pattern.fullmatch(e.name)]
+            leftovers = [Path(e.path) for e in entries if any(p.fullmatch(e.name) for p in patterns)]
         for old in leftovers:
             _remove(old)
         if os.path.lexists(self.partial) and not (self.partial / STATE).exists():

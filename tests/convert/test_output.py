@@ -245,6 +245,22 @@ def test_a_kill_between_the_two_renames_leaves_nothing_the_next_owner_does_not_r
     assert siblings(out) == [".out.lock", ".out.old-keep"] and (tmp_path / ".other.old-1").is_dir()
 
 
+def test_a_temporary_owner_record_a_kill_left_beside_out_is_removed_by_the_next_owner(
+    tiny_native: Path, tmp_path: Path, run
+) -> None:
+    # a signal burst can end a run between the owner record's temporary file and its rename
+    # (seen in test_interrupts' random moments: SIGTERM x3 left ..out.lock.owner.<hex>.tmp)
+    out = tmp_path / "out"
+    (tmp_path / "..out.lock.owner.0123abcd.tmp").write_text("{}")
+    (tmp_path / "..out.lock.owner.keep.tmp").write_text("{}")  # not a name this tool gives: never removed
+    code, _, err = run(tiny_native, out, "-q")
+    assert code == 0, err
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == [
+        "..out.lock.owner.keep.tmp",
+        ".out.lock",
+    ]
+
+
 # --- one run per OUT -------------------------------------------------------------------------
 def test_a_run_finding_out_locked_exits_47_naming_the_owner_and_changes_nothing(
     tiny_native: Path, tmp_path: Path, run
