@@ -12,13 +12,17 @@ fetched is written to it.
 
 from __future__ import annotations
 
+import importlib
 import logging
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+from urllib.parse import quote
 
 import httpx2
-from huggingface_hub import HfApi, ModelCard, ModelCardData, constants, hf_hub_url, try_to_load_from_cache
+from huggingface_hub import constants
 from huggingface_hub.errors import (
     EntryNotFoundError,
     GatedRepoError,
@@ -28,7 +32,6 @@ from huggingface_hub.errors import (
     RepositoryNotFoundError,
     RevisionNotFoundError,
 )
-from huggingface_hub.hf_api import RepoSibling
 from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status, validate_repo_id
 
 from dsv4.convert.errors import HubError
@@ -36,14 +39,27 @@ from dsv4.convert.hub_protocol import Answer, FileMissing, Published, Refusal, R
 from dsv4.convert.source import HubSpec
 
 logging.getLogger("huggingface_hub").setLevel(logging.CRITICAL)
+# huggingface_hub's cache and URL helpers: a module of its own, whose import (tqdm, filelock,
+# yaml; about 40 ms) runs beside model info's round trip (repo_info), not before it
+FILE_DOWNLOAD = "huggingface_hub.file_download"
+
+
+def _import_beside(module: str) -> None:
+    """Import `module` in this thread, quietly: where it is used it is imported again, and a
+    failure is raised there, in the command's own thread."""
+    try:
+        importlib.import_module(module)
+    except Exception:  # noqa: BLE001, S110
+        pass
+
 
 TRANSIENT_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 
 
-def _published(sibling: RepoSibling) -> Published | None:
-    if sibling.lfs is not None:
-        return Published("sha256", sibling.lfs.sha256)
-    return Published("git blob id", sibling.blob_id) if sibling.blob_id else None
+def _published(sibling: dict[str, Any]) -> Published | None:
+    if sibling.get("lfs") is not None:
+        return Published("sha256", sibling["lfs"]["sha256"])
+    return Published("git blob id", sibling["blobId"]) if sibling.get("blobId") else None
 
 
 def _retry_after(response: httpx2.Response) -> int | None:
@@ -61,6 +77,8 @@ class _Session:
     timeout_s: float
 
     def get(self, file: str, commit: str, byte_range: tuple[int, int] | None) -> Answer:
+        from huggingface_hub.file_download import hf_hub_url  # FILE_DOWNLOAD
+
         headers = (
             self.headers
             if byte_range is None
@@ -96,22 +114,40 @@ class HfHub:
         return True
 
     def repo_info(self, hub: HubSpec, *, files_metadata: bool) -> RepoInfo:
-        info = HfApi(token=hub.token).model_info(
-            hub.repo, revision=hub.revision, files_metadata=files_metadata, timeout=self.timeout_s
+        """Model info, asked for as HfApi.model_info asks (its URL, parameters, session and
+        error mapping), read for the commit and the files only. Not HfApi itself: importing
+        huggingface_hub.hf_api costs about 0.2 s of start-up, a fifth of a whole `plan` of
+        Flash from local disk (BENCHMARKS.md, hub plan); pushing imports it."""
+        threading.Thread(target=_import_beside, args=(FILE_DOWNLOAD,), daemon=True).start()
+        path = f"{constants.ENDPOINT}/api/models/{hub.repo}"
+        if hub.revision is not None:
+            path += f"/revision/{quote(hub.revision, safe='')}"
+        response = get_session().get(
+            path,
+            headers=build_hf_headers(token=hub.token),
+            params={"blobs": True} if files_metadata else {},
+            timeout=self.timeout_s,
         )
+        hf_raise_for_status(response)
+        data = response.json()
         files = tuple(
-            RemoteFile(s.rfilename, s.size, _published(s) if files_metadata else None) for s in info.siblings or []
+            RemoteFile(s["rfilename"], s.get("size"), _published(s) if files_metadata else None)
+            for s in data.get("siblings") or []
         )
-        return RepoInfo(info.sha, files)
+        return RepoInfo(data.get("sha"), files)
 
     def session(self, hub: HubSpec) -> _Session:
         return _Session(hub.repo, build_hf_headers(token=hub.token), self.timeout_s)
 
     def cached_file(self, hub: HubSpec, file: str, commit: str) -> Path | None:
+        from huggingface_hub.file_download import try_to_load_from_cache  # FILE_DOWNLOAD
+
         cached = try_to_load_from_cache(hub.repo, file, revision=commit)
         return Path(cached) if isinstance(cached, str) else None
 
     def cached_snapshot(self, hub: HubSpec) -> tuple[Path, str]:
+        from huggingface_hub.file_download import try_to_load_from_cache  # FILE_DOWNLOAD
+
         config = try_to_load_from_cache(hub.repo, "config.json", revision=hub.revision)
         if not isinstance(config, str):
             what = f"{hub.location}@{hub.revision or 'default branch'}"
@@ -125,6 +161,8 @@ class HfHub:
         return snapshot, snapshot.name
 
     def create_repo(self, repo: str, private: bool | None) -> None:
+        from huggingface_hub import HfApi  # start-up time (repo_info): only a push needs it
+
         HfApi().create_repo(repo, private=private, exist_ok=True)
 
     def upload_folder(
@@ -136,20 +174,21 @@ class HfHub:
         takes a commit message. A folder below one batch (~250 files) lands as one commit.
         huggingface_hub retries a commit whose answer was lost; `parent_commit` makes the hub
         refuse a second copy of it."""
-        return (
-            HfApi()
-            .upload_folder(
-                repo_id=repo,
-                folder_path=folder,
-                commit_message=message,
-                commit_description=description,
-                delete_patterns=list(delete),
-                parent_commit=parent,
-            )
-            .oid
+        from huggingface_hub import HfApi  # start-up time (repo_info): only a push needs it
+
+        commit = HfApi().upload_folder(
+            repo_id=repo,
+            folder_path=folder,
+            commit_message=message,
+            commit_description=description,
+            delete_patterns=list(delete),
+            parent_commit=parent,
         )
+        return commit.oid
 
     def model_card(self, metadata: dict[str, object], body: str) -> str:
+        from huggingface_hub import ModelCard, ModelCardData  # start-up time: only a push needs them
+
         data = ModelCardData(**metadata)
         return str(ModelCard(f"---\n{data.to_yaml()}\n---\n\n{body}"))
 

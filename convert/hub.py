@@ -184,14 +184,16 @@ class HubReader:
     """ByteReader over one hub commit: each read is one ranged GET, checked (module docstring).
 
     Requests are latency-bound (Flash's draft is ~1,600 ranges), so the executor keeps
-    `parallel_reads` of them in flight; shard headers are read `header_reads` at a time (a
-    header is small, where each tensor read in flight holds a buffer of its own). `sizes`:
+    `parallel_reads` of them in flight; the inventory's reads (config.json, the index, the
+    shard headers) are made `header_reads` at a time: all of Flash's 48 in one round trip
+    (a header read holds at most SPECULATIVE_HEADER_BYTES, where each tensor read in flight
+    holds a buffer of its own). `sizes`:
     the file sizes the hub listed; a mirror may leave them out, and then the first ranged
     answer's Content-Range gives each file's size.
     """
 
     parallel_reads = 8
-    header_reads = 16
+    header_reads = 64
 
     def __init__(
         self,

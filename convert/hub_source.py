@@ -15,7 +15,7 @@ caller gives another.
 from __future__ import annotations
 
 import hashlib
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 
 from dsv4.convert import progress
@@ -113,24 +113,63 @@ def _read_shard_header(reader: HubReader | CachedHubReader, file: str) -> tuple[
         return raw[0]
 
     tensors, data_start = read_header(first[:8], rest, file, size)
-    if isinstance(reader, HubReader):  # what --verify-source compares the verified file with
+    if reader.published is not None:  # --verify-source: what the verified file's header is compared with
         reader.header_sha256[file] = hashlib.sha256(first[:8] + raw[0]).hexdigest()
     return tensors, data_start
 
 
 def _read_inventory(reader: HubReader | CachedHubReader, hub: HubSpec, names: set[str], quiet: bool) -> Inventory:
-    """The inventory of the commit `reader` reads, whose files are `names`."""
+    """The inventory of the commit `reader` reads, whose files are `names`.
+
+    Latency-bound (Flash: 46 shards), so every request is made at once, in one round trip
+    after model info: config.json, the index, and the header of every shard the listing
+    names (the index is not waited for: it names the same shards, and a listed shard it does
+    not name costs one unused read). The answers are then checked in the order a reader going
+    through them one by one would: config.json, the index, then the shards in index order;
+    the first that fails is the error reported, and the reads not yet started are cancelled."""
     commit = reader.commit
     config_where = f"{hub.location}/{CONFIG}@{commit[:12]}"
     if CONFIG not in names:
         raise CheckpointError(
             f"{config_where}: no config.json in the repository", kind="missing_config", path=str(config_where)
         )
-    raw_config = _small_file(reader, hub, CONFIG)
-    config = parse_config(raw_config, config_where)
+    pool = ThreadPoolExecutor(max_workers=reader.header_reads, thread_name_prefix="hub-header")
+    try:
+        small = {f: pool.submit(_small_file, reader, hub, f) for f in (CONFIG, INDEX_NAME) if f in names}
+        listed = sorted(f for f in names if f.endswith(".safetensors") and "/" not in f)
+        headers = {f: pool.submit(_read_shard_header, reader, f) for f in listed}
+        raw_config = small[CONFIG].result()
+        config = parse_config(raw_config, config_where)
+        weight_map, files = _shards(small, names, hub, commit)
+        found = []
+        with progress.bar(len(files), "shard headers", "shard", quiet) as shown:
+            for file in files:
+                if file not in headers:  # named by the index but not listed at the top level
+                    headers[file] = pool.submit(_read_shard_header, reader, file)
+                found.append(headers[file].result())
+                shown.update(1)
+    finally:
+        pool.shutdown(cancel_futures=True)
+    tensors = merge_shards(hub.location, weight_map, [(f, t) for f, (t, _) in zip(files, found, strict=True)])
+    return Inventory(
+        hub.location,
+        config,
+        tensors,
+        {f: reader.sizes[f] for f in files},
+        sum(data_start for _, data_start in found),
+        revision=commit,
+        config_bytes=raw_config,
+    )
+
+
+def _shards(
+    small: dict[str, Future[bytes]], names: set[str], hub: HubSpec, commit: str
+) -> tuple[dict[str, str] | None, list[str]]:
+    """(the index's weight map, or None for one model.safetensors; the shards, sorted), each
+    shard checked to be in the repository."""
     weight_map: dict[str, str] | None
     if INDEX_NAME in names:
-        weight_map = load_index(_small_file(reader, hub, INDEX_NAME), INDEX_NAME)
+        weight_map = load_index(small[INDEX_NAME].result(), INDEX_NAME)
         files = sorted(set(weight_map.values()))
     elif SINGLE_FILE in names:
         weight_map, files = None, [SINGLE_FILE]
@@ -144,28 +183,4 @@ def _read_inventory(reader: HubReader | CachedHubReader, hub: HubSpec, names: se
                 f"{hub.location}/{file}@{commit[:12]}: shard named in {INDEX_NAME} is not in the repository",
                 kind="missing_shard",
             )
-
-    # Latency-bound (Flash: 46 shards), so several shards at a time. map yields in shard
-    # order: the first shard in that order that fails is the error reported, as when
-    # they were read one by one, and the shards not yet started are cancelled.
-    with (
-        ThreadPoolExecutor(max_workers=reader.header_reads, thread_name_prefix="hub-header") as pool,
-        progress.bar(len(files), "shard headers", "shard", quiet) as shown,
-    ):
-        headers = []
-        for header in pool.map(partial(_read_shard_header, reader), files):
-            headers.append(header)
-            shown.update(1)
-    header_bytes = sum(data_start for _, data_start in headers)
-    tensors = merge_shards(
-        hub.location, weight_map, [(file, found) for file, (found, _) in zip(files, headers, strict=True)]
-    )
-    return Inventory(
-        hub.location,
-        config,
-        tensors,
-        {f: reader.sizes[f] for f in files},
-        header_bytes,
-        revision=commit,
-        config_bytes=raw_config,
-    )
+    return weight_map, files
