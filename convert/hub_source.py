@@ -91,11 +91,15 @@ def _small_file(reader: HubReader | CachedHubReader, hub: HubSpec, file: str) ->
     return data
 
 
-def _read_shard_header(reader: HubReader | CachedHubReader, file: str) -> tuple[dict[str, TensorBytes], int]:
-    """The tensors of one hub shard and its header's size: one speculative ranged read of
-    the first SPECULATIVE_HEADER_BYTES (a second for the rest of a longer header), checked
-    as the local reader checks them."""
-    first = reader.fetch(file, 0, min(SPECULATIVE_HEADER_BYTES, reader.sizes.get(file, SPECULATIVE_HEADER_BYTES)))
+def _first_read(reader: HubReader | CachedHubReader, file: str) -> bytes:
+    """The speculative read of a shard: its first SPECULATIVE_HEADER_BYTES, which hold the
+    whole header of almost every shard."""
+    return reader.fetch(file, 0, min(SPECULATIVE_HEADER_BYTES, reader.sizes.get(file, SPECULATIVE_HEADER_BYTES)))
+
+
+def _shard_header(reader: HubReader | CachedHubReader, file: str, first: bytes) -> tuple[dict[str, TensorBytes], int]:
+    """The tensors of one hub shard and its header's size, from its first read (and a
+    second for the rest of a longer header), checked as the local reader checks them."""
     size = reader.sizes.get(file)  # known now from the hub's listing or this answer's Content-Range, unless neither
     if size is None:
         raise HubError(
@@ -137,16 +141,18 @@ def _read_inventory(reader: HubReader | CachedHubReader, hub: HubSpec, names: se
     try:
         small = {f: pool.submit(_small_file, reader, hub, f) for f in (CONFIG, INDEX_NAME) if f in names}
         listed = sorted(f for f in names if f.endswith(".safetensors") and "/" not in f)
-        headers = {f: pool.submit(_read_shard_header, reader, f) for f in listed}
+        # the reads only: the headers are parsed here, in shard order, as their bytes come (a
+        # thread per parse would hold back the requests not yet sent, and each other)
+        firsts = {f: pool.submit(_first_read, reader, f) for f in listed}
         raw_config = small[CONFIG].result()
         config = parse_config(raw_config, config_where)
         weight_map, files = _shards(small, names, hub, commit)
         found = []
         with progress.bar(len(files), "shard headers", "shard", quiet) as shown:
             for file in files:
-                if file not in headers:  # named by the index but not listed at the top level
-                    headers[file] = pool.submit(_read_shard_header, reader, file)
-                found.append(headers[file].result())
+                if file not in firsts:  # named by the index but not listed at the top level
+                    firsts[file] = pool.submit(_first_read, reader, file)
+                found.append(_shard_header(reader, file, firsts[file].result()))
                 shown.update(1)
     finally:
         pool.shutdown(cancel_futures=True)
