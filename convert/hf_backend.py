@@ -40,7 +40,7 @@ from dsv4.convert.source import HubSpec
 
 logging.getLogger("huggingface_hub").setLevel(logging.CRITICAL)
 # huggingface_hub's cache and URL helpers: a module of its own, whose import (tqdm, filelock,
-# yaml; about 40 ms) runs beside model info's round trip (repo_info), not before it
+# yaml; 0.08-0.09 s of CPU at load 10) runs beside model info's round trip (repo_info), not before it
 FILE_DOWNLOAD = "huggingface_hub.file_download"
 
 
@@ -49,7 +49,7 @@ def _import_beside(module: str) -> None:
     failure is raised there, in the command's own thread."""
     try:
         importlib.import_module(module)
-    except Exception:  # noqa: BLE001, S110
+    except Exception:
         pass
 
 
@@ -116,8 +116,8 @@ class HfHub:
     def repo_info(self, hub: HubSpec, *, files_metadata: bool) -> RepoInfo:
         """Model info, asked for as HfApi.model_info asks (its URL, parameters, session and
         error mapping), read for the commit and the files only. Not HfApi itself: importing
-        huggingface_hub.hf_api costs about 0.2 s of start-up, a fifth of a whole `plan` of
-        Flash from local disk (BENCHMARKS.md, hub plan); pushing imports it."""
+        huggingface_hub.hf_api costs about 0.2 s of CPU at load 10, a tenth of a whole `plan`
+        of Flash from local disk at that load (BENCHMARKS.md, hub plan); a push imports it."""
         threading.Thread(target=_import_beside, args=(FILE_DOWNLOAD,), daemon=True).start()
         path = f"{constants.ENDPOINT}/api/models/{hub.repo}"
         if hub.revision is not None:

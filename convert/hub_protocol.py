@@ -4,7 +4,7 @@ A backend is one module that implements `HubBackend` for one kind of hub:
 convert/hf_backend.py for the Hugging Face Hub (huggingface_hub), tests/dirhub.py for a
 local directory. Everything a hub source needs beyond that (retries with backoff, checked
 ranged reads, speculative header reads, the inventory, --verify-source, the push's
-idempotence) is the backend-neutral side: convert/hub.py and convert/hub_reader.py. A
+idempotence) is the backend-neutral side: convert/hub.py and convert/hub_source.py. A
 backend's calls raise its own exceptions; it says which of them are worth another attempt
 (`transient`) and words the others (`refusal`), so the retries and the one-line errors are
 written once, whatever the hub.
