@@ -21,14 +21,12 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from huggingface_hub import HfApi
-
 from dsv4 import __version__
 from dsv4.convert import interrupts
 from dsv4.convert.card import model_card, with_card
 from dsv4.convert.errors import HubError, OutputError
 from dsv4.convert.exit_codes import exit_code
-from dsv4.convert.hub import download, hub_errors, resolve_commit
+from dsv4.convert.hub import default_backend, download, hub_errors, resolve_commit
 from dsv4.convert.location import open_source
 from dsv4.convert.manifest import Manifest, ManifestEntry, select_shard
 from dsv4.convert.output import hold_lock
@@ -89,35 +87,26 @@ def push(
     repo's head when its record was read, with README.md = `card` (convert/card.py) in the
     same commit; returns the commit.
 
-    upload_folder is huggingface_hub 2.x's resumable uploader (it replaced
-    upload_large_folder): Xet uploads streamed while the folder is scanned, adaptive
-    multi-commit batches, and a re-run after an interruption skips what already landed. Unlike
-    upload_large_folder it takes a commit message, which must name the source commit and table
-    version. An output is a handful of files, far below one batch (~250 files), so it lands as
-    one commit: conversion.json never appears on the hub without its shards.
+    The backend's upload (convert/hub_protocol.py; the Hugging Face Hub's resumable
+    upload_folder) takes a commit message, which must name the source commit and table
+    version. An output is a handful of files, so it lands as one commit: conversion.json
+    never appears on the hub without its shards.
 
-    Idempotent: huggingface_hub retries a commit whose answer was lost, and that commit may
-    have landed. The commit names its parent (`parent_commit`), so the hub refuses a second
-    copy of it; then, and after any failed push, the repo's head is read: when the head
-    moved from `head` and holds exactly this output's conversion.json (every tensor's
-    sha256), this output is what landed, and the push succeeded.
+    Idempotent: the backend may retry a commit whose answer was lost, and that commit may
+    have landed. The commit names its parent (`head`), so the hub refuses a second copy of
+    it; then, and after any failed push, the repo's head is read: when the head moved from
+    `head` and holds exactly this output's conversion.json (every tensor's sha256), this
+    output is what landed, and the push succeeded.
     """
-    api = HfApi()
+    backend = default_backend()
     where = f"{HUB_SCHEME}{repo}"
     with hub_errors(where, partial(HubError, kind="push_failed")):
         if head is None:
-            api.create_repo(repo, private=private, exist_ok=True)
+            backend.create_repo(repo, private)
             head = resolve_commit(HubSpec(repo, None, explicit=True))
     try:
         with hub_errors(where, partial(HubError, kind="push_failed")), with_card(out, card) as folder:
-            return api.upload_folder(
-                repo_id=repo,
-                folder_path=folder,
-                commit_message=message,
-                commit_description=description,
-                delete_patterns=STALE_SHARDS,
-                parent_commit=head,
-            ).oid
+            return backend.upload_folder(repo, folder, message, description, STALE_SHARDS, head)
     except HubError as exc:
         if exc.kind != "push_failed":
             raise

@@ -16,10 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from huggingface_hub.errors import HFValidationError
-from huggingface_hub.utils import validate_repo_id
-
 from dsv4.convert.errors import HubError
+from dsv4.convert.hub import default_backend
 from dsv4.convert.location import HF_PREFIX, parse_hub_spec
 from dsv4.convert.pipeline import DEFAULT_MAX_SHARD
 from dsv4.convert.sizes import shard_size
@@ -199,17 +197,12 @@ def _sources(
                 path=str(where),
             )
         push_repo = _fill(repo_t, hub, target, f"{path}: output.repo") if repo_t else None
-        if push_repo is not None:
-            try:
-                validate_repo_id(push_repo)
-                if push_repo.count("/") != 1:
-                    raise HFValidationError("needs org/name")
-            except HFValidationError:
-                raise HubError(
-                    f"{where}: output.repo gives {push_repo!r}, not a repo id org/name",
-                    kind="bad_manifest",
-                    path=str(where),
-                ) from None
+        if push_repo is not None and not (default_backend().valid_repo_id(push_repo) and push_repo.count("/") == 1):
+            raise HubError(
+                f"{where}: output.repo gives {push_repo!r}, not a repo id org/name",
+                kind="bad_manifest",
+                path=str(where),
+            )
         entry = ManifestEntry(hub.repo, hub.revision, out_root / local, push_repo)
         if entry.key in sources:
             raise HubError(f"{where}: {entry.key} is listed twice", kind="bad_manifest", path=str(where))
