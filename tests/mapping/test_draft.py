@@ -19,13 +19,15 @@ from edits import edit_config, edit_tensors
 from inprocess import run_main
 
 from dsv4.convert.check import run_checks
+from dsv4.convert.choose import choose_table
 from dsv4.convert.errors import OutputError, PlanError
 from dsv4.convert.inventory import read_inventory
 from dsv4.convert.pipeline import convert
-from dsv4.convert.plan import choose_table, plan_conversion
+from dsv4.convert.plan import plan_conversion
 from dsv4.convert.synth import write_checkpoint
 from dsv4.mapping import errors as mapping_errors
-from dsv4.mapping.table import TABLE_DIR, installed_targets, load_table, load_table_file
+from dsv4.mapping.table import TABLE_DIR, load_table, load_table_file
+from dsv4.mapping.targets import installed_targets
 
 SHARD = "model-00001-of-00001.safetensors"  # a tiny draft fits one shard
 INDEX = "model.safetensors.index.json"
