@@ -25,7 +25,7 @@ from dsv4.convert.choose import Direction, choose_table
 from dsv4.convert.errors import OutputError, PlanError
 from dsv4.convert.execute import Executor, still_valid
 from dsv4.convert.location import locate, open_source
-from dsv4.convert.outpath import CONFIG, resolve_output
+from dsv4.convert.outpath import resolve_output
 from dsv4.convert.output import OutputClaim, claim_output
 from dsv4.convert.plan import Plan, PlannedTensor, plan_conversion, plan_reverse
 from dsv4.convert.quant_config import carried_quantization
@@ -33,7 +33,7 @@ from dsv4.convert.source import HubSpec, Source, local_root
 from dsv4.convert.writer import ShardWriter, TensorSpec, shard_name
 from dsv4.mapping.targets import default_target, require_target
 from dsv4.model import strictjson
-from dsv4.model.checkpoint import INDEX_NAME, read_local_header
+from dsv4.model.checkpoint import CONFIG, INDEX_NAME, read_local_header
 from dsv4.model.record import (
     LAYOUT_RECORD,
     ConversionRecord,
