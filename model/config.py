@@ -131,8 +131,9 @@ def _check_model_type(where: str, model_type: Any) -> None:
         raise _malformed(where, "model_type", f"model_type is {_describe(model_type)}; expected a string")
     if model_type != SUPPORTED_MODEL_TYPE:
         hint = (
-            " (DeepSeek V4.1: vLLM 0.33.0 has no XPU draft model for it, "
-            "mapping/README.md#later-drafters-dspark-and-v41)"
+            # the runtime's version lives in the target registry (mapping/), which model/ may not import
+            " (DeepSeek V4.1: the verified vLLM has no XPU draft model for it, `convert-dsv4 targets` names "
+            "the version; mapping/README.md#later-drafters-dspark-and-v41)"
             if model_type == "deepseek_v41"
             else ""
         )
