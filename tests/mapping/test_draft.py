@@ -1,5 +1,5 @@
 """`--target draft`: the standalone draft directory vLLM 0.33.0 and SGLang 0.5.23 load as a
-separate draft model (shared/spec/05 §5.2). It holds the draft's tensors under their native
+separate draft model (docs/serving.md). It holds the draft's tensors under their native
 names, bytes unchanged, plus embed.weight and head.weight; config.json is the source's, byte
 for byte; conversion.json records the conversion without any local path. A draft directory is
 a native source (`--target xpu` from it equals `--target xpu` from the original), and `check`
