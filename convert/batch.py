@@ -32,7 +32,8 @@ from dsv4.convert.manifest import Manifest, ManifestEntry, select_shard
 from dsv4.convert.output import hold_lock
 from dsv4.convert.pipeline import plan_source, run_plan
 from dsv4.convert.source import HUB_SCHEME, HubSpec
-from dsv4.mapping.table import Table, load_table, tables_of_target
+from dsv4.mapping.table import Table, load_table
+from dsv4.mapping.targets import tables_of_target
 from dsv4.model import strictjson
 from dsv4.model.errors import DSV4Error
 from dsv4.model.record import CONVERSION_RECORD, ConversionRecord, RecordError

@@ -4,55 +4,57 @@ The card is made at push time and goes into the same commit as the output; the l
 stays exactly the converter's output (check and the output-safety rules see no extra file).
 Its front matter is the hub's model-card metadata, written by the hub backend
 (convert/hub_protocol.py; huggingface_hub's ModelCardData for the Hugging Face Hub):
-`base_model` (the source repo), `library_name` and `tags`. Its body says who reads the repo
-and, for a target runtimes load from disk (a draft directory), how to serve it in the runtime
-versions of its target (mapping/targets/TARGET.toml), from which source commit and with
-which table and version.
-
-Serve commands, from the runtimes' code:
-- vLLM: `--speculative-config` with `method` always given (vllm/config/speculative.py
-  1445-1470 guesses the method from the path otherwise); an MTP draft takes
-  `num_speculative_tokens` 1 (one trained MTP step), a DSpark draft defaults it to its
-  `dspark_block_size` (speculative.py 1592-1599), so it is left out.
-- SGLang: `--speculative-algorithm NEXTN` / `DSPARK` with `--speculative-draft-model-path`
-  (sglang/srt/arg_groups/kv_cache_hook.py 162-167; README "Serving the draft").
+`base_model` (the source repo), `library_name` and `tags`. Its body is the target's card
+template (mapping/targets/TARGET.toml `[card]`): who reads the repo and, for a target
+runtimes load from disk (a draft directory), how to serve it in the runtime versions of its
+target, from which source commit and with which table and version. What is per target (the
+template, the serve commands with their flags, the runtimes) is that data; this module fills
+it in (string.Template: the bodies hold shell and JSON, whose braces str.format would take
+for fields).
 """
 
 from __future__ import annotations
 
-import json
 import os
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from string import Template
 
 from dsv4 import __version__
 from dsv4.convert.hub import default_backend
 from dsv4.convert.hub_protocol import HubBackend
+from dsv4.mapping.errors import TableError
 from dsv4.mapping.table import Table
-from dsv4.mapping.targets import Target, require_target
+from dsv4.mapping.targets import TARGET_DIR, Target, require_target
 
 CARD_NAME = "README.md"
 HUB_URL = "https://huggingface.co"
 DRAFTER_NAMES = {"mtp": "MTP", "dspark": "DSpark"}
 
 
-def vllm_command(target: str, draft: str, drafter: str) -> str:
-    """`vllm serve` for `target` with `draft` as its separate draft model."""
-    config: dict[str, object] = {"method": drafter, "model": draft}
-    if drafter == "mtp":
-        config["num_speculative_tokens"] = 1
-    return f"vllm serve {target} --speculative-config '{json.dumps(config, separators=(',', ':'))}'"
+def _fill(template: str, fields: dict[str, str], where: str) -> str:
+    try:
+        return Template(template).substitute(fields)
+    except (KeyError, ValueError) as exc:  # an unknown $name, or a lone $
+        raise TableError(
+            f"{where}: the card template names {exc} (it may name ${', $'.join(sorted(fields))})",
+            kind="malformed_table",
+            path=where,
+        ) from None
 
 
-def sglang_command(target: str, draft: str, drafter: str) -> str:
-    """`sglang.launch_server` for `target` with `draft` as its draft model."""
-    algorithm = "DSPARK" if drafter == "dspark" else "NEXTN"
-    return (
-        f"python -m sglang.launch_server --model-path {target} --speculative-algorithm {algorithm} "
-        f"--speculative-draft-model-path {draft}"
-    )
+def serve_commands(target: Target, source: str, repo: str, drafter: str) -> str:
+    """The card's serve block: for each runtime of `target`'s card, a comment naming its
+    version (and platforms) and its command serving `repo` beside `source`."""
+    where = f"{TARGET_DIR.name}/{target.name}.toml"
+    blocks = []
+    for serve in target.card.serve:
+        platforms = f" ({serve.platforms})" if serve.platforms else ""
+        command = _fill(serve.command(drafter), {"source": source, "repo": repo}, where)
+        blocks.append(f"# {target.runtime_named(serve.runtime)}{platforms}\n{command}")
+    return "\n\n".join(blocks)
 
 
 def _provenance(source: str, commit: str, table: Table) -> str:
@@ -63,60 +65,20 @@ def _provenance(source: str, commit: str, table: Table) -> str:
     )
 
 
-def _draft_body(repo: str, source: str, commit: str, table: Table, target: Target) -> str:
-    kind = DRAFTER_NAMES[table.drafter]
-    return f"""# {repo.split("/")[1]}
-
-The {kind} draft model of [{source}]({HUB_URL}/{source}), as a standalone draft directory:
-the checkpoint's own tensor names, bytes unchanged, and its config.json byte for byte.
-{_provenance(source, commit, table)}
-
-## Serve it
-
-Beside the target model it was converted from ({source}, commit `{commit}`):
-
-```bash
-# {target.runtime_named("vLLM")} (XPU, CUDA, ROCm)
-{vllm_command(source, repo, table.drafter)}
-
-# {target.runtime_named("SGLang")}
-{sglang_command(source, repo, table.drafter)}
-```
-
-Always pass `method`: without it vLLM guesses the method from the draft's path. The runtimes
-take the embedding and head from the target; `embed.weight` and `head.weight` are here so
-that `convert-dsv4 check` and `convert-dsv4 smoke` run on this directory alone.
-
-## Check it
-
-```bash
-hf download {repo} --local-dir draft
-convert-dsv4 check draft
-# TARGET_DIR, the target's local copy: exit 86 if vLLM would build the draft otherwise
-convert-dsv4 check draft --serve-with TARGET_DIR
-```
-"""
-
-
-def _layout_body(repo: str, source: str, commit: str, table: Table, target: Target) -> str:
-    kind = DRAFTER_NAMES[table.drafter]
-    return f"""# {repo.split("/")[1]}
-
-The {kind} draft of [{source}]({HUB_URL}/{source}) in the in-memory parameter layout of
-{target.runtime_named("vLLM")}'s XPU draft model. {_provenance(source, commit, table)}
-
-## What reads it
-
-The reference model bundled with dsv4-convert (`convert-dsv4 smoke`) and `convert-dsv4 check`.
-No runtime loads this layout from disk: vLLM's and SGLang's weight loaders read a draft
-directory in the checkpoint's own names. To serve the draft, convert with `--target draft`
-(`convert-dsv4 hf://{source} OUT --target draft`) or a batch manifest with `target = "draft"`.
-
-```bash
-hf download {repo} --local-dir xpu
-convert-dsv4 check xpu --smoke
-```
-"""
+def card_body(repo: str, source: str, commit: str, table: Table, target: Target) -> str:
+    """`target`'s card template filled in for `repo`, the conversion of `source` at `commit`."""
+    fields = {
+        "name": repo.split("/")[1],
+        "drafter": DRAFTER_NAMES[table.drafter],
+        "source": source,
+        "repo": repo,
+        "commit": commit,
+        "hub": HUB_URL,
+        "provenance": _provenance(source, commit, table),
+        "serve": serve_commands(target, source, repo, table.drafter),
+        **{runtime: f"{runtime} {version}" for runtime, version in target.runtimes},
+    }
+    return _fill(target.card.template(), fields, f"{TARGET_DIR.name}/{target.card.body}")
 
 
 def model_card(repo: str, source: str, commit: str, table: Table, backend: HubBackend | None = None) -> str:
@@ -131,9 +93,8 @@ def model_card(repo: str, source: str, commit: str, table: Table, backend: HubBa
         f"target-{table.target}",
     ]
     target = require_target(table.target)
-    serving = target.kind.native_names  # a layout runtimes load from disk as a draft model
-    metadata = {"base_model": source, "library_name": "vllm" if serving else None, "tags": tags}
-    body = (_draft_body if serving else _layout_body)(repo, source, commit, table, target)
+    metadata = {"base_model": source, "library_name": target.card.library_name, "tags": tags}
+    body = card_body(repo, source, commit, table, target)
     return (backend or default_backend()).model_card(metadata, body)
 
 

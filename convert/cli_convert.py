@@ -56,7 +56,7 @@ if TYPE_CHECKING:
     "--verify-source",
     is_flag=True,
     help="Hub source: download each shard the output uses whole, once, and check it against the sha256 and size the "
-    "hub publishes (README: what is checked without it).",
+    "hub publishes (docs/hub.md: what is checked without it).",
 )
 @quiet_option
 @json_option

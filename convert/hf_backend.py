@@ -37,6 +37,7 @@ from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_st
 from dsv4.convert.errors import HubError
 from dsv4.convert.hub_protocol import Answer, FileMissing, Published, Refusal, RemoteFile, RepoInfo, Transient
 from dsv4.convert.source import HubSpec
+from dsv4.model.checkpoint import CONFIG
 
 logging.getLogger("huggingface_hub").setLevel(logging.CRITICAL)
 # huggingface_hub's cache and URL helpers: a module of its own, whose import (tqdm, filelock,
@@ -148,7 +149,7 @@ class HfHub:
     def cached_snapshot(self, hub: HubSpec) -> tuple[Path, str]:
         from huggingface_hub.file_download import try_to_load_from_cache  # FILE_DOWNLOAD
 
-        config = try_to_load_from_cache(hub.repo, "config.json", revision=hub.revision)
+        config = try_to_load_from_cache(hub.repo, CONFIG, revision=hub.revision)
         if not isinstance(config, str):
             what = f"{hub.location}@{hub.revision or 'default branch'}"
             raise HubError(

@@ -22,7 +22,7 @@ from dsv4.convert.location import HF_PREFIX, parse_hub_spec
 from dsv4.convert.pipeline import DEFAULT_MAX_SHARD
 from dsv4.convert.sizes import shard_size
 from dsv4.convert.source import HubSpec
-from dsv4.mapping.table import installed_targets
+from dsv4.mapping.targets import default_target, installed_targets
 from dsv4.model.errors import DSV4Error
 
 TOP_KEYS = {"target", "sources", "output", "options"}
@@ -141,7 +141,7 @@ def load_manifest(path: str | Path, out_dir: str | Path | None = None) -> Manife
     _table(raw, str(path), TOP_KEYS)
     output = _table(raw.get("output", {}), f"{path}: [output]", OUTPUT_KEYS)
     options = _table(raw.get("options", {}), f"{path}: [options]", OPTION_KEYS)
-    target = raw.get("target", "xpu")
+    target = raw.get("target", default_target())
     name_t, repo_t, private = output.get("name", DEFAULT_NAME), output.get("repo"), output.get("private")
     max_shard, check = options.get("max_shard_size", DEFAULT_MAX_SHARD), options.get("check", True)
     if not isinstance(target, str) or not isinstance(name_t, str) or not (repo_t is None or isinstance(repo_t, str)):

@@ -12,11 +12,10 @@ import re
 from pathlib import Path
 
 from dsv4.convert.errors import OutputError
-from dsv4.model.checkpoint import INDEX_NAME
+from dsv4.model.checkpoint import CONFIG, INDEX_NAME
 from dsv4.model.record import CONVERSION_RECORD
 from dsv4.model.strictjson import temp_path
 
-CONFIG = "config.json"
 # the partial directory's bookkeeping, removed before it becomes OUT
 JOURNAL = "journal.jsonl"  # one line per finished tensor
 STATE = "state.json"  # the fingerprint of the conversion the partial directory holds

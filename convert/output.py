@@ -30,7 +30,6 @@ from filelock import FileLock, Timeout
 
 from dsv4.convert.errors import OutputError
 from dsv4.convert.outpath import (
-    CONFIG,
     JOURNAL,
     LOCK,
     OLD,
@@ -43,7 +42,7 @@ from dsv4.convert.outpath import (
     sibling,
     sibling_pattern,
 )
-from dsv4.model.checkpoint import INDEX_NAME
+from dsv4.model.checkpoint import CONFIG, INDEX_NAME
 from dsv4.model.record import CONVERSION_RECORD, LAYOUT_RECORD, TOOL, ConversionRecord, LayoutRecord, RecordError
 from dsv4.model.strictjson import (
     StrictJSONError,

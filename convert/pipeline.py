@@ -21,18 +21,19 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from dsv4 import __version__
 from dsv4.convert import progress
+from dsv4.convert.choose import Direction, choose_table
 from dsv4.convert.errors import OutputError, PlanError
 from dsv4.convert.execute import Executor, still_valid
 from dsv4.convert.location import locate, open_source
-from dsv4.convert.outpath import CONFIG, resolve_output
+from dsv4.convert.outpath import resolve_output
 from dsv4.convert.output import OutputClaim, claim_output
-from dsv4.convert.plan import Direction, Plan, PlannedTensor, choose_table, plan_conversion, plan_reverse
+from dsv4.convert.plan import Plan, PlannedTensor, plan_conversion, plan_reverse
 from dsv4.convert.quant_config import carried_quantization
 from dsv4.convert.source import HubSpec, Source, local_root
 from dsv4.convert.writer import ShardWriter, TensorSpec, shard_name
-from dsv4.mapping.table import require_target
+from dsv4.mapping.targets import default_target, require_target
 from dsv4.model import strictjson
-from dsv4.model.checkpoint import INDEX_NAME, read_local_header
+from dsv4.model.checkpoint import CONFIG, INDEX_NAME, read_local_header
 from dsv4.model.record import (
     LAYOUT_RECORD,
     ConversionRecord,
@@ -333,7 +334,7 @@ def convert(
     typed: str | Path | HubSpec,
     out: str | Path,
     *,
-    target: str = "xpu",
+    target: str | None = None,
     reverse: bool = False,
     overwrite: bool = False,
     wait: bool = False,
@@ -344,7 +345,9 @@ def convert(
     one) into `out`.
 
     OUT is owned (checked safe, locked) before the source is opened and until the output
-    is published; with `wait` a run finding OUT locked waits for the other run."""
+    is published; with `wait` a run finding OUT locked waits for the other run. `target`:
+    --target's default (mapping/targets/*.toml `default = true`) when None."""
+    target = target or default_target()
     require_target(target)  # a bad name is refused before OUT is touched
     where = locate(typed)
     with (
@@ -365,7 +368,7 @@ def dry_run(
     typed: str | Path | HubSpec,
     out: str | Path,
     *,
-    target: str = "xpu",
+    target: str | None = None,
     reverse: bool = False,
     overwrite: bool = False,
     max_shard_size: int = DEFAULT_MAX_SHARD,
@@ -374,6 +377,7 @@ def dry_run(
     locking or deleting anything: the same checks in the same order (target, OUT's safety
     43-46, the source and its plan, a quantisation config that cannot be carried, an OUT
     that is not empty 41 or not replaceable 48). Another run holding OUT's lock is not looked for."""
+    target = target or default_target()
     require_target(target)
     where = locate(typed)
     claim = OutputClaim(Path(out), resolve_output(Path(out), local_root(where)))

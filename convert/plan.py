@@ -15,9 +15,6 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from dsv4.convert.choose import Direction
-from dsv4.convert.choose import (
-    choose_table as choose_table,  # re-exported: pipeline.py, inmemory.py and tests take it from here
-)
 from dsv4.convert.errors import PlanError
 from dsv4.convert.inventory import Inventory
 from dsv4.mapping.errors import TableError

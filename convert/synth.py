@@ -31,7 +31,7 @@ from dsv4.convert.errors import OutputError
 from dsv4.convert.writer import ShardWriter, TensorSpec, shard_name
 from dsv4.model import strictjson
 from dsv4.model.checkpoint import INDEX_NAME, load_index
-from dsv4.model.config import CONFIG_FILE, ModelConfig, parse_config
+from dsv4.model.config import CONFIG, ModelConfig, parse_config
 from dsv4.model.dtypes import TORCH_DTYPES, nbytes
 from dsv4.model.native import (
     Layout,
@@ -196,7 +196,7 @@ def write_checkpoint(
     seed: int = 0,
     sparse: bool = False,
     quiet: bool = True,
-    config_where: str = CONFIG_FILE,
+    config_where: str = CONFIG,
 ) -> Path:
     """Write a native checkpoint (config.json, index, shards) into `out_dir` and return it.
 
@@ -229,7 +229,7 @@ def write_checkpoint(
         files.update()
     files.close()
 
-    (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
+    (out / CONFIG).write_text(json.dumps(raw, indent=2) + "\n")
     index = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
     (out / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
     return out

@@ -45,7 +45,7 @@ def draft_bindings(cfg: ModelConfig) -> list[dict[str, int]]:
 
 @cache
 def probe_keys(
-    drafter: str = "mtp", target: str = "xpu"
+    drafter: str, target: str
 ) -> tuple[dict[str, set[str]], dict[str, set[str]], dict[str, ModelConfig], dict[str, int]]:
     """(native names, the target layout's names) per expert dtype, the probe configuration
     per expert dtype (what a target pattern's placeholders are bound for), and its

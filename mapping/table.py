@@ -26,20 +26,13 @@ from typing import Any
 from dsv4.mapping.errors import TableError
 from dsv4.mapping.patterns import DERIVED, PINNED, PLACEHOLDERS, compile_pattern, expand, pin, placeholders
 from dsv4.mapping.probe import draft_bindings, probe_keys, stage_binding
-from dsv4.mapping.targets import TABLE_DIR, installed_tables
-from dsv4.mapping.targets import (  # re-exported: convert/cli.py, batch.py and pipeline.py import them from here
-    installed_targets as installed_targets,
-)
-from dsv4.mapping.targets import require_target as require_target
-from dsv4.mapping.targets import table_headers as table_headers
-from dsv4.mapping.targets import tables_of_target as tables_of_target
+from dsv4.mapping.targets import DRAFTERS, TABLE_DIR, installed_tables, require_target
 from dsv4.model.config import ModelConfig
 from dsv4.model.record import TableIdentity
 from dsv4.model.storage import expert_dtypes  # what a rule's `when` may name: one storage each
 
 INCLUDE_DIR = TABLE_DIR / "include"
 
-DRAFTERS = ("mtp", "dspark")
 # the block placeholders a table of each drafter kind binds (the other kind's are unbound)
 DRAFTER_PLACEHOLDERS = {"mtp": {"i", "L"}, "dspark": {"s", "first", "last"}}
 SECTIONS = {"table", "include", "copy", "rename", "keep", "concat", "stack", "skip", "refuse"}

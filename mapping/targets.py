@@ -6,9 +6,11 @@ in its file: conversion.json's `runtime`, `targets`, `--version`, check's messag
 model card all quote them from here), its layout kind, and its tables, one per drafter kind
 (their `[table]` headers give each drafter's version and runtime class). The layout kind is
 what code knows about a layout (LAYOUT_KINDS): where its tensor list comes from, how it
-names a draft block and an FP8 scale's weight, and whether a runtime loads it from disk. So a
-runtime bump is one line of a target file, and a new target with a known layout kind is a
-target file and its tables: no code.
+names a draft block and an FP8 scale's weight, and whether a runtime loads it from disk. Its
+`[card]` is the model card `batch --push` uploads: a body template beside the file and, for a
+layout runtimes load, the serve commands per runtime and drafter kind. So a runtime bump is one
+line of a target file, and a new target with a known layout kind, or a new runtime serving one,
+is data: a target file, its card template and its tables, no code.
 
 Reading it costs the small TOML files alone (no validation, no torch): the command line
 lists the targets at start-up.
@@ -33,6 +35,8 @@ from dsv4.model.native import Layout
 TABLE_DIR = Path(__file__).parent
 TARGET_DIR = TABLE_DIR / "targets"
 TARGET_KEYS = {"name", "runtimes", "layout", "default"}
+CARD_KEYS = {"body", "library_name", "serve"}
+DRAFTERS = ("mtp", "dspark")  # the drafter kinds: a table's `drafter`, a serve entry's commands
 
 
 @dataclass(frozen=True)
@@ -68,6 +72,33 @@ class TableHeader(NamedTuple):
 
 
 @dataclass(frozen=True)
+class ServeCommand:
+    """How one runtime serves a draft of this target: its command line per drafter kind, a
+    string.Template over $source (the target model's repo) and $repo (the draft's)."""
+
+    runtime: str  # a key of the target's runtimes
+    platforms: str  # what the card's comment adds after the runtime's version ("" for none)
+    commands: tuple[tuple[str, str], ...]  # (drafter kind, command template)
+
+    def command(self, drafter: str) -> str:
+        return dict(self.commands)[drafter]
+
+
+@dataclass(frozen=True)
+class Card:
+    """A target's model card: the body template's file name (beside the target file), the hub's
+    `library_name` (None: no runtime loads the layout) and the serve commands the body quotes."""
+
+    body: str
+    library_name: str | None
+    serve: tuple[ServeCommand, ...]
+
+    def template(self) -> str:
+        """The body template's text (read when a card is made, not at start-up)."""
+        return (TARGET_DIR / self.body).read_text(encoding="utf-8")
+
+
+@dataclass(frozen=True)
 class Target:
     """One installed target (mapping/targets/NAME.toml)."""
 
@@ -75,6 +106,7 @@ class Target:
     runtimes: tuple[tuple[str, str], ...]  # (runtime, verified version), in the file's order
     layout_kind: str  # a key of LAYOUT_KINDS
     default: bool
+    card: Card
 
     @property
     def runtime(self) -> str:
@@ -122,7 +154,7 @@ def _target_file(path: Path) -> Target:
     runtimes = meta.get("runtimes") if isinstance(meta, dict) else None
     if not (
         isinstance(meta, dict)
-        and set(raw) == {"target"}
+        and set(raw) == {"target", "card"}
         and set(meta) <= TARGET_KEYS
         and meta.get("name") == path.stem
         and isinstance(runtimes, dict)
@@ -133,11 +165,47 @@ def _target_file(path: Path) -> Target:
     ):
         raise TableError(
             f'{where}: needs exactly [target] with name = {path.stem!r}, runtimes = {{ RUNTIME = "VERSION", ... }}, '
-            f"layout (one of {sorted(LAYOUT_KINDS)}) and optionally default = true",
+            f"layout (one of {sorted(LAYOUT_KINDS)}) and optionally default = true; and [card]",
             kind="malformed_table",
             path=where,
         )
-    return Target(meta["name"], tuple(runtimes.items()), meta["layout"], meta.get("default", False))
+    card = _card(raw["card"], runtimes, where)
+    return Target(meta["name"], tuple(runtimes.items()), meta["layout"], meta.get("default", False), card)
+
+
+def _card(raw: Any, runtimes: dict[str, str], where: str) -> Card:
+    """[card] of a target file: body = "FILE" beside it, optionally library_name and
+    [[card.serve]] entries (runtime, optionally platforms, one command per drafter kind)."""
+    serve = raw.get("serve", []) if isinstance(raw, dict) else None
+    entry_keys = {"runtime", "platforms", *DRAFTERS}
+    if not (
+        isinstance(raw, dict)
+        and set(raw) <= CARD_KEYS
+        and isinstance(raw.get("body"), str)
+        and (TARGET_DIR / raw["body"]).parent == TARGET_DIR
+        and (TARGET_DIR / raw["body"]).is_file()
+        and isinstance(raw.get("library_name", ""), str)
+        and isinstance(serve, list)
+        and all(
+            isinstance(s, dict)
+            and set(s) <= entry_keys
+            and s.get("runtime") in runtimes
+            and isinstance(s.get("platforms", ""), str)
+            and all(isinstance(s.get(d), str) for d in DRAFTERS)
+            for s in serve
+        )
+    ):
+        raise TableError(
+            f'{where}: [card] needs body = "FILE" (an existing file beside it), optionally library_name, and '
+            f"[[card.serve]] entries of runtime (one of {sorted(runtimes)}), optionally platforms, and a command "
+            f"for each of {', '.join(DRAFTERS)}",
+            kind="malformed_table",
+            path=where,
+        )
+    commands = tuple(
+        ServeCommand(s["runtime"], s.get("platforms", ""), tuple((d, s[d]) for d in DRAFTERS)) for s in serve
+    )
+    return Card(raw["body"], raw.get("library_name"), commands)
 
 
 @cache

@@ -14,10 +14,10 @@ from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from huggingface_hub.constants import CONFIG_NAME, SAFETENSORS_INDEX_FILE, SAFETENSORS_SINGLE_FILE
+from huggingface_hub.constants import SAFETENSORS_INDEX_FILE, SAFETENSORS_SINGLE_FILE
 
 from dsv4.model import strictjson
-from dsv4.model.config import ModelConfig, parse_config
+from dsv4.model.config import CONFIG, ModelConfig, parse_config
 from dsv4.model.errors import CheckpointError, DSV4Error, LoadError
 from dsv4.model.safetensors_header import TensorBytes, json_kind, read_header
 
@@ -26,7 +26,6 @@ if TYPE_CHECKING:
 
 INDEX_NAME = SAFETENSORS_INDEX_FILE  # model.safetensors.index.json
 SINGLE_FILE = SAFETENSORS_SINGLE_FILE  # model.safetensors: a checkpoint of one file, no index
-CONFIG = CONFIG_NAME  # config.json
 
 
 def check_shard_name(name: str, index_file: str) -> None:

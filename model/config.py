@@ -20,6 +20,8 @@ import reprlib
 from dataclasses import MISSING, InitVar, dataclass, fields
 from typing import Any
 
+from huggingface_hub.constants import CONFIG_NAME
+
 from dsv4.model.errors import CheckpointError
 from dsv4.model.storage import storage_of
 from dsv4.model.strictjson import StrictJSONError, loads
@@ -46,7 +48,9 @@ MAX_DSPARK_STAGES = MAX_NEXTN_LAYERS  # len(dspark_target_layer_ids) [3], n_mtp_
 DSPARK_FIELDS = ("dspark_block_size", "dspark_noise_token_id", "dspark_target_layer_ids", "dspark_markov_rank")
 
 SUPPORTED_MODEL_TYPE = "deepseek_v4"
-CONFIG_FILE = "config.json"  # what a refusal names when no path is given (a preset, a test's dict)
+# the config file's name, everywhere (model/checkpoint.py and convert/ take it from here); also what a
+# refusal names when no path is given (a preset, a test's dict)
+CONFIG = CONFIG_NAME
 
 _SHORT = reprlib.Repr()  # values in messages stay short, however large the JSON value
 _SHORT.maxstring = _SHORT.maxother = _SHORT.maxlong = 40
@@ -127,8 +131,9 @@ def _check_model_type(where: str, model_type: Any) -> None:
         raise _malformed(where, "model_type", f"model_type is {_describe(model_type)}; expected a string")
     if model_type != SUPPORTED_MODEL_TYPE:
         hint = (
-            " (DeepSeek V4.1: vLLM 0.33.0 has no XPU draft model for it, "
-            "mapping/README.md#later-drafters-dspark-and-v41)"
+            # the runtime's version lives in the target registry (mapping/), which model/ may not import
+            " (DeepSeek V4.1: the verified vLLM has no XPU draft model for it, `convert-dsv4 targets` names "
+            "the version; mapping/README.md#later-drafters-dspark-and-v41)"
             if model_type == "deepseek_v41"
             else ""
         )
@@ -179,7 +184,7 @@ class ModelConfig:
     dspark_target_layer_ids: tuple[int, ...] | None = None
     dspark_markov_rank: int | None = None
     n_mtp_layers: int | None = None  # vLLM's stage count (absent in 0731): must equal dspark_stages
-    where: InitVar[str] = CONFIG_FILE  # the file the fields come from: it heads every refusal
+    where: InitVar[str] = CONFIG  # the file the fields come from: it heads every refusal
 
     def __post_init__(self, where: str) -> None:
         _check_model_type(where, self.model_type)  # first: another model's fields are not ours to judge
@@ -359,7 +364,7 @@ class ModelConfig:
             )
 
     @classmethod
-    def from_dict(cls, raw: Any, where: str = CONFIG_FILE) -> ModelConfig:
+    def from_dict(cls, raw: Any, where: str = CONFIG) -> ModelConfig:
         """Validate a parsed config.json read from `where`; malformed_config or
         unsupported_layout (naming `where` and the field) if it is not usable."""
         _require_object(where, raw)
@@ -392,7 +397,7 @@ class ModelConfig:
         return cls(**values, where=where)
 
     @classmethod
-    def from_json(cls, raw: bytes | str, where: str = CONFIG_FILE) -> ModelConfig:
+    def from_json(cls, raw: bytes | str, where: str = CONFIG) -> ModelConfig:
         return cls.from_dict(parse_config(raw, where), where)
 
     @property
@@ -434,7 +439,7 @@ class ModelConfig:
         return self.num_hidden_layers + i
 
 
-def parse_config(raw: bytes | str, where: str = CONFIG_FILE) -> dict[str, Any]:
+def parse_config(raw: bytes | str, where: str = CONFIG) -> dict[str, Any]:
     """config.json (read from `where`) as strict JSON whose top level is an object (its fields
     unchecked: that is ModelConfig.from_dict's job, for the readers that need the model's
     fields); malformed_config naming `where` otherwise."""

@@ -10,7 +10,7 @@ into their native parts.
 
 from __future__ import annotations
 
-from dsv4.model.config import CONFIG_FILE, ModelConfig
+from dsv4.model.config import CONFIG, ModelConfig
 from dsv4.model.storage import DENSE_LINEAR, ExpertStorage, storage_of
 
 # name -> (safetensors dtype, shape)
@@ -19,7 +19,7 @@ Layout = dict[str, tuple[str, tuple[int, ...]]]
 
 def expert_storage(cfg: ModelConfig) -> ExpertStorage:
     """How `cfg`'s routed experts are stored (model/storage.py); an unknown expert_dtype is refused."""
-    return storage_of(cfg.expert_dtype, CONFIG_FILE)
+    return storage_of(cfg.expert_dtype, CONFIG)
 
 
 def variant_of(cfg: ModelConfig) -> str:

@@ -52,9 +52,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from dsv4.convert.choose import choose_table
 from dsv4.convert.execute import hasher_lanes
 from dsv4.convert.inventory import read_inventory
-from dsv4.convert.plan import choose_table, plan_conversion
+from dsv4.convert.plan import plan_conversion
 from dsv4.convert.synth import write_checkpoint
 
 # Peak RSS as VmHWM: ru_maxrss survives exec, so a child of this (torch-importing) script

@@ -20,7 +20,7 @@ run=(.venv/bin/convert-dsv4)
 "${run[@]}" check "$work/draft" --native "$work/native" --serve-with "$work/native"
 "${run[@]}" smoke "$work/draft" --native "$work/native"
 cat <<SERVE
-Serve the draft beside its target (README, "Serving the draft"):
+Serve the draft beside its target (docs/serving.md):
   vllm serve $work/native --speculative-config '{"method":"mtp","model":"$work/draft","num_speculative_tokens":1}'
   python -m sglang.launch_server --model-path $work/native --speculative-algorithm NEXTN --speculative-draft-model-path $work/draft
 SERVE

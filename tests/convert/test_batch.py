@@ -316,6 +316,15 @@ def test_manifest_forms_and_outputs(tmp_path: Path) -> None:
     assert load_manifest(path, tmp_path / "elsewhere").sources[0].output == tmp_path / "elsewhere" / "org-a-main"
 
 
+def test_a_manifest_without_target_takes_the_registry_default(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default is the target file saying `default = true` (mapping.targets.default_target), not a literal."""
+    path = tmp_path / "m.toml"
+    path.write_text('sources = ["org/a"]\n[output]\nrepo = "me/{name}-{target}"\n')
+    monkeypatch.setattr("dsv4.convert.manifest.default_target", lambda: "draft")
+    m = load_manifest(path)
+    assert (m.target, m.sources[0].push_repo) == ("draft", "me/a-draft")
+
+
 @pytest.mark.parametrize(
     ("text", "words"),
     [

@@ -1,5 +1,5 @@
 """`--target draft`: the standalone draft directory vLLM 0.33.0 and SGLang 0.5.23 load as a
-separate draft model (shared/spec/05 §5.2). It holds the draft's tensors under their native
+separate draft model (docs/serving.md). It holds the draft's tensors under their native
 names, bytes unchanged, plus embed.weight and head.weight; config.json is the source's, byte
 for byte; conversion.json records the conversion without any local path. A draft directory is
 a native source (`--target xpu` from it equals `--target xpu` from the original), and `check`
@@ -19,13 +19,15 @@ from edits import edit_config, edit_tensors
 from inprocess import run_main
 
 from dsv4.convert.check import run_checks
+from dsv4.convert.choose import choose_table
 from dsv4.convert.errors import OutputError, PlanError
 from dsv4.convert.inventory import read_inventory
 from dsv4.convert.pipeline import convert
-from dsv4.convert.plan import choose_table, plan_conversion
+from dsv4.convert.plan import plan_conversion
 from dsv4.convert.synth import write_checkpoint
 from dsv4.mapping import errors as mapping_errors
-from dsv4.mapping.table import TABLE_DIR, installed_targets, load_table, load_table_file
+from dsv4.mapping.table import TABLE_DIR, load_table, load_table_file
+from dsv4.mapping.targets import installed_targets
 
 SHARD = "model-00001-of-00001.safetensors"  # a tiny draft fits one shard
 INDEX = "model.safetensors.index.json"

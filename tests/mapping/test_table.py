@@ -11,7 +11,8 @@ from inprocess import one_error_line, run_main
 
 from dsv4.mapping import errors as mapping_errors
 from dsv4.mapping.errors import TableError
-from dsv4.mapping.table import TABLE_DIR, installed_targets, load_table, load_table_file
+from dsv4.mapping.table import TABLE_DIR, load_table, load_table_file
+from dsv4.mapping.targets import installed_targets
 
 SHIPPED = (TABLE_DIR / "xpu.toml").read_text()
 

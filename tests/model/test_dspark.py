@@ -151,7 +151,7 @@ def test_v41_is_refused_with_its_own_message():
     raw["model_type"] = "deepseek_v41"
     with pytest.raises(
         CheckpointError,
-        match=r"model_type 'deepseek_v41' \(DeepSeek V4\.1: vLLM 0\.33\.0 has no XPU draft model for it",
+        match=r"model_type 'deepseek_v41' \(DeepSeek V4\.1: the verified vLLM has no XPU draft model for it",
     ) as raised:
         ModelConfig.from_dict(raw)
     assert raised.value.kind == "unsupported_layout"
