@@ -78,10 +78,14 @@ import torch
 from safetensors import safe_open
 
 from dsv4.mapping.table import Table, expand, load_table
+from dsv4.mapping.targets import require_target, serving_targets
 from dsv4.model.checkpoint import local_weight_map
 from dsv4.model.errors import DSV4Error
 
-WHEELS = {"vllm": "vllm==0.33.0", "sglang": "sglang==0.5.23"}
+# the runtime releases the draft target says its layouts were verified against: the wheels
+# this script runs (one statement of each version: mapping/targets/draft.toml)
+_VERIFIED = dict(require_target(serving_targets()[0]).runtimes)
+WHEELS = {"vllm": f"vllm=={_VERIFIED['vLLM']}", "sglang": f"sglang=={_VERIFIED['SGLang']}"}
 WHEELS_ENV = "DSV4_WHEELS"  # the wheel cache, where it is not the default one
 DEFAULT_WHEELS = Path.home() / ".cache" / "dsv4-convert" / "wheels"
 V4 = "vllm/models/deepseek_v4/"

@@ -22,6 +22,7 @@ from safetensors.torch import save_file
 
 from dsv4.convert.pipeline import convert
 from dsv4.convert.synth import write_checkpoint
+from dsv4.mapping.targets import require_target
 
 _SPEC = importlib.util.spec_from_file_location(
     "verify_runtimes", Path(__file__).parents[2] / "scripts" / "verify_runtimes.py"
@@ -145,7 +146,7 @@ def wheels() -> Path:
     """The cache holding the pinned wheels; without them the runtime tests fail (never skip)."""
     if not vr.wheels_cached(WHEELS):
         pytest.fail(
-            f"vllm 0.33.0 and sglang 0.5.23 wheels not in {WHEELS}: scripts/test.sh fetches them "
+            f"{' and '.join(vr.WHEELS.values())} wheels not in {WHEELS}: scripts/test.sh fetches them "
             "(.venv/bin/python scripts/verify_runtimes.py --fetch-wheels)"
         )
     return WHEELS
@@ -156,6 +157,12 @@ def test_the_wheel_cache_is_dsv4_wheels_else_the_default(monkeypatch: pytest.Mon
     assert vr.wheel_cache() == tmp_path
     monkeypatch.delenv(vr.WHEELS_ENV)
     assert vr.wheel_cache() == vr.DEFAULT_WHEELS == Path.home() / ".cache" / "dsv4-convert" / "wheels"
+
+
+def test_the_wheels_verified_are_the_releases_the_draft_target_names() -> None:
+    # one statement of each version (mapping/targets/draft.toml): a runtime bump there is the wheel run here
+    versions = dict(require_target("draft").runtimes)
+    assert vr.WHEELS == {"vllm": f"vllm=={versions['vLLM']}", "sglang": f"sglang=={versions['SGLang']}"}
 
 
 def test_fetch_wheels_takes_cached_wheels_without_pip(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
