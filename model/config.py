@@ -48,14 +48,11 @@ MAX_DSPARK_STAGES = MAX_NEXTN_LAYERS  # len(dspark_target_layer_ids) [3], n_mtp_
 DSPARK_FIELDS = ("dspark_block_size", "dspark_noise_token_id", "dspark_target_layer_ids", "dspark_markov_rank")
 
 SUPPORTED_MODEL_TYPE = "deepseek_v4"
-# the config file's name, everywhere (model/checkpoint.py and convert/ take it from here); also what a
-# refusal names when no path is given (a preset, a test's dict)
-CONFIG = CONFIG_NAME
+CONFIG = CONFIG_NAME  # the config file's name, everywhere; what a refusal names without a path (a preset)
 
 _SHORT = reprlib.Repr()  # values in messages stay short, however large the JSON value
 _SHORT.maxstring = _SHORT.maxother = _SHORT.maxlong = 40
-_SHORT.maxlist = _SHORT.maxtuple = 4
-_SHORT.maxdict, _SHORT.maxlevel = 3, 2
+_SHORT.maxlist, _SHORT.maxtuple, _SHORT.maxdict, _SHORT.maxlevel = 4, 4, 3, 2
 
 
 def _malformed(where: str, field: str | None, message: str) -> CheckpointError:
