@@ -51,22 +51,41 @@ def _timed(device: torch.device, fn: Callable[[], R]) -> tuple[R, float]:
 Loader = Callable[[torch.device], torch.nn.Module]  # how a checkpoint becomes the bundled model
 
 
+def _moe_layers(model: nn.Module) -> list[MoE]:
+    return [m for m in model.modules() if isinstance(m, MoE)]
+
+
+def _rerun_on_near_ties(
+    model_routing: RoutingLog, reference_routing: RoutingLog, rerun: Callable[[RoutingLog], R]
+) -> tuple[R | None, list[dict[str, Any]]]:
+    """Where the model (`model_routing`, its run's log) routes otherwise than the reference:
+    when every such place is a near-tie (model/parity.py), `rerun(log)` runs the model again
+    with `log` imposing the reference's experts, so that the outputs compared come from the
+    same routing. -> (the rerun's output, or None when none was needed; the routing
+    disagreements with their margins)."""
+    found = routing_disagreements(model_routing, reference_routing)
+    if not (found and all(d["near_tie"] for d in found)):
+        return None, found
+    imposed = RoutingLog(impose=reference_routing)
+    out = rerun(imposed)
+    return out, found + [d for d in routing_disagreements(imposed, reference_routing) if not d["near_tie"]]
+
+
 def _routed_as_the_reference(
     model: nn.Module, reference_routing: RoutingLog, run: Callable[[], R]
 ) -> tuple[R, list[dict[str, Any]]]:
-    """`run()` of the model with its routing logged, and where the model routes otherwise
-    than the reference: when every such place is a near-tie (model/parity.py), `run()` again
-    with the reference's experts imposed, so that the outputs compared come from the same
-    routing. -> (output, the routing disagreements with their margins)."""
-    moes = [m for m in model.modules() if isinstance(m, MoE)]
-    with logging_routing(moes, RoutingLog()) as log:
+    """`run()` of the model with its routing logged, run again as the reference routes where
+    the two differ only on near-ties (_rerun_on_near_ties). -> (output, the routing
+    disagreements with their margins)."""
+    with logging_routing(_moe_layers(model), RoutingLog()) as log:
         out = run()
-    found = routing_disagreements(log, reference_routing)
-    if found and all(d["near_tie"] for d in found):
-        with logging_routing(moes, RoutingLog(impose=reference_routing)) as log:
-            out = run()
-        found += [d for d in routing_disagreements(log, reference_routing) if not d["near_tie"]]
-    return out, found
+
+    def rerun(imposed: RoutingLog) -> R:
+        with logging_routing(_moe_layers(model), imposed):
+            return run()
+
+    again, found = _rerun_on_near_ties(log, reference_routing, rerun)
+    return (out if again is None else again), found
 
 
 def run_smoke(
@@ -87,15 +106,18 @@ def run_smoke(
         "kernels": kernels.backend(dev),
         "tokens": tokens,
     }
-    model, report["load_ms"] = _timed(dev, lambda: (load or (lambda d: load_converted(out_dir, d)))(dev))
+    load_model = load or (lambda d: load_converted(out_dir, d))
+    model, report["load_ms"] = _timed(dev, lambda: load_model(dev))
     cfg = model.config
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, cfg.vocab_size, (tokens,), generator=gen).to(dev)
     positions = torch.arange(tokens).to(dev)
     prev = torch.randn(tokens, cfg.hc_dim, generator=gen).to(torch.bfloat16).to(dev)
 
+    model_routing = RoutingLog()  # the warm run's, compared with the reference's below
     for run in ("first", "warm"):
-        h, report[f"forward_{run}_ms"] = _timed(dev, lambda: model(ids, positions, prev))
+        with logging_routing(_moe_layers(model), model_routing if run == "warm" else RoutingLog()):
+            h, report[f"forward_{run}_ms"] = _timed(dev, lambda: model(ids, positions, prev))
         logits, report[f"logits_{run}_ms"] = _timed(dev, lambda h=h: model.compute_logits(h))
     report["hidden_shape"], report["logits_shape"] = list(h.shape), list(logits.shape)
     where = f"{out_dir}"
@@ -125,13 +147,19 @@ def run_smoke(
         with logging_routing([ref], RoutingLog()) as ref_routing:
             h_ref, report["reference_forward_ms"] = _timed(dev, lambda: ref.forward(ids, positions, prev))
         logits_ref, report["reference_logits_ms"] = _timed(dev, lambda: ref.compute_logits(h_ref))
-        del ref  # one side at a time again: the model comes back for the routing-aware comparison
+        del ref
         gc.collect()
-        model = (load or (lambda d: load_converted(out_dir, d)))(dev)
-        h, report["routing_disagreements"] = _routed_as_the_reference(
-            model, ref_routing, lambda: model(ids, positions, prev)
-        )
-        logits = model.compute_logits(h)
+
+        def rerun(imposed: RoutingLog) -> tuple[torch.Tensor, torch.Tensor]:
+            # one side at a time again: the model comes back only when the routing-aware comparison needs it
+            model = load_model(dev)
+            with logging_routing(_moe_layers(model), imposed):
+                h = model(ids, positions, prev)
+            return h, model.compute_logits(h)
+
+        again, report["routing_disagreements"] = _rerun_on_near_ties(model_routing, ref_routing, rerun)
+        if again is not None:
+            h, logits = again
         report["reference"] = str(reference_dir)
         report["hidden_max_abs_diff"] = (h.float() - h_ref.float()).abs().max().item()
         report["hidden_max_abs"] = h_ref.float().abs().max().item()
