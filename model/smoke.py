@@ -254,7 +254,8 @@ def run_dspark_smoke(
         "kernels": kernels.backend(dev),
         "layout": "dspark",
     }
-    model, report["load_ms"] = _timed(dev, lambda: (load or (lambda d: load_converted(out_dir, d)))(dev))
+    load_model = load or (lambda d: load_converted(out_dir, d))
+    model, report["load_ms"] = _timed(dev, lambda: load_model(dev))
     if not isinstance(model, DSparkDraft):
         raise LoadError(
             f"{out_dir}: not a DSpark checkpoint (its config.json has no dspark_* fields)",
@@ -283,8 +284,10 @@ def run_dspark_smoke(
         base = model.base_logits(h)
         return (base, *model.markov_decode(base, anchor))
 
+    model_routing = RoutingLog()  # the warm run's, compared with the reference's
     for run in ("first", "warm"):
-        h, report[f"hidden_{run}_ms"] = _timed(dev, lambda: model.hidden_states(feats, ctx, ids, positions))
+        with logging_routing(_moe_layers(model), model_routing if run == "warm" else RoutingLog()):
+            h, report[f"hidden_{run}_ms"] = _timed(dev, lambda: model.hidden_states(feats, ctx, ids, positions))
         (base, logits, tokens), report[f"logits_{run}_ms"] = _timed(dev, lambda h=h: heads(h))
     B = cfg.dspark_block_size
     report["hidden_shape"], report["logits_shape"] = list(h.shape), list(logits.shape)
@@ -304,12 +307,23 @@ def run_dspark_smoke(
         )
 
     if reference_dir is not None:
-        # both sides at once: dspark_against_reference runs the model again with the
-        # reference's routing where they differ on a near-tie (model/parity.py)
+        # one side at a time, as run_smoke: the model's mapped shards go before the reference maps the native ones
+        del model
+        gc.collect()
         ref, report["reference_load_ms"] = _timed(dev, lambda: DSparkReference(reference_dir, dev))
-        (mine, out, routing), report["reference_draft_ms"] = _timed(
-            dev, lambda: dspark_against_reference(model, ref, feats, ctx, anchor)
-        )
+        with logging_routing(ref.stages, RoutingLog()) as ref_routing:
+            out, report["reference_draft_ms"] = _timed(dev, lambda: ref.forward(feats, ctx, anchor))
+        del ref
+        gc.collect()
+        model = load_model(dev)  # mapped again: the Markov head, and the rerun on a near-tie
+        assert isinstance(model, DSparkDraft)
+
+        def rerun(imposed: RoutingLog) -> torch.Tensor:
+            with logging_routing(_moe_layers(model), imposed):
+                return model.hidden_states(feats, ctx, ids, positions)
+
+        again, routing = _rerun_on_near_ties(model_routing, ref_routing, rerun)
+        mine = _teacher_forced(model, h if again is None else again, out, anchor, base if again is None else None)
         report["reference"] = str(reference_dir)
         report.update(dspark_parity(mine, out, routing))
         report["reference_draft_tokens"] = out.draft_tokens.tolist()
@@ -336,11 +350,19 @@ def dspark_against_reference(
     h, routing = _routed_as_the_reference(
         model, ref_routing, lambda: model.hidden_states(features, context_positions, ids, positions)
     )
-    base = model.base_logits(h)
+    return _teacher_forced(model, h, expected, anchor), expected, routing
+
+
+def _teacher_forced(
+    model: DSparkDraft, h: torch.Tensor, expected: ReferenceBlock, anchor: int, base: torch.Tensor | None = None
+) -> DraftBlock:
+    """The model's block from its hidden states `h` (and their base logits, when computed
+    already), its `logits` row k given the reference's draft token k-1 (the anchor for k = 0)."""
+    base = model.base_logits(h) if base is None else base
     _, tokens = model.markov_decode(base, anchor)
     prev = torch.tensor([anchor, *expected.draft_tokens.tolist()[:-1]], device=base.device)
     logits = torch.stack([base[k] + model.model.markov_head.bias(prev[k]) for k in range(base.shape[0])])
-    return DraftBlock(h, base, logits, tokens), expected, routing
+    return DraftBlock(h, base, logits, tokens)
 
 
 def dspark_parity(mine: DraftBlock, expected: ReferenceBlock, routing: list[dict[str, Any]]) -> dict[str, Any]:
