@@ -8,6 +8,7 @@ from __future__ import annotations
 import gc
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -292,6 +293,61 @@ def run_dspark_smoke(
     B = cfg.dspark_block_size
     report["hidden_shape"], report["logits_shape"] = list(h.shape), list(logits.shape)
     report["draft_tokens"] = tokens.tolist()
+    _require_a_finite_block(out_dir, cfg, DraftBlock(h, base, logits, tokens))
+
+    if reference_dir is not None:
+        # one side at a time, as run_smoke: the model's mapped shards go before the reference maps the native ones
+        del model
+        gc.collect()
+        report.update(
+            _dspark_compared_alone(load_model, dev, reference_dir, (feats, ctx, anchor), (h, base), model_routing)
+        )
+        same = [a == b for a, b in zip(report["draft_tokens"], report["reference_draft_tokens"], strict=True)]
+        # greedy drafting conditions each token on the one before: after a first disagreement
+        # the rest compare different continuations
+        report["draft_tokens_agree_to"] = same.index(False) if False in same else B
+        report["draft_token_agreement"] = sum(same) / B
+    return report
+
+
+def _dspark_compared_alone(
+    load_model: Loader,
+    dev: torch.device,
+    reference_dir: str | Path,
+    inputs: tuple[torch.Tensor, torch.Tensor, int],
+    drafted: tuple[torch.Tensor, torch.Tensor],
+    model_routing: RoutingLog,
+) -> dict[str, Any]:
+    """The reference's figures for the model's warm run (`drafted`: its hidden states and base
+    logits from `inputs`: features, context positions, anchor; `model_routing` its routing), the
+    reference loaded while the model is not: the model is mapped again after it (no data read)
+    for the Markov head and, on a near-tie only, the rerun with the reference's experts."""
+    feats, ctx, anchor = inputs
+    report: dict[str, Any] = {"reference": str(reference_dir)}
+    ref, report["reference_load_ms"] = _timed(dev, lambda: DSparkReference(reference_dir, dev))
+    with logging_routing(ref.stages, RoutingLog()) as ref_routing:
+        out, report["reference_draft_ms"] = _timed(dev, partial(ref.forward, feats, ctx, anchor))
+    del ref  # unmapped before the model is mapped again
+    gc.collect()
+    model = load_model(dev)
+    assert isinstance(model, DSparkDraft)
+    ids, positions = model.block_ids(anchor), model.block_positions(ctx)
+
+    def rerun(imposed: RoutingLog) -> torch.Tensor:
+        with logging_routing(_moe_layers(model), imposed):
+            return model.hidden_states(feats, ctx, ids, positions)
+
+    again, routing = _rerun_on_near_ties(model_routing, ref_routing, rerun)
+    h, base = drafted if again is None else (again, None)
+    report.update(dspark_parity(_teacher_forced(model, h, out, anchor, base), out, routing))
+    report["reference_draft_tokens"] = out.draft_tokens.tolist()
+    return report
+
+
+def _require_a_finite_block(out_dir: str | Path, cfg: ModelConfig, block: DraftBlock) -> None:
+    """smoke_output naming `out_dir` unless the drafted block has the shapes of `cfg` and finite values."""
+    h, base, logits, tokens = block
+    B = cfg.dspark_block_size
     if tuple(h.shape) != (B, cfg.hc_dim) or tuple(logits.shape) != (B, cfg.vocab_size) or tuple(tokens.shape) != (B,):
         raise LoadError(
             f"{out_dir}: the draft returned hidden {list(h.shape)}, logits {list(logits.shape)}, tokens "
@@ -305,34 +361,6 @@ def run_dspark_smoke(
             kind="smoke_output",
             path=str(out_dir),
         )
-
-    if reference_dir is not None:
-        # one side at a time, as run_smoke: the model's mapped shards go before the reference maps the native ones
-        del model
-        gc.collect()
-        ref, report["reference_load_ms"] = _timed(dev, lambda: DSparkReference(reference_dir, dev))
-        with logging_routing(ref.stages, RoutingLog()) as ref_routing:
-            out, report["reference_draft_ms"] = _timed(dev, lambda: ref.forward(feats, ctx, anchor))
-        del ref
-        gc.collect()
-        model = load_model(dev)  # mapped again: the Markov head, and the rerun on a near-tie
-        assert isinstance(model, DSparkDraft)
-
-        def rerun(imposed: RoutingLog) -> torch.Tensor:
-            with logging_routing(_moe_layers(model), imposed):
-                return model.hidden_states(feats, ctx, ids, positions)
-
-        again, routing = _rerun_on_near_ties(model_routing, ref_routing, rerun)
-        mine = _teacher_forced(model, h if again is None else again, out, anchor, base if again is None else None)
-        report["reference"] = str(reference_dir)
-        report.update(dspark_parity(mine, out, routing))
-        report["reference_draft_tokens"] = out.draft_tokens.tolist()
-        same = [a == b for a, b in zip(report["draft_tokens"], report["reference_draft_tokens"], strict=True)]
-        # greedy drafting conditions each token on the one before: after a first disagreement
-        # the rest compare different continuations
-        report["draft_tokens_agree_to"] = same.index(False) if False in same else B
-        report["draft_token_agreement"] = sum(same) / B
-    return report
 
 
 def dspark_against_reference(
