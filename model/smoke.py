@@ -159,8 +159,7 @@ def run_smoke(
             return h, model.compute_logits(h)
 
         again, report["routing_disagreements"] = _rerun_on_near_ties(model_routing, ref_routing, rerun)
-        if again is not None:
-            h, logits = again
+        h, logits = again or (h, logits)
         report["reference"] = str(reference_dir)
         report["hidden_max_abs_diff"] = (h.float() - h_ref.float()).abs().max().item()
         report["hidden_max_abs"] = h_ref.float().abs().max().item()
