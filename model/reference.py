@@ -37,9 +37,11 @@ def fp8_weight(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> 
     bn, bk = block
     rows, cols = w.shape
     pr, pc = -rows % bn, -cols % bk
-    wf = F.pad(w.float(), (0, pc, 0, pr)).view((rows + pr) // bn, bn, (cols + pc) // bk, bk)
-    s = _e8m0_value(scale)
-    return (wf * s[:, None, :, None]).reshape(rows + pr, cols + pc)[:rows, :cols]
+    wf = w.float()
+    if pr or pc:  # ragged edges only: padding copies the whole matrix
+        wf = F.pad(wf, (0, pc, 0, pr))
+    blocks = wf.view((rows + pr) // bn, bn, (cols + pc) // bk, bk)
+    return blocks.mul_(_e8m0_value(scale)[:, None, :, None]).view(rows + pr, cols + pc)[:rows, :cols]
 
 
 def _e2m1(codes: torch.Tensor) -> torch.Tensor:
@@ -58,9 +60,11 @@ def fp4_weight(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     [out, in] temporaries per expert matrix (the smoke's reference decodes ~150 of them)."""
     byte = torch.arange(256, device=packed.device)
     pairs = torch.stack((_e2m1(byte & 15), _e2m1(byte >> 4)), dim=-1)  # byte -> (low, high) values
-    vals = pairs[packed.view(torch.uint8).int()].flatten(-2)
-    rows, cols = vals.shape
-    return (vals.view(rows, cols // 32, 32) * _e8m0_value(scale).unsqueeze(-1)).view(rows, cols)
+    codes = packed.view(torch.uint8)
+    rows, cols = codes.shape[0], 2 * codes.shape[1]
+    # index_select of flat rows: the same gather as pairs[codes], 2x faster on the CPU (half the reference's forward)
+    vals = pairs.index_select(0, codes.flatten().int()).view(rows, cols // 32, 32)
+    return vals.mul_(_e8m0_value(scale).unsqueeze(-1)).view(rows, cols)
 
 
 def _norm(x: torch.Tensor, w: torch.Tensor | None, eps: float) -> torch.Tensor:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import gc
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -51,22 +52,41 @@ def _timed(device: torch.device, fn: Callable[[], R]) -> tuple[R, float]:
 Loader = Callable[[torch.device], torch.nn.Module]  # how a checkpoint becomes the bundled model
 
 
+def _moe_layers(model: nn.Module) -> list[MoE]:
+    return [m for m in model.modules() if isinstance(m, MoE)]
+
+
+def _rerun_on_near_ties(
+    model_routing: RoutingLog, reference_routing: RoutingLog, rerun: Callable[[RoutingLog], R]
+) -> tuple[R | None, list[dict[str, Any]]]:
+    """Where the model (`model_routing`, its run's log) routes otherwise than the reference:
+    when every such place is a near-tie (model/parity.py), `rerun(log)` runs the model again
+    with `log` imposing the reference's experts, so that the outputs compared come from the
+    same routing. -> (the rerun's output, or None when none was needed; the routing
+    disagreements with their margins)."""
+    found = routing_disagreements(model_routing, reference_routing)
+    if not (found and all(d["near_tie"] for d in found)):
+        return None, found
+    imposed = RoutingLog(impose=reference_routing)
+    out = rerun(imposed)
+    return out, found + [d for d in routing_disagreements(imposed, reference_routing) if not d["near_tie"]]
+
+
 def _routed_as_the_reference(
     model: nn.Module, reference_routing: RoutingLog, run: Callable[[], R]
 ) -> tuple[R, list[dict[str, Any]]]:
-    """`run()` of the model with its routing logged, and where the model routes otherwise
-    than the reference: when every such place is a near-tie (model/parity.py), `run()` again
-    with the reference's experts imposed, so that the outputs compared come from the same
-    routing. -> (output, the routing disagreements with their margins)."""
-    moes = [m for m in model.modules() if isinstance(m, MoE)]
-    with logging_routing(moes, RoutingLog()) as log:
+    """`run()` of the model with its routing logged, run again as the reference routes where
+    the two differ only on near-ties (_rerun_on_near_ties). -> (output, the routing
+    disagreements with their margins)."""
+    with logging_routing(_moe_layers(model), RoutingLog()) as log:
         out = run()
-    found = routing_disagreements(log, reference_routing)
-    if found and all(d["near_tie"] for d in found):
-        with logging_routing(moes, RoutingLog(impose=reference_routing)) as log:
-            out = run()
-        found += [d for d in routing_disagreements(log, reference_routing) if not d["near_tie"]]
-    return out, found
+
+    def rerun(imposed: RoutingLog) -> R:
+        with logging_routing(_moe_layers(model), imposed):
+            return run()
+
+    again, found = _rerun_on_near_ties(log, reference_routing, rerun)
+    return (out if again is None else again), found
 
 
 def run_smoke(
@@ -87,15 +107,18 @@ def run_smoke(
         "kernels": kernels.backend(dev),
         "tokens": tokens,
     }
-    model, report["load_ms"] = _timed(dev, lambda: (load or (lambda d: load_converted(out_dir, d)))(dev))
+    load_model = load or (lambda d: load_converted(out_dir, d))
+    model, report["load_ms"] = _timed(dev, lambda: load_model(dev))
     cfg = model.config
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, cfg.vocab_size, (tokens,), generator=gen).to(dev)
     positions = torch.arange(tokens).to(dev)
     prev = torch.randn(tokens, cfg.hc_dim, generator=gen).to(torch.bfloat16).to(dev)
 
+    model_routing = RoutingLog()  # the warm run's, compared with the reference's below
     for run in ("first", "warm"):
-        h, report[f"forward_{run}_ms"] = _timed(dev, lambda: model(ids, positions, prev))
+        with logging_routing(_moe_layers(model), model_routing if run == "warm" else RoutingLog()):
+            h, report[f"forward_{run}_ms"] = _timed(dev, lambda: model(ids, positions, prev))
         logits, report[f"logits_{run}_ms"] = _timed(dev, lambda h=h: model.compute_logits(h))
     report["hidden_shape"], report["logits_shape"] = list(h.shape), list(logits.shape)
     where = f"{out_dir}"
@@ -125,13 +148,18 @@ def run_smoke(
         with logging_routing([ref], RoutingLog()) as ref_routing:
             h_ref, report["reference_forward_ms"] = _timed(dev, lambda: ref.forward(ids, positions, prev))
         logits_ref, report["reference_logits_ms"] = _timed(dev, lambda: ref.compute_logits(h_ref))
-        del ref  # one side at a time again: the model comes back for the routing-aware comparison
+        del ref
         gc.collect()
-        model = (load or (lambda d: load_converted(out_dir, d)))(dev)
-        h, report["routing_disagreements"] = _routed_as_the_reference(
-            model, ref_routing, lambda: model(ids, positions, prev)
-        )
-        logits = model.compute_logits(h)
+
+        def rerun(imposed: RoutingLog) -> tuple[torch.Tensor, torch.Tensor]:
+            # one side at a time again: the model comes back only when the routing-aware comparison needs it
+            model = load_model(dev)
+            with logging_routing(_moe_layers(model), imposed):
+                h = model(ids, positions, prev)
+            return h, model.compute_logits(h)
+
+        again, report["routing_disagreements"] = _rerun_on_near_ties(model_routing, ref_routing, rerun)
+        h, logits = again or (h, logits)
         report["reference"] = str(reference_dir)
         report["hidden_max_abs_diff"] = (h.float() - h_ref.float()).abs().max().item()
         report["hidden_max_abs"] = h_ref.float().abs().max().item()
@@ -226,7 +254,8 @@ def run_dspark_smoke(
         "kernels": kernels.backend(dev),
         "layout": "dspark",
     }
-    model, report["load_ms"] = _timed(dev, lambda: (load or (lambda d: load_converted(out_dir, d)))(dev))
+    load_model = load or (lambda d: load_converted(out_dir, d))
+    model, report["load_ms"] = _timed(dev, lambda: load_model(dev))
     if not isinstance(model, DSparkDraft):
         raise LoadError(
             f"{out_dir}: not a DSpark checkpoint (its config.json has no dspark_* fields)",
@@ -255,12 +284,69 @@ def run_dspark_smoke(
         base = model.base_logits(h)
         return (base, *model.markov_decode(base, anchor))
 
+    model_routing = RoutingLog()  # the warm run's, compared with the reference's
     for run in ("first", "warm"):
-        h, report[f"hidden_{run}_ms"] = _timed(dev, lambda: model.hidden_states(feats, ctx, ids, positions))
+        with logging_routing(_moe_layers(model), model_routing if run == "warm" else RoutingLog()):
+            h, report[f"hidden_{run}_ms"] = _timed(dev, lambda: model.hidden_states(feats, ctx, ids, positions))
         (base, logits, tokens), report[f"logits_{run}_ms"] = _timed(dev, lambda h=h: heads(h))
     B = cfg.dspark_block_size
     report["hidden_shape"], report["logits_shape"] = list(h.shape), list(logits.shape)
     report["draft_tokens"] = tokens.tolist()
+    _require_a_finite_block(out_dir, cfg, DraftBlock(h, base, logits, tokens))
+
+    if reference_dir is not None:
+        # one side at a time, as run_smoke: the model's mapped shards go before the reference maps the native ones
+        del model
+        gc.collect()
+        report.update(
+            _dspark_compared_alone(load_model, dev, reference_dir, (feats, ctx, anchor), (h, base), model_routing)
+        )
+        same = [a == b for a, b in zip(report["draft_tokens"], report["reference_draft_tokens"], strict=True)]
+        # greedy drafting conditions each token on the one before: after a first disagreement
+        # the rest compare different continuations
+        report["draft_tokens_agree_to"] = same.index(False) if False in same else B
+        report["draft_token_agreement"] = sum(same) / B
+    return report
+
+
+def _dspark_compared_alone(
+    load_model: Loader,
+    dev: torch.device,
+    reference_dir: str | Path,
+    inputs: tuple[torch.Tensor, torch.Tensor, int],
+    drafted: tuple[torch.Tensor, torch.Tensor],
+    model_routing: RoutingLog,
+) -> dict[str, Any]:
+    """The reference's figures for the model's warm run (`drafted`: its hidden states and base
+    logits from `inputs`: features, context positions, anchor; `model_routing` its routing), the
+    reference loaded while the model is not: the model is mapped again after it (no data read)
+    for the Markov head and, on a near-tie only, the rerun with the reference's experts."""
+    feats, ctx, anchor = inputs
+    report: dict[str, Any] = {"reference": str(reference_dir)}
+    ref, report["reference_load_ms"] = _timed(dev, lambda: DSparkReference(reference_dir, dev))
+    with logging_routing(ref.stages, RoutingLog()) as ref_routing:
+        out, report["reference_draft_ms"] = _timed(dev, partial(ref.forward, feats, ctx, anchor))
+    del ref  # unmapped before the model is mapped again
+    gc.collect()
+    model = load_model(dev)
+    assert isinstance(model, DSparkDraft)
+    ids, positions = model.block_ids(anchor), model.block_positions(ctx)
+
+    def rerun(imposed: RoutingLog) -> torch.Tensor:
+        with logging_routing(_moe_layers(model), imposed):
+            return model.hidden_states(feats, ctx, ids, positions)
+
+    again, routing = _rerun_on_near_ties(model_routing, ref_routing, rerun)
+    h, base = drafted if again is None else (again, None)
+    report.update(dspark_parity(_teacher_forced(model, h, out, anchor, base), out, routing))
+    report["reference_draft_tokens"] = out.draft_tokens.tolist()
+    return report
+
+
+def _require_a_finite_block(out_dir: str | Path, cfg: ModelConfig, block: DraftBlock) -> None:
+    """smoke_output naming `out_dir` unless the drafted block has the shapes of `cfg` and finite values."""
+    h, base, logits, tokens = block
+    B = cfg.dspark_block_size
     if tuple(h.shape) != (B, cfg.hc_dim) or tuple(logits.shape) != (B, cfg.vocab_size) or tuple(tokens.shape) != (B,):
         raise LoadError(
             f"{out_dir}: the draft returned hidden {list(h.shape)}, logits {list(logits.shape)}, tokens "
@@ -274,23 +360,6 @@ def run_dspark_smoke(
             kind="smoke_output",
             path=str(out_dir),
         )
-
-    if reference_dir is not None:
-        # both sides at once: dspark_against_reference runs the model again with the
-        # reference's routing where they differ on a near-tie (model/parity.py)
-        ref, report["reference_load_ms"] = _timed(dev, lambda: DSparkReference(reference_dir, dev))
-        (mine, out, routing), report["reference_draft_ms"] = _timed(
-            dev, lambda: dspark_against_reference(model, ref, feats, ctx, anchor)
-        )
-        report["reference"] = str(reference_dir)
-        report.update(dspark_parity(mine, out, routing))
-        report["reference_draft_tokens"] = out.draft_tokens.tolist()
-        same = [a == b for a, b in zip(report["draft_tokens"], report["reference_draft_tokens"], strict=True)]
-        # greedy drafting conditions each token on the one before: after a first disagreement
-        # the rest compare different continuations
-        report["draft_tokens_agree_to"] = same.index(False) if False in same else B
-        report["draft_token_agreement"] = sum(same) / B
-    return report
 
 
 def dspark_against_reference(
@@ -308,11 +377,19 @@ def dspark_against_reference(
     h, routing = _routed_as_the_reference(
         model, ref_routing, lambda: model.hidden_states(features, context_positions, ids, positions)
     )
-    base = model.base_logits(h)
+    return _teacher_forced(model, h, expected, anchor), expected, routing
+
+
+def _teacher_forced(
+    model: DSparkDraft, h: torch.Tensor, expected: ReferenceBlock, anchor: int, base: torch.Tensor | None = None
+) -> DraftBlock:
+    """The model's block from its hidden states `h` (and their base logits, when computed
+    already), its `logits` row k given the reference's draft token k-1 (the anchor for k = 0)."""
+    base = model.base_logits(h) if base is None else base
     _, tokens = model.markov_decode(base, anchor)
     prev = torch.tensor([anchor, *expected.draft_tokens.tolist()[:-1]], device=base.device)
     logits = torch.stack([base[k] + model.model.markov_head.bias(prev[k]) for k in range(base.shape[0])])
-    return DraftBlock(h, base, logits, tokens), expected, routing
+    return DraftBlock(h, base, logits, tokens)
 
 
 def dspark_parity(mine: DraftBlock, expected: ReferenceBlock, routing: list[dict[str, Any]]) -> dict[str, Any]:

@@ -6,6 +6,7 @@ against an independent reference reading the native checkpoint, and its strict l
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -657,3 +658,23 @@ def test_dspark_options_on_an_mtp_output_are_a_usage_error(tiny_native, tmp_path
     mtp = convert(tiny_native, tmp_path / "mtp").out
     code, _, err = run_main(monkeypatch, capsys, "smoke", mtp, "--device", "cpu", "--anchor", "3")
     assert code == 2 and "DSpark" in err and err.count("\n") == 1
+
+
+def test_smoke_with_the_reference_unmaps_the_model_before_the_reference_loads(tiny_dspark, monkeypatch):
+    """DSpark's `smoke --native` holds one side at a time too (as run_smoke): the converted
+    shards are unmapped before the reference maps the native ones, and the verdict stands."""
+    from test_loader import file_maps, weight_map  # the process's file mappings; a checkpoint's index
+
+    native, converted = tiny_dspark[0]
+    shards = {os.path.realpath(converted / f) for f in set(weight_map(converted).values())}
+    still_mapped: list[set[str]] = []
+    real_init = DSparkReference.__init__
+
+    def init(self, *args, **kwargs):
+        still_mapped.append(shards & set(file_maps()))
+        real_init(self, *args, **kwargs)
+
+    monkeypatch.setattr(DSparkReference, "__init__", init)
+    report = run_dspark_smoke(converted, "cpu", context_tokens=12, first_position=7, reference_dir=native, seed=2)
+    assert still_mapped == [set()]
+    assert parity_verdict(report)[0], parity_verdict(report)[1]

@@ -13,6 +13,11 @@ from safetensors.torch import load_file, save_file
 from dsv4.convert.cli import cli
 from dsv4.convert.synth import write_checkpoint
 from dsv4.model.errors import LoadError
+from dsv4.model.loader import load_converted
+from dsv4.model.mtp import MoE
+from dsv4.model.parity import TIE_REL, RoutingLog, logging_routing, parity_verdict
+from dsv4.model.reference import NativeReference
+from dsv4.model.smoke import run_smoke
 
 
 @pytest.mark.slow
@@ -131,3 +136,58 @@ def test_on_the_cpu_the_fallback_is_not_blamed_on_triton_interpret(tiny_pair):
         in proc.stdout
     )
     assert "TRITON_INTERPRET" not in proc.stdout
+
+
+def counting(load):
+    """`load` (a smoke Loader), with the number of times it was called in `.calls`."""
+
+    def counted(device):
+        counted.calls += 1
+        return load(device)
+
+    counted.calls = 0
+    return counted
+
+
+def test_smoke_with_the_reference_loads_the_model_once_when_the_routing_agrees(tiny_pair):
+    # the warm run's routing is the one compared: no reload and third forward when nothing needs rerunning
+    native, converted = tiny_pair
+    load = counting(lambda device: load_converted(converted, device))
+    report = run_smoke(converted, "cpu", tokens=4, reference_dir=native, load=load)
+    assert report["routing_disagreements"] == [] and parity_verdict(report)[0]
+    assert load.calls == 1
+
+
+@pytest.mark.slow
+def test_smoke_reruns_the_model_with_the_references_experts_on_a_near_tie(tiny_pair):
+    # a model whose gate bias flips the reference's closest routing choice: it is loaded again
+    # and run with the reference's experts, and the flip is reported as a near-tie
+    native, converted = tiny_pair
+    tokens = 8
+    cfg = load_converted(converted, "cpu").config
+    gen = torch.Generator().manual_seed(0)  # run_smoke's inputs for seed 0
+    ids, positions = torch.randint(0, cfg.vocab_size, (tokens,), generator=gen), torch.arange(tokens)
+    prev = torch.randn(tokens, cfg.hc_dim, generator=gen).to(torch.bfloat16)
+    ref = NativeReference(native, "cpu")
+    with logging_routing([ref], RoutingLog()) as log:
+        ref.forward(ids, positions, prev)
+    k = cfg.num_experts_per_tok
+    top = log.calls[0].selection.topk(k + 1, dim=-1)
+    gaps = top.values[:, k - 1] - top.values[:, k]
+    token = int(gaps.argmin())
+    expert, margin = int(top.indices[token, k]), float(gaps[token])
+    tolerance = TIE_REL * float(log.calls[0].selection[token].abs().max())
+    assert margin < tolerance, "the fixture has a near-tie to flip"
+
+    def flipped(device):
+        model = load_converted(converted, device)
+        moe = next(m for m in model.modules() if isinstance(m, MoE))
+        with torch.no_grad():
+            moe.gate.e_score_correction_bias[expert] += (margin + tolerance) / 2
+        return model
+
+    load = counting(flipped)
+    report = run_smoke(converted, "cpu", tokens=tokens, reference_dir=native, load=load)
+    assert load.calls == 2
+    assert any(d["token"] == token and d["near_tie"] for d in report["routing_disagreements"])
+    assert parity_verdict(report)[0], parity_verdict(report)[1]
