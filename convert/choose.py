@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from dsv4.convert.inventory import Inventory
+from dsv4.convert.sources.inventory import Inventory
 from dsv4.mapping.table import Table, load_table
 from dsv4.mapping.targets import table_name_for
 from dsv4.model.checkpoint import CONFIG, is_full_native

@@ -23,7 +23,7 @@ def main() -> None:
 def _run() -> None:
     try:
         with interrupts.running():
-            from dsv4.convert.cli import main as run_command  # start-up time: click, the tables, the model's names
+            from dsv4.convert.cli.main import main as run_command  # start-up time: click, the tables, the model's names
     except (interrupts.Interrupted, KeyboardInterrupt) as exc:
         interrupts.exit_interrupted(exc)
     run_command()

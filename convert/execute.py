@@ -20,9 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dsv4.convert.local import DIRECT_ALIGN
 from dsv4.convert.plan import PlannedTensor
-from dsv4.convert.source import ByteReader
+from dsv4.convert.sources.local import DIRECT_ALIGN
+from dsv4.convert.sources.source import ByteReader
 from dsv4.convert.writer import ShardWriter
 
 CHUNK = 8 * 1024 * 1024  # bytes per read/write: large enough for full disk speed
@@ -95,7 +95,7 @@ def schedule(jobs: list[tuple[PlannedTensor, ShardWriter]], streams: int) -> lis
 
 def _read_view(reader: ByteReader, file: str, offset: int, n: int, buf: memoryview) -> memoryview:
     """The n bytes at `offset` of `file`, in `buf`: the reader's direct read where it has one
-    (convert/local.py: LocalReader.read_view), else a read into the front of buf."""
+    (convert/sources/local.py: LocalReader.read_view), else a read into the front of buf."""
     if n == 0:  # a tensor with no elements reads nothing
         return buf[:0]
     read_view = getattr(reader, "read_view", None)

@@ -15,9 +15,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dsv4.convert.choose import choose_table
-from dsv4.convert.location import open_source
 from dsv4.convert.plan import Plan, plan_conversion
-from dsv4.convert.source import ByteReader
+from dsv4.convert.sources.location import open_source
+from dsv4.convert.sources.source import ByteReader
 from dsv4.mapping.targets import bundled_target
 from dsv4.model.loader import has_layout_record, load_state
 

@@ -1,5 +1,5 @@
 """Running a Plan: the executor, and the run that owns OUT (convert/output.py) while it
-plans, writes and publishes. The caller holds the Source (convert/source.py) open around it.
+plans, writes and publishes. The caller holds the Source (convert/sources/source.py) open around it.
 
 Work happens in a hidden partial directory beside OUT with a journal of finished tensors;
 OUT appears (one rename) only once every tensor is written and the result is verified.
@@ -24,12 +24,12 @@ from dsv4.convert import progress
 from dsv4.convert.choose import Direction, choose_table
 from dsv4.convert.errors import OutputError, PlanError
 from dsv4.convert.execute import Executor, still_valid
-from dsv4.convert.location import locate, open_source
 from dsv4.convert.outpath import resolve_output
 from dsv4.convert.output import OutputClaim, claim_output
 from dsv4.convert.plan import Plan, PlannedTensor, plan_conversion, plan_reverse
 from dsv4.convert.quant_config import carried_quantization
-from dsv4.convert.source import HubSpec, Source, local_root
+from dsv4.convert.sources.location import locate, open_source
+from dsv4.convert.sources.source import HubSpec, Source, local_root
 from dsv4.convert.writer import ShardWriter, TensorSpec, shard_name
 from dsv4.mapping.targets import default_target, require_target
 from dsv4.model import strictjson

@@ -16,7 +16,7 @@ from typing import Any
 
 from dsv4.convert.choose import Direction
 from dsv4.convert.errors import PlanError
-from dsv4.convert.inventory import Inventory
+from dsv4.convert.sources.inventory import Inventory
 from dsv4.mapping.errors import TableError
 from dsv4.mapping.patterns import PINNED, expand
 from dsv4.mapping.probe import stage_binding

@@ -1,6 +1,6 @@
 """The safetensors header format: an 8-byte little-endian length, then JSON listing each
 tensor's dtype, shape and byte range. Bytes in, tensors out: the local checkpoint reader
-(model/checkpoint.py) and the hub reader (convert/hub.py, from bytes it fetched) both parse
+(model/checkpoint.py) and the hub reader (convert/sources/hub.py, from bytes it fetched) both parse
 headers here, so every reader of the tool refuses a malformed header the same way.
 
 safetensors' Python API opens a file to read tensors but does not expose where each

@@ -54,8 +54,8 @@ from pathlib import Path
 
 from dsv4.convert.choose import choose_table
 from dsv4.convert.execute import hasher_lanes
-from dsv4.convert.inventory import read_inventory
 from dsv4.convert.plan import plan_conversion
+from dsv4.convert.sources.inventory import read_inventory
 from dsv4.convert.synth import write_checkpoint
 
 # Peak RSS as VmHWM: ru_maxrss survives exec, so a child of this (torch-importing) script
@@ -65,7 +65,7 @@ PEAK_KIB = "int(next(l for l in open('/proc/self/status') if l.startswith('VmHWM
 # every module it imported (for the import-only baseline).
 CONVERT_AND_REPORT = f"""
 import json, sys
-from dsv4.convert.cli import main
+from dsv4.convert.cli.main import main
 sys.argv = ["convert-dsv4", *sys.argv[1:]]
 try:
     main()

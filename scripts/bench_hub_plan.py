@@ -34,7 +34,7 @@ from hubserver import FakeHub, Request, hub_env  # noqa: E402
 from dsv4.convert.synth import write_checkpoint  # noqa: E402
 
 REPO = "org/flash"
-CLI = "from dsv4.convert.cli import main; main()"
+CLI = "from dsv4.convert.cli.main import main; main()"
 
 
 def plan_command(source: str, env: dict[str, str]) -> tuple[float, float, dict[str, object]]:

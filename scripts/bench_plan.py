@@ -21,8 +21,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from dsv4.convert.inventory import read_inventory
 from dsv4.convert.plan import plan_conversion
+from dsv4.convert.sources.inventory import read_inventory
 from dsv4.convert.synth import write_checkpoint
 from dsv4.mapping.probe import probe_keys
 from dsv4.mapping.table import load_table

@@ -6,7 +6,7 @@ python scripts/synth.py OUT [--preset tiny|flash|pro] [--config config.json]
 
 import sys
 
-from dsv4.convert.cli import main
+from dsv4.convert.cli.main import main
 
 if __name__ == "__main__":
     sys.argv[1:1] = ["synth"]

@@ -8,7 +8,7 @@ import sys
 # it loaded; the child inherits the session's layout cache.
 IMPORTED = """
 import sys
-from dsv4.convert.cli import main
+from dsv4.convert.cli.main import main
 sys.argv = ["convert-dsv4", *sys.argv[1:]]
 try:
     main()

@@ -10,7 +10,7 @@ import signal
 import sys
 
 from dsv4.convert import pipeline
-from dsv4.convert.cli import main
+from dsv4.convert.cli.main import main
 
 
 def crash_at(point: int) -> None:

@@ -1,8 +1,8 @@
-"""A second hub backend (convert/hub_protocol.py), in one module: repositories served from a
+"""A second hub backend (convert/sources/hub_protocol.py), in one module: repositories served from a
 local directory. ROOT/org/name/ is repository org/name; its one commit is named by the sha1
 of its files' names, sizes and modification times, so rewriting a file makes another
 commit and a reader pinned to the old one is refused. What it proves: the hub mechanics
-(convert/hub.py, convert/hub_source.py) and the commands above them ask nothing of
+(convert/sources/hub.py, convert/sources/hub_source.py) and the commands above them ask nothing of
 huggingface_hub; a hub is this much code.
 
 `requests` counts the calls per kind ("info", "get"), as a test reads a server's log.
@@ -22,8 +22,8 @@ from pathlib import Path
 import yaml
 
 from dsv4.convert.errors import HubError
-from dsv4.convert.hub_protocol import Answer, FileMissing, Published, Refusal, RemoteFile, RepoInfo, Transient
-from dsv4.convert.source import HubSpec
+from dsv4.convert.sources.hub_protocol import Answer, FileMissing, Published, Refusal, RemoteFile, RepoInfo, Transient
+from dsv4.convert.sources.source import HubSpec
 
 REPO_ID = re.compile(r"[\w.-]+/[\w.-]+")
 

@@ -704,8 +704,8 @@ def hub_env(hub: FakeHub, hf_home: Path, **extra: str) -> dict[str, str]:
 
 
 # Retry waits for tests that make a hub fail until the retries run out: the same retries,
-# 50 ms apart instead of seconds (convert/hub.py's BACKOFF_S).
-QUICK_RETRIES = "import dsv4.convert.hub as hub; hub.BACKOFF_S = hub.BACKOFF_MAX_S = 0.05\n"
+# 50 ms apart instead of seconds (convert/sources/hub.py's BACKOFF_S).
+QUICK_RETRIES = "import dsv4.convert.sources.hub as hub; hub.BACKOFF_S = hub.BACKOFF_MAX_S = 0.05\n"
 
 
 def run_cli(
@@ -714,5 +714,5 @@ def run_cli(
     """`convert-dsv4 ARGS` in a fresh interpreter: huggingface_hub reads HF_ENDPOINT and
     the rest of its settings once, at import, so each run needs its own process. `prelude`:
     Python run first (QUICK_RETRIES)."""
-    cmd = [sys.executable, "-c", f"{prelude}from dsv4.convert.cli import main; main()", *args]
+    cmd = [sys.executable, "-c", f"{prelude}from dsv4.convert.cli.main import main; main()", *args]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from dsv4.convert.cli import main
+from dsv4.convert.cli.main import main
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 

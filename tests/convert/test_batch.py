@@ -1,7 +1,7 @@
-"""`convert-dsv4 batch` (convert/batch.py) against a local fake hub: failures isolated and
+"""`convert-dsv4 batch` (convert/batch/run.py) against a local fake hub: failures isolated and
 reported, reruns idempotent without fetching, a fixed repo picked up, pushes made once
 through huggingface_hub, shards covering the manifest exactly once, the token kept secret;
-`target = "draft"` for both drafters, and the model card (convert/card.py) every push
+`target = "draft"` for both drafters, and the model card (convert/batch/card.py) every push
 carries: ready-to-serve for a draft directory, who reads it for the xpu layout.
 
 The manifest: its forms, its errors naming the file and the key (an uninstalled target, a bad
@@ -30,9 +30,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 from inprocess import held_by_a_thread, run_main, run_one_line
 
-from dsv4.convert.batch import run_check
+from dsv4.convert.batch.manifest import Manifest, ManifestEntry, load_manifest, select_shard, shard_from_env
+from dsv4.convert.batch.run import run_check
 from dsv4.convert.errors import CheckError, HubError
-from dsv4.convert.manifest import Manifest, ManifestEntry, load_manifest, select_shard, shard_from_env
 from dsv4.convert.pipeline import convert
 from dsv4.convert.sizes import MAX_SHARD_SIZE
 from dsv4.convert.synth import write_checkpoint
@@ -320,7 +320,7 @@ def test_a_manifest_without_target_takes_the_registry_default(tmp_path: Path, mo
     """The default is the target file saying `default = true` (mapping.targets.default_target), not a literal."""
     path = tmp_path / "m.toml"
     path.write_text('sources = ["org/a"]\n[output]\nrepo = "me/{name}-{target}"\n')
-    monkeypatch.setattr("dsv4.convert.manifest.default_target", lambda: "draft")
+    monkeypatch.setattr("dsv4.convert.batch.manifest.default_target", lambda: "draft")
     m = load_manifest(path)
     assert (m.target, m.sources[0].push_repo) == ("draft", "me/a-draft")
 
@@ -383,9 +383,9 @@ def test_run_check_uses_the_checker_where_installed(monkeypatch: pytest.MonkeyPa
             return "fine"
 
     checked: list[Path] = []
-    fake = types.ModuleType("dsv4.convert.check")
+    fake = types.ModuleType("dsv4.convert.check.run")
     fake.run_checks = lambda path, error=None: checked.append(path) or Report(error)  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "dsv4.convert.check", fake)
+    monkeypatch.setitem(sys.modules, "dsv4.convert.check.run", fake)
     assert run_check(tmp_path) == "fine" and checked == [tmp_path]
 
     failure = CheckError(f"{tmp_path}/config.json: no conversion record", kind="config_check")
@@ -394,7 +394,7 @@ def test_run_check_uses_the_checker_where_installed(monkeypatch: pytest.MonkeyPa
         run_check(tmp_path)
     assert raised.value.kind == "config_check"
 
-    monkeypatch.setitem(sys.modules, "dsv4.convert.check", None)  # not installed
+    monkeypatch.setitem(sys.modules, "dsv4.convert.check.run", None)  # not installed
     assert run_check(tmp_path) == "unavailable"
 
 

@@ -1,4 +1,4 @@
-"""The model card `batch --push` uploads (convert/card.py) is the target's data: its body is
+"""The model card `batch --push` uploads (convert/batch/card.py) is the target's data: its body is
 mapping/targets/NAME.card.md and its serve commands are the target file's [[card.serve]]
 entries, so a new runtime on the card or a new target's card is a data edit, not code."""
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from dsv4.convert import card
+from dsv4.convert.batch import card
 from dsv4.mapping import targets
 from dsv4.mapping.errors import TableError
 from dsv4.mapping.table import load_table

@@ -37,10 +37,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 from inprocess import one_error_line, run_in_subprocess_one_line, run_main
 
-from dsv4.convert.check import run_checks
-from dsv4.convert.check_context import Context as _Context
-from dsv4.convert.check_files import check_checksums, check_index, check_readable, check_sizes
-from dsv4.convert.cli import cli
+from dsv4.convert.check.context import Context as _Context
+from dsv4.convert.check.files import check_checksums, check_index, check_readable, check_sizes
+from dsv4.convert.check.run import run_checks
+from dsv4.convert.cli.main import cli
 from dsv4.convert.exit_codes import exit_code
 from dsv4.convert.output import read_record
 from dsv4.convert.pipeline import convert
@@ -616,7 +616,7 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 def test_check_plans_a_draft_directory_once(pair: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch) -> None:
     """The quant check and the smoke run both need the draft directory's plan into the bundled
-    layout; each made its own (convert/check.py and convert/inmemory.py) before."""
+    layout; each made its own (convert/check/run.py and convert/inmemory.py) before."""
     from dsv4.convert import inmemory
 
     planned = []

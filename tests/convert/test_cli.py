@@ -17,8 +17,8 @@ import click
 import pytest
 from inprocess import one_error_line, raising, run_main
 
-from dsv4.convert import cli as cli_module
-from dsv4.convert.cli import cli, echo_json
+from dsv4.convert.cli import main as cli_module
+from dsv4.convert.cli.main import cli, echo_json
 from dsv4.mapping.errors import TableError
 
 

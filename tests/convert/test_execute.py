@@ -16,8 +16,8 @@ import pytest
 
 from dsv4.convert import execute, pipeline
 from dsv4.convert.execute import CHUNK, schedule
-from dsv4.convert.local import DIRECT_ALIGN, LocalReader
 from dsv4.convert.plan import PlannedTensor
+from dsv4.convert.sources.local import DIRECT_ALIGN, LocalReader
 from dsv4.model.errors import CheckpointError
 from dsv4.model.safetensors_header import TensorBytes
 

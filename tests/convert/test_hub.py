@@ -1,4 +1,4 @@
-"""Hub sources (convert/hub.py) against a local fake hub: same output as from disk, only the
+"""Hub sources (convert/sources/hub.py) against a local fake hub: same output as from disk, only the
 planned byte ranges fetched, revisions pinned, transient failures retried, errors one line.
 
 The CLI runs in a subprocess per conversion: huggingface_hub reads HF_ENDPOINT and friends at
@@ -17,12 +17,12 @@ from dspark_fixtures import write_half_dspark
 from hubserver import QUICK_RETRIES, FakeHub, Fault, hub_env, on, run_cli
 
 from dsv4.convert.errors import HubError
-from dsv4.convert.hub import SPECULATIVE_HEADER_BYTES
-from dsv4.convert.inventory import read_inventory
-from dsv4.convert.location import parse_hub_spec
 from dsv4.convert.pipeline import convert
 from dsv4.convert.plan import plan_conversion
-from dsv4.convert.source import HubSpec
+from dsv4.convert.sources.hub import SPECULATIVE_HEADER_BYTES
+from dsv4.convert.sources.inventory import read_inventory
+from dsv4.convert.sources.location import parse_hub_spec
+from dsv4.convert.sources.source import HubSpec
 from dsv4.convert.synth import write_checkpoint
 from dsv4.mapping.table import load_table
 from dsv4.model.checkpoint import INDEX_NAME

@@ -1,4 +1,4 @@
-"""The hub protocol (convert/hub_protocol.py): a second backend is one module. tests/dirhub.py
+"""The hub protocol (convert/sources/hub_protocol.py): a second backend is one module. tests/dirhub.py
 serves repositories from a directory; a conversion read through it is the conversion of the
 same checkpoint read from disk, through the same mechanics (pinned commit, checked ranged
 reads, the inventory's checks, --verify-source); every request is the directory hub's."""
@@ -12,10 +12,10 @@ import pytest
 from dirhub import DirHub
 
 from dsv4.convert.errors import HubError
-from dsv4.convert.hub import resolve_commit
-from dsv4.convert.location import open_source
 from dsv4.convert.pipeline import convert, plan_source, run_plan
-from dsv4.convert.source import HubSpec
+from dsv4.convert.sources.hub import resolve_commit
+from dsv4.convert.sources.location import open_source
+from dsv4.convert.sources.source import HubSpec
 from dsv4.convert.synth import write_checkpoint
 from dsv4.model.record import CONVERSION_RECORD
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from inprocess import run_main
 
-from dsv4.convert import check_files
+from dsv4.convert.check import files as check_files
 from dsv4.convert.pipeline import convert
 
 # A test-only launcher (as in tests/convert/test_output.py's concurrency test): one Python that has imported
@@ -34,7 +34,7 @@ import json, os, random, signal, sys, time, traceback
 import torch
 torch.set_num_threads(1)
 from dsv4.convert import interrupts
-from dsv4.convert.check import run_checks
+from dsv4.convert.check.run import run_checks
 from dsv4.convert.entry import main
 from dsv4.convert.pipeline import convert
 from dsv4.convert.writer import ShardWriter

@@ -33,9 +33,9 @@ from inprocess import run_one_line
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from dsv4.convert.check import run_checks
+from dsv4.convert.check.run import run_checks
 from dsv4.convert.exit_codes import code_of
-from dsv4.convert.inventory import read_inventory
+from dsv4.convert.sources.inventory import read_inventory
 from dsv4.model import errors as model_errors
 from dsv4.model.checkpoint import INDEX_NAME, load_index, read_local_header
 from dsv4.model.dtypes import ITEMSIZE, SAFETENSORS_NAMES, nbytes, tensor_bytes

@@ -1,4 +1,4 @@
-"""Which sources are local directories and which are hub repositories (convert/location.py):
+"""Which sources are local directories and which are hub repositories (convert/sources/location.py):
 a mistyped local path is refused at once (exit 19) without a network request; `hf://` always
 means the hub; a bare org/name that is neither names both readings."""
 
@@ -11,8 +11,8 @@ import pytest
 from hubserver import FakeHub, Fault, hub_env, on, run_cli
 from inprocess import run_main
 
-from dsv4.convert.location import locate, parse_hub_spec
-from dsv4.convert.source import HubSpec
+from dsv4.convert.sources.location import locate, parse_hub_spec
+from dsv4.convert.sources.source import HubSpec
 from dsv4.model.errors import CheckpointError
 
 
@@ -56,7 +56,7 @@ def test_the_socket_guard_itself_catches_a_hub_request(
     monkeypatch.setenv("HF_ENDPOINT", "http://hub.invalid")
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr("dsv4.convert.hub.BACKOFF_S", 0.0)
+    monkeypatch.setattr("dsv4.convert.sources.hub.BACKOFF_S", 0.0)
     code, _, err = run_main(monkeypatch, capsys, "plan", "org/name")
     # one error line, after one warning line per retry (was: one line in all, before a failed
     # connection was retried, issue 18 item 2)

@@ -37,12 +37,12 @@ from hubserver import FakeHub, hub_env, run_cli
 from inprocess import held_by_a_thread, one_error_line, raising, run_in_subprocess_one_line, run_main
 
 from dsv4.convert import pipeline
-from dsv4.convert.check import run_checks
+from dsv4.convert.check.run import run_checks
 from dsv4.convert.errors import HubError
 from dsv4.convert.exit_codes import code_of
-from dsv4.convert.location import open_source
 from dsv4.convert.output import OutputClaim, claim_output
 from dsv4.convert.pipeline import convert
+from dsv4.convert.sources.location import open_source
 from dsv4.convert.synth import write_checkpoint
 from dsv4.model.checkpoint import INDEX_NAME
 
@@ -409,7 +409,7 @@ def test_outputs_below_a_file_end_in_one_line(
     manifest = tmp_path / "m.toml"
     manifest.write_text('sources = ["org/a"]\n')
     monkeypatch.setattr(
-        "dsv4.convert.batch.resolve_commit", raising(HubError("org/a: no such repo", kind="repo_not_found"))
+        "dsv4.convert.batch.run.resolve_commit", raising(HubError("org/a: no such repo", kind="repo_not_found"))
     )  # no network in tests
     for (
         args
@@ -701,7 +701,7 @@ LAUNCHER = """
 import json, os, sys, time
 import torch
 torch.set_num_threads(1)
-from dsv4.convert.cli import main
+from dsv4.convert.cli.main import main
 from dsv4.convert.pipeline import convert
 from dsv4.convert.writer import ShardWriter
 from dsv4.convert.exit_codes import code_of

@@ -16,9 +16,9 @@ from tensors import load_all
 
 from dsv4.convert import errors
 from dsv4.convert.exit_codes import code_of
-from dsv4.convert.inventory import read_inventory
 from dsv4.convert.pipeline import convert
 from dsv4.convert.plan import plan_conversion
+from dsv4.convert.sources.inventory import read_inventory
 from dsv4.convert.writer import ShardWriter
 from dsv4.mapping.table import load_table
 from dsv4.model import errors as model_errors
@@ -363,7 +363,7 @@ import sys
 sys.modules["numpy"] = None  # any import of numpy now fails
 from dsv4.convert.synth import write_checkpoint
 from dsv4.convert.pipeline import convert
-from dsv4.convert.check import run_checks
+from dsv4.convert.check.run import run_checks
 src = write_checkpoint({str(tmp_path / "n")!r}, preset="tiny", seed=3)
 convert(src, {str(tmp_path / "x")!r})
 report = run_checks({str(tmp_path / "x")!r})
@@ -376,9 +376,9 @@ assert report.ok, report.summary()
 # --- issue 21 item 2: a source is one object with a lifetime -----------------------------------
 @pytest.fixture
 def closes(monkeypatch: pytest.MonkeyPatch) -> list[object]:
-    """Every LocalReader, each time it is closed (convert/source.py: Source.close); kept
+    """Every LocalReader, each time it is closed (convert/sources/source.py: Source.close); kept
     alive here, so two readers are never the same object."""
-    from dsv4.convert import local
+    from dsv4.convert.sources import local
 
     closed: list[object] = []
     close = local.LocalReader.close

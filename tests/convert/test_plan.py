@@ -13,8 +13,8 @@ import pytest
 from spec02 import spec_layout
 
 from dsv4.convert import errors
-from dsv4.convert.inventory import Inventory, read_inventory
 from dsv4.convert.plan import plan_conversion
+from dsv4.convert.sources.inventory import Inventory, read_inventory
 from dsv4.convert.synth import write_checkpoint
 from dsv4.mapping.table import load_table
 from dsv4.model import errors as model_errors

@@ -17,7 +17,7 @@ from quant_configs import FP8_BLOCK, FP8_DYNAMIC, INT4_GROUP, REGEX, ct_config, 
 from torch import nn
 
 from dsv4.convert import quant_config as quant
-from dsv4.convert.check import run_checks
+from dsv4.convert.check.run import run_checks
 from dsv4.convert.errors import CheckError, PlanError
 from dsv4.convert.exit_codes import code_of, exit_code
 from dsv4.convert.pipeline import convert

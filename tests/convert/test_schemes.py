@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from dsv4.convert.check import run_checks
+from dsv4.convert.check.run import run_checks
 from dsv4.convert.errors import PlanError
 from dsv4.convert.inmemory import bundled_plan
 from dsv4.convert.pipeline import convert

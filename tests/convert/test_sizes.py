@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 from inprocess import one_error_line, run_main
 
+from dsv4.convert.batch.manifest import load_manifest
 from dsv4.convert.errors import HubError
-from dsv4.convert.manifest import load_manifest
 from dsv4.convert.sizes import shard_size
 
 # --- --max-shard-size and the manifest's max_shard_size: one rule ---------------------------

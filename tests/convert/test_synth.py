@@ -20,7 +20,7 @@ from inprocess import run_one_line
 from safetensors import safe_open
 
 from dsv4.convert import synth
-from dsv4.convert.cli import cli
+from dsv4.convert.cli.main import cli
 from dsv4.convert.synth import INDEX_NAME, pack_codes, write_checkpoint
 from dsv4.model.checkpoint import Checkpoint
 from dsv4.model.config import ModelConfig

@@ -18,12 +18,12 @@ import pytest
 from edits import edit_config, edit_tensors
 from inprocess import run_main
 
-from dsv4.convert.check import run_checks
+from dsv4.convert.check.run import run_checks
 from dsv4.convert.choose import choose_table
 from dsv4.convert.errors import OutputError, PlanError
-from dsv4.convert.inventory import read_inventory
 from dsv4.convert.pipeline import convert
 from dsv4.convert.plan import plan_conversion
+from dsv4.convert.sources.inventory import read_inventory
 from dsv4.convert.synth import write_checkpoint
 from dsv4.mapping import errors as mapping_errors
 from dsv4.mapping.table import TABLE_DIR, load_table, load_table_file

@@ -134,7 +134,7 @@ def test_the_runtime_text_of_a_target() -> None:
 def test_the_cli_can_take_its_targets_listing_and_version_from_the_registry(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """What the lead wires convert/cli.py to: `targets --json` and `--version` as the registry says them."""
+    """What the lead wires convert/cli/main.py to: `targets --json` and `--version` as the registry says them."""
     code, out, _ = run_main(monkeypatch, capsys, "targets", "--json")
     assert code == 0 and json.loads(out) == target_rows()
     code, out, _ = run_main(monkeypatch, capsys, "--version")

@@ -19,12 +19,12 @@ from quant_configs import FP8_BLOCK, INT4_GROUP
 from tensors import load_all
 
 from dsv4.convert import quant_config as quant
-from dsv4.convert.check import run_checks
+from dsv4.convert.check.run import run_checks
 from dsv4.convert.choose import choose_table
 from dsv4.convert.exit_codes import exit_code
-from dsv4.convert.inventory import Inventory, read_inventory
 from dsv4.convert.pipeline import convert
 from dsv4.convert.plan import plan_conversion, plan_reverse
+from dsv4.convert.sources.inventory import Inventory, read_inventory
 from dsv4.convert.synth import write_checkpoint
 from dsv4.mapping import errors as mapping_errors
 from dsv4.mapping.table import TABLE_DIR, load_table, load_table_file

@@ -29,11 +29,11 @@ from hubserver import run_cli as hub_cli
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from dsv4.convert.check import run_checks
+from dsv4.convert.check.run import run_checks
 from dsv4.convert.exit_codes import exit_code
-from dsv4.convert.inventory import read_inventory
 from dsv4.convert.pipeline import convert
 from dsv4.convert.plan import plan_reverse
+from dsv4.convert.sources.inventory import read_inventory
 from dsv4.convert.synth import write_checkpoint
 from dsv4.mapping.table import load_table
 from dsv4.model import errors as model_errors

@@ -10,7 +10,7 @@ import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
-from dsv4.convert.cli import cli
+from dsv4.convert.cli.main import cli
 from dsv4.convert.synth import write_checkpoint
 from dsv4.model.errors import LoadError
 from dsv4.model.loader import load_converted
@@ -104,7 +104,7 @@ def test_without_triton_the_command_says_so_once_in_its_result(tiny_pair):
     """No Python warning with a source path, and no `warning:` line repeating the result's
     "fused norms: torch fallback (...)" (was: both; and -q, which hides notices, showed it)."""
     hide_triton = (
-        "import sys; sys.modules['triton'] = None; from dsv4.convert.cli import main; "
+        "import sys; sys.modules['triton'] = None; from dsv4.convert.cli.main import main; "
         "sys.argv[0] = 'convert-dsv4'; main()"
     )
     for quiet in ([], ["-q"]):

@@ -1,4 +1,4 @@
-"""The checks of `convert-dsv4 check` against the bundled model (convert/check.py has the
+"""The checks of `convert-dsv4 check` against the bundled model (convert/check/run.py has the
 order): layout (names, shapes and dtypes equal the target's layout, mapping/targets.py), quant
 (every linear has a quantisation layer name and resolves to one scheme), smoke (a strict load
 into the bundled model and a few-token forward; for DSpark one draft block; a draft directory
@@ -12,8 +12,8 @@ from functools import partial
 from typing import Any
 
 from dsv4.convert import interrupts
-from dsv4.convert.check_config import layout_target
-from dsv4.convert.check_context import Context, Skipped, first_line, short
+from dsv4.convert.check.config import layout_target
+from dsv4.convert.check.context import Context, Skipped, first_line, short
 from dsv4.convert.errors import CheckError
 from dsv4.convert.quant_config import check_draft_quantization
 from dsv4.mapping.targets import bundled_target

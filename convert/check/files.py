@@ -1,4 +1,4 @@
-"""The checks of `convert-dsv4 check` on the files themselves (convert/check.py has the order):
+"""The checks of `convert-dsv4 check` on the files themselves (convert/check/run.py has the order):
 index (the index and the shard headers agree and tile their files), readable (every tensor
 reads through safetensors, in bounded row blocks), sizes (the index's total_size and
 conversion.json's files and sizes match the shards) and checksums (every tensor's sha256
@@ -17,7 +17,7 @@ import torch
 from safetensors import safe_open
 
 from dsv4.convert import interrupts
-from dsv4.convert.check_context import Context, Skipped, first_line, short
+from dsv4.convert.check.context import Context, Skipped, first_line, short
 from dsv4.convert.errors import CheckError
 from dsv4.model import strictjson
 from dsv4.model.checkpoint import INDEX_NAME

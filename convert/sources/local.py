@@ -1,4 +1,4 @@
-"""Local sources: a checkpoint directory, opened as a Source (convert/source.py).
+"""Local sources: a checkpoint directory, opened as a Source (convert/sources/source.py).
 
 The executor reads exact byte ranges (never whole shards), so the reader is positional:
 `read_into(file, offset, buffer)` fills the buffer from that offset and counts the bytes.
@@ -14,8 +14,8 @@ import threading
 from pathlib import Path
 
 from dsv4.convert.errors import PlanError
-from dsv4.convert.inventory import read_inventory
-from dsv4.convert.source import Source, ended_early
+from dsv4.convert.sources.inventory import read_inventory
+from dsv4.convert.sources.source import Source, ended_early
 from dsv4.model.errors import CheckpointError
 
 

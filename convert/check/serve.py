@@ -1,4 +1,4 @@
-"""The serve check of `convert-dsv4 check DIR --serve-with TARGET` (convert/check.py has the
+"""The serve check of `convert-dsv4 check DIR --serve-with TARGET` (convert/check/run.py has the
 order): a draft directory against the target model it is to be served beside. vLLM builds
 the draft's layers from the target's config and quantisation, so those fields must be the
 draft's own, and each draft module must hold what the scheme the target gives it takes
@@ -10,8 +10,8 @@ from dataclasses import fields
 from functools import partial
 from typing import Any
 
-from dsv4.convert.check_config import ABSENT, layout_target
-from dsv4.convert.check_context import Context, Skipped, first_line
+from dsv4.convert.check.config import ABSENT, layout_target
+from dsv4.convert.check.context import Context, Skipped, first_line
 from dsv4.convert.errors import CheckError
 from dsv4.convert.schemes.registry import check_draft_served
 from dsv4.mapping.targets import serving_targets

@@ -3,7 +3,7 @@
 The card is made at push time and goes into the same commit as the output; the local OUT
 stays exactly the converter's output (check and the output-safety rules see no extra file).
 Its front matter is the hub's model-card metadata, written by the hub backend
-(convert/hub_protocol.py; huggingface_hub's ModelCardData for the Hugging Face Hub):
+(convert/sources/hub_protocol.py; huggingface_hub's ModelCardData for the Hugging Face Hub):
 `base_model` (the source repo), `library_name` and `tags`. Its body is the target's card
 template (mapping/targets/TARGET.toml `[card]`): who reads the repo and, for a target
 runtimes load from disk (a draft directory), how to serve it in the runtime versions of its
@@ -23,8 +23,8 @@ from pathlib import Path
 from string import Template
 
 from dsv4 import __version__
-from dsv4.convert.hub import default_backend
-from dsv4.convert.hub_protocol import HubBackend
+from dsv4.convert.sources.hub import default_backend
+from dsv4.convert.sources.hub_protocol import HubBackend
 from dsv4.mapping.errors import TableError
 from dsv4.mapping.table import Table
 from dsv4.mapping.targets import TARGET_DIR, Target, require_target

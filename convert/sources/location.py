@@ -1,4 +1,4 @@
-"""From what the user typed to an open Source (convert/source.py): where the source is, a
+"""From what the user typed to an open Source (convert/sources/source.py): where the source is, a
 local checkpoint directory or a model-hub repository, and `open_source`, which opens either.
 The one rule that tells them apart, and the one reading of a repo id, for every command.
 
@@ -18,10 +18,10 @@ from pathlib import Path
 import click
 
 from dsv4.convert.errors import HubError
-from dsv4.convert.hub import default_backend
-from dsv4.convert.hub_protocol import HubBackend
-from dsv4.convert.local import open_local
-from dsv4.convert.source import HubSpec, Source
+from dsv4.convert.sources.hub import default_backend
+from dsv4.convert.sources.hub_protocol import HubBackend
+from dsv4.convert.sources.local import open_local
+from dsv4.convert.sources.source import HubSpec, Source
 from dsv4.model.errors import CheckpointError
 
 HF_PREFIX = "hf://"  # the hub's URL scheme in huggingface_hub's file system (HfFileSystem)
@@ -36,7 +36,7 @@ def open_source(typed: str | Path | HubSpec, *, quiet: bool = True, backend: Hub
     where = typed if isinstance(typed, HubSpec) else locate(typed, backend=backend)
     if isinstance(where, Path):
         return open_local(where)
-    from dsv4.convert.hub_source import open_hub  # start-up time: only hub sources load the network client
+    from dsv4.convert.sources.hub_source import open_hub  # start-up time: only hub sources load the network client
 
     return open_hub(where, quiet=quiet, backend=backend)
 

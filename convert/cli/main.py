@@ -20,10 +20,10 @@ import click
 
 from dsv4 import __version__
 from dsv4.convert import interrupts
-from dsv4.convert.cli_batch import batch_command
-from dsv4.convert.cli_common import echo_json, json_option, quiet_option
-from dsv4.convert.cli_convert import convert_command, plan_command
-from dsv4.convert.cli_model import check_command, smoke_command, synth_command
+from dsv4.convert.cli.batch import batch_command
+from dsv4.convert.cli.common import echo_json, json_option, quiet_option
+from dsv4.convert.cli.convert import convert_command, plan_command
+from dsv4.convert.cli.model import check_command, smoke_command, synth_command
 from dsv4.convert.exit_codes import INTERNAL_ERROR, exit_code
 from dsv4.mapping.targets import runtimes_by_target, target_rows
 from dsv4.model.errors import DSV4Error, OutOfMemoryError

@@ -1,4 +1,4 @@
-"""The command `batch MANIFEST` (convert/cli.py puts it on the command line; convert/batch.py runs it)."""
+"""The command `batch MANIFEST` (convert/cli/main.py puts it on the command line; convert/batch/run.py runs it)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 import click
 
-from dsv4.convert.cli_common import (
+from dsv4.convert.cli.common import (
     echo_json,
     json_option,
     quiet_option,
@@ -64,9 +64,9 @@ def batch_command(
     target repo) already records the source's current commit and the table's version. A
     failing repo is reported and the others go on; the exit code is non-zero if any failed.
     """
-    from dsv4.convert.batch import default_report_path, run_batch  # start-up time: the hub client
+    from dsv4.convert.batch.manifest import load_manifest, shard_from_env
+    from dsv4.convert.batch.run import default_report_path, run_batch  # start-up time: the hub client
     from dsv4.convert.errors import HubError
-    from dsv4.convert.manifest import load_manifest, shard_from_env
 
     try:
         n, k = shard_from_env(num_shards, shard_index)

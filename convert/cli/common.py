@@ -1,4 +1,4 @@
-"""What several commands of the command line (convert/cli.py) share: the option types,
+"""What several commands of the command line (convert/cli/main.py) share: the option types,
 the options defined once (one name, default and help each) and the JSON output."""
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Hub reads, whatever the hub: retries, checked ranged reads, small files, the commit.
 
-The backend (convert/hub_protocol.py; the Hugging Face Hub's is convert/hf_backend.py)
+The backend (convert/sources/hub_protocol.py; the Hugging Face Hub's is convert/sources/hf_backend.py)
 makes one attempt at each request; this module decides what a response must be and how
-often to ask again. convert/hub_source.py opens a repository as a Source with them.
+often to ask again. convert/sources/hub_source.py opens a repository as a Source with them.
 
 What a response must be: a transient failure (the backend says which: for the Hugging Face
 Hub an HTTP 408, 429 or 5xx, a timeout, a dropped or reset connection; for every hub a
@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from dsv4.convert.errors import HubError
-from dsv4.convert.hub_protocol import (
+from dsv4.convert.sources.hub_protocol import (
     FileMissing,
     HubBackend,
     Published,
@@ -39,8 +39,8 @@ from dsv4.convert.hub_protocol import (
     RepoInfo,
     Transient,
 )
-from dsv4.convert.local import LocalReader
-from dsv4.convert.source import HubSpec, ended_early
+from dsv4.convert.sources.local import LocalReader
+from dsv4.convert.sources.source import HubSpec, ended_early
 from dsv4.model.errors import CheckpointError, DSV4Error
 
 T = TypeVar("T")
@@ -59,9 +59,9 @@ REQUEST_FAILED = partial(HubError, kind="hub_request_failed")  # a failed reques
 
 
 def default_backend() -> HubBackend:
-    """The Hugging Face Hub (convert/hf_backend.py), imported on first use: its HTTP stack
+    """The Hugging Face Hub (convert/sources/hf_backend.py), imported on first use: its HTTP stack
     costs start-up time that a local source never pays."""
-    from dsv4.convert.hf_backend import HF_HUB
+    from dsv4.convert.sources.hf_backend import HF_HUB
 
     return HF_HUB
 

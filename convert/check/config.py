@@ -1,4 +1,4 @@
-"""The config check of `convert-dsv4 check` (convert/check.py has the order): the records name
+"""The config check of `convert-dsv4 check` (convert/check/run.py has the order): the records name
 the conversion (config.json's layout record for a renamed layout, conversion.json for a
 draft directory, whose config.json is the source's) and config.json agrees with the tensors:
 draft blocks or stages present, expert_dtype, FP8 block size against the scale shapes; for a
@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from dsv4.convert.check_context import Context, first_line
+from dsv4.convert.check.context import Context, first_line
 from dsv4.convert.errors import CheckError
 from dsv4.mapping.errors import TableError
 from dsv4.mapping.table import Table, load_table

@@ -4,11 +4,11 @@ Each source is first resolved to its commit (one metadata request). A source who
 already records that commit and the table's version is skipped before any of its files is
 read: the local output's conversion.json decides, or with --push the target repo's. Other
 sources are converted (reading only the planned byte ranges), checked with
-`convert-dsv4 check` (dsv4.convert.check) where it is installed, and with --push uploaded
-with a model card (convert/card.py) in the same commit. A failing repository is reported
+`convert-dsv4 check` (dsv4.convert.check.run) where it is installed, and with --push uploaded
+with a model card (convert/batch/card.py) in the same commit. A failing repository is reported
 and the others go on; every run writes a JSON report.
 
-The manifest, and which of its sources a task of an array takes: convert/manifest.py.
+The manifest, and which of its sources a task of an array takes: convert/batch/manifest.py.
 """
 
 from __future__ import annotations
@@ -23,15 +23,15 @@ from typing import Any
 
 from dsv4 import __version__
 from dsv4.convert import interrupts
-from dsv4.convert.card import model_card, with_card
+from dsv4.convert.batch.card import model_card, with_card
+from dsv4.convert.batch.manifest import Manifest, ManifestEntry, select_shard
 from dsv4.convert.errors import HubError, OutputError
 from dsv4.convert.exit_codes import exit_code
-from dsv4.convert.hub import default_backend, download, hub_errors, resolve_commit
-from dsv4.convert.location import open_source
-from dsv4.convert.manifest import Manifest, ManifestEntry, select_shard
 from dsv4.convert.output import hold_lock
 from dsv4.convert.pipeline import plan_source, run_plan
-from dsv4.convert.source import HUB_SCHEME, HubSpec
+from dsv4.convert.sources.hub import default_backend, download, hub_errors, resolve_commit
+from dsv4.convert.sources.location import open_source
+from dsv4.convert.sources.source import HUB_SCHEME, HubSpec
 from dsv4.mapping.table import Table, load_table
 from dsv4.mapping.targets import tables_of_target
 from dsv4.model import strictjson
@@ -41,7 +41,7 @@ from dsv4.model.strictjson import write_record
 
 # Shards of an older conversion whose names the new one does not reuse are deleted from the
 # target repo in the same commit; anything else there is left alone, but README.md is replaced
-# by the card of the conversion pushed (convert/card.py).
+# by the card of the conversion pushed (convert/batch/card.py).
 STALE_SHARDS = ["model-*-of-*.safetensors"]
 
 
@@ -85,10 +85,10 @@ def push(
     out: Path, repo: str, message: str, description: str, private: bool | None, head: str | None, card: str
 ) -> str:
     """Upload `out` to `repo` (created if missing) as one commit on top of `head`, the
-    repo's head when its record was read, with README.md = `card` (convert/card.py) in the
+    repo's head when its record was read, with README.md = `card` (convert/batch/card.py) in the
     same commit; returns the commit.
 
-    The backend's upload (convert/hub_protocol.py; the Hugging Face Hub's resumable
+    The backend's upload (convert/sources/hub_protocol.py; the Hugging Face Hub's resumable
     upload_folder) takes a commit message, which must name the source commit and table
     version. An output is a handful of files, so it lands as one commit: conversion.json
     never appears on the hub without its shards.
@@ -132,12 +132,12 @@ def _landed(repo: str, head: str, out: Path) -> str | None:
 
 
 def run_check(out: Path) -> str:
-    """Verify `out` with dsv4.convert.check where it is installed; returns its one-line
+    """Verify `out` with dsv4.convert.check.run where it is installed; returns its one-line
     summary, or "unavailable". A failed check raises that check's own one-line error."""
     try:
-        from dsv4.convert.check import run_checks
+        from dsv4.convert.check.run import run_checks
     except ModuleNotFoundError as exc:
-        if exc.name != "dsv4.convert.check":  # the checker is there but broken: say so
+        if exc.name != "dsv4.convert.check.run":  # the checker is there but broken: say so
             raise
         return "unavailable"
     report = run_checks(out)

@@ -1,6 +1,6 @@
 """The report of `convert-dsv4 check`: one result per check, as text, JSON or JUnit XML (one
 test case per check, so GitHub Actions and GitLab show each one). The checks themselves are
-in convert/check.py, the command in convert/cli.py."""
+in convert/check/run.py, the command in convert/cli/main.py."""
 
 from __future__ import annotations
 

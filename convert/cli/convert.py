@@ -1,4 +1,4 @@
-"""The commands `convert` (convert-dsv4 IN OUT) and `plan` (convert/cli.py puts them on the command line)."""
+"""The commands `convert` (convert-dsv4 IN OUT) and `plan` (convert/cli/main.py puts them on the command line)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 import click
 
-from dsv4.convert.cli_common import (
+from dsv4.convert.cli.common import (
     ShardSize,
     echo_json,
     gb,
@@ -81,9 +81,9 @@ def convert_command(
     memory in a hidden partial directory, and resumes there if interrupted. OUT appears
     only when complete and verified; rerunning on an up-to-date OUT does nothing.
     """
-    from dsv4.convert.location import locate
     from dsv4.convert.pipeline import convert  # start-up time (see the module's docstring)
     from dsv4.convert.pipeline import dry_run as preview
+    from dsv4.convert.sources.location import locate
 
     # the hub options are checked against SOURCE here; without them convert() locates it
     where = (
@@ -146,8 +146,8 @@ def plan_command(
     source: str, target: str, reverse: bool, revision: str | None, token: str | None, quiet: bool, as_json: bool
 ) -> None:
     """Show what converting SOURCE would read and write. Reads headers only."""
-    from dsv4.convert.location import locate, open_source  # start-up time (see the module's docstring)
     from dsv4.convert.pipeline import plan_source
+    from dsv4.convert.sources.location import locate, open_source  # start-up time (see the module's docstring)
 
     with open_source(locate(source, revision=revision, token=token), quiet=quiet or as_json) as opened:
         plan = plan_source(opened, target, reverse=reverse)

@@ -1,4 +1,4 @@
-"""The commands that run or make a model: `check`, `smoke` and `synth` (convert/cli.py puts them on the
+"""The commands that run or make a model: `check`, `smoke` and `synth` (convert/cli/main.py puts them on the
 command line)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from dsv4.convert.cli_common import (
+from dsv4.convert.cli.common import (
     device_option,
     echo_json,
     json_option,
@@ -67,8 +67,8 @@ def check_command(
                 42 the --junit file could not be written (after the report is printed)
     """
     refuse_unless_torch_fits("check")
-    from dsv4.convert.check import run_checks  # start-up time
-    from dsv4.convert.report import write_junit
+    from dsv4.convert.check.report import write_junit
+    from dsv4.convert.check.run import run_checks  # start-up time
     from dsv4.model.checkpoint import refuse_full_native
 
     refuse_full_native(directory, "check")

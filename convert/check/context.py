@@ -1,4 +1,4 @@
-"""What the checks of `convert-dsv4 check` (convert/check.py) share: the options, what earlier
+"""What the checks of `convert-dsv4 check` (convert/check/run.py) share: the options, what earlier
 checks found, and the one-line helpers their reasons use."""
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 A Source holds where the checkpoint is (`location`: a local directory, or a hub repository
 `HubSpec`), what its headers say (`inventory`: every tensor, no tensor byte read) and a reader
-of its bytes (`reader`). Two rooms open one, the same type either way: convert/local.py a
-directory, convert/hub_source.py a hub repository; convert/location.py's `open_source` opens either
+of its bytes (`reader`). Two rooms open one, the same type either way: convert/sources/local.py a
+directory, convert/sources/hub_source.py a hub repository; convert/sources/location.py's `open_source` opens either
 from what the user typed. Every caller holds it with `with`, and the Source alone closes its
 reader: once, whether the command succeeds, fails or is interrupted (also when reading the
 inventory fails, before the caller holds it).
@@ -17,7 +17,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Protocol
 
-from dsv4.convert.inventory import Inventory
+from dsv4.convert.sources.inventory import Inventory
 from dsv4.model.errors import CheckpointError
 
 HUB_SCHEME = "hub:"  # how records and messages name a hub location: hub:org/name
@@ -31,7 +31,7 @@ class HubSpec:
     revision: str | None  # None: the repo's default branch
     explicit: bool = False  # written hf://...: not also a possible local path
     token: str | None = field(default=None, repr=False, compare=False)  # --token; None: HF_TOKEN or the stored login
-    verify_files: bool = False  # --verify-source: check whole files against the hub's digests (convert/hub.py)
+    verify_files: bool = False  # --verify-source: check whole files against the hub's digests (convert/sources/hub.py)
 
     @property
     def location(self) -> str:
@@ -47,7 +47,7 @@ def local_root(location: Path | HubSpec) -> Path | None:
 
 
 class ByteReader(Protocol):
-    """Positional reads of a source's files: convert/local.py's LocalReader, convert/hub.py's
+    """Positional reads of a source's files: convert/sources/local.py's LocalReader, convert/sources/hub.py's
     HubReader and CachedHubReader."""
 
     bytes_read: int
@@ -79,7 +79,7 @@ def ended_early(where: str, at: int, offset: int, n: int) -> CheckpointError:
 class Source:
     """An opened checkpoint: `location`, `inventory` and `reader`, closed once (module docstring).
 
-    Made by convert/local.py and convert/hub_source.py once their reader exists: `read_inventory`
+    Made by convert/sources/local.py and convert/sources/hub_source.py once their reader exists: `read_inventory`
     reads the headers through it, and a failure there closes the reader before it propagates."""
 
     def __init__(self, location: Path | HubSpec, reader: ByteReader, read_inventory: Callable[[], Inventory]):

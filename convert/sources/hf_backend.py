@@ -1,11 +1,11 @@
-"""The Hugging Face Hub as a hub backend (convert/hub_protocol.py), through huggingface_hub.
+"""The Hugging Face Hub as a hub backend (convert/sources/hub_protocol.py), through huggingface_hub.
 
 Every request goes through huggingface_hub's HTTP session, so HF_ENDPOINT, HF_TOKEN (or
 `--token`), proxies and HF_HUB_OFFLINE mean what they mean there; no token ever appears in
 a message. Every request has a connect and a read timeout (HF_HUB_DOWNLOAD_TIMEOUT, default
 10 s, as in huggingface_hub). Transient here: HTTP 408, 429, 500, 502, 503, 504, a timeout,
 a dropped or reset connection. huggingface_hub's own log lines (full URLs) are silenced:
-the retries' warnings (convert/hub.py) replace them. Files already in huggingface_hub's
+the retries' warnings (convert/sources/hub.py) replace them. Files already in huggingface_hub's
 cache at the pinned commit (an earlier `hf download`) are read from there, and nothing
 fetched is written to it.
 """
@@ -35,8 +35,8 @@ from huggingface_hub.errors import (
 from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status, validate_repo_id
 
 from dsv4.convert.errors import HubError
-from dsv4.convert.hub_protocol import Answer, FileMissing, Published, Refusal, RemoteFile, RepoInfo, Transient
-from dsv4.convert.source import HubSpec
+from dsv4.convert.sources.hub_protocol import Answer, FileMissing, Published, Refusal, RemoteFile, RepoInfo, Transient
+from dsv4.convert.sources.source import HubSpec
 from dsv4.model.checkpoint import CONFIG
 
 logging.getLogger("huggingface_hub").setLevel(logging.CRITICAL)

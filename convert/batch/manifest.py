@@ -1,4 +1,4 @@
-"""A batch manifest (`convert-dsv4 batch MANIFEST`, convert/batch.py runs it): reading and
+"""A batch manifest (`convert-dsv4 batch MANIFEST`, convert/batch/run.py runs it): reading and
 checking it, and which of its sources this task takes.
 
 Scale-out: the manifest's sources are sorted by id and shard K of N takes every N-th one
@@ -17,11 +17,11 @@ from pathlib import Path
 from typing import Any
 
 from dsv4.convert.errors import HubError
-from dsv4.convert.hub import default_backend
-from dsv4.convert.location import HF_PREFIX, parse_hub_spec
 from dsv4.convert.pipeline import DEFAULT_MAX_SHARD
 from dsv4.convert.sizes import shard_size
-from dsv4.convert.source import HubSpec
+from dsv4.convert.sources.hub import default_backend
+from dsv4.convert.sources.location import HF_PREFIX, parse_hub_spec
+from dsv4.convert.sources.source import HubSpec
 from dsv4.mapping.targets import default_target, installed_targets
 from dsv4.model.errors import DSV4Error
 

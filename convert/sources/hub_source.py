@@ -1,14 +1,14 @@
 """Hub sources: a model-hub repository `org/name[@revision]`, read in place, opened as a
-Source (convert/source.py) as convert/local.py opens a directory.
+Source (convert/sources/source.py) as convert/sources/local.py opens a directory.
 
 The revision is resolved to its commit first (one metadata request) and every later request
-is pinned to that commit (convert/hub.py). config.json and the index are read from the
+is pinned to that commit (convert/sources/hub.py). config.json and the index are read from the
 backend's cache when it holds them at that commit, else fetched. Of each shard one
 speculative ranged read of its first SPECULATIVE_HEADER_BYTES is made, which holds the whole
 header of almost every shard (a second read fetches the rest of a longer one); then only the
 byte ranges the plan names. Offline (the backend says when: HF_HUB_OFFLINE for the Hugging
 Face Hub), a repository whose files are all in the cache at the pinned revision is read from
-the cache. Which hub: a backend (convert/hub_protocol.py), the Hugging Face Hub's unless the
+the cache. Which hub: a backend (convert/sources/hub_protocol.py), the Hugging Face Hub's unless the
 caller gives another.
 """
 
@@ -20,10 +20,17 @@ from functools import partial
 
 from dsv4.convert import progress
 from dsv4.convert.errors import HubError
-from dsv4.convert.hub import SPECULATIVE_HEADER_BYTES, CachedHubReader, HubReader, default_backend, download, repo_info
-from dsv4.convert.hub_protocol import HubBackend
-from dsv4.convert.inventory import Inventory
-from dsv4.convert.source import HubSpec, Source
+from dsv4.convert.sources.hub import (
+    SPECULATIVE_HEADER_BYTES,
+    CachedHubReader,
+    HubReader,
+    default_backend,
+    download,
+    repo_info,
+)
+from dsv4.convert.sources.hub_protocol import HubBackend
+from dsv4.convert.sources.inventory import Inventory
+from dsv4.convert.sources.source import HubSpec, Source
 from dsv4.model.checkpoint import CONFIG, INDEX_NAME, SINGLE_FILE, load_index, merge_shards
 from dsv4.model.config import parse_config
 from dsv4.model.errors import CheckpointError

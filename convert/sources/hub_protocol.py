@@ -1,10 +1,10 @@
 """The hub protocol: what this tool asks of a model hub, in types of its own.
 
 A backend is one module that implements `HubBackend` for one kind of hub:
-convert/hf_backend.py for the Hugging Face Hub (huggingface_hub), tests/dirhub.py for a
+convert/sources/hf_backend.py for the Hugging Face Hub (huggingface_hub), tests/dirhub.py for a
 local directory. Everything a hub source needs beyond that (retries with backoff, checked
 ranged reads, speculative header reads, the inventory, --verify-source, the push's
-idempotence) is the backend-neutral side: convert/hub.py and convert/hub_source.py. A
+idempotence) is the backend-neutral side: convert/sources/hub.py and convert/sources/hub_source.py. A
 backend's calls raise its own exceptions; it says which of them are worth another attempt
 (`transient`) and words the others (`refusal`), so the retries and the one-line errors are
 written once, whatever the hub.
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from dsv4.convert.source import HubSpec
+from dsv4.convert.sources.source import HubSpec
 
 
 @dataclass(frozen=True)

@@ -4,10 +4,10 @@ directory (`--target draft`), one named check at a time.
 Each check passes, fails with its own exit code (convert/exit_codes.py, 71..86) and a
 one-line reason naming the file and tensor, or is skipped with the reason why (not
 requested, or a check it builds on failed). `run_checks` returns the whole report
-(convert/report.py: text, JSON, JUnit) for the command (convert/cli.py) and for library
+(convert/check/report.py: text, JSON, JUnit) for the command (convert/cli/main.py) and for library
 callers (the batch job).
 
-The ten checks share one context (convert/check_context.py: what the earlier checks found,
+The ten checks share one context (convert/check/context.py: what the earlier checks found,
 the inventory, the config, the hashes) and run in a fixed order from one table (CHECKS, here);
 they live by concern in check_files.py (index, readable, sizes, checksums), check_config.py,
 check_model.py (layout, quant, smoke, native) and check_serve.py. What differs between
@@ -47,14 +47,14 @@ from pathlib import Path
 from typing import Any
 
 from dsv4.convert import progress
-from dsv4.convert.check_config import check_config
-from dsv4.convert.check_context import Context, Skipped
-from dsv4.convert.check_files import check_checksums, check_index, check_readable, check_sizes
-from dsv4.convert.check_model import check_layout, check_native, check_quant, check_smoke
-from dsv4.convert.check_serve import check_serve
+from dsv4.convert.check.config import check_config
+from dsv4.convert.check.context import Context, Skipped
+from dsv4.convert.check.files import check_checksums, check_index, check_readable, check_sizes
+from dsv4.convert.check.model import check_layout, check_native, check_quant, check_smoke
+from dsv4.convert.check.report import CheckReport, CheckResult
+from dsv4.convert.check.serve import check_serve
 from dsv4.convert.errors import CheckError
 from dsv4.convert.exit_codes import exit_code
-from dsv4.convert.report import CheckReport, CheckResult
 from dsv4.model.errors import DSV4Error
 from dsv4.model.parity import MAX_REL_DIFF, MIN_TOP1, SMOKE_TOKENS
 
