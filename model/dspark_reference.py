@@ -21,7 +21,7 @@ import torch
 
 from dsv4.model.checkpoint import Checkpoint
 from dsv4.model.config import ModelConfig
-from dsv4.model.reference import VOCAB_SLICE, NativeReference, _norm, _rotate, fp8_weight
+from dsv4.model.reference import VOCAB_SLICE, NativeReference, _norm, _rotate, fp8_weight, require_expert_decoding
 
 
 class ReferenceBlock(NamedTuple):
@@ -81,6 +81,7 @@ class DSparkReference:
         self.cfg = cfg = checkpoint.model_config
         if not cfg.is_dspark:
             raise ValueError(f"{checkpoint.config_path}: not a DSpark config (no dspark_* fields)")
+        require_expert_decoding(cfg, str(checkpoint.config_path))
         self.device = torch.device(device)
         stages = tuple(f"mtp.{s}." for s in range(cfg.dspark_stages))
         wanted = sorted(

@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from dsv4.model.checkpoint import Checkpoint
+from dsv4.model.config import ModelConfig
+from dsv4.model.errors import CheckpointError
 
 VOCAB_SLICE = 8192  # rows of the head upcast to fp32 at once in compute_logits: 128 MiB at Flash size
 
@@ -67,6 +69,27 @@ def fp4_weight(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return vals.mul_(_e8m0_value(scale).unsqueeze(-1)).view(rows, cols)
 
 
+# expert_dtype -> the routed experts' decoding, written here independently of model/storage.py
+# (the registry the bundled model decodes by): a storage this reference does not decode
+# itself is refused by name, never read as another
+EXPERT_DECODING: dict[str, Callable[[torch.Tensor, torch.Tensor, ModelConfig], torch.Tensor]] = {
+    "fp4": lambda weight, scale, cfg: fp4_weight(weight, scale),
+    "fp8": lambda weight, scale, cfg: fp8_weight(weight, scale, cfg.weight_block_size),
+}
+
+
+def require_expert_decoding(cfg: ModelConfig, where: str) -> None:
+    """Refuse (unsupported_layout) a checkpoint whose expert storage this reference has no decoding of."""
+    if cfg.expert_dtype not in EXPERT_DECODING:
+        raise CheckpointError(
+            f"{where}: expert_dtype {cfg.expert_dtype!r}: the independent reference decodes "
+            f"{' and '.join(EXPERT_DECODING)} experts only, so --native cannot compare against it",
+            kind="unsupported_layout",
+            path=where,
+            field="expert_dtype",
+        )
+
+
 def _norm(x: torch.Tensor, w: torch.Tensor | None, eps: float) -> torch.Tensor:
     xf = x.float()
     out = xf / torch.sqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
@@ -92,6 +115,7 @@ class NativeReference:
     def __init__(self, native_dir: str | Path, device: str | torch.device = "cpu", block_index: int = 0) -> None:
         checkpoint = Checkpoint(native_dir)
         self.cfg = checkpoint.model_config
+        require_expert_decoding(self.cfg, str(checkpoint.config_path))
         self.device = torch.device(device)
         self.p = f"mtp.{block_index}."
         listed = checkpoint.headers.tensors
@@ -145,11 +169,9 @@ class NativeReference:
 
     def _expert(self, x: torch.Tensor, name: str, limit: float) -> torch.Tensor:
         def lin(v: torch.Tensor, w: str) -> torch.Tensor:
-            weight, scale = self.w(f"{name}.{w}.weight"), self.w(f"{name}.{w}.scale")
-            if weight.dtype == torch.int8:
-                W = fp4_weight(weight, scale)
-            else:
-                W = fp8_weight(weight, scale, self.cfg.weight_block_size)
+            W = EXPERT_DECODING[self.cfg.expert_dtype](
+                self.w(f"{name}.{w}.weight"), self.w(f"{name}.{w}.scale"), self.cfg
+            )
             return v @ W.to(v.dtype).T
 
         a, b = lin(x, "w1").float(), lin(x, "w3").float()

@@ -23,7 +23,7 @@ from dsv4.model.errors import CheckpointError
 from dsv4.model.native import variant_of
 from dsv4.model.presets import preset_config
 from dsv4.model.quantized import RoutedExperts, dequantize
-from dsv4.model.reference import fp4_weight, fp8_weight
+from dsv4.model.reference import NativeReference, fp4_weight, fp8_weight
 from dsv4.model.storage import FP4, FP8, ExpertStorage, storage_of
 
 UNKNOWN = "int8"  # a storage this tool does not have
@@ -153,3 +153,20 @@ def test_a_storage_registered_alone_synthesises_converts_to_draft_and_passes_che
     passed = {r.name for r in report.results if r.status == "pass"}
     assert passed == {"index", "readable", "sizes", "checksums", "config", "layout"}, report.summary()
     assert "expert_dtype int8" in report.result("config").reason
+
+
+def test_the_independent_reference_refuses_a_storage_it_does_not_decode_itself(
+    pretend_storage: ExpertStorage, tmp_path: Path
+) -> None:
+    """The reference decodes fp4 and fp8 its own way (by design it shares nothing with the
+    registry), so a storage registered only there is refused by name before any tensor is
+    read: never decoded as packed FP4 because its weights are int8 too (which it was: a raw
+    torch shape error, exit 84 from check --native)."""
+    native = write_checkpoint(tmp_path / "native", preset="tiny", variant=pretend_storage.release, seed=0)
+    with pytest.raises(CheckpointError) as refused:
+        NativeReference(native)
+    assert refused.value.kind == "unsupported_layout" and refused.value.field == "expert_dtype"
+    assert str(refused.value) == (
+        f"{native / 'config.json'}: expert_dtype 'int8': the independent reference decodes fp4 and fp8 experts "
+        "only, so --native cannot compare against it"
+    )
