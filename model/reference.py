@@ -167,11 +167,11 @@ class NativeReference:
         o = torch.einsum("tgd,grd->tgr", o.reshape(T, g, -1), wo_a.to(x.dtype).view(g, cfg.o_lora_rank, -1))
         return self._linear(o.reshape(T, -1), "attn.wo_b")
 
-    def _expert(self, x: torch.Tensor, name: str, limit: float) -> torch.Tensor:
+    def _expert(self, x: torch.Tensor, name: str, limit: float, storage: str = "fp8") -> torch.Tensor:
+        """One SwiGLU expert, its linears stored as `storage` (the shared expert is FP8 in every release)."""
+
         def lin(v: torch.Tensor, w: str) -> torch.Tensor:
-            W = EXPERT_DECODING[self.cfg.expert_dtype](
-                self.w(f"{name}.{w}.weight"), self.w(f"{name}.{w}.scale"), self.cfg
-            )
+            W = EXPERT_DECODING[storage](self.w(f"{name}.{w}.weight"), self.w(f"{name}.{w}.scale"), self.cfg)
             return v @ W.to(v.dtype).T
 
         a, b = lin(x, "w1").float(), lin(x, "w3").float()
@@ -194,7 +194,7 @@ class NativeReference:
         for e in range(cfg.n_routed_experts):
             rows, slots = (idx == e).nonzero(as_tuple=True)
             if rows.numel():
-                out = self._expert(x[rows], f"ffn.experts.{e}", cfg.swiglu_limit).float()
+                out = self._expert(x[rows], f"ffn.experts.{e}", cfg.swiglu_limit, cfg.expert_dtype).float()
                 y.index_add_(0, rows, out * wts[rows, slots, None])
         return y.to(x.dtype)
 
