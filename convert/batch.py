@@ -27,16 +27,12 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from huggingface_hub import HfApi
-from huggingface_hub.errors import HFValidationError
-from huggingface_hub.utils import validate_repo_id
-
 from dsv4 import __version__
 from dsv4.convert import interrupts
 from dsv4.convert.card import model_card, with_card
 from dsv4.convert.errors import HubError, OutputError
 from dsv4.convert.exit_codes import exit_code
-from dsv4.convert.hub import download, hub_errors, resolve_commit
+from dsv4.convert.hub import default_backend, download, hub_errors, resolve_commit
 from dsv4.convert.location import HF_PREFIX, open_source, parse_hub_spec
 from dsv4.convert.output import hold_lock
 from dsv4.convert.pipeline import DEFAULT_MAX_SHARD, plan_source, run_plan
@@ -214,17 +210,12 @@ def load_manifest(path: str | Path, out_dir: str | Path | None = None) -> Manife
                 path=str(where),
             )
         push_repo = _fill(repo_t, hub, target, f"{path}: output.repo") if repo_t else None
-        if push_repo is not None:
-            try:
-                validate_repo_id(push_repo)
-                if push_repo.count("/") != 1:
-                    raise HFValidationError("needs org/name")
-            except HFValidationError:
-                raise HubError(
-                    f"{where}: output.repo gives {push_repo!r}, not a repo id org/name",
-                    kind="bad_manifest",
-                    path=str(where),
-                ) from None
+        if push_repo is not None and not (default_backend().valid_repo_id(push_repo) and push_repo.count("/") == 1):
+            raise HubError(
+                f"{where}: output.repo gives {push_repo!r}, not a repo id org/name",
+                kind="bad_manifest",
+                path=str(where),
+            )
         entry = ManifestEntry(hub.repo, hub.revision, out_root / local, push_repo)
         if entry.key in sources:
             raise HubError(f"{where}: {entry.key} is listed twice", kind="bad_manifest", path=str(where))
@@ -346,35 +337,26 @@ def push(
     repo's head when its record was read, with README.md = `card` (convert/card.py) in the
     same commit; returns the commit.
 
-    upload_folder is huggingface_hub 2.x's resumable uploader (it replaced
-    upload_large_folder): Xet uploads streamed while the folder is scanned, adaptive
-    multi-commit batches, and a re-run after an interruption skips what already landed. Unlike
-    upload_large_folder it takes a commit message, which must name the source commit and table
-    version. An output is a handful of files, far below one batch (~250 files), so it lands as
-    one commit: conversion.json never appears on the hub without its shards.
+    The backend's upload (convert/hub_protocol.py; the Hugging Face Hub's resumable
+    upload_folder) takes a commit message, which must name the source commit and table
+    version. An output is a handful of files, so it lands as one commit: conversion.json
+    never appears on the hub without its shards.
 
-    Idempotent: huggingface_hub retries a commit whose answer was lost, and that commit may
-    have landed. The commit names its parent (`parent_commit`), so the hub refuses a second
-    copy of it; then, and after any failed push, the repo's head is read: when the head
-    moved from `head` and holds exactly this output's conversion.json (every tensor's
-    sha256), this output is what landed, and the push succeeded.
+    Idempotent: the backend may retry a commit whose answer was lost, and that commit may
+    have landed. The commit names its parent (`head`), so the hub refuses a second copy of
+    it; then, and after any failed push, the repo's head is read: when the head moved from
+    `head` and holds exactly this output's conversion.json (every tensor's sha256), this
+    output is what landed, and the push succeeded.
     """
-    api = HfApi()
+    backend = default_backend()
     where = f"{HUB_SCHEME}{repo}"
     with hub_errors(where, partial(HubError, kind="push_failed")):
         if head is None:
-            api.create_repo(repo, private=private, exist_ok=True)
+            backend.create_repo(repo, private)
             head = resolve_commit(HubSpec(repo, None, explicit=True))
     try:
         with hub_errors(where, partial(HubError, kind="push_failed")), with_card(out, card) as folder:
-            return api.upload_folder(
-                repo_id=repo,
-                folder_path=folder,
-                commit_message=message,
-                commit_description=description,
-                delete_patterns=STALE_SHARDS,
-                parent_commit=head,
-            ).oid
+            return backend.upload_folder(repo, folder, message, description, STALE_SHARDS, head)
     except HubError as exc:
         if exc.kind != "push_failed":
             raise

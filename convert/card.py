@@ -2,8 +2,9 @@
 
 The card is made at push time and goes into the same commit as the output; the local OUT
 stays exactly the converter's output (check and the output-safety rules see no extra file).
-Its front matter is the hub's model-card metadata, written by huggingface_hub's
-ModelCardData: `base_model` (the source repo), `library_name` and `tags`. Its body says who
+Its front matter is the hub's model-card metadata, written by the hub backend
+(convert/hub_protocol.py; huggingface_hub's ModelCardData for the Hugging Face Hub):
+`base_model` (the source repo), `library_name` and `tags`. Its body says who
 reads the repo and, for a draft directory, how to serve it in vLLM 0.33.0 and SGLang 0.5.23,
 from which source commit and with which table and version.
 
@@ -25,9 +26,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from huggingface_hub import ModelCard, ModelCardData
-
 from dsv4 import __version__
+from dsv4.convert.hub import default_backend
+from dsv4.convert.hub_protocol import HubBackend
 from dsv4.mapping.table import Table
 
 CARD_NAME = "README.md"
@@ -116,8 +117,9 @@ convert-dsv4 check xpu --smoke
 """
 
 
-def model_card(repo: str, source: str, commit: str, table: Table) -> str:
-    """README.md for `repo`, holding the conversion of `source` at `commit` with `table`."""
+def model_card(repo: str, source: str, commit: str, table: Table, backend: HubBackend | None = None) -> str:
+    """README.md for `repo` on `backend` (default: the Hugging Face Hub), holding the
+    conversion of `source` at `commit` with `table`."""
     tags = [
         "deepseek_v4",
         table.drafter,
@@ -127,9 +129,9 @@ def model_card(repo: str, source: str, commit: str, table: Table) -> str:
         f"target-{table.target}",
     ]
     serving = table.target == "draft"  # the one target a runtime loads from disk (shared/spec/05 §5.2)
-    data = ModelCardData(base_model=source, library_name="vllm" if serving else None, tags=tags)
+    metadata = {"base_model": source, "library_name": "vllm" if serving else None, "tags": tags}
     body = (_draft_body if serving else _xpu_body)(repo, source, commit, table)
-    return str(ModelCard(f"---\n{data.to_yaml()}\n---\n\n{body}"))
+    return (backend or default_backend()).model_card(metadata, body)
 
 
 @contextmanager

@@ -1,7 +1,7 @@
 """The source inventory: every tensor of a checkpoint, from safetensors headers alone.
 
 A local directory is read by the model layer's checkpoint reader (model/checkpoint.py), a
-hub repository by convert/hub.py with the same header parser; both give an Inventory.
+hub repository by convert/hub_source.py with the same header parser; both give an Inventory.
 """
 
 from __future__ import annotations

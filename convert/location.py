@@ -18,6 +18,8 @@ from pathlib import Path
 import click
 
 from dsv4.convert.errors import HubError
+from dsv4.convert.hub import default_backend
+from dsv4.convert.hub_protocol import HubBackend
 from dsv4.convert.local import open_local
 from dsv4.convert.source import HubSpec, Source
 from dsv4.model.errors import CheckpointError
@@ -26,32 +28,26 @@ HF_PREFIX = "hf://"  # the hub's URL scheme in huggingface_hub's file system (Hf
 LOCAL_PREFIXES = ("./", "../", "/")
 
 
-def open_source(typed: str | Path | HubSpec, *, quiet: bool = True) -> Source:
+def open_source(typed: str | Path | HubSpec, *, quiet: bool = True, backend: HubBackend | None = None) -> Source:
     """The source `typed` names (located here, unless it is already a HubSpec), opened:
     `with open_source(typed) as source:`. Unless `quiet`, a hub source's header reads (a
-    request per shard: seconds) show a bar; local headers take well under a second."""
-    where = typed if isinstance(typed, HubSpec) else locate(typed)
+    request per shard: seconds) show a bar; local headers take well under a second. A hub
+    source is read through `backend`, by default the Hugging Face Hub's."""
+    where = typed if isinstance(typed, HubSpec) else locate(typed, backend=backend)
     if isinstance(where, Path):
         return open_local(where)
-    from dsv4.convert.hub import open_hub  # start-up time: only hub sources load the network client
+    from dsv4.convert.hub_source import open_hub  # start-up time: only hub sources load the network client
 
-    return open_hub(where, quiet=quiet)
+    return open_hub(where, quiet=quiet, backend=backend)
 
 
-def parse_hub_spec(spec: str) -> HubSpec:
+def parse_hub_spec(spec: str, backend: HubBackend | None = None) -> HubSpec:
     """`org/name`, `org/name@revision` (a branch, tag or commit; may contain '/'), either
-    optionally written `hf://...`; anything else is refused (repo_not_found)."""
-    # start-up time: huggingface_hub.utils brings its HTTP stack, which a local source never needs
-    from huggingface_hub.errors import HFValidationError
-    from huggingface_hub.utils import validate_repo_id
-
+    optionally written `hf://...`; anything else is refused (repo_not_found). `backend`
+    (default: the Hugging Face Hub's) says what a repository id is."""
     explicit = spec.startswith(HF_PREFIX)
     repo, at, revision = spec.removeprefix(HF_PREFIX).partition("@")
-    try:
-        validate_repo_id(repo)
-        ok = repo.count("/") == 1 and (revision != "" or not at)
-    except HFValidationError:
-        ok = False
+    ok = (backend or default_backend()).valid_repo_id(repo) and repo.count("/") == 1 and (revision != "" or not at)
     if not ok:
         raise HubError(
             f"{spec}: neither an existing local directory nor a hub repo id [hf://]org/name[@revision]",
@@ -62,14 +58,20 @@ def parse_hub_spec(spec: str) -> HubSpec:
 
 
 def locate(
-    typed: str | Path | HubSpec, *, revision: str | None = None, token: str | None = None, verify_files: bool = False
+    typed: str | Path | HubSpec,
+    *,
+    revision: str | None = None,
+    token: str | None = None,
+    verify_files: bool = False,
+    backend: HubBackend | None = None,
 ) -> Path | HubSpec:
     """The local directory `typed` names, or the hub repository; source_not_found (19)
     when it can only be a local path that does not exist. `revision`, `token` and
     `verify_files` are the hub options `--revision` and `--token` (as in the `hf` CLI) and
     `--verify-source`: a revision given twice, by option and by `@rev`, must be the same
-    one, and none of them applies to a local directory (click.UsageError, exit 2)."""
-    where = typed if isinstance(typed, HubSpec) else _locate(typed)
+    one, and none of them applies to a local directory (click.UsageError, exit 2). `backend`:
+    the hub whose repository ids are recognised (default: the Hugging Face Hub)."""
+    where = typed if isinstance(typed, HubSpec) else _locate(typed, backend)
     if revision is None and token is None and not verify_files:
         return where
     if isinstance(where, Path):
@@ -86,10 +88,10 @@ def locate(
     )
 
 
-def _locate(typed: str | Path) -> Path | HubSpec:
+def _locate(typed: str | Path, backend: HubBackend | None) -> Path | HubSpec:
     text = str(typed)
     if text.startswith(HF_PREFIX):
-        return parse_hub_spec(text)
+        return parse_hub_spec(text, backend)
     path = Path(typed)
     if path.exists():
         return path
@@ -97,7 +99,7 @@ def _locate(typed: str | Path) -> Path | HubSpec:
     if text.startswith(LOCAL_PREFIXES) or repo.count("/") > 1:
         raise CheckpointError(f"{text}: no such local directory", kind="source_not_found", path=text)
     try:
-        return parse_hub_spec(text)
+        return parse_hub_spec(text, backend)
     except HubError as exc:
         if exc.kind != "repo_not_found":
             raise

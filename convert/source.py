@@ -3,7 +3,7 @@
 A Source holds where the checkpoint is (`location`: a local directory, or a hub repository
 `HubSpec`), what its headers say (`inventory`: every tensor, no tensor byte read) and a reader
 of its bytes (`reader`). Two rooms open one, the same type either way: convert/local.py a
-directory, convert/hub.py a hub repository; convert/location.py's `open_source` opens either
+directory, convert/hub_source.py a hub repository; convert/location.py's `open_source` opens either
 from what the user typed. Every caller holds it with `with`, and the Source alone closes its
 reader: once, whether the command succeeds, fails or is interrupted (also when reading the
 inventory fails, before the caller holds it).
@@ -31,7 +31,7 @@ class HubSpec:
     revision: str | None  # None: the repo's default branch
     explicit: bool = False  # written hf://...: not also a possible local path
     token: str | None = field(default=None, repr=False, compare=False)  # --token; None: HF_TOKEN or the stored login
-    verify_files: bool = False  # --verify-source: check whole files against the hub's sha256 (convert/hub.py)
+    verify_files: bool = False  # --verify-source: check whole files against the hub's digests (convert/hub.py)
 
     @property
     def location(self) -> str:
@@ -79,7 +79,7 @@ def ended_early(where: str, at: int, offset: int, n: int) -> CheckpointError:
 class Source:
     """An opened checkpoint: `location`, `inventory` and `reader`, closed once (module docstring).
 
-    Made by convert/local.py and convert/hub.py once their reader exists: `read_inventory`
+    Made by convert/local.py and convert/hub_source.py once their reader exists: `read_inventory`
     reads the headers through it, and a failure there closes the reader before it propagates."""
 
     def __init__(self, location: Path | HubSpec, reader: ByteReader, read_inventory: Callable[[], Inventory]):

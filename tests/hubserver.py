@@ -139,6 +139,7 @@ class Request:
     nbytes: int  # file-content bytes sent
     authorized: bool  # an Authorization header came with it (its value is never kept)
     answered_at: float  # time.monotonic() when the answer was ready (after the latency)
+    arrived_at: float  # time.monotonic() when a handler took the request (before the latency)
 
 
 @dataclass
@@ -384,6 +385,7 @@ class _Handler(BaseHTTPRequestHandler):
                     nbytes,
                     "Authorization" in self.headers,
                     time.monotonic(),
+                    self._arrived_at,
                 )
             )
             if nbytes:
@@ -420,6 +422,7 @@ class _Handler(BaseHTTPRequestHandler):
                 hub.ranges_in_flight -= 1
 
     def _route(self) -> None:
+        self._arrived_at = time.monotonic()
         self._wait_latency()
         url = urlsplit(self.path)
         parts = [unquote(p) for p in url.path.split("/")[1:]]
