@@ -72,18 +72,24 @@ def timed(args: list[str], env: dict[str, str]) -> dict[str, object]:
     return {"wall_s": round(wall, 2), "cpu_s": round(cpu, 2), "peak_rss_kb": peak_kb, "stdout": r.stdout}
 
 
-def data_phase(ranges: list[tuple[float, float, int, int]]) -> dict[str, float]:
+def data_phase(hub: BenchHub, ranges: list[tuple[float, float, int, int]]) -> dict[str, float]:
     """The tensor reads as the hub saw them (ranged reads not at a file's start: those are
     the speculative header reads): how long from the first taken to the last sent, how many
-    were in flight on average, and their mean size."""
+    were in flight on average, their mean size, and `stretch`: their mean time from taken
+    to sent over what the latency and the cap alone make it (1: the hub's pace bounds each
+    read; more: the client drained its socket slower than the cap)."""
     data = [r for r in ranges if r[2] != 0]
     if not data:
         return {}
     span = max(r[1] for r in data) - min(r[0] for r in data)
+    busy = sum(r[1] - r[0] for r in data)
+    paced = sum(hub.latency_s + r[3] / hub.rate for r in data)
     return {
         "data_phase_s": round(span, 2),
-        "mean_in_flight": round(sum(r[1] - r[0] for r in data) / span, 2),
+        "data_reads": len(data),
+        "mean_in_flight": round(busy / span, 2),
         "mean_read_mb": round(sum(r[3] for r in data) / len(data) / 1e6, 2),
+        "stretch": round(busy / paced, 2),
     }
 
 
@@ -94,7 +100,7 @@ def with_hub(hub: BenchHub, run: Callable[[], dict[str, object]]) -> dict[str, o
     result = run()
     counted = hub.reset_counters()
     return {
-        **data_phase(counted.ranges),
+        **data_phase(hub, counted.ranges),
         **result,
         "requests": counted.requests,
         "ranged": counted.ranged,
