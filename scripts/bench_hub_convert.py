@@ -2,18 +2,22 @@
 would do instead: `hf_hub_download` of the shards the conversion reads, then a local conversion.
 
     .venv/bin/python scripts/bench_hub_convert.py [--work DIR] [--rounds 5] [--latency-s 0.05]
-        [--stream-mb-s 100] [--workers 8]
+        [--stream-mb-s 100] [--workers 8] [--before CODE]
 
-Both sides are served by one benchmark hub (scripts/hub_bench_server.py) on 127.0.0.1: the
+Every side is served by one benchmark hub (scripts/hub_bench_server.py) on 127.0.0.1: the
 sparse Flash replica (`synth --sparse --main-layers all`, written into DIR/flash-sparse if
 missing: 46 shards, tensor data file holes served as zeros) with `--latency-s` before every
-answer and every answer paced to `--stream-mb-s`. The rounds alternate (tool first in odd
-rounds, the download first in even ones) so both see the same machine; each prints the load
-average before it. Per round: the tool's wall seconds, the download's and the local
-conversion's, their ratio, the requests and the most answers in flight the hub saw, the CPU
-seconds of the client (user + system of the command) and of the hub (this process). Each
-round checks that both outputs are the same bytes (every file, and conversion.json but for the
-source it names), then deletes the download and both outputs.
+answer and every answer paced to `--stream-mb-s`. The sides: "tool" (the conversion from the
+hub), "download" (`hf_hub_download` of config, index and the shards the plan reads,
+`--workers` at a time, then `convert-dsv4` of a folder holding them beside the replica's other
+shards) and, with `--before CODE` (a folder holding another checkout's `dsv4` package, run
+through PYTHONPATH), "before": the tool as that code has it. The order of the sides rotates
+from round to round so all see the same machine; each side prints the load average before
+it. Per side: wall seconds, CPU seconds of the command (user + system) and its peak RSS,
+what the hub answered (requests, the most in flight) and the hub's own CPU seconds (this
+process), and for a conversion from the hub its data phase as the hub saw it (data_phase).
+Per round: the ratios to the tool, and whether every output is the same bytes as the tool's
+(every file; conversion.json but for the source it names). Each round's files are deleted.
 """
 
 from __future__ import annotations
