@@ -1,7 +1,7 @@
 """The hub protocol (convert/hub_protocol.py): a second backend is one module. tests/dirhub.py
 serves repositories from a directory; a conversion read through it is the conversion of the
 same checkpoint read from disk, through the same mechanics (pinned commit, checked ranged
-reads, the inventory's checks, --verify-source), and no huggingface_hub call is made."""
+reads, the inventory's checks, --verify-source); every request is the directory hub's."""
 
 from __future__ import annotations
 
@@ -30,13 +30,9 @@ def hub_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.parametrize("verify", [False, True])
-def test_a_directory_hub_plans_and_converts_through_the_protocol(
-    hub_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, verify: bool
-) -> None:
+def test_a_directory_hub_plans_and_converts_through_the_protocol(hub_root: Path, tmp_path: Path, verify: bool) -> None:
     """Fails before the protocol: open_source took no backend, and the hub reader called
     huggingface_hub directly."""
-    for module in ("hub", "hub_source", "location"):  # the Hugging Face Hub is never asked
-        monkeypatch.setattr(f"dsv4.convert.{module}.default_backend", lambda: pytest.fail("the default backend"))
     backend = DirHub(hub_root)
     local = tmp_path / "local"
     convert(hub_root / REPO, local)
