@@ -151,7 +151,7 @@ class Executor:
     progress as there are hasher lanes, the largest first, over all shards at once. They
     are written in that order, and while the main thread waits for one, every buffer that
     comes back starts another read: reads of unequal lengths finish out of order, and
-    starting reads only as the awaited one came in kept 5.6 of a hub's 8 reads in flight on
+    starting reads only as the awaited one came in kept 5.4-6.8 of a hub's 8 reads in flight on
     average (docs/results/hub-convert.md). A fixed set of buffers bounds the memory whatever
     the size of the checkpoint."""
 

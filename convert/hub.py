@@ -194,7 +194,7 @@ class HubReader:
     ranged answer's Content-Range gives each file's size.
     """
 
-    parallel_reads = 16  # 8 -> 16: 1.4x on Flash's draft at 50 ms and 100 MB/s (docs/results/hub-convert.md)
+    parallel_reads = 16  # 8 -> 16: Flash's draft in 16.8-16.9 s, was 23.1-26.3 s (docs/results/hub-convert.md)
     header_reads = 64
 
     def __init__(
