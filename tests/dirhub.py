@@ -41,7 +41,7 @@ class _Session:
     hub: DirHub
     repo: str
 
-    def get(self, file: str, commit: str, byte_range: tuple[int, int] | None) -> Answer:
+    def get(self, file: str, commit: str, byte_range: tuple[int, int] | None, into: memoryview | None = None) -> Answer:
         self.hub.requests["get"] += 1
         folder = self.hub.folder(self.repo)
         if self.hub.commit_of(folder) != commit:
@@ -56,7 +56,11 @@ class _Session:
             start, end = byte_range
             f.seek(start)
             body = f.read(end - start)
-        return Answer(206, f"bytes {start}-{start + len(body) - 1}/{size}", body)
+        content_range = f"bytes {start}-{start + len(body) - 1}/{size}"
+        if into is None:
+            return Answer(206, content_range, body)
+        into[: len(body)] = body
+        return Answer(206, content_range, b"", len(body))
 
 
 class DirHub:

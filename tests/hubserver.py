@@ -304,6 +304,10 @@ class FakeHub:
 
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
+    # connections waiting to be accepted: socketserver's 5 drops the SYNs of a client that
+    # opens 16 at once (the hub reader's tensor reads) while the accept loop waits for a core,
+    # and each dropped one costs a 1 s retransmit, a ConnectTimeout at HF_HUB_DOWNLOAD_TIMEOUT=1
+    request_queue_size = 64
     hub: FakeHub
 
     def process_request(self, request: Any, client_address: Any) -> None:

@@ -77,7 +77,7 @@ class _Session:
     headers: dict[str, str]
     timeout_s: float
 
-    def get(self, file: str, commit: str, byte_range: tuple[int, int] | None) -> Answer:
+    def get(self, file: str, commit: str, byte_range: tuple[int, int] | None, into: memoryview | None = None) -> Answer:
         from huggingface_hub.file_download import hf_hub_url  # FILE_DOWNLOAD
 
         headers = (
@@ -85,18 +85,38 @@ class _Session:
             if byte_range is None
             else {**self.headers, "Range": f"bytes={byte_range[0]}-{byte_range[1] - 1}"}
         )
+        url = hf_hub_url(self.repo, file, revision=commit)
         try:
-            response = get_session().get(
-                hf_hub_url(self.repo, file, revision=commit), headers=headers, timeout=self.timeout_s
-            )
-            hf_raise_for_status(response)
+            if into is None:
+                response = get_session().get(url, headers=headers, timeout=self.timeout_s)
+                hf_raise_for_status(response)
+                return Answer(response.status_code, response.headers.get("Content-Range"), response.content)
+            with get_session().stream("GET", url, headers=headers, timeout=self.timeout_s) as response:
+                hf_raise_for_status(response)
+                streamed = _stream_into(response, into) if response.status_code == 206 else 0
+                return Answer(response.status_code, response.headers.get("Content-Range"), b"", streamed)
         except HfHubHTTPError as exc:
             # a whole file is missing only when the hub says so; a ranged read of a file model info listed, at any 404
             status = exc.response.status_code if exc.response is not None else None
             if isinstance(exc, EntryNotFoundError) or (byte_range is not None and status == 404):
                 raise FileMissing(file) from None
             raise
-        return Answer(response.status_code, response.headers.get("Content-Range"), response.content)
+
+
+def _stream_into(response: httpx2.Response, into: memoryview) -> int:
+    """The body's bytes written into `into` as they come, until more than fits has come; how
+    many came. A body held whole (response.content) costs an 8 MiB allocation per read, whose
+    pages the kernel zero-fills, a join of its pieces and a copy into the buffer: about
+    twice the CPU per byte (1.8 against 0.9 s per GB here, load 8)."""
+    got, room = 0, len(into)
+    for piece in response.iter_bytes():
+        n = len(piece)
+        if got + n > room:
+            into[got:] = piece[: room - got]
+            return got + n
+        into[got : got + n] = piece
+        got += n
+    return got
 
 
 class HfHub:

@@ -32,6 +32,7 @@ from typing import TypeVar
 
 from dsv4.convert.errors import HubError
 from dsv4.convert.sources.hub_protocol import (
+    Answer,
     FileMissing,
     HubBackend,
     Published,
@@ -183,16 +184,17 @@ def download(
 class HubReader:
     """ByteReader over one hub commit: each read is one ranged GET, checked (module docstring).
 
-    Requests are latency-bound (Flash's draft is ~1,600 ranges), so the executor keeps
-    `parallel_reads` of them in flight; the inventory's reads (config.json, the index, the
-    shard headers) are made `header_reads` at a time: all of Flash's 48 in one round trip
-    (a header read holds at most SPECULATIVE_HEADER_BYTES, where each tensor read in flight
-    holds a buffer of its own). `sizes`:
-    the file sizes the hub listed; a mirror may leave them out, and then the first ranged
-    answer's Content-Range gives each file's size.
+    Tensor reads are latency-bound: Flash's draft is ~1,900 ranged reads of 3 MB on average,
+    30 ms at a CDN's 100 MB/s per stream against a 50 ms round trip, so 8 in flight reach
+    about a third of 8 streams' bandwidth. The executor keeps `parallel_reads` in flight,
+    each streamed into a buffer of its own (convert/execute.py's CHUNK). The inventory's
+    reads (config.json, the index, the shard headers) are made `header_reads` at a time: all
+    of Flash's 48 in one round trip (a header read holds at most SPECULATIVE_HEADER_BYTES).
+    `sizes`: the file sizes the hub listed; a mirror may leave them out, and then the first
+    ranged answer's Content-Range gives each file's size.
     """
 
-    parallel_reads = 8
+    parallel_reads = 16  # 8 -> 16: Flash's draft in 16.8-16.9 s, was 23.1-26.3 s (docs/results/hub-convert.md)
     header_reads = 64
 
     def __init__(
@@ -220,10 +222,11 @@ class HubReader:
     def where(self, file: str) -> str:
         return f"{self.location}/{file}@{self.commit[:12]}"
 
-    def _ranged(self, file: str, offset: int, n: int) -> bytes:
-        """One attempt at bytes [offset, offset + n) (fewer only where the file ends first)."""
+    def _ranged(self, file: str, offset: int, n: int, into: memoryview | None) -> Answer:
+        """One attempt at bytes [offset, offset + n) (fewer only where the file ends first);
+        `into`: the buffer the body is streamed into."""
         try:
-            answer = self.session.get(file, self.commit, (offset, offset + n))
+            answer = self.session.get(file, self.commit, (offset, offset + n), into)
         except FileMissing:
             raise CheckpointError(
                 f"{self.where(file)}: not in the repository at this commit", kind="missing_shard", path=self.where(file)
@@ -239,42 +242,49 @@ class HubReader:
         if m is None:
             raise _Retry(f"no Content-Range in the answer (got {answer.content_range!r})")
         start, end, total = int(m.group(1)), int(m.group(2)) + 1, m.group(3)
-        body = answer.body
+        got = answer.length
         if total != "*":
             with self._lock:
                 self.sizes.setdefault(file, int(total))
         size = self.sizes.get(file)
-        if start != offset or len(body) != end - start:
-            raise _Retry(f"the hub sent bytes {start}..{end} ({len(body)} bytes) for the range {offset}..{offset + n}")
-        if len(body) < n and (size is None or end < size):
-            raise _Retry(f"got {len(body)} of {n} bytes")
-        if len(body) > n:
-            raise _Retry(f"the hub sent {len(body)} bytes for a {n}-byte range")
-        return body
+        if start != offset or got != end - start:
+            raise _Retry(f"the hub sent bytes {start}..{end} ({got} bytes) for the range {offset}..{offset + n}")
+        if got < n and (size is None or end < size):
+            raise _Retry(f"got {got} of {n} bytes")
+        if got > n:
+            raise _Retry(f"the hub sent {got} bytes for a {n}-byte range")
+        return answer
 
-    def fetch(self, file: str, offset: int, n: int) -> bytes:
-        """Bytes [offset, offset + n) of `file`, checked (fewer only where the file ends
-        first). Not counted in bytes_read (inventory reads headers with it; read_into
-        counts tensor data)."""
+    def _request(self, file: str, offset: int, n: int, into: memoryview | None = None) -> Answer:
+        """Bytes [offset, offset + n) of `file`, checked and retried (fewer only where the
+        file ends first); `into`: the buffer they are streamed into."""
         size = self.sizes.get(file)
         if size is not None and offset + n > size:
             raise ended_early(self.where(file), size, offset, n)
         return with_retries(
             self.backend,
             f"{self.where(file)}: bytes {offset}..{offset + n}",
-            partial(self._ranged, file, offset, n),
+            partial(self._ranged, file, offset, n, into),
             partial(HubError, kind="download_failed"),
         )
 
+    def fetch(self, file: str, offset: int, n: int) -> bytes:
+        """Bytes [offset, offset + n) of `file`, checked (fewer only where the file ends
+        first). Not counted in bytes_read (inventory reads headers with it; read_into
+        counts tensor data)."""
+        return self._request(file, offset, n).body
+
     def read_into(self, file: str, offset: int, buf: memoryview) -> None:
+        """The tensor bytes at `offset`, streamed into `buf` as they come (with
+        --verify-source: read from the verified copy)."""
         if self.published is not None:
-            fd = self._verified_copy(file)
-            data = os.pread(fd, len(buf), offset)
+            data = os.pread(self._verified_copy(file), len(buf), offset)
+            got = len(data)
+            buf[:got] = data
         else:
-            data = self.fetch(file, offset, len(buf))
-        if len(data) != len(buf):
-            raise ended_early(self.where(file), offset + len(data), offset, len(buf))
-        buf[:] = data
+            got = self._request(file, offset, len(buf), buf).length
+        if got != len(buf):
+            raise ended_early(self.where(file), offset + got, offset, len(buf))
         with self._lock:  # called from several reader threads
             self.bytes_read += len(buf)
 

@@ -56,11 +56,19 @@ class RepoInfo:
 
 @dataclass(frozen=True)
 class Answer:
-    """One GET's answer: its status, its Content-Range header (None without one) and body."""
+    """One GET's answer: its status, its Content-Range header (None without one) and body.
+    `streamed`: for a body written into the caller's buffer as it came (RangedSession.get's
+    `into`), how many bytes came; `body` is then empty."""
 
     status: int
     content_range: str | None
     body: bytes
+    streamed: int | None = None
+
+    @property
+    def length(self) -> int:
+        """The body's length, held or streamed."""
+        return len(self.body) if self.streamed is None else self.streamed
 
 
 @dataclass(frozen=True)
@@ -88,9 +96,12 @@ class FileMissing(Exception):
 class RangedSession(Protocol):
     """GETs of one repository's files with its credentials, each pinned to a commit."""
 
-    def get(self, file: str, commit: str, byte_range: tuple[int, int] | None) -> Answer:
+    def get(self, file: str, commit: str, byte_range: tuple[int, int] | None, into: memoryview | None = None) -> Answer:
         """One attempt at `file` at `commit`: bytes [start, end) of it when `byte_range`
-        is given, else all of it. Raises FileMissing, or the backend's own exceptions."""
+        is given, else all of it. Raises FileMissing, or the backend's own exceptions.
+        `into` (with a range): a 206 answer's body is written into it as it comes, never
+        held whole (no copy of it in memory), and reading stops once more than fits has come;
+        an answer of any other status comes without its body."""
         ...
 
 

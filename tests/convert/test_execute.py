@@ -10,6 +10,8 @@ import json
 import mmap
 import os
 import struct
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -142,3 +144,62 @@ def test_each_tensor_keeps_one_sha256_over_its_bytes_in_order(
     }
     assert data == shard_tensor_bytes(reference)
     assert record["tensors"] == json.loads((reference / "conversion.json").read_text())["tensors"]
+
+
+class _GatedReader:
+    """A source of zeros whose read at `gate` waits until `until` reads have started (5 s at
+    most: `timed_out` says it was not released)."""
+
+    parallel_reads = 2
+    bytes_read = 0
+
+    def __init__(self, gate: int, until: int):
+        self.gate, self.until = gate, until
+        self.started = 0
+        self.lock = threading.Lock()
+        self.enough = threading.Event()
+        self.timed_out = False
+
+    def read_into(self, file: str, offset: int, buf: memoryview) -> None:
+        with self.lock:
+            self.started += 1
+            if self.started >= self.until:
+                self.enough.set()
+        if offset == self.gate and not self.enough.wait(5):
+            self.timed_out = True
+
+
+def test_buffers_that_come_back_while_a_read_is_awaited_start_more_reads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Reads finish out of order; the executor writes in order. While it waits for one slow
+    read, the buffers whose hashes finish meanwhile must start the reads after it, or the
+    reads in flight dwindle behind it (from a hub 50 ms away: 5.4-6.8 of 8 on average). Fails
+    before: nothing started a read until the awaited one came in, so the gate timed out."""
+    monkeypatch.setattr(execute, "CHUNK", 1000)
+    monkeypatch.setattr(execute, "hasher_lanes", lambda: 1)
+    submit = execute._Hashers.submit
+
+    def slow_hash(self: execute._Hashers, name: str, lane: int, view: memoryview) -> object:
+        self.lanes[lane].submit(time.sleep, 0.02)  # a lane is FIFO: the update waits behind this
+        return submit(self, name, lane, view)
+
+    monkeypatch.setattr(execute._Hashers, "submit", slow_hash)
+    n, awaited = 1000, 10
+    jobs = [
+        (
+            PlannedTensor(
+                f"t{i}", "U8", (n,), (TensorBytes(f"t{i}", "f", "U8", (n,), i * n, (i + 1) * n),), "rename", "r"
+            ),
+            None,
+        )
+        for i in range(40)
+    ]
+    reader = _GatedReader(gate=awaited * n, until=0)
+    executor = execute.Executor(reader, lambda _: None)
+    # every buffer in use while chunk `awaited` is read: it, and depth - 1 reads after it
+    reader.until = awaited + executor.depth
+    try:
+        done = [t.name for t, _ in executor.run(jobs)]  # type: ignore[arg-type]
+    finally:
+        executor.close()
+    assert sorted(done) == sorted(f"t{i}" for i in range(40))
+    assert not reader.timed_out
