@@ -230,7 +230,7 @@ def measure(kind: str, src: Path, dst: Path, files: list[Path], nbytes: int, tar
     return row
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser()
     ap.add_argument("--work", default="out/bench", type=Path)
     ap.add_argument(
@@ -250,17 +250,68 @@ def main() -> None:
     )
     ap.add_argument("--target", default="xpu", help="the converter's --target")
     ap.add_argument("--skip-memory", action="store_true", help="Do not measure the converter's memory.")
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def source_checkpoints(work: Path, variant: str) -> tuple[Path, Path]:
+    """The real-size slice and the tiny checkpoint under `work`, written where missing."""
     src, tiny = (
-        args.work / ("flash-mtp-slice" if args.variant == "instruct" else "flash-0731-dspark-slice"),
-        args.work / "tiny-real",
+        work / ("flash-mtp-slice" if variant == "instruct" else "flash-0731-dspark-slice"),
+        work / "tiny-real",
     )
     if not (src / "config.json").exists():
         t = time.perf_counter()
-        write_checkpoint(src, preset="flash", variant=args.variant, main_layers=0, sparse=False, seed=0)
-        print(f"wrote the Flash {args.variant} slice in {time.perf_counter() - t:.0f} s", file=sys.stderr)
+        write_checkpoint(src, preset="flash", variant=variant, main_layers=0, sparse=False, seed=0)
+        print(f"wrote the Flash {variant} slice in {time.perf_counter() - t:.0f} s", file=sys.stderr)
     if not (tiny / "config.json").exists():
         write_checkpoint(tiny, preset="tiny", main_layers="all", seed=0)
+    return src, tiny
+
+
+def one_round(r: int, src: Path, dst: Path, files: list[Path], nbytes: int, target: str) -> dict:
+    """Round `r`: the three measurements, in the listed order in odd rounds, reversed in even."""
+    kinds = ("cp+sync", "disk", "convert") if r % 2 else ("convert", "disk", "cp+sync")
+    rows = {kind: measure(kind, src, dst, files, nbytes, target) for kind in kinds}
+    shutil.rmtree(dst, ignore_errors=True)
+    c = rows["convert"]
+    return {
+        "round": r,
+        "order": " > ".join(kinds),
+        "load_avg": [rows[k]["load_avg"] for k in kinds],
+        **{k: rows[k] for k in kinds},
+        "convert_vs_cp_sync": round(rows["cp+sync"]["seconds"] / c["seconds"], 3),
+        "convert_vs_disk": round(rows["disk"]["seconds"] / c["seconds"], 3),
+    }
+
+
+def print_round_table(rounds: list[dict], vs_cp: list[float], vs_disk: list[float]) -> None:
+    """The per-round table (markdown) and the ratios' median and min, on stderr: stdout stays
+    one JSON document."""
+    print(
+        "\n| round | order | load avg | cp -r + sync s | convert s (start-up) | convert user/sys s "
+        "| disk read + write s | convert / cp+sync | convert / disk |\n"
+        "|---|---|---|---:|---:|---:|---:|---:|---:|",
+        file=sys.stderr,
+    )
+    for row in rounds:
+        c, d = row["convert"], row["disk"]
+        print(
+            f"| {row['round']} | {row['order']} | {', '.join(f'{x:.1f}' for x in row['load_avg'])} "
+            f"| {row['cp+sync']['seconds']:.2f} | {c['seconds']:.2f} ({c['startup_s']:.2f}) "
+            f"| {c['user_s']:.1f}/{c['sys_s']:.1f} | {d['read_s']:.2f} + {d['write_s']:.2f} "
+            f"| {row['convert_vs_cp_sync']:.2f}x | {row['convert_vs_disk']:.2f}x |",
+            file=sys.stderr,
+        )
+    print(
+        f"\nconvert / cp+sync: median {statistics.median(vs_cp):.3f}, min {min(vs_cp):.3f}; "
+        f"convert / disk: median {statistics.median(vs_disk):.3f}, min {min(vs_disk):.3f}",
+        file=sys.stderr,
+    )
+
+
+def main() -> None:
+    args = parse_args()
+    src, tiny = source_checkpoints(args.work, args.variant)
     dst = args.work / "dst"
     if args.profile:
         profile(src, dst, args.target)
@@ -279,20 +330,8 @@ def main() -> None:
     cold = drop_caches()
     rounds = []
     for r in range(1, args.rounds + 1):
-        kinds = ("cp+sync", "disk", "convert") if r % 2 else ("convert", "disk", "cp+sync")
-        rows = {kind: measure(kind, src, dst, files, nbytes, args.target) for kind in kinds}
-        shutil.rmtree(dst, ignore_errors=True)
-        c = rows["convert"]
-        row = {
-            "round": r,
-            "order": " > ".join(kinds),
-            "load_avg": [rows[k]["load_avg"] for k in kinds],
-            **{k: rows[k] for k in kinds},
-            "convert_vs_cp_sync": round(rows["cp+sync"]["seconds"] / c["seconds"], 3),
-            "convert_vs_disk": round(rows["disk"]["seconds"] / c["seconds"], 3),
-        }
-        rounds.append(row)
-        print(json.dumps(row), file=sys.stderr)
+        rounds.append(one_round(r, src, dst, files, nbytes, args.target))
+        print(json.dumps(rounds[-1]), file=sys.stderr)
     if args.clean:
         shutil.rmtree(src)
         shutil.rmtree(tiny)
@@ -317,27 +356,7 @@ def main() -> None:
             indent=2,
         )
     )
-    # the per-round table (markdown) on stderr: stdout stays one JSON document
-    print(
-        "\n| round | order | load avg | cp -r + sync s | convert s (start-up) | convert user/sys s "
-        "| disk read + write s | convert / cp+sync | convert / disk |\n"
-        "|---|---|---|---:|---:|---:|---:|---:|---:|",
-        file=sys.stderr,
-    )
-    for row in rounds:
-        c, d = row["convert"], row["disk"]
-        print(
-            f"| {row['round']} | {row['order']} | {', '.join(f'{x:.1f}' for x in row['load_avg'])} "
-            f"| {row['cp+sync']['seconds']:.2f} | {c['seconds']:.2f} ({c['startup_s']:.2f}) "
-            f"| {c['user_s']:.1f}/{c['sys_s']:.1f} | {d['read_s']:.2f} + {d['write_s']:.2f} "
-            f"| {row['convert_vs_cp_sync']:.2f}x | {row['convert_vs_disk']:.2f}x |",
-            file=sys.stderr,
-        )
-    print(
-        f"\nconvert / cp+sync: median {statistics.median(vs_cp):.3f}, min {min(vs_cp):.3f}; "
-        f"convert / disk: median {statistics.median(vs_disk):.3f}, min {min(vs_disk):.3f}",
-        file=sys.stderr,
-    )
+    print_round_table(rounds, vs_cp, vs_disk)
 
 
 if __name__ == "__main__":

@@ -191,11 +191,133 @@ def sweep_configs(H: int, T: int) -> list[kernels.LaunchConfig]:
     return configs
 
 
+def shape_inputs(H: int, T: int, dev: torch.device, g: torch.Generator) -> tuple[torch.Tensor, ...]:
+    """(e, pos, prev, w1, w2) of one shape, drawn from `g` in a fixed order."""
+    e = (torch.randn(T, H, device=dev, generator=g) * 3).bfloat16()
+    prev = (torch.randn(T, N_HC, H, device=dev, generator=g) * 5).bfloat16()
+    pos = torch.arange(T, device=dev) % 7  # every 7th token starts a sequence
+    w1 = (1 + 0.1 * torch.randn(H, device=dev, generator=g)).bfloat16()
+    w2 = (1 + 0.1 * torch.randn(H, device=dev, generator=g)).bfloat16()
+    return e, pos, prev, w1, w2
+
+
+def agreement_ulps(vllm: types.ModuleType, inputs: tuple[torch.Tensor, ...]) -> dict[str, tuple[int, int]]:
+    """Per kernel: (ours vs vLLM's, ours vs the torch reference), in bf16 ulps."""
+    vllm_fused, vllm_head = vllm._FUSED_MTP_INPUT_RMSNORM_KERNEL, vllm._MTP_SHARED_HEAD_RMSNORM_KERNEL
+    e, pos, prev, w1, w2 = inputs
+    e_ref, h_ref = kernels.fused_mtp_input_rmsnorm_ref(e, pos, prev, w1, w2, EPS, N_HC)
+    head_ref = kernels.mtp_shared_head_rmsnorm_ref(e, w1, EPS)
+    ours_fused = kernels.fused_mtp_input_rmsnorm(e, pos, prev, w1, w2, EPS, N_HC)
+    theirs_fused = vllm_fused(e, pos, prev, w1, w2, EPS, N_HC)
+    ours_head, theirs_head = kernels.mtp_shared_head_rmsnorm(e, w1, EPS), vllm_head(e, w1, EPS)
+    return {
+        "fused_input": (
+            # both return (e, h): a kernel returning fewer outputs must not pass as agreeing
+            max(bf16_ulps(o, t) for o, t in zip(ours_fused, theirs_fused, strict=True)),
+            max(bf16_ulps(o, r) for o, r in zip(ours_fused, (e_ref, h_ref), strict=True)),
+        ),
+        "shared_head": (bf16_ulps(ours_head, theirs_head), bf16_ulps(ours_head, head_ref)),
+    }
+
+
+def sweep_rows(
+    vllm: types.ModuleType, inputs: tuple[torch.Tensor, ...], ulps: dict[str, tuple[int, int]]
+) -> list[dict]:
+    """Every launch config of ours against vLLM's kernel under graph replay, into preallocated
+    outputs, for one shape; each kernel's line printed as it is done."""
+    vllm_fused, vllm_head = vllm._FUSED_MTP_INPUT_RMSNORM_KERNEL, vllm._MTP_SHARED_HEAD_RMSNORM_KERNEL
+    e, pos, prev, w1, w2 = inputs
+    T, H = e.shape
+    eo, ho, out = torch.empty_like(e), torch.empty_like(prev), torch.empty_like(e)
+    eo2, ho2, out2 = torch.empty_like(e), torch.empty_like(prev), torch.empty_like(e)
+    # partial binds this shape's tensors when made (a closure would read whatever the loop
+    # variables hold when called); ours lacks only its launch config, its last argument
+    cases = {
+        "fused_input": (
+            partial(kernels._fused_mtp_input_rmsnorm_into, e, pos, prev, w1, w2, eo, ho, EPS, N_HC),
+            partial(vllm_fused, e, pos, prev, w1, w2, EPS, N_HC, _outputs=(eo2, ho2)),
+        ),
+        "shared_head": (
+            partial(kernels._mtp_shared_head_rmsnorm_into, e, w1, out, EPS),
+            partial(vllm_head, e, w1, EPS, _output=out2),
+        ),
+    }
+    rows = []
+    for name, (ours_into, theirs) in cases.items():
+        configs = sweep_configs(H, T)
+        fns = {f"w{c.num_warps}r{c.rows}": partial(ours_into, c) for c in configs} | {"vllm": theirs}
+        us = graph_us(fns, graph_calls(T))
+        best = min((k for k in us if k != "vllm"), key=us.get)
+        tuned = kernels.launch_config(name, H, T)
+        rows.append({
+            "kernel": name, "H": H, "T": T, "us": us, "best": best, "tuned": f"w{tuned.num_warps}r{tuned.rows}",
+            "ulps_vs_vllm": ulps[name][0], "ulps_vs_ref": ulps[name][1],
+        })  # fmt: skip
+        ranked = " ".join(f"{k}={v:.2f}" for k, v in sorted(us.items(), key=lambda kv: kv[1]))
+        print(
+            f"{name:<12}{H:>6}{T:>7}  best {best} {us[best]:.2f} vs vllm {us['vllm']:.2f} "
+            f"({us[best] / us['vllm']:.3f})  {ranked}",
+            flush=True,
+        )
+    return rows
+
+
+def replay_rows(
+    vllm: types.ModuleType, inputs: tuple[torch.Tensor, ...], ulps: dict[str, tuple[int, int]], dev: torch.device
+) -> list[dict]:
+    """Ours as the model calls it against vLLM's as vLLM's model calls it, for one shape:
+    device time under graph replay and the wall clock per eager call."""
+    vllm_fused, vllm_head = vllm._FUSED_MTP_INPUT_RMSNORM_KERNEL, vllm._MTP_SHARED_HEAD_RMSNORM_KERNEL
+    e, pos, prev, w1, w2 = inputs
+    T, H = e.shape
+    # (ours, vLLM's), this shape's tensors bound now
+    cases = {
+        "fused_input": (
+            partial(kernels.fused_mtp_input_rmsnorm, e, pos, prev, w1, w2, EPS, N_HC),
+            partial(vllm_fused, e, pos, prev, w1, w2, EPS, N_HC),
+        ),
+        "shared_head": (partial(kernels.mtp_shared_head_rmsnorm, e, w1, EPS), partial(vllm_head, e, w1, EPS)),
+    }
+    rows = []
+    for name, (ours, theirs) in cases.items():
+        us = graph_us({"ours": ours, "vllm": theirs}, graph_calls(T))
+        n = 200 if T >= 4096 else 2000
+        eager = {"ours": call_us(ours, dev, n), "vllm": call_us(theirs, dev, n)}
+        cfg = kernels.launch_config(name, H, T)
+        rows.append({
+            "kernel": name, "H": H, "T": T, "config": describe(cfg), "ours_us": us["ours"],
+            "vllm_us": us["vllm"], "ours_call_us": eager["ours"], "vllm_call_us": eager["vllm"],
+            "ulps_vs_vllm": ulps[name][0], "ulps_vs_ref": ulps[name][1],
+        })  # fmt: skip
+    return rows
+
+
+def print_replay_table(rows: list[dict]) -> None:
+    print(
+        "| kernel | H | T | warps x rows, hints | ours µs | vLLM µs | ours / vLLM | ours call µs | vLLM call µs "
+        "| ulps vs vLLM | ulps vs ref |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        ratio = r["ours_us"] / r["vllm_us"]
+        mark = "" if ratio <= 1 else " **slower**"
+        print(
+            f"| {r['kernel']} | {r['H']} | {r['T']} | {r['config']} | {r['ours_us']:.2f} | {r['vllm_us']:.2f} "
+            f"| {ratio:.3f}{mark} | {r['ours_call_us']:.1f} | {r['vllm_call_us']:.1f} | {r['ulps_vs_vllm']} "
+            f"| {r['ulps_vs_ref']} |"
+        )
+    faster_graph = sum(r["ours_us"] <= r["vllm_us"] for r in rows)
+    faster_eager = sum(r["ours_call_us"] <= r["vllm_call_us"] for r in rows)
+    print(
+        f"ours <= vLLM in {faster_graph} of {len(rows)} shapes under graph replay, "
+        f"{faster_eager} of {len(rows)} eager (wall clock per call)"
+    )
+
+
 def against_vllm(args: argparse.Namespace) -> None:
     dev = torch.device(args.device)
     assert dev.type == "cuda" and kernels.backend(dev) == "triton", kernels.backend(dev)
     vllm = load_vllm(args.vllm)
-    vllm_fused, vllm_head = vllm._FUSED_MTP_INPUT_RMSNORM_KERNEL, vllm._MTP_SHARED_HEAD_RMSNORM_KERNEL
     print(
         f"device: {torch.cuda.get_device_name(dev)}; torch {torch.__version__}, triton {triton.__version__}; "
         f"vLLM kernels from {args.vllm}"
@@ -204,108 +326,17 @@ def against_vllm(args: argparse.Namespace) -> None:
     rows = []
     for H in HIDDEN:
         for T in args.tokens:
-            e = (torch.randn(T, H, device=dev, generator=g) * 3).bfloat16()
-            prev = (torch.randn(T, N_HC, H, device=dev, generator=g) * 5).bfloat16()
-            pos = torch.arange(T, device=dev) % 7  # every 7th token starts a sequence
-            w1 = (1 + 0.1 * torch.randn(H, device=dev, generator=g)).bfloat16()
-            w2 = (1 + 0.1 * torch.randn(H, device=dev, generator=g)).bfloat16()
-            e_ref, h_ref = kernels.fused_mtp_input_rmsnorm_ref(e, pos, prev, w1, w2, EPS, N_HC)
-            head_ref = kernels.mtp_shared_head_rmsnorm_ref(e, w1, EPS)
-            ours_fused = kernels.fused_mtp_input_rmsnorm(e, pos, prev, w1, w2, EPS, N_HC)
-            theirs_fused = vllm_fused(e, pos, prev, w1, w2, EPS, N_HC)
-            ours_head, theirs_head = kernels.mtp_shared_head_rmsnorm(e, w1, EPS), vllm_head(e, w1, EPS)
-            ulps = {
-                "fused_input": (
-                    # both return (e, h): a kernel returning fewer outputs must not pass as agreeing
-                    max(bf16_ulps(o, t) for o, t in zip(ours_fused, theirs_fused, strict=True)),
-                    max(bf16_ulps(o, r) for o, r in zip(ours_fused, (e_ref, h_ref), strict=True)),
-                ),
-                "shared_head": (bf16_ulps(ours_head, theirs_head), bf16_ulps(ours_head, head_ref)),
-            }
-            if args.sweep:
-                eo, ho, out = torch.empty_like(e), torch.empty_like(prev), torch.empty_like(e)
-                eo2, ho2, out2 = torch.empty_like(e), torch.empty_like(prev), torch.empty_like(e)
-                # partial binds this shape's tensors when made (a closure would read whatever the loop
-                # variables hold when called); ours lacks only its launch config, its last argument
-                cases = {
-                    "fused_input": (
-                        partial(kernels._fused_mtp_input_rmsnorm_into, e, pos, prev, w1, w2, eo, ho, EPS, N_HC),
-                        partial(vllm_fused, e, pos, prev, w1, w2, EPS, N_HC, _outputs=(eo2, ho2)),
-                    ),
-                    "shared_head": (
-                        partial(kernels._mtp_shared_head_rmsnorm_into, e, w1, out, EPS),
-                        partial(vllm_head, e, w1, EPS, _output=out2),
-                    ),
-                }
-                for name, (ours_into, theirs) in cases.items():
-                    configs = sweep_configs(H, T)
-                    fns = {f"w{c.num_warps}r{c.rows}": partial(ours_into, c) for c in configs} | {"vllm": theirs}
-                    us = graph_us(fns, graph_calls(T))
-                    best = min((k for k in us if k != "vllm"), key=us.get)
-                    tuned = kernels.launch_config(name, H, T)
-                    rows.append(
-                        {
-                            "kernel": name,
-                            "H": H,
-                            "T": T,
-                            "us": us,
-                            "best": best,
-                            "tuned": f"w{tuned.num_warps}r{tuned.rows}",
-                            "ulps_vs_vllm": ulps[name][0],
-                            "ulps_vs_ref": ulps[name][1],
-                        }
-                    )
-                    ranked = " ".join(f"{k}={v:.2f}" for k, v in sorted(us.items(), key=lambda kv: kv[1]))
-                    print(
-                        f"{name:<12}{H:>6}{T:>7}  best {best} {us[best]:.2f} vs vllm {us['vllm']:.2f} "
-                        f"({us[best] / us['vllm']:.3f})  {ranked}",
-                        flush=True,
-                    )
-                continue
-            # (ours as the model calls it, vLLM's as vLLM's model calls it), this shape's tensors bound now
-            cases = {
-                "fused_input": (
-                    partial(kernels.fused_mtp_input_rmsnorm, e, pos, prev, w1, w2, EPS, N_HC),
-                    partial(vllm_fused, e, pos, prev, w1, w2, EPS, N_HC),
-                ),
-                "shared_head": (partial(kernels.mtp_shared_head_rmsnorm, e, w1, EPS), partial(vllm_head, e, w1, EPS)),
-            }
-            for name, (ours, theirs) in cases.items():
-                us = graph_us({"ours": ours, "vllm": theirs}, graph_calls(T))
-                n = 200 if T >= 4096 else 2000
-                eager = {"ours": call_us(ours, dev, n), "vllm": call_us(theirs, dev, n)}
-                cfg = kernels.launch_config(name, H, T)
-                rows.append({
-                    "kernel": name, "H": H, "T": T, "config": describe(cfg), "ours_us": us["ours"],
-                    "vllm_us": us["vllm"], "ours_call_us": eager["ours"], "vllm_call_us": eager["vllm"],
-                    "ulps_vs_vllm": ulps[name][0], "ulps_vs_ref": ulps[name][1],
-                })  # fmt: skip
+            inputs = shape_inputs(H, T, dev, g)
+            ulps = agreement_ulps(vllm, inputs)
+            rows += sweep_rows(vllm, inputs, ulps) if args.sweep else replay_rows(vllm, inputs, ulps, dev)
     if not args.sweep:
-        print(
-            "| kernel | H | T | warps x rows, hints | ours µs | vLLM µs | ours / vLLM | ours call µs | vLLM call µs "
-            "| ulps vs vLLM | ulps vs ref |"
-        )
-        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-        for r in rows:
-            ratio = r["ours_us"] / r["vllm_us"]
-            mark = "" if ratio <= 1 else " **slower**"
-            print(
-                f"| {r['kernel']} | {r['H']} | {r['T']} | {r['config']} | {r['ours_us']:.2f} | {r['vllm_us']:.2f} "
-                f"| {ratio:.3f}{mark} | {r['ours_call_us']:.1f} | {r['vllm_call_us']:.1f} | {r['ulps_vs_vllm']} "
-                f"| {r['ulps_vs_ref']} |"
-            )
-        faster_graph = sum(r["ours_us"] <= r["vllm_us"] for r in rows)
-        faster_eager = sum(r["ours_call_us"] <= r["vllm_call_us"] for r in rows)
-        print(
-            f"ours <= vLLM in {faster_graph} of {len(rows)} shapes under graph replay, "
-            f"{faster_eager} of {len(rows)} eager (wall clock per call)"
-        )
+        print_replay_table(rows)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--json", help="write the results here too")
@@ -319,7 +350,69 @@ def main() -> None:
     ap.add_argument(
         "--tokens", type=int, nargs="+", default=GRAPH_TOKENS, help="with --vllm: the T values (default: %(default)s)"
     )
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def norm_cases(
+    H: int, T: int, dev: torch.device, compiled_fused: Callable, compiled_head: Callable
+) -> dict[str, tuple[int, dict[str, Callable[[], object]]]]:
+    """Per kernel of one shape, on fresh random inputs: (bytes moved, implementation -> call)."""
+    e = torch.randn(T, H, device=dev, dtype=torch.bfloat16)
+    prev = torch.randn(T, N_HC, H, device=dev, dtype=torch.bfloat16)
+    pos = torch.arange(T, device=dev)
+    w1 = torch.randn(H, device=dev, dtype=torch.bfloat16)
+    w2 = torch.randn(H, device=dev, dtype=torch.bfloat16)
+    fused_args, head_args = (e, pos, prev, w1, w2, EPS, N_HC), (e, w1, EPS)
+    # partial binds this shape's tensors when made (a closure would read the loop variables when called)
+    return {
+        "fused_mtp_input_rmsnorm": (
+            2 * (1 + N_HC) * T * H * 2 + 2 * H * 2 + T * 8,
+            {
+                "triton": partial(kernels.fused_mtp_input_rmsnorm, *fused_args),
+                "eager": partial(kernels.fused_mtp_input_rmsnorm_ref, *fused_args),
+                "compile": partial(compiled_fused, *fused_args),
+            },
+        ),
+        "mtp_shared_head_rmsnorm": (
+            2 * T * H * 2 + H * 2,
+            {
+                "triton": partial(kernels.mtp_shared_head_rmsnorm, *head_args),
+                "eager": partial(kernels.mtp_shared_head_rmsnorm_ref, *head_args),
+                "compile": partial(compiled_head, *head_args),
+            },
+        ),
+    }
+
+
+def case_rows(
+    name: str, H: int, T: int, nbytes: int, impls: dict[str, Callable[[], object]], dev: torch.device, no_compile: bool
+) -> list[dict]:
+    """Each implementation of one kernel and shape, beside a copy of as many bytes; each
+    printed as it is done."""
+    src = torch.empty(nbytes // 2, dtype=torch.uint8, device=dev)
+    dst = torch.empty_like(src)
+    copy_gbs = nbytes / (gpu_us(partial(dst.copy_, src)) * 1e3)
+    rows = []
+    for impl, fn in impls.items():
+        if impl == "compile" and no_compile:
+            continue
+        fn()  # compile / JIT outside the timing
+        g = gpu_us(fn)
+        c = call_us(fn, dev, n=200 if T >= 4096 else 2000)
+        gbs = nbytes / (g * 1e3)
+        rows.append({
+            "kernel": name, "H": H, "T": T, "impl": impl, "gpu_us": g, "call_us": c, "GBps": gbs,
+            "copy_GBps": copy_gbs, "bytes": nbytes,
+        })  # fmt: skip
+        print(
+            f"{name:<24}{H:>6}{T:>7}{impl:>9}{g:>10.2f}{c:>10.2f}{gbs:>9.0f}{copy_gbs:>11.0f}"
+            f"{100 * gbs / copy_gbs:>7.0f}%"
+        )
+    return rows
+
+
+def main() -> None:
+    args = parse_args()
     if args.vllm:
         return against_vllm(args)
     dev = torch.device(args.device)
@@ -338,59 +431,8 @@ def main() -> None:
     )
     for H in HIDDEN:
         for T in TOKENS:
-            e = torch.randn(T, H, device=dev, dtype=torch.bfloat16)
-            prev = torch.randn(T, N_HC, H, device=dev, dtype=torch.bfloat16)
-            pos = torch.arange(T, device=dev)
-            w1 = torch.randn(H, device=dev, dtype=torch.bfloat16)
-            w2 = torch.randn(H, device=dev, dtype=torch.bfloat16)
-            fused_args, head_args = (e, pos, prev, w1, w2, EPS, N_HC), (e, w1, EPS)
-            # partial binds this shape's tensors when made (a closure would read the loop variables when called)
-            cases = {
-                "fused_mtp_input_rmsnorm": (
-                    2 * (1 + N_HC) * T * H * 2 + 2 * H * 2 + T * 8,
-                    {
-                        "triton": partial(kernels.fused_mtp_input_rmsnorm, *fused_args),
-                        "eager": partial(kernels.fused_mtp_input_rmsnorm_ref, *fused_args),
-                        "compile": partial(compiled_fused, *fused_args),
-                    },
-                ),
-                "mtp_shared_head_rmsnorm": (
-                    2 * T * H * 2 + H * 2,
-                    {
-                        "triton": partial(kernels.mtp_shared_head_rmsnorm, *head_args),
-                        "eager": partial(kernels.mtp_shared_head_rmsnorm_ref, *head_args),
-                        "compile": partial(compiled_head, *head_args),
-                    },
-                ),
-            }
-            for name, (nbytes, impls) in cases.items():
-                src = torch.empty(nbytes // 2, dtype=torch.uint8, device=dev)
-                dst = torch.empty_like(src)
-                copy_gbs = nbytes / (gpu_us(partial(dst.copy_, src)) * 1e3)
-                for impl, fn in impls.items():
-                    if impl == "compile" and args.no_compile:
-                        continue
-                    fn()  # compile / JIT outside the timing
-                    g = gpu_us(fn)
-                    c = call_us(fn, dev, n=200 if T >= 4096 else 2000)
-                    gbs = nbytes / (g * 1e3)
-                    rows.append(
-                        {
-                            "kernel": name,
-                            "H": H,
-                            "T": T,
-                            "impl": impl,
-                            "gpu_us": g,
-                            "call_us": c,
-                            "GBps": gbs,
-                            "copy_GBps": copy_gbs,
-                            "bytes": nbytes,
-                        }
-                    )
-                    print(
-                        f"{name:<24}{H:>6}{T:>7}{impl:>9}{g:>10.2f}{c:>10.2f}{gbs:>9.0f}{copy_gbs:>11.0f}"
-                        f"{100 * gbs / copy_gbs:>7.0f}%"
-                    )
+            for name, (nbytes, impls) in norm_cases(H, T, dev, compiled_fused, compiled_head).items():
+                rows += case_rows(name, H, T, nbytes, impls, dev, args.no_compile)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
