@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import click
 
@@ -12,9 +11,6 @@ from dsv4.convert.cli.common import (
     json_option,
     quiet_option,
 )
-
-if TYPE_CHECKING:
-    pass
 
 
 @click.command("batch")

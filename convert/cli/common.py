@@ -5,16 +5,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import click
 
 from dsv4.convert.sizes import shard_size
 from dsv4.mapping.targets import default_target, installed_targets
 from dsv4.model.memory import refuse_unless_torch_fits
-
-if TYPE_CHECKING:
-    pass
 
 JSON_DIGITS = 6  # significant digits of a float in --json output
 

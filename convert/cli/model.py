@@ -4,7 +4,7 @@ command line)."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import click
 
@@ -18,9 +18,6 @@ from dsv4.convert.cli.common import (
 from dsv4.model.memory import refuse_unless_torch_fits
 from dsv4.model.parity import MIN_TOP1, SMOKE_TOKENS
 from dsv4.model.presets import PRESETS, VARIANTS
-
-if TYPE_CHECKING:
-    pass
 
 
 @click.command("check")
