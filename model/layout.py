@@ -32,11 +32,11 @@ import hashlib
 import json
 import os
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, get_args
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, get_args
 
 from dsv4 import __version__
 from dsv4.model.config import ModelConfig
@@ -52,24 +52,19 @@ PACKAGE = Path(__file__).resolve().parent.parent
 # format and the dtype names live in it too)
 MODEL_CODE = ("model",)
 CACHE_FORMAT = 2  # 2: entries carry the sha256 of their key and layout
+T = TypeVar("T")
 TARGET_LAYER = re.compile(r"model\.layers\.(\d+)\.")  # a target-layout layer's number L
 
 
 def target_layout(cfg: ModelConfig) -> Layout:
     """name -> (safetensors dtype, shape) of every parameter of the draft model for `cfg`."""
-    key = _cache_key(cfg)
-    path = cache_entry(cfg)
-    layout = _read_cached(path, key)
-    if layout is None:
-        layout = build_target_layout(cfg)
-        _write_cached(path, key, layout)
-    return layout
+    return _cached(cfg, "layout", "layout", lambda: build_target_layout(cfg), _encode_layout, _decode_layout)
 
 
-def cache_entry(cfg: ModelConfig) -> Path:
-    """The cache file that holds (or will hold) the layout for `cfg`."""
+def cache_entry(cfg: ModelConfig, kind: str = "layout") -> Path:
+    """The cache file that holds (or will hold) `kind` ("layout", "quant-layers") for `cfg`."""
     key = _cache_key(cfg)
-    return cache_dir() / f"layout-{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]}.json"
+    return cache_dir() / f"{kind}-{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]}.json"
 
 
 def build_target_layout(cfg: ModelConfig) -> Layout:
@@ -121,30 +116,48 @@ def _digest(key: dict[str, Any], layout: Any) -> str:
     return hashlib.sha256(json_bytes({"key": key, "layout": layout})).hexdigest()
 
 
-def _read_cached(path: Path, key: dict[str, Any]) -> Layout | None:
+def _cached(
+    cfg: ModelConfig,
+    kind: str,
+    field: str,
+    build: Callable[[], T],
+    encode: Callable[[T], Any],
+    decode: Callable[[Any], T | None],
+) -> T:
+    """What `build` makes for `cfg`, from its cache entry (file `kind`-*.json, the value in
+    `field`) when that entry is for this key, carries the digest of its key and value and
+    `decode`s (None: malformed); else built and written back. Every entry, the layout and the
+    quantisation layers alike, is held to this one rule."""
+    key, path = _cache_key(cfg), cache_entry(cfg, kind)
     try:
         entry = loads(read_record_bytes(path))  # a regular file of bounded size, or OSError
-        if entry["key"] != key or entry["sha256"] != _digest(entry["key"], entry["layout"]):
-            return None
-        layout = {}
-        for name, (dtype, shape) in entry["layout"].items():
-            if not (
-                isinstance(dtype, str) and isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)
-            ):
-                return None
-            layout[name] = (dtype, tuple(shape))
-        return layout or None
+        if entry["key"] == key and entry["sha256"] == _digest(key, entry[field]):
+            value = decode(entry[field])
+            if value:
+                return value
     except (OSError, UnicodeDecodeError, StrictJSONError, KeyError, TypeError, ValueError, AttributeError):
-        return None  # absent, not a regular file, corrupt or edited: rebuilt (and rewritten) by the caller
-
-
-def _write_cached(path: Path, key: dict[str, Any], layout: Layout) -> None:
-    entry = {k: [d, list(sh)] for k, (d, sh) in layout.items()}
+        pass  # absent, not a regular file, corrupt or edited: rebuilt (and rewritten) below
+    value = build()
+    encoded = encode(value)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        write_record(path, {"key": key, "layout": entry, "sha256": _digest(key, entry)})
+        write_record(path, {"key": key, field: encoded, "sha256": _digest(key, encoded)})
     except OSError:
-        pass  # a read-only or full cache directory: the next run rebuilds the layout
+        pass  # a read-only or full cache directory: the next run rebuilds it
+    return value
+
+
+def _encode_layout(layout: Layout) -> dict[str, list[Any]]:
+    return {k: [d, list(sh)] for k, (d, sh) in layout.items()}
+
+
+def _decode_layout(entry: dict[str, Any]) -> Layout | None:
+    layout = {}
+    for name, (dtype, shape) in entry.items():
+        if not (isinstance(dtype, str) and isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
+            return None
+        layout[name] = (dtype, tuple(shape))
+    return layout
 
 
 def draft_layers_present(cfg: ModelConfig, names: Iterable[str]) -> list[str]:
@@ -194,26 +207,17 @@ def quant_layers_of(cfg: ModelConfig) -> list[DraftLayer]:
     """`draft_layers` of the draft model for `cfg`, cached beside its layout (the same key and
     digest rule): a conversion that carries a quantization_config names the draft's layers
     without building the model a second time."""
-    key = _cache_key(cfg)
-    layout_path = cache_entry(cfg)
-    path = layout_path.with_name(layout_path.name.replace("layout-", "quant-layers-", 1))
-    try:
-        entry = loads(read_record_bytes(path))
-        rows = entry["layers"]
-        if entry["key"] == key and entry["sha256"] == _digest(key, rows):
-            layers = [DraftLayer(p, n, k) for p, n, k in rows]
-            if layers and all(
-                isinstance(layer.path, str) and isinstance(layer.name, str) and layer.kind in get_args(LayerKind)
-                for layer in layers
-            ):
-                return layers
-    except (OSError, UnicodeDecodeError, StrictJSONError, KeyError, TypeError, ValueError, AttributeError):
-        pass  # absent, not a regular file, corrupt or edited: rebuilt from the model below
-    layers = draft_layers(build_draft_model(cfg))
-    rows = [list(dataclasses.astuple(layer)) for layer in layers]
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_record(path, {"key": key, "layers": rows, "sha256": _digest(key, rows)})
-    except OSError:
-        pass  # a read-only or full cache directory: the next run rebuilds them
-    return layers
+    return _cached(
+        cfg,
+        "quant-layers",
+        "layers",
+        lambda: draft_layers(build_draft_model(cfg)),
+        lambda layers: [list(dataclasses.astuple(layer)) for layer in layers],
+        _decode_quant_layers,
+    )
+
+
+def _decode_quant_layers(rows: list[Any]) -> list[DraftLayer] | None:
+    layers = [DraftLayer(p, n, k) for p, n, k in rows]
+    valid = all(isinstance(x.path, str) and isinstance(x.name, str) and x.kind in get_args(LayerKind) for x in layers)
+    return layers if valid else None
