@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 
 import pytest
+from edits import tree_digest
 from inprocess import run_main
 
 # (synth variant, target) -> {file: sha256} of every file the conversion writes
@@ -56,22 +57,14 @@ GOLDEN: dict[tuple[str, str], dict[str, str]] = {
 }
 
 
-def _stable_bytes(path: Path) -> bytes:
-    """The file's bytes; for conversion.json, all but its `fingerprint`, which digests the source
-    files' identities on disk (inode, mtime: what resume compares) and so differs between runs."""
-    if path.name != "conversion.json":
-        return path.read_bytes()
-    record = json.loads(path.read_bytes())
+def _stable_digests(out: Path) -> dict[str, str]:
+    """tree_digest of `out`, conversion.json's taken without its `fingerprint`, which digests the
+    source files' identities on disk (inode, mtime: what resume compares) and so differs between runs."""
+    digests = tree_digest(out)
+    record = json.loads((out / "conversion.json").read_bytes())
     assert len(record.pop("fingerprint")) == 64
-    return json.dumps(record, sort_keys=True).encode()
-
-
-def _digest_tree(root: Path) -> dict[str, str]:
-    return {
-        str(p.relative_to(root)): hashlib.sha256(_stable_bytes(p)).hexdigest()
-        for p in sorted(root.rglob("*"))
-        if p.is_file()
-    }
+    digests["conversion.json"] = hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()
+    return digests
 
 
 @pytest.mark.parametrize("target", ["xpu", "draft"])
@@ -86,4 +79,4 @@ def test_every_output_byte_is_what_it_was(
     assert code == 0, err
     code, _, err = run_main(monkeypatch, capsys, "src", "out", "--target", target, "-q")
     assert code == 0, err
-    assert _digest_tree(tmp_path / "out") == GOLDEN[(variant, target)]
+    assert _stable_digests(tmp_path / "out") == GOLDEN[(variant, target)]
