@@ -197,7 +197,7 @@ def _sources(
                 path=str(where),
             )
         push_repo = _fill(repo_t, hub, target, f"{path}: output.repo") if repo_t else None
-        if push_repo is not None and not (default_backend().valid_repo_id(push_repo) and push_repo.count("/") == 1):
+        if push_repo is not None and not default_backend().valid_repo_id(push_repo):
             raise HubError(
                 f"{where}: output.repo gives {push_repo!r}, not a repo id org/name",
                 kind="bad_manifest",

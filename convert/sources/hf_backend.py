@@ -128,11 +128,13 @@ class HfHub:
         return "HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else None
 
     def valid_repo_id(self, repo: str) -> bool:
+        # the protocol's org/name: huggingface_hub's own rule also takes a bare name (a user's
+        # namespace implied), which this tool never means
         try:
             validate_repo_id(repo)
         except HFValidationError:
             return False
-        return True
+        return repo.count("/") == 1
 
     def repo_info(self, hub: HubSpec, *, files_metadata: bool) -> RepoInfo:
         """Model info, asked for as HfApi.model_info asks (its URL, parameters, session and

@@ -47,7 +47,7 @@ def parse_hub_spec(spec: str, backend: HubBackend | None = None) -> HubSpec:
     (default: the Hugging Face Hub's) says what a repository id is."""
     explicit = spec.startswith(HF_PREFIX)
     repo, at, revision = spec.removeprefix(HF_PREFIX).partition("@")
-    ok = (backend or default_backend()).valid_repo_id(repo) and repo.count("/") == 1 and (revision != "" or not at)
+    ok = (backend or default_backend()).valid_repo_id(repo) and (revision != "" or not at)
     if not ok:
         raise HubError(
             f"{spec}: neither an existing local directory nor a hub repo id [hf://]org/name[@revision]",
