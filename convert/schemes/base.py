@@ -15,7 +15,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from dsv4.convert.plan import Plan
 from dsv4.model.errors import DSV4Error
@@ -88,30 +88,55 @@ def part_tensors(part: str, native: Layout) -> Layout:
 
 
 @dataclass(frozen=True)
-class Scheme:
-    """What the runtime builds one draft module as, and the tensors each of its native parts
-    must then hold: `tensors(part, native)` from the part's tensors in the native layout."""
+class Output:
+    """One tensor a native part holds in the draft under a scheme, and how it is made from the
+    native draft's tensors: `transform` names an entry of convert/transforms.py's registry
+    ("copy" keeps the bytes, relabelling the dtype where the itemsize agrees), `inputs` are
+    the native tensors it reads in the transform's order, `args` the transform's parameters
+    (a target group's quantisation arguments), `exact` whether dequantising it as its
+    scheme says gives the native values bit for bit."""
 
     name: str
-    tensors: Callable[[str, Layout], Layout]
+    dtype: str
+    shape: tuple[int, ...]
+    transform: str
+    inputs: tuple[str, ...]
+    exact: bool = True
+    args: tuple[tuple[str, Any], ...] = ()
 
 
-def _as_stored(part: str, native: Layout) -> Layout:
-    return part_tensors(part, native)
+@dataclass(frozen=True)
+class Scheme:
+    """What the runtime builds one draft module as, and the tensors each of its native parts
+    must then hold: `outputs(part, native)` from the part's tensors in the native layout."""
+
+    name: str
+    outputs: Callable[[str, Layout], list[Output]]
+
+    def tensors(self, part: str, native: Layout) -> Layout:
+        return {o.name: (o.dtype, o.shape) for o in self.outputs(part, native)}
 
 
-def _dequantised(part: str, native: Layout) -> Layout:
+def _as_stored(part: str, native: Layout) -> list[Output]:
+    return [Output(name, dtype, shape, "copy", (name,)) for name, (dtype, shape) in part_tensors(part, native).items()]
+
+
+def _dequantised(part: str, native: Layout) -> list[Output]:
     """The part's weight in BF16 at its logical shape, its scale gone, anything else (a gate's
     bias) as it is: FP8 x E8M0 and e2m1 x E8M0 are exact in bf16 (mapping/README.md#storage-dtypes)."""
-    out: Layout = {}
-    for name, (dtype, shape) in part_tensors(part, native).items():
+    held = part_tensors(part, native)
+    out: list[Output] = []
+    for name, (dtype, shape) in held.items():
         leaf = name.rsplit(".", 1)[1]
         if leaf == "scale":
             continue
         if leaf == "weight":
             shape = (*shape[:-1], shape[-1] * 2) if dtype == PACKED_FP4 else shape
-            dtype = "BF16"
-        out[name] = (dtype, shape)
+            scale = f"{part}.scale"
+            inputs = (name, scale) if scale in held else (name,)
+            out.append(Output(name, "BF16", shape, "dequant_bf16" if scale in held else "copy", inputs))
+        else:
+            out.append(Output(name, dtype, shape, "copy", (name,)))
     return out
 
 
@@ -119,6 +144,13 @@ def _dequantised(part: str, native: Layout) -> Layout:
 FP8_BLOCK = Scheme("fp8-block", _as_stored)  # e4m3 weight + one scale per 128x128 block, as DeepSeek stores it
 FP4_EXPERTS = Scheme("fp4-experts", _as_stored)  # packed e2m1 + one E8M0 scale per 32, as DeepSeek stores it
 UNQUANTISED = Scheme("unquantised", _dequantised)  # a bf16 weight
+
+# How a draft is made to serve beside a target (--draft-format): the draft as the source holds
+# it; FP8-block (and MXFP4) groups added to the target's config for the draft's layers only,
+# passed at launch; the draft's layers ignored in that config and shipped in bf16; requantised
+# into the target's own scheme, no launch change
+Route = Literal["native", "overlay", "bf16", "match-target"]
+ROUTES: tuple[Route, ...] = ("native", "overlay", "bf16", "match-target")
 
 
 @dataclass(frozen=True)
@@ -131,8 +163,11 @@ class Decision:
     scheme: Scheme
     why: str
 
+    def outputs(self, native: Layout) -> list[Output]:
+        return [o for part in self.parts for o in self.scheme.outputs(part, native)]
+
     def tensors(self, native: Layout) -> Layout:
-        return {name: spec for part in self.parts for name, spec in self.scheme.tensors(part, native).items()}
+        return {o.name: (o.dtype, o.shape) for o in self.outputs(native)}
 
 
 @dataclass(frozen=True)
@@ -143,3 +178,16 @@ class TargetMethod:
     method: str | None
     label: str  # what the method is, for the refusal that lists the known ones
     decide: Callable[[Mapping[str, Any] | None, LayerMap, Layout, str, ErrorFactory], list[Decision]]
+
+
+@dataclass(frozen=True)
+class ServePlan:
+    """A draft for one serving target: the route, every draft module's scheme under the
+    config the runtime will build it with, and what that takes besides the tensors."""
+
+    route: Route
+    decisions: list[Decision]  # every draft module, named as vLLM names it beside the target
+    # the value `--hf-overrides` takes ({"quantization_config": ...}); None: no launch change
+    overrides: dict[str, Any] | None
+    quantization_config: dict[str, Any] | None  # what the draft's own config.json says (None: no such field)
+    why: str  # the route's reason, one line ("auto: a DeepSeek fp8 target serves the native draft")

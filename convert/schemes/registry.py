@@ -14,7 +14,16 @@ from typing import Any
 
 from dsv4.convert.plan import Plan
 from dsv4.convert.schemes import deepseek_fp8, unquantised
-from dsv4.convert.schemes.base import Decision, ErrorFactory, LayerMap, TargetMethod, layer_map, module_of
+from dsv4.convert.schemes.base import (
+    ROUTES,
+    Decision,
+    ErrorFactory,
+    LayerMap,
+    ServePlan,
+    TargetMethod,
+    layer_map,
+    module_of,
+)
 from dsv4.model.native import Layout, standalone_draft_layout
 
 METHODS: dict[str | None, TargetMethod] = {entry.method: entry for entry in (deepseek_fp8.ENTRY, unquantised.ENTRY)}
@@ -60,6 +69,39 @@ def decide(
         )
     qc = target_config.get("quantization_config")
     return target_method(qc, where, error).decide(qc, layers.renumbered(n), native, where, error)
+
+
+def serve_plan(
+    target_config: Mapping[str, Any],
+    layers: LayerMap,
+    native: Layout,
+    where: str,
+    error: ErrorFactory,
+    *,
+    route: str = "auto",
+    allow_lossy: bool = False,
+) -> ServePlan:
+    """The draft to write for the target whose config.json is `target_config` (read at
+    `where`) by `route` (--draft-format; "auto" picks the exact route the target allows).
+    A route the target's method cannot take exactly is refused naming the field, unless it
+    is lossy and `allow_lossy`."""
+    if route != "auto" and route not in ROUTES:
+        raise error(f"--draft-format {route!r} is not one of auto, {', '.join(ROUTES)}", field="--draft-format")
+    decisions = decide(target_config, layers, native, where, error)
+    qc = target_config.get("quantization_config")
+    method = target_method(qc, where, error).method
+    # the two entries of today: a DeepSeek fp8 target serves the native draft as it is; a
+    # target with no quantisation config builds every draft layer bf16 (exact), no launch change
+    chosen = {"fp8": "native", None: "match-target"}[method]
+    if route not in ("auto", chosen):
+        raise error(
+            f"{where}: --draft-format {route} is not a route for a target of quant_method {method!r} "
+            f"(it takes {chosen})",
+            path=where,
+            field="quantization_config.quant_method",
+        )
+    why = "a DeepSeek fp8 target serves the native draft" if method == "fp8" else "an unquantised target: bf16 draft"
+    return ServePlan(chosen, decisions, None, dict(qc) if isinstance(qc, Mapping) else None, f"{route}: {why}")  # type: ignore[arg-type]
 
 
 def draft_tensors(decisions: list[Decision], native: Layout) -> Layout:
