@@ -15,7 +15,9 @@ for fields).
 
 from __future__ import annotations
 
+import json
 import os
+import shlex
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -45,15 +47,43 @@ def _fill(template: str, fields: dict[str, str], where: str) -> str:
         ) from None
 
 
-def serve_commands(target: Target, source: str, repo: str, drafter: str) -> str:
-    """The card's serve block: for each runtime of `target`'s card, a comment naming its
-    version (and platforms) and its command serving `repo` beside `source`."""
+def _in_single_quoted_json(text: str) -> str:
+    """`text` as a JSON string's content inside a shell word quoted '...' (the commands'
+    --speculative-config): JSON's escapes, then each ' closed, escaped and reopened."""
+    return json.dumps(text)[1:-1].replace("'", "'\\''")
+
+
+def serve_commands(
+    target: Target,
+    source: str,
+    repo: str,
+    drafter: str,
+    *,
+    route: str | None = None,
+    overrides: str | None = None,
+    quantization: str | None = None,
+) -> str:
+    """The serve block: for each runtime of `target`'s card that serves `route` (None: any),
+    a comment naming its version (and platforms) and its command serving draft `repo` beside
+    `source` (repo ids or paths, quoted here); `overrides`: the path of the draft's launch
+    overrides file, `quantization`: the draft's quantisation method (its note)."""
     where = f"{TARGET_DIR.name}/{target.name}.toml"
     blocks = []
     for serve in target.card.serve:
+        if route is not None and serve.routes is not None and route not in serve.routes:
+            continue
         platforms = f" ({serve.platforms})" if serve.platforms else ""
-        command = _fill(serve.command(drafter), {"source": source, "repo": repo}, where)
-        blocks.append(f"# {target.runtime_named(serve.runtime)}{platforms}\n{command}")
+        launch = _fill(serve.launch, {"overrides": shlex.quote(overrides)}, where) if overrides is not None else ""
+        fields = {
+            "source": shlex.quote(source),
+            "repo": shlex.quote(repo),
+            "repo_in_json": _in_single_quoted_json(repo),
+            "launch": launch,
+        }
+        lines = [f"# {target.runtime_named(serve.runtime)}{platforms}", _fill(serve.command(drafter), fields, where)]
+        if serve.note and quantization is not None:
+            lines.append("# " + _fill(serve.note, {"quantization": quantization}, where))
+        blocks.append("\n".join(lines))
     return "\n\n".join(blocks)
 
 
