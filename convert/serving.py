@@ -19,9 +19,9 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from dsv4.convert.batch.card import serve_commands
 from dsv4.convert.choose import choose_table
 from dsv4.convert.errors import PlanError
+from dsv4.convert.launch import serve_commands
 from dsv4.convert.plan import Plan, plan_conversion
 from dsv4.convert.schemes.base import ServePlan, layer_map
 from dsv4.convert.schemes.registry import serve_plan

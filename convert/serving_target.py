@@ -24,10 +24,9 @@ from dsv4.convert.sources.location import HF_PREFIX, locate
 from dsv4.model.checkpoint import CONFIG
 from dsv4.model.config import ModelConfig, parse_config
 from dsv4.model.errors import CheckpointError
-from dsv4.model.record import RUNTIME_CONFIG_FIELDS, brief, sha256_hex
+from dsv4.model.record import ABSENT, RUNTIME_CONFIG_FIELDS, brief, sha256_hex
 from dsv4.model.strictjson import MAX_RECORD_BYTES, read_record_bytes
 
-ABSENT = "(absent)"  # how a message shows a field one side lacks
 QUANTIZATION = "quantization_config"
 
 
@@ -94,9 +93,10 @@ class ServingTarget:
             )
 
 
-def _parsed(raw: bytes, name: str, where: str, commit: str | None = None) -> ServingTarget:
+def _parsed(raw: bytes, name: str, where: str, commit: str | None, model_fields: bool) -> ServingTarget:
     config = parse_config(raw, where)
-    ModelConfig.from_dict(config, where)  # the model fields checked as every config.json reader checks them
+    if model_fields:  # checked as every config.json reader checks them
+        ModelConfig.from_dict(config, where)
     return ServingTarget(name, where, config, raw, commit)
 
 
@@ -121,14 +121,18 @@ def _read_local(file: Path, where: str) -> bytes:
         raise CheckpointError(f"{where}: {exc.strerror or exc}", kind="malformed_config", path=where) from None
 
 
-def read_serving_target(typed: str | Path, *, backend: HubBackend | None = None) -> ServingTarget:
+def read_serving_target(
+    typed: str | Path, *, backend: HubBackend | None = None, model_fields: bool = True
+) -> ServingTarget:
     """The serving target `typed` names (module docstring), read and checked. `backend`: the
-    hub a repo id is read from (default: the Hugging Face Hub)."""
+    hub a repo id is read from (default: the Hugging Face Hub). `model_fields=False` leaves
+    the model fields unchecked, for `check --serve-with`, which compares each with the
+    draft's and names the first that differs."""
     text = str(typed)
     path = Path(text)
     if not text.startswith(HF_PREFIX) and path.exists():
         file = path / CONFIG if path.is_dir() else path
-        return _parsed(_read_local(file, str(file)), str(file.parent.resolve()), str(file))
+        return _parsed(_read_local(file, str(file)), str(file.parent.resolve()), str(file), None, model_fields)
     try:
         hub = locate(text, backend=backend)
     except CheckpointError as exc:
@@ -144,7 +148,7 @@ def read_serving_target(typed: str | Path, *, backend: HubBackend | None = None)
     if backend.offline() is not None:  # the cache's copy at the commit the revision pinned, as a source is read
         snapshot, commit = backend.cached_snapshot(hub)
         where = f"{hub.location}/{CONFIG}@{commit[:12]}"
-        return _parsed(_read_local(snapshot / CONFIG, where), hub.repo, where, commit)
+        return _parsed(_read_local(snapshot / CONFIG, where), hub.repo, where, commit, model_fields)
     commit, info = repo_info(backend, hub)  # one request: repo_not_found (61, also gated), revision_not_found (62)
     where = f"{hub.location}/{CONFIG}@{commit[:12]}"
     listed = {f.name: f for f in info.files}
@@ -157,4 +161,4 @@ def read_serving_target(typed: str | Path, *, backend: HubBackend | None = None)
     assert raw is not None  # missing_ok is off: a missing file raised
     if len(raw) > MAX_RECORD_BYTES:
         raise _too_large(where, len(raw))
-    return _parsed(raw, hub.repo, where, commit)
+    return _parsed(raw, hub.repo, where, commit, model_fields)

@@ -69,6 +69,9 @@ class RecordError(ValueError):
         self.sha256 = sha256
 
 
+ABSENT = "(absent)"  # how a one-line reason shows a field one side lacks
+
+
 def brief(value: Any) -> str:
     """A value quoted in a one-line reason, cut short."""
     text = repr(value)

@@ -15,76 +15,22 @@ for fields).
 
 from __future__ import annotations
 
-import json
 import os
-import shlex
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from string import Template
 
 from dsv4 import __version__
+from dsv4.convert.launch import fill, serve_commands
 from dsv4.convert.sources.hub import default_backend
 from dsv4.convert.sources.hub_protocol import HubBackend
-from dsv4.mapping.errors import TableError
 from dsv4.mapping.table import Table
 from dsv4.mapping.targets import TARGET_DIR, Target, require_target
 
 CARD_NAME = "README.md"
 HUB_URL = "https://huggingface.co"
 DRAFTER_NAMES = {"mtp": "MTP", "dspark": "DSpark"}
-
-
-def _fill(template: str, fields: dict[str, str], where: str) -> str:
-    try:
-        return Template(template).substitute(fields)
-    except (KeyError, ValueError) as exc:  # an unknown $name, or a lone $
-        raise TableError(
-            f"{where}: the card template names {exc} (it may name ${', $'.join(sorted(fields))})",
-            kind="malformed_table",
-            path=where,
-        ) from None
-
-
-def _in_single_quoted_json(text: str) -> str:
-    """`text` as a JSON string's content inside a shell word quoted '...' (the commands'
-    --speculative-config): JSON's escapes, then each ' closed, escaped and reopened."""
-    return json.dumps(text)[1:-1].replace("'", "'\\''")
-
-
-def serve_commands(
-    target: Target,
-    source: str,
-    repo: str,
-    drafter: str,
-    *,
-    route: str | None = None,
-    overrides: str | None = None,
-    quantization: str | None = None,
-) -> str:
-    """The serve block: for each runtime of `target`'s card that serves `route` (None: any),
-    a comment naming its version (and platforms) and its command serving draft `repo` beside
-    `source` (repo ids or paths, quoted here); `overrides`: the path of the draft's launch
-    overrides file, `quantization`: the draft's quantisation method (its note)."""
-    where = f"{TARGET_DIR.name}/{target.name}.toml"
-    blocks = []
-    for serve in target.card.serve:
-        if route is not None and serve.routes is not None and route not in serve.routes:
-            continue
-        platforms = f" ({serve.platforms})" if serve.platforms else ""
-        launch = _fill(serve.launch, {"overrides": shlex.quote(overrides)}, where) if overrides is not None else ""
-        fields = {
-            "source": shlex.quote(source),
-            "repo": shlex.quote(repo),
-            "repo_in_json": _in_single_quoted_json(repo),
-            "launch": launch,
-        }
-        lines = [f"# {target.runtime_named(serve.runtime)}{platforms}", _fill(serve.command(drafter), fields, where)]
-        if serve.note and quantization is not None:
-            lines.append("# " + _fill(serve.note, {"quantization": quantization}, where))
-        blocks.append("\n".join(lines))
-    return "\n\n".join(blocks)
 
 
 def _provenance(source: str, commit: str, table: Table) -> str:
@@ -108,7 +54,7 @@ def card_body(repo: str, source: str, commit: str, table: Table, target: Target)
         "serve": serve_commands(target, source, repo, table.drafter),
         **{runtime: f"{runtime} {version}" for runtime, version in target.runtimes},
     }
-    return _fill(target.card.template(), fields, f"{TARGET_DIR.name}/{target.card.body}")
+    return fill(target.card.template(), fields, f"{TARGET_DIR.name}/{target.card.body}")
 
 
 def model_card(repo: str, source: str, commit: str, table: Table, backend: HubBackend | None = None) -> str:
