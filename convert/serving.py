@@ -48,10 +48,11 @@ class Serving:
 
 @dataclass(frozen=True)
 class Served:
-    """A serving request decided for one source: the serve plan, and the draft's kind."""
+    """A serving request decided for one source: the serve plan, and the draft's layout and kind."""
 
     serving: Serving
     plan: ServePlan
+    layout: str  # the draft's --target (a serving target file: mapping/targets/draft.toml)
     drafter: str  # "mtp" or "dspark" (the draft table's), which launch command serves it
     native: Layout  # the native draft's layout, what the schemes derive the tensors from
 
@@ -72,7 +73,7 @@ def decide_serving(inventory: Inventory, plan: Plan, serving: Serving) -> Served
         route=serving.route,
         allow_lossy=serving.allow_lossy,
     )
-    return Served(serving, decided, plan.identity.drafter, native)
+    return Served(serving, decided, plan.target, plan.identity.drafter, native)
 
 
 def draft_config(plan: Plan, served: Served) -> dict[str, Any] | bytes:
@@ -103,7 +104,7 @@ def serve_files(served: Served, out: Path) -> dict[str, bytes]:
         files[OVERRIDES_FILE] = json_bytes(served.plan.overrides)
         overrides = str(out / OVERRIDES_FILE)
     commands = serve_commands(
-        require_target("draft"),
+        require_target(served.layout),
         served.serving.target.name,
         str(out),
         served.drafter,

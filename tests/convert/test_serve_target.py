@@ -161,7 +161,7 @@ def test_a_hub_target_is_its_config_json_only_pinned_to_the_commit(
     assert dirhub.requests == {"info": 1, "get": 1}  # the commit, then config.json at it; no other file
 
 
-def test_a_hub_target_missing_or_without_config_json_is_refused(
+def test_a_hub_target_missing_at_that_revision_or_without_config_json_is_refused(
     native: Path, dirhub: DirHub, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     code, _, err = plan_beside(monkeypatch, capsys, native, "org/absent")
@@ -169,6 +169,8 @@ def test_a_hub_target_missing_or_without_config_json_is_refused(
     repo = dirhub.root / "org" / "weights-only"
     repo.mkdir(parents=True)
     (repo / "model.safetensors").write_bytes(b"")
+    code, _, err = plan_beside(monkeypatch, capsys, native, "org/weights-only@v2")
+    assert (code, err) == (62, "error: hub:org/weights-only@v2: revision not found\n")
     code, _, err = plan_beside(monkeypatch, capsys, native, "org/weights-only")
     commit = dirhub.commit_of(repo)
     assert (code, err) == (
