@@ -23,7 +23,7 @@ from dsv4.convert.choose import choose_table
 from dsv4.convert.errors import PlanError
 from dsv4.convert.launch import serve_commands
 from dsv4.convert.plan import Plan, plan_conversion
-from dsv4.convert.schemes.base import ServePlan, layer_map
+from dsv4.convert.schemes.base import ROUTES, ServePlan, layer_map
 from dsv4.convert.schemes.registry import serve_plan
 from dsv4.convert.serving_target import QUANTIZATION, ServingTarget
 from dsv4.convert.sources.inventory import Inventory
@@ -35,6 +35,7 @@ from dsv4.model.strictjson import json_bytes, write_bytes
 SERVE_DIR = "serve"
 OVERRIDES_FILE = f"{SERVE_DIR}/vllm-hf-overrides.json"
 COMMANDS_FILE = f"{SERVE_DIR}/commands.sh"
+DRAFT_FORMATS = ("auto", *ROUTES)  # --draft-format: auto (the exact route the target allows), or a route
 
 
 @dataclass(frozen=True)
@@ -89,9 +90,10 @@ def draft_config(plan: Plan, served: Served) -> dict[str, Any] | bytes:
     return plan.config_bytes if config == plan.config else config
 
 
-def _quant_method(served: Served) -> str | None:
-    qc = served.plan.quantization_config
-    method = qc.get("quant_method") if qc is not None else None
+def quant_method(config: dict[str, Any]) -> str | None:
+    """A draft config's quantisation method (what SGLang's --speculative-draft-model-quantization names)."""
+    qc = config.get(QUANTIZATION)
+    method = qc.get("quant_method") if isinstance(qc, dict) else None
     return method if isinstance(method, str) else None
 
 
@@ -110,7 +112,7 @@ def serve_files(served: Served, out: Path) -> dict[str, bytes]:
         served.drafter,
         route=served.plan.route,
         overrides=overrides,
-        quantization=_quant_method(served),
+        quantization=quant_method({QUANTIZATION: served.plan.quantization_config}),
     )
     head = f"# Serve {out} beside {served.serving.target.name} ({served.plan.route}: {served.plan.why})\n\n"
     files[COMMANDS_FILE] = (head + commands + "\n").encode()

@@ -23,14 +23,19 @@ from pathlib import Path
 
 from dsv4 import __version__
 from dsv4.convert.launch import fill, serve_commands
+from dsv4.convert.serving import OVERRIDES_FILE, quant_method
 from dsv4.convert.sources.hub import default_backend
 from dsv4.convert.sources.hub_protocol import HubBackend
 from dsv4.mapping.table import Table
 from dsv4.mapping.targets import TARGET_DIR, Target, require_target
+from dsv4.model.checkpoint import CONFIG
+from dsv4.model.record import ConversionRecord
+from dsv4.model.strictjson import loads
 
 CARD_NAME = "README.md"
 HUB_URL = "https://huggingface.co"
 DRAFTER_NAMES = {"mtp": "MTP", "dspark": "DSpark"}
+CHECKOUT = "draft"  # the folder the card's `hf download $repo --local-dir draft` fills: where its overrides file is
 
 
 def _provenance(source: str, commit: str, table: Table) -> str:
@@ -41,8 +46,33 @@ def _provenance(source: str, commit: str, table: Table) -> str:
     )
 
 
-def card_body(repo: str, source: str, commit: str, table: Table, target: Target) -> str:
-    """`target`'s card template filled in for `repo`, the conversion of `source` at `commit`."""
+def _serve_block(
+    target: Target, source: str, commit: str, repo: str, drafter: str, out: Path | None
+) -> tuple[str, str]:
+    """($beside, $serve): what the draft serves beside and the commands; for a draft made for
+    a serving target (conversion.json's "serve", OUT/serve/), that target, its route and
+    launch overrides."""
+    record = ConversionRecord.find(out) if out is not None else None
+    serve = record.serve if record is not None else None
+    if serve is None:
+        beside = f"the target model it was converted from ({source}, commit `{commit}`)"
+        return beside, serve_commands(target, source, repo, drafter)
+    assert out is not None  # a record was read from it
+    at = serve["target"]
+    name = at.get("repo") or at.get("path")
+    pinned = f", commit `{at['commit']}`" if "commit" in at else ""
+    overrides = f"{CHECKOUT}/{OVERRIDES_FILE}" if OVERRIDES_FILE in serve.get("files", {}) else None
+    config = loads((out / CONFIG).read_bytes())
+    commands = serve_commands(
+        target, name, repo, drafter, route=serve["route"], overrides=overrides, quantization=quant_method(config)
+    )
+    return f"{name}{pinned}, the target it was made for (route {serve['route']}: {serve['why']})", commands
+
+
+def card_body(repo: str, source: str, commit: str, table: Table, target: Target, out: Path | None = None) -> str:
+    """`target`'s card template filled in for `repo`, the conversion of `source` at `commit`
+    (in `out`, whose records say what it serves beside)."""
+    beside, serve = _serve_block(target, source, commit, repo, table.drafter, out)
     fields = {
         "name": repo.split("/")[1],
         "drafter": DRAFTER_NAMES[table.drafter],
@@ -51,15 +81,18 @@ def card_body(repo: str, source: str, commit: str, table: Table, target: Target)
         "commit": commit,
         "hub": HUB_URL,
         "provenance": _provenance(source, commit, table),
-        "serve": serve_commands(target, source, repo, table.drafter),
+        "beside": beside,
+        "serve": serve,
         **{runtime: f"{runtime} {version}" for runtime, version in target.runtimes},
     }
     return fill(target.card.template(), fields, f"{TARGET_DIR.name}/{target.card.body}")
 
 
-def model_card(repo: str, source: str, commit: str, table: Table, backend: HubBackend | None = None) -> str:
+def model_card(
+    repo: str, source: str, commit: str, table: Table, backend: HubBackend | None = None, *, out: Path | None = None
+) -> str:
     """README.md for `repo` on `backend` (default: the Hugging Face Hub), holding the
-    conversion of `source` at `commit` with `table`."""
+    conversion of `source` at `commit` with `table` (in `out`)."""
     tags = [
         "deepseek_v4",
         table.drafter,
@@ -70,7 +103,7 @@ def model_card(repo: str, source: str, commit: str, table: Table, backend: HubBa
     ]
     target = require_target(table.target)
     metadata = {"base_model": source, "library_name": target.card.library_name, "tags": tags}
-    body = card_body(repo, source, commit, table, target)
+    body = card_body(repo, source, commit, table, target, out)
     return (backend or default_backend()).model_card(metadata, body)
 
 
@@ -82,7 +115,11 @@ def with_card(out: Path, card: str) -> Iterator[Path]:
     with tempfile.TemporaryDirectory(prefix="dsv4-push-") as tmp:
         staged = Path(tmp)
         for f in out.iterdir():
-            if f.name != CARD_NAME:
+            if f.is_dir():  # OUT/serve/: a folder of links, as an upload walks folders but not linked ones
+                (staged / f.name).mkdir()
+                for inner in f.iterdir():
+                    os.symlink(inner.resolve(), staged / f.name / inner.name)
+            elif f.name != CARD_NAME:
                 os.symlink(f.resolve(), staged / f.name)
         (staged / CARD_NAME).write_text(card, encoding="utf-8")
         yield staged
