@@ -208,6 +208,26 @@ def _up_to_date(claim: OutputClaim, fingerprint: dict[str, Any], overwrite: bool
     return record is not None and record.fingerprint == fingerprint_digest(fingerprint) and not overwrite
 
 
+class _OutputLayout(NamedTuple):
+    config: dict[str, Any] | bytes  # the output's config.json
+    shards: list[list[PlannedTensor]]
+    names: list[str]  # the shards' file names
+    serving: tuple[dict[str, bytes], dict[str, Any]] | None  # OUT/serve/'s files and their record
+    fingerprint: dict[str, Any]
+
+
+def _output_layout(plan: Plan, source: Source, served: Served | None, out: Path, max_shard_size: int) -> _OutputLayout:
+    """What a run of `plan` writes into OUT (at `out`), before any byte is written: a config
+    that cannot be carried fails here."""
+    config = output_config(plan, served)
+    shards = shard_layout(plan, max_shard_size)
+    serving = serving_output(served, out)
+    names = [shard_name(k, len(shards)) for k in range(len(shards))]
+    return _OutputLayout(
+        config, shards, names, serving, _fingerprint(plan, source, shards, serving[1] if serving else None)
+    )
+
+
 def _write_output(
     plan: Plan,
     source: Source,
@@ -221,11 +241,7 @@ def _write_output(
     """Convert `plan` into the claimed OUT: nothing if it is up to date, else in the
     partial directory (resuming its work), then publish."""
     start = time.monotonic()
-    config = output_config(plan, served)  # before any byte is written: a config that cannot be carried fails here
-    shards = shard_layout(plan, max_shard_size)
-    names = [shard_name(k, len(shards)) for k in range(len(shards))]
-    serving = serving_output(served, claim.path)
-    fingerprint = _fingerprint(plan, source, shards, serving[1] if serving else None)
+    config, shards, names, serving, fingerprint = _output_layout(plan, source, served, claim.path, max_shard_size)
 
     if _up_to_date(claim, fingerprint, overwrite):
         return ConversionResult(claim.out, "up-to-date", 0, 0, time.monotonic() - start, len(plan.tensors), plan)
@@ -352,10 +368,12 @@ def plan_source(source: Source, target: str, *, reverse: bool = False) -> Plan:
     return plan_reverse(source.inventory, table) if reverse else plan_conversion(source.inventory, table)
 
 
-def plan_served(source: Source, plan: Plan, serving: Serving) -> tuple[Plan, Served]:
+def plan_served(source: Source, plan: Plan, serving: Serving | None) -> tuple[Plan, Served | None]:
     """Draft plan `plan` of open `source` made to serve beside `serving`'s target: each draft
     module's scheme under the target's config (convert/serving.py), and the plan routed to
-    write what those schemes take (convert/routes.py)."""
+    write what those schemes take (convert/routes.py). Without `serving`, `plan` as it is."""
+    if serving is None:
+        return plan, None
     served = decide_serving(source.inventory, plan, serving)
     return apply_route(plan, served.plan), served
 
@@ -386,10 +404,7 @@ def convert(
         claim_output(out, source=local_root(where), wait=wait, on_wait=_waiting_notice(quiet)) as claim,
         open_source(where, quiet=quiet) as source,
     ):
-        plan = plan_source(source, target, reverse=reverse)
-        served = None
-        if serving is not None:
-            plan, served = plan_served(source, plan, serving)
+        plan, served = plan_served(source, plan_source(source, target, reverse=reverse), serving)
         return _write_output(
             plan, source, claim, overwrite=overwrite, max_shard_size=max_shard_size, quiet=quiet, served=served
         )
@@ -421,13 +436,8 @@ def dry_run(
     where = locate(typed)
     claim = OutputClaim(Path(out), resolve_output(Path(out), local_root(where)))
     with open_source(where) as source:
-        plan = plan_source(source, target, reverse=reverse)
-        served = None
-        if serving is not None:
-            plan, served = plan_served(source, plan, serving)
-        output_config(plan, served)
-        serve = serving_output(served, claim.path)
-        fingerprint = _fingerprint(plan, source, shard_layout(plan, max_shard_size), serve[1] if serve else None)
+        plan, served = plan_served(source, plan_source(source, target, reverse=reverse), serving)
+        fingerprint = _output_layout(plan, source, served, claim.path, max_shard_size).fingerprint
         header_bytes = source.inventory.header_bytes
     if _up_to_date(claim, fingerprint, overwrite):
         return DryRun(plan, "up-to-date", header_bytes, served)

@@ -188,10 +188,7 @@ class _Job:
         else:
             with open_source(HubSpec(entry.repo, commit, explicit=True)) as source:
                 header_bytes = self.fetched = source.inventory.header_bytes
-                plan = plan_source(source, self.manifest.target)
-                served = None
-                if self.serving is not None:
-                    plan, served = plan_served(source, plan, self.serving)
+                plan, served = plan_served(source, plan_source(source, self.manifest.target), self.serving)
                 try:
                     # replacing is safe only over an earlier conversion (it has a conversion.json), never
                     # over anything else

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -93,6 +93,13 @@ def convert_command(
     from dsv4.convert.sources.location import locate
 
     serving = serving_request(target, serve_with, draft_format, allow_lossy, reverse)
+    options: dict[str, Any] = {
+        "target": target,
+        "reverse": reverse,
+        "overwrite": overwrite,
+        "max_shard_size": max_shard_size,
+        "serving": serving,
+    }
     # the hub options are checked against SOURCE here; without them convert() locates it
     where = (
         locate(source, revision=revision, token=token, verify_files=verify_source)
@@ -100,15 +107,7 @@ def convert_command(
         else source
     )
     if dry_run:
-        plan, would, header_bytes, served = preview(
-            where,
-            out,
-            target=target,
-            reverse=reverse,
-            overwrite=overwrite,
-            max_shard_size=max_shard_size,
-            serving=serving,
-        )
+        plan, would, header_bytes, served = preview(where, out, **options)
         if as_json:
             echo_json(
                 plan.to_json()
@@ -119,17 +118,7 @@ def convert_command(
         _print_plan(plan, False, quiet, full=True, header_bytes=header_bytes, served=served)
         click.echo(f"dry run: {out} {DRY_RUN_OUTCOMES[would]}; nothing was written")
         return
-    result = convert(
-        where,
-        out,
-        target=target,
-        reverse=reverse,
-        overwrite=overwrite,
-        wait=wait,
-        max_shard_size=max_shard_size,
-        quiet=quiet or as_json,
-        serving=serving,
-    )
+    result = convert(where, out, wait=wait, quiet=quiet or as_json, **options)
     if as_json:
         echo_json(result.to_json())
     elif result.status == "up-to-date":
@@ -184,11 +173,8 @@ def plan_command(
     from dsv4.convert.sources.location import locate, open_source  # start-up time (see the module's docstring)
 
     serving = serving_request(target, serve_with, draft_format, allow_lossy, reverse)
-    served = None
     with open_source(locate(source, revision=revision, token=token), quiet=quiet or as_json) as opened:
-        plan = plan_source(opened, target, reverse=reverse)
-        if serving is not None:
-            plan, served = plan_served(opened, plan, serving)
+        plan, served = plan_served(opened, plan_source(opened, target, reverse=reverse), serving)
     _print_plan(plan, as_json, quiet, full=True, header_bytes=opened.inventory.header_bytes, served=served)
 
 
