@@ -272,3 +272,24 @@ def test_dry_run_shows_the_decisions_and_writes_nothing(
     assert convert_beside(monkeypatch, capsys, native, out, native, "-q")[0] == 0
     code, stdout, _ = convert_beside(monkeypatch, capsys, native, out, native, "--dry-run", "--json")
     assert json.loads(stdout)["would"] == "up-to-date"
+
+
+def test_the_drafts_config_says_the_quantisation_the_route_builds_it_with(
+    native: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A route whose draft has no quantisation config of its own (an unquantised target's):
+    config.json is the source's without the field; every other field as the source has it."""
+    decided = serving.serve_plan
+
+    def unquantised(*args: Any, **kwargs: Any) -> ServePlan:
+        return ServePlan("match-target", decided(*args, **kwargs).decisions, None, None, "match-target: a test's")
+
+    monkeypatch.setattr(serving, "serve_plan", unquantised)
+    out = tmp_path / "draft"
+    assert convert_beside(monkeypatch, capsys, native, out, native, "-q")[0] == 0
+    source = json.loads((native / "config.json").read_text())
+    written = json.loads((out / "config.json").read_text())
+    assert "quantization_config" in source and written == {
+        k: v for k, v in source.items() if k != "quantization_config"
+    }
+    assert "quantization_config" not in json.loads((out / "conversion.json").read_text())["config_fields"]
