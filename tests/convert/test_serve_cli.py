@@ -6,6 +6,7 @@ mapping/targets/draft.toml, the --hf-overrides file where the route has one), re
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shlex
 from pathlib import Path
@@ -73,7 +74,7 @@ def test_a_draft_for_a_deepseek_fp8_target_is_the_native_draft_with_its_launch_c
     record = json.loads((out / "conversion.json").read_text())["serve"]
     assert record["target"] == {
         "path": str(native),
-        "config_sha256": json.loads((out / "conversion.json").read_text())["source"]["config_sha256"],
+        "config_sha256": hashlib.sha256((native / "config.json").read_bytes()).hexdigest(),
     }
     assert (record["route"], record["why"]) == ("native", "auto: a DeepSeek fp8 target serves the native draft")
     assert list(record["files"]) == [COMMANDS_FILE]
