@@ -7,10 +7,12 @@ Its front matter is the hub's model-card metadata, written by the hub backend
 `base_model` (the source repo), `library_name` and `tags`. Its body is the target's card
 template (mapping/targets/TARGET.toml `[card]`): who reads the repo and, for a target
 runtimes load from disk (a draft directory), how to serve it in the runtime versions of its
-target, from which source commit and with which table and version. What is per target (the
-template, the serve commands with their flags, the runtimes) is that data; this module fills
-it in (string.Template: the bodies hold shell and JSON, whose braces str.format would take
-for fields).
+target (beside the model it was converted from, or, for a draft made for a serving target,
+beside that target by the route its conversion.json records), from which source commit and
+with which table and version. What is per target (the template, the serve commands with
+their flags, the runtimes) is that data; this module and convert/launch.py (the commands)
+fill it in (string.Template: the bodies hold shell and JSON, whose braces str.format would
+take for fields).
 """
 
 from __future__ import annotations
