@@ -69,6 +69,16 @@ def read_record(path: Path) -> dict[str, Any] | None:
     return record if isinstance(record, dict) else None
 
 
+def _entries(root: Path, folders: set[str]) -> Iterator[tuple[str, Path]]:
+    """`root`'s entries by name relative to it, the files of `folders` (real directories) in
+    their place."""
+    for entry in sorted(root.iterdir()):
+        if entry.name in folders and entry.is_dir() and not entry.is_symlink():
+            yield from ((f"{entry.name}/{f.name}", f) for f in sorted(entry.iterdir()))
+        else:
+            yield entry.name, entry
+
+
 def _remove(path: Path) -> None:
     """Delete one of OUT's hidden siblings; a symlink is unlinked, never followed."""
     if path.is_symlink() or not path.is_dir():
@@ -249,10 +259,12 @@ class OutputClaim:
             layout = None
         if record.has_layout_record and layout is None:
             return f"its {CONFIG} lacks the {LAYOUT_RECORD} layout record"
-        files = {CONVERSION_RECORD, CONFIG, INDEX_NAME} | record.files
-        for entry in sorted(self.path.iterdir()):
-            if entry.name not in files or entry.is_symlink() or not entry.is_file():
-                return f"{entry.name} is not a file {TOOL} wrote"
+        files = {CONVERSION_RECORD, CONFIG, INDEX_NAME} | record.files | record.serve_files
+        # OUT/serve/ (a draft for a serving target): a folder of files the record lists
+        folders = {name.split("/")[0] for name in record.serve_files}
+        for name, entry in _entries(self.path, folders):
+            if name not in files or entry.is_symlink() or not entry.is_file():
+                return f"{name} is not a file {TOOL} wrote"
         return None
 
     # --- the partial directory and publishing --------------------------------------------

@@ -28,6 +28,8 @@ from dsv4.convert.outpath import resolve_output
 from dsv4.convert.output import OutputClaim, claim_output
 from dsv4.convert.plan import Plan, PlannedTensor, plan_conversion, plan_reverse
 from dsv4.convert.quant_config import carried_quantization
+from dsv4.convert.routes import apply_route
+from dsv4.convert.serving import Served, Serving, decide_serving, draft_config, serving_output, write_serve_files
 from dsv4.convert.sources.location import locate, open_source
 from dsv4.convert.sources.source import HubSpec, Source, local_root
 from dsv4.convert.writer import ShardWriter, TensorSpec, shard_name
@@ -88,12 +90,13 @@ def shard_layout(plan: Plan, max_shard_size: int) -> list[list[PlannedTensor]]:
     return shards
 
 
-def output_config(plan: Plan) -> dict[str, Any] | bytes:
+def output_config(plan: Plan, served: Served | None = None) -> dict[str, Any] | bytes:
     """The output's config.json: the source's bytes unchanged for a table whose [table]
-    config is "source" (a draft directory: the runtimes read it as the target's), else the
+    config is "source" (a draft directory: the runtimes read it as the target's), or with the
+    quantisation config a serving target has the draft built with (`served`); else the
     source's fields plus the layout record (forward) or without it (reverse)."""
     if plan.direction == "forward" and plan.config_kind == "source":
-        return plan.config_bytes
+        return plan.config_bytes if served is None else draft_config(plan, served)
     config = {k: v for k, v in plan.config.items() if k != LAYOUT_RECORD}
     # a compressed-tensors config names modules: rewritten to the draft's layer names
     # (forward) or restored from the record (reverse); an FP8 block config goes through as is
@@ -105,7 +108,9 @@ def output_config(plan: Plan) -> dict[str, Any] | bytes:
     return config
 
 
-def _fingerprint(plan: Plan, source: Source, shards: list[list[PlannedTensor]]) -> dict[str, Any]:
+def _fingerprint(
+    plan: Plan, source: Source, shards: list[list[PlannedTensor]], serve: dict[str, Any] | None = None
+) -> dict[str, Any]:
     layout = [
         [(t.name, t.dtype, list(t.shape), [(p.file, p.start, p.end) for p in t.pieces]) for t in s] for s in shards
     ]
@@ -118,6 +123,9 @@ def _fingerprint(plan: Plan, source: Source, shards: list[list[PlannedTensor]]) 
         "plan_sha256": hashlib.sha256(json.dumps(layout).encode()).hexdigest(),
         # the output's config.json is made from it (a draft directory's is it, byte for byte)
         "config_sha256": sha256_hex(plan.config_bytes),
+        # a draft for a serving target (its record: the target's config, the route, OUT/serve/'s
+        # files): another target, route or launch command is another output
+        **({"serve": serve} if serve is not None else {}),
     }
 
 
@@ -173,11 +181,14 @@ def run_plan(
     wait: bool = False,
     max_shard_size: int = DEFAULT_MAX_SHARD,
     quiet: bool = True,
+    served: Served | None = None,
 ) -> ConversionResult:
-    """Write a plan already made of open `source` into OUT, owning OUT (its lock) from here
-    to publish. `convert` takes OUT before it plans."""
+    """Write a plan already made of open `source` (routed for `served`, when given) into OUT,
+    owning OUT (its lock) from here to publish. `convert` takes OUT before it plans."""
     with claim_output(out, source=source.local_root, wait=wait, on_wait=_waiting_notice(quiet)) as claim:
-        return _write_output(plan, source, claim, overwrite=overwrite, max_shard_size=max_shard_size, quiet=quiet)
+        return _write_output(
+            plan, source, claim, overwrite=overwrite, max_shard_size=max_shard_size, quiet=quiet, served=served
+        )
 
 
 def _waiting_notice(quiet: bool) -> Callable[[str], object] | None:
@@ -197,16 +208,40 @@ def _up_to_date(claim: OutputClaim, fingerprint: dict[str, Any], overwrite: bool
     return record is not None and record.fingerprint == fingerprint_digest(fingerprint) and not overwrite
 
 
+class _OutputLayout(NamedTuple):
+    config: dict[str, Any] | bytes  # the output's config.json
+    shards: list[list[PlannedTensor]]
+    names: list[str]  # the shards' file names
+    serving: tuple[dict[str, bytes], dict[str, Any]] | None  # OUT/serve/'s files and their record
+    fingerprint: dict[str, Any]
+
+
+def _output_layout(plan: Plan, source: Source, served: Served | None, out: Path, max_shard_size: int) -> _OutputLayout:
+    """What a run of `plan` writes into OUT (at `out`), before any byte is written: a config
+    that cannot be carried fails here."""
+    config = output_config(plan, served)
+    shards = shard_layout(plan, max_shard_size)
+    serving = serving_output(served, out)
+    names = [shard_name(k, len(shards)) for k in range(len(shards))]
+    return _OutputLayout(
+        config, shards, names, serving, _fingerprint(plan, source, shards, serving[1] if serving else None)
+    )
+
+
 def _write_output(
-    plan: Plan, source: Source, claim: OutputClaim, *, overwrite: bool, max_shard_size: int, quiet: bool
+    plan: Plan,
+    source: Source,
+    claim: OutputClaim,
+    *,
+    overwrite: bool,
+    max_shard_size: int,
+    quiet: bool,
+    served: Served | None = None,
 ) -> ConversionResult:
     """Convert `plan` into the claimed OUT: nothing if it is up to date, else in the
     partial directory (resuming its work), then publish."""
     start = time.monotonic()
-    config = output_config(plan)  # before any byte is written: a config that cannot be carried fails here
-    shards = shard_layout(plan, max_shard_size)
-    names = [shard_name(k, len(shards)) for k in range(len(shards))]
-    fingerprint = _fingerprint(plan, source, shards)
+    config, shards, names, serving, fingerprint = _output_layout(plan, source, served, claim.path, max_shard_size)
 
     if _up_to_date(claim, fingerprint, overwrite):
         return ConversionResult(claim.out, "up-to-date", 0, 0, time.monotonic() - start, len(plan.tensors), plan)
@@ -249,9 +284,8 @@ def _write_output(
                 writer.sync()
         # the journal is closed: nothing writes into the partial directory once it is OUT
         _verify(partial, shards, names, journal)
-        _write_records(
-            plan, config, partial, shards, names, journal, fingerprint, _published_source(plan, source, fingerprint)
-        )
+        published = _published_source(plan, source, fingerprint)
+        _write_records(plan, config, partial, shards, names, journal, fingerprint, published, serving)
         source.reader.verify_unchanged([CONFIG, INDEX_NAME, *plan.files_needed])
         claim.publish()
     except PlanError as exc2:
@@ -298,6 +332,7 @@ def _write_records(
     journal: dict[str, dict[str, Any]],
     fingerprint: dict[str, Any],
     published: SourceRecord,
+    serving: tuple[dict[str, bytes], dict[str, Any]] | None = None,
 ) -> None:
     weight_map = {t.name: name for tensors, name in zip(shards, names, strict=True) for t in tensors}
     write_record(partial / INDEX_NAME, {"metadata": {"total_size": plan.bytes_to_write}, "weight_map": weight_map})
@@ -305,6 +340,8 @@ def _write_records(
         write_bytes(partial / CONFIG, config)
     else:
         write_record(partial / CONFIG, config)
+    if serving is not None:
+        write_serve_files(serving[0], partial)
     ConversionRecord(
         tool_version=__version__,
         direction=plan.direction,
@@ -319,6 +356,7 @@ def _write_records(
         config_fields=runtime_config_fields(
             strictjson.loads(config) if isinstance(config, bytes) else config
         ),  # as written
+        serve=serving[1] if serving is not None else None,
     ).write(partial)
 
 
@@ -328,6 +366,16 @@ def plan_source(source: Source, target: str, *, reverse: bool = False) -> Plan:
     direction: Direction = "reverse" if reverse else "forward"
     table = choose_table(target, source.inventory, direction)
     return plan_reverse(source.inventory, table) if reverse else plan_conversion(source.inventory, table)
+
+
+def plan_served(source: Source, plan: Plan, serving: Serving | None) -> tuple[Plan, Served | None]:
+    """Draft plan `plan` of open `source` made to serve beside `serving`'s target: each draft
+    module's scheme under the target's config (convert/serving.py), and the plan routed to
+    write what those schemes take (convert/routes.py). Without `serving`, `plan` as it is."""
+    if serving is None:
+        return plan, None
+    served = decide_serving(source.inventory, plan, serving)
+    return apply_route(plan, served.plan), served
 
 
 def convert(
@@ -340,9 +388,11 @@ def convert(
     wait: bool = False,
     max_shard_size: int = DEFAULT_MAX_SHARD,
     quiet: bool = True,
+    serving: Serving | None = None,
 ) -> ConversionResult:
     """Convert the source `typed` names (native checkpoint, or with reverse=True a converted
-    one) into `out`.
+    one) into `out`; with `serving` (a --target draft conversion), the draft to serve beside
+    its target.
 
     OUT is owned (checked safe, locked) before the source is opened and until the output
     is published; with `wait` a run finding OUT locked waits for the other run. `target`:
@@ -354,14 +404,17 @@ def convert(
         claim_output(out, source=local_root(where), wait=wait, on_wait=_waiting_notice(quiet)) as claim,
         open_source(where, quiet=quiet) as source,
     ):
-        plan = plan_source(source, target, reverse=reverse)
-        return _write_output(plan, source, claim, overwrite=overwrite, max_shard_size=max_shard_size, quiet=quiet)
+        plan, served = plan_served(source, plan_source(source, target, reverse=reverse), serving)
+        return _write_output(
+            plan, source, claim, overwrite=overwrite, max_shard_size=max_shard_size, quiet=quiet, served=served
+        )
 
 
 class DryRun(NamedTuple):
     plan: Plan
     would: str  # what would become of OUT: "up-to-date", "create" or "replace"
     header_bytes: int  # read from the source to plan
+    served: Served | None = None  # the serve plan, for a draft to serve beside a target
 
 
 def dry_run(
@@ -372,6 +425,7 @@ def dry_run(
     reverse: bool = False,
     overwrite: bool = False,
     max_shard_size: int = DEFAULT_MAX_SHARD,
+    serving: Serving | None = None,
 ) -> DryRun:
     """What `convert` with these arguments would do, refusals included, without writing,
     locking or deleting anything: the same checks in the same order (target, OUT's safety
@@ -382,13 +436,11 @@ def dry_run(
     where = locate(typed)
     claim = OutputClaim(Path(out), resolve_output(Path(out), local_root(where)))
     with open_source(where) as source:
-        plan = plan_source(source, target, reverse=reverse)
-        output_config(plan)
-        fingerprint = _fingerprint(plan, source, shard_layout(plan, max_shard_size))
+        plan, served = plan_served(source, plan_source(source, target, reverse=reverse), serving)
+        fingerprint = _output_layout(plan, source, served, claim.path, max_shard_size).fingerprint
         header_bytes = source.inventory.header_bytes
     if _up_to_date(claim, fingerprint, overwrite):
-        return DryRun(plan, "up-to-date", header_bytes)
+        return DryRun(plan, "up-to-date", header_bytes, served)
     claim.refuse_unless_replaceable(overwrite)
-    return DryRun(
-        plan, "replace" if os.path.lexists(claim.path) and any(claim.path.iterdir()) else "create", header_bytes
-    )
+    would = "replace" if os.path.lexists(claim.path) and any(claim.path.iterdir()) else "create"
+    return DryRun(plan, would, header_bytes, served)

@@ -79,6 +79,9 @@ class ServeCommand:
     runtime: str  # a key of the target's runtimes
     platforms: str  # what the card's comment adds after the runtime's version ("" for none)
     commands: tuple[tuple[str, str], ...]  # (drafter kind, command template)
+    launch: str = ""  # what $launch becomes where the draft has a launch overrides file ($overrides)
+    routes: tuple[str, ...] | None = None  # the serving routes the command serves (None: every one)
+    note: str = ""  # a comment after the command where the draft has a quantisation method ($quantization)
 
     def command(self, drafter: str) -> str:
         return dict(self.commands)[drafter]
@@ -177,7 +180,7 @@ def _card(raw: Any, runtimes: dict[str, str], where: str) -> Card:
     """[card] of a target file: body = "FILE" beside it, optionally library_name and
     [[card.serve]] entries (runtime, optionally platforms, one command per drafter kind)."""
     serve = raw.get("serve", []) if isinstance(raw, dict) else None
-    entry_keys = {"runtime", "platforms", *DRAFTERS}
+    entry_keys = {"runtime", "platforms", "launch", "routes", "note", *DRAFTERS}
     if not (
         isinstance(raw, dict)
         and set(raw) <= CARD_KEYS
@@ -190,20 +193,30 @@ def _card(raw: Any, runtimes: dict[str, str], where: str) -> Card:
             isinstance(s, dict)
             and set(s) <= entry_keys
             and s.get("runtime") in runtimes
-            and isinstance(s.get("platforms", ""), str)
+            and all(isinstance(s.get(k, ""), str) for k in ("platforms", "launch", "note"))
+            and isinstance(s.get("routes", []), list)
+            and all(isinstance(r, str) for r in s.get("routes", []))
             and all(isinstance(s.get(d), str) for d in DRAFTERS)
             for s in serve
         )
     ):
         raise TableError(
             f'{where}: [card] needs body = "FILE" (an existing file beside it), optionally library_name, and '
-            f"[[card.serve]] entries of runtime (one of {sorted(runtimes)}), optionally platforms, and a command "
-            f"for each of {', '.join(DRAFTERS)}",
+            f"[[card.serve]] entries of runtime (one of {sorted(runtimes)}), optionally platforms, launch, note "
+            f"(strings) and routes (a list of strings), and a command for each of {', '.join(DRAFTERS)}",
             kind="malformed_table",
             path=where,
         )
     commands = tuple(
-        ServeCommand(s["runtime"], s.get("platforms", ""), tuple((d, s[d]) for d in DRAFTERS)) for s in serve
+        ServeCommand(
+            s["runtime"],
+            s.get("platforms", ""),
+            tuple((d, s[d]) for d in DRAFTERS),
+            s.get("launch", ""),
+            tuple(s["routes"]) if "routes" in s else None,
+            s.get("note", ""),
+        )
+        for s in serve
     )
     return Card(raw["body"], raw.get("library_name"), commands)
 

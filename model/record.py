@@ -69,6 +69,9 @@ class RecordError(ValueError):
         self.sha256 = sha256
 
 
+ABSENT = "(absent)"  # how a one-line reason shows a field one side lacks
+
+
 def brief(value: Any) -> str:
     """A value quoted in a one-line reason, cut short."""
     text = repr(value)
@@ -194,6 +197,9 @@ class ConversionRecord(Identified):
     skipped: int = 0
     config_fields: dict[str, Any] = field(default_factory=dict)
     tool: str = TOOL
+    # a draft made for a serving target (--serve-with): the target, the route, and the files
+    # under OUT/serve/ with their sha256 ("files"); None for any other conversion
+    serve: dict[str, Any] | None = None
 
     @property
     def has_layout_record(self) -> bool:
@@ -205,6 +211,12 @@ class ConversionRecord(Identified):
     @property
     def files(self) -> set[str]:
         return {e.file for e in self.tensors.values()}
+
+    @property
+    def serve_files(self) -> set[str]:
+        """The files under OUT/serve/ the conversion wrote (paths relative to OUT)."""
+        files = self.serve.get("files") if self.serve is not None else None
+        return set(files) if isinstance(files, dict) else set()
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -220,6 +232,7 @@ class ConversionRecord(Identified):
             "tensors": {
                 name: {"file": e.file, "nbytes": e.nbytes, "sha256": e.sha256} for name, e in self.tensors.items()
             },
+            **({"serve": self.serve} if self.serve is not None else {}),
         }
 
     def write(self, directory: Path) -> None:
@@ -281,6 +294,9 @@ class ConversionRecord(Identified):
         if not isinstance(fields, dict):
             raise RecordError(where, "config_fields", f"config_fields is {brief(fields)}, not an object")
         source = SourceRecord.from_json(value.get("source"), where)
+        serve = value.get("serve")
+        if serve is not None and not isinstance(serve, dict):
+            raise RecordError(where, "serve", f"serve is {brief(serve)}, not an object")
         return cls(
             strings["tool_version"],
             strings["direction"],
@@ -291,6 +307,7 @@ class ConversionRecord(Identified):
             strings["config"],
             skipped,
             fields,
+            serve=serve,
         )
 
     @classmethod

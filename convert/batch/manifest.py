@@ -18,16 +18,17 @@ from typing import Any
 
 from dsv4.convert.errors import HubError
 from dsv4.convert.pipeline import DEFAULT_MAX_SHARD
+from dsv4.convert.serving import DRAFT_FORMATS
 from dsv4.convert.sizes import shard_size
 from dsv4.convert.sources.hub import default_backend
 from dsv4.convert.sources.location import HF_PREFIX, parse_hub_spec
 from dsv4.convert.sources.source import HubSpec
-from dsv4.mapping.targets import default_target, installed_targets
+from dsv4.mapping.targets import default_target, installed_targets, serving_targets
 from dsv4.model.errors import DSV4Error
 
-TOP_KEYS = {"target", "sources", "output", "options"}
+TOP_KEYS = {"target", "sources", "output", "options", "serve_with"}
 OUTPUT_KEYS = {"dir", "name", "repo", "private"}
-OPTION_KEYS = {"max_shard_size", "check"}
+OPTION_KEYS = {"max_shard_size", "check", "draft_format", "allow_lossy"}
 PLACEHOLDERS = ("org", "name", "target", "revision")
 DEFAULT_DIR = "converted"
 DEFAULT_NAME = "{name}-{target}"
@@ -57,6 +58,11 @@ class Manifest:
     private: bool | None  # visibility of target repos that --push creates; None: the hub's default
     max_shard_size: int
     check: bool
+    # the serving target every draft is made for (convert's --serve-with): a hub repo, or a
+    # path relative to the manifest; None: none
+    serve_with: str | None = None
+    draft_format: str = "auto"
+    allow_lossy: bool = False
 
 
 def _table(raw: Any, where: str, keys: set[str]) -> dict[str, Any]:
@@ -174,9 +180,39 @@ def load_manifest(path: str | Path, out_dir: str | Path | None = None) -> Manife
         raise HubError(
             f'{path}: sources must be a non-empty list of "org/name[@revision]"', kind="bad_manifest", path=str(path)
         )
-    return Manifest(
-        path, target, out_root, _sources(path, entries, name_t, repo_t, target, out_root), private, max_shard, check
-    )
+    sources = _sources(path, entries, name_t, repo_t, target, out_root)
+    return Manifest(path, target, out_root, sources, private, max_shard, check, *_serving(raw, options, target, path))
+
+
+def _serving(raw: dict[str, Any], options: dict[str, Any], target: str, path: Path) -> tuple[str | None, str, bool]:
+    """(serve_with, options.draft_format, options.allow_lossy), checked as convert's options are."""
+    serve_with, draft_format = raw.get("serve_with"), options.get("draft_format", "auto")
+    allow_lossy = options.get("allow_lossy", False)
+    if not (serve_with is None or isinstance(serve_with, str)) or draft_format not in DRAFT_FORMATS:
+        raise HubError(
+            f"{path}: serve_with is a serving target (a hub repo, or a path relative to the manifest) and "
+            f"options.draft_format one of {', '.join(DRAFT_FORMATS)}",
+            kind="bad_manifest",
+            path=str(path),
+        )
+    if not isinstance(allow_lossy, bool):
+        raise HubError(f"{path}: options.allow_lossy is true or false", kind="bad_manifest", path=str(path))
+    if serve_with is None and (draft_format != "auto" or allow_lossy):
+        raise HubError(
+            f"{path}: options.draft_format and options.allow_lossy choose how a draft serves: they need serve_with",
+            kind="bad_manifest",
+            path=str(path),
+        )
+    if serve_with is not None and target not in serving_targets():
+        raise HubError(
+            f"{path}: serve_with makes drafts to serve beside a target: it takes target = "
+            f"{' or '.join(repr(t) for t in serving_targets())}",
+            kind="bad_manifest",
+            path=str(path),
+        )
+    if serve_with is not None and (path.parent / serve_with).exists():
+        serve_with = str(path.parent / serve_with)
+    return serve_with, draft_format, allow_lossy
 
 
 def _sources(

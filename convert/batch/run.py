@@ -28,7 +28,9 @@ from dsv4.convert.batch.manifest import Manifest, ManifestEntry, select_shard
 from dsv4.convert.errors import HubError, OutputError
 from dsv4.convert.exit_codes import exit_code
 from dsv4.convert.output import hold_lock
-from dsv4.convert.pipeline import plan_source, run_plan
+from dsv4.convert.pipeline import plan_served, plan_source, run_plan
+from dsv4.convert.serving import Serving
+from dsv4.convert.serving_target import read_serving_target
 from dsv4.convert.sources.hub import default_backend, download, hub_errors, resolve_commit
 from dsv4.convert.sources.location import open_source
 from dsv4.convert.sources.source import HUB_SCHEME, HubSpec
@@ -45,19 +47,28 @@ from dsv4.model.strictjson import write_record
 STALE_SHARDS = ["model-*-of-*.safetensors"]
 
 
-def records(record: ConversionRecord | None, location: str, commit: str, tables: Mapping[str, Table]) -> bool:
+def records(
+    record: ConversionRecord | None,
+    location: str,
+    commit: str,
+    tables: Mapping[str, Table],
+    serving: Serving | None = None,
+) -> bool:
     """Whether a conversion.json records a forward conversion of this commit with one of
-    `tables` (by name) at its current version. One commit always takes the same table (the
-    one for the drafter it holds), so the record's table is the one it would take again."""
+    `tables` (by name) at its current version, for the serving target of `serving` (None:
+    for none). One commit always takes the same table (the one for the drafter it holds), so
+    the record's table is the one it would take again."""
     if record is None:
         return False
     table = tables.get(record.table)
+    served_for = (record.serve or {}).get("target")
     return (
         record.source.location == location
         and record.source.revision == commit
         and record.direction == "forward"
         and table is not None
         and record.table_version == table.version
+        and served_for == (serving.target.to_json() if serving is not None else None)
     )
 
 
@@ -148,8 +159,16 @@ def run_check(out: Path) -> str:
 class _Job:
     """One source's run; `fetched` is kept up to date so a failure still reports it."""
 
-    def __init__(self, entry: ManifestEntry, manifest: Manifest, tables: Mapping[str, Table], push_to_hub: bool):
+    def __init__(
+        self,
+        entry: ManifestEntry,
+        manifest: Manifest,
+        tables: Mapping[str, Table],
+        push_to_hub: bool,
+        serving: Serving | None = None,
+    ):
         self.entry, self.manifest, self.tables, self.push_to_hub = entry, manifest, tables, push_to_hub
+        self.serving = serving
         self.hub = HubSpec(entry.repo, entry.revision, explicit=True)  # a manifest names hub repositories only
         self.commit: str | None = None
         self.fetched = 0
@@ -159,17 +178,17 @@ class _Job:
         self.commit = commit = resolve_commit(self.hub)
         target = entry.push_repo if self.push_to_hub else None  # run_batch refuses --push without output.repo
         head, pushed = pushed_record(target) if target else (None, None)
-        if target and records(pushed, self.hub.location, commit, tables):
+        if target and records(pushed, self.hub.location, commit, tables, self.serving):
             return "skipped", {"reason": f"{HUB_SCHEME}{target} already records {_what(pushed)}"}
         local = ConversionRecord.find(entry.output)
-        if records(local, self.hub.location, commit, tables):
+        if records(local, self.hub.location, commit, tables, self.serving):
             if not target:
                 return "skipped", {"reason": f"{entry.output} already records {_what(local)}"}
             conversion, table = "reused", tables[local.table]
         else:
             with open_source(HubSpec(entry.repo, commit, explicit=True)) as source:
                 header_bytes = self.fetched = source.inventory.header_bytes
-                plan = plan_source(source, self.manifest.target)
+                plan, served = plan_served(source, plan_source(source, self.manifest.target), self.serving)
                 try:
                     # replacing is safe only over an earlier conversion (it has a conversion.json), never
                     # over anything else
@@ -179,6 +198,7 @@ class _Job:
                         entry.output,
                         overwrite=(entry.output / CONVERSION_RECORD).exists(),
                         max_shard_size=self.manifest.max_shard_size,
+                        served=served,
                     )
                 finally:
                     self.fetched = header_bytes + source.reader.bytes_read
@@ -195,7 +215,7 @@ class _Job:
                 f"Table: {table.name} v{table.version} (target {table.target})\n"
                 f"Tool: dsv4-convert {__version__}"
             )
-            card = model_card(target, entry.repo, commit, table)
+            card = model_card(target, entry.repo, commit, table, out=entry.output)
             row["pushed"] = {
                 "repo": target,
                 "commit": push(entry.output, target, message, description, self.manifest.private, head, card),
@@ -280,6 +300,12 @@ def run_batch(
             path=str(manifest.path),
         )
     tables = {name: load_table(name) for name in tables_of_target(manifest.target)}
+    # the serving target is read once, before any source: its refusal stops the batch
+    serving = (
+        Serving(read_serving_target(manifest.serve_with), manifest.draft_format, manifest.allow_lossy)
+        if manifest.serve_with is not None
+        else None
+    )
     mine = select_shard(manifest.sources, num_shards, shard_index)
     report_path = report_path or default_report_path(manifest, num_shards, shard_index)
     report: dict[str, Any] = {
@@ -288,6 +314,7 @@ def run_batch(
         "manifest": str(manifest.path),
         "started": started,
         "target": manifest.target,
+        "serve_with": serving.target.to_json() if serving is not None else None,
         "tables": {name: t.version for name, t in tables.items()},
         "push": push_to_hub,
         "shard": {"index": shard_index, "count": num_shards},
@@ -305,7 +332,7 @@ def run_batch(
         for n, entry in enumerate(mine, 1):
             if echo is not None:  # a conversion takes minutes: say which repo is under way
                 echo(f"[{n}/{len(mine)}] {entry.key}: starting")
-            job = _Job(entry, manifest, tables, push_to_hub)
+            job = _Job(entry, manifest, tables, push_to_hub, serving)
             t0 = time.monotonic()
             try:
                 outcome, row = job.run()

@@ -21,6 +21,7 @@ from dsv4.mapping.targets import Target, bundled_target, installed_tables, insta
 from dsv4.model.checkpoint import ShardHeaders
 from dsv4.model.config import ModelConfig
 from dsv4.model.record import (
+    ABSENT,
     CONVERSION_RECORD,
     LAYOUT_RECORD,
     RUNTIME_CONFIG_FIELDS,
@@ -32,7 +33,6 @@ from dsv4.model.storage import holding_layout_tensor, holding_native_weight, sca
 
 EXPERT = re.compile(rf"\.ffn\.experts\.routed_experts\.(w13|w2)_(weight|{'|'.join(scale_params())})\Z")
 NATIVE_EXPERT = re.compile(r"mtp\.\d+\.ffn\.experts\.(\d+)\.w[123]\.(weight|scale)\Z")
-ABSENT = "(absent)"
 
 
 def _expert_dtype_of(name: str, dtype: str) -> tuple[str, ...] | None:

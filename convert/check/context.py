@@ -45,7 +45,7 @@ class Context:
     checksum_error: str | None = None  # a malformed sha256 in conversion.json (the checksums check's finding)
     smoke_report: dict[str, Any] | None = None
     passed: set[str] = field(default_factory=set)
-    serve_with: Path | None = None  # the target model's directory or config.json (--serve-with)
+    serve_with: str | None = None  # the target model: its directory, config.json or hub repo (--serve-with)
     checkpoint: Checkpoint = field(init=False)  # the one reader of config.json, the index and the headers
     # a native-named directory's plan into the bundled layout (quant and smoke), or why there is none
     _bundled_plan: Plan | DSV4Error | None = field(default=None, init=False)

@@ -99,7 +99,7 @@ def run_checks(
     """Run every check on the converted checkpoint at `path` and return the report (never
     raises for a failed check; `report.raise_for_failure()` does). `native` (the checkpoint
     it was converted from) implies the smoke run, which then also runs the reference.
-    `serve_with` (the target model's directory or config.json) checks that a draft
+    `serve_with` (the target model's directory, config.json or hub repo) checks that a draft
     directory would load beside it in vLLM. Unless `quiet`, a bar over the checks
     (convert/progress.py's rule)."""
     ctx = Context(
@@ -111,7 +111,7 @@ def run_checks(
         tokens,
         min_top1,
         max_rel_diff,
-        serve_with=Path(serve_with) if serve_with is not None else None,
+        serve_with=str(serve_with) if serve_with is not None else None,
     )
     _load_config(ctx)
     results = []

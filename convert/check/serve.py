@@ -6,29 +6,52 @@ draft's own, and each draft module must hold what the scheme the target gives it
 
 from __future__ import annotations
 
-from dataclasses import fields
 from functools import partial
 from typing import Any
 
-from dsv4.convert.check.config import ABSENT, layout_target
+from dsv4.convert.check.config import layout_target
 from dsv4.convert.check.context import Context, Skipped, first_line
 from dsv4.convert.errors import CheckError
 from dsv4.convert.schemes.registry import check_draft_served
+from dsv4.convert.serving import OVERRIDES_FILE
+from dsv4.convert.serving_target import ServingTarget, first_difference, read_serving_target, serve_fields
 from dsv4.mapping.targets import serving_targets
-from dsv4.model.checkpoint import CONFIG
-from dsv4.model.config import ModelConfig, parse_config
 from dsv4.model.errors import DSV4Error
-from dsv4.model.record import RUNTIME_CONFIG_FIELDS, brief
+from dsv4.model.record import brief
+from dsv4.model.strictjson import StrictJSONError, loads, read_record_bytes
+
+SERVE_MISMATCH = partial(CheckError, kind="serve_mismatch")
 
 
-# vLLM builds a draft's layers from the TARGET's config and quantisation config (line numbers
-# at the vLLM version of mapping/targets/draft.toml: model_loader/utils.py:93-101 with the
-# target's vllm_config; xpu/mtp.py:76, 89, 97, 176-178; speculative.py:1564-1566 gives a V4
-# DSpark draft the target's quantisation method): every field the layers are built from must
-# be the draft's own. NOTES.md, "Serving a draft".
-def _serve_fields() -> tuple[str, ...]:
-    model_fields = sorted({f.name for f in fields(ModelConfig)} - set(RUNTIME_CONFIG_FIELDS))
-    return (*RUNTIME_CONFIG_FIELDS, *model_fields)
+def _target(ctx: Context) -> ServingTarget:
+    """The serving target --serve-with names (a directory, a config.json or a hub repo), its
+    model fields unchecked: the check compares them with the draft's."""
+    assert ctx.serve_with is not None
+    try:
+        return read_serving_target(ctx.serve_with, model_fields=False)
+    except (OSError, DSV4Error) as exc:  # a config error names its file already: said once
+        where = getattr(exc, "path", None) or str(ctx.serve_with)
+        raise SERVE_MISMATCH(
+            f"{where}: cannot read the target's config: {first_line(exc).removeprefix(f'{where}: ')}", path=where
+        ) from None
+
+
+def _overrides(ctx: Context) -> dict[str, Any]:
+    """The draft's launch overrides (OUT/serve/vllm-hf-overrides.json), {} without the file:
+    vLLM sets each of its top-level fields on the target's config before it builds anything
+    (config/model.py 555-568, 691-692), so the target the draft is checked against has them."""
+    path = ctx.root / OVERRIDES_FILE
+    if not path.exists():
+        return {}
+    try:
+        value = loads(read_record_bytes(path))
+    except (OSError, StrictJSONError) as exc:
+        raise SERVE_MISMATCH(
+            f"{path}: cannot read the draft's launch overrides: {first_line(exc)}", path=str(path)
+        ) from None
+    if not isinstance(value, dict):
+        raise SERVE_MISMATCH(f"{path}: the launch overrides are {brief(value)}, not a JSON object", path=str(path))
+    return value
 
 
 def check_serve(ctx: Context, details: dict[str, Any]) -> str:
@@ -42,43 +65,31 @@ def check_serve(ctx: Context, details: dict[str, Any]) -> str:
             f"only a --target {' or '.join(serving_targets())} output is served beside a target model (this one is "
             f"{name!r})"
         )
-    where = ctx.serve_with / CONFIG if ctx.serve_with.is_dir() else ctx.serve_with
-    try:
-        target = parse_config(where.read_bytes(), str(where))
-    except (OSError, DSV4Error) as exc:  # a config error names `where` already: said once
-        raise CheckError(
-            f"{where}: cannot read the target's config: {first_line(exc).removeprefix(f'{where}: ')}",
-            kind="serve_mismatch",
-            path=str(where),
-        ) from None
-    for key in _serve_fields():
-        mine, theirs = ctx.config.get(key, ABSENT), target.get(key, ABSENT)
-        if isinstance(mine, dict) and isinstance(theirs, dict):  # name the first sub-field that differs
-            sub = next(
-                (k for k in sorted(mine.keys() | theirs.keys()) if mine.get(k, ABSENT) != theirs.get(k, ABSENT)), None
-            )
-            key, mine, theirs = (
-                (f"{key}.{sub}", mine.get(sub, ABSENT), theirs.get(sub, ABSENT)) if sub else (key, mine, theirs)
-            )
-        if mine != theirs:
-            details.update(field=key)
-            raise CheckError(
-                f"{where}: {key} is {brief(theirs)}, the draft's is {brief(mine)}: "
-                f"{layout.runtime_named('vLLM')} builds the draft's layers from the "
-                "target's config and quantisation, so this draft would not load beside it (serve it beside the "
-                "checkpoint it was converted from)",
-                kind="serve_mismatch",
-                path=str(where),
-                field=key,
-            )
+    target = _target(ctx)
+    where = target.where
+    overrides = _overrides(ctx)
+    effective = {**target.config, **overrides}
+    with_overrides = f" (with {ctx.root / OVERRIDES_FILE} applied)" if overrides else ""
+    found = first_difference(ctx.config, effective, serve_fields())
+    if found is not None:
+        key, mine, theirs = found
+        details.update(field=key)
+        raise SERVE_MISMATCH(
+            f"{where}: {key} is {brief(theirs)}{with_overrides}, the draft's is {brief(mine)}: "
+            f"{layout.runtime_named('vLLM')} builds the draft's layers from the "
+            "target's config and quantisation, so this draft would not load beside it (serve it beside the "
+            "checkpoint it was converted from)",
+            path=where,
+            field=key,
+        )
     # and each draft module holds what the scheme the target gives it takes (convert/schemes/)
     try:
         plan = ctx.bundled_plan()
     except DSV4Error as exc:
         raise Skipped(f"needs the xpu plan of this draft directory: {first_line(exc)}") from None
     have = {name: (t.dtype, tuple(t.shape)) for name, t in ctx.need_headers().tensors.items()}
-    served = check_draft_served(target, plan, have, str(where), partial(CheckError, kind="serve_mismatch"))
+    served = check_draft_served(effective, plan, have, where, SERVE_MISMATCH)
     return (
-        f"{where}: the {len(_serve_fields())} config fields vLLM builds the draft's layers from (quantization_config "
-        f"included) are the draft's own; {served}"
+        f"{where}{with_overrides}: the {len(serve_fields())} config fields vLLM builds the draft's layers from "
+        f"(quantization_config included) are the draft's own; {served}"
     )

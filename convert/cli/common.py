@@ -4,15 +4,22 @@ the options defined once (one name, default and help each) and the JSON output."
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from dsv4.convert.sizes import shard_size
-from dsv4.mapping.targets import default_target, installed_targets
+from dsv4.mapping.targets import default_target, installed_targets, serving_targets
 from dsv4.model.memory import refuse_unless_torch_fits
 
+if TYPE_CHECKING:
+    from dsv4.convert.serving import Serving
+
+# --draft-format's choices: auto, then the routes (convert/schemes/base.py ROUTES; not imported
+# at start-up, tests/convert/test_serve_cli.py holds the two equal)
+DRAFT_FORMATS = ("auto", "native", "overlay", "bf16", "match-target")
 JSON_DIGITS = 6  # significant digits of a float in --json output
 
 
@@ -94,6 +101,48 @@ revision_option = click.option(
 token_option = click.option(
     "--token", help="Hub source: the access token (default: HF_TOKEN, else the `hf auth login` one). Never printed."
 )
+
+
+# --serve-with and its two options, on `convert` and `plan` (convert/serving.py)
+def serve_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    command = click.option(
+        "--allow-lossy",
+        is_flag=True,
+        help="With --serve-with: allow a route that requantises the draft with rounding (the error is recorded).",
+    )(command)
+    command = click.option(
+        "--draft-format",
+        type=click.Choice(DRAFT_FORMATS),
+        help="With --serve-with: how the draft is made to serve beside TARGET (default auto: the exact route the "
+        "target's quantisation allows; docs/serving.md says what each costs and guarantees).",
+    )(command)
+    return click.option(
+        "--serve-with",
+        metavar="TARGET",
+        help="--target draft: write the draft that serves beside TARGET, the target model (a directory, its "
+        "config.json, or a hub repo [hf://]org/name[@revision], of which only config.json is read), with its launch "
+        "commands in OUT/serve/.",
+    )(command)
+
+
+def serving_request(
+    target: str, serve_with: str | None, draft_format: str | None, allow_lossy: bool, reverse: bool
+) -> Serving | None:
+    """The serving target the options name, read (its refusals before OUT is touched); None
+    without --serve-with. The options apply to a forward --target draft conversion only."""
+    if serve_with is None:
+        if draft_format is not None or allow_lossy:
+            raise click.UsageError("--draft-format and --allow-lossy choose how a draft serves: they need --serve-with")
+        return None
+    if target not in serving_targets() or reverse:
+        raise click.UsageError(
+            f"--serve-with makes a draft directory to serve beside a target: it takes --target "
+            f"{' or '.join(serving_targets())} without --reverse"
+        )
+    from dsv4.convert.serving import Serving  # start-up time
+    from dsv4.convert.serving_target import read_serving_target
+
+    return Serving(read_serving_target(serve_with), draft_format or "auto", allow_lossy)
 
 
 def _rounded(value: Any) -> Any:

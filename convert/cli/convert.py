@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -13,12 +13,15 @@ from dsv4.convert.cli.common import (
     json_option,
     quiet_option,
     revision_option,
+    serve_options,
+    serving_request,
     target_option,
     token_option,
 )
 
 if TYPE_CHECKING:
     from dsv4.convert.plan import Plan
+    from dsv4.convert.serving import Served
 
 
 @click.command("convert")
@@ -50,6 +53,7 @@ if TYPE_CHECKING:
     'does and what would become of OUT (--json: `plan --json` plus "output" and "would"), and stop; '
     "nothing is written.",
 )
+@serve_options
 @revision_option
 @token_option
 @click.option(
@@ -69,6 +73,9 @@ def convert_command(
     wait: bool,
     max_shard_size: int,
     dry_run: bool,
+    serve_with: str | None,
+    draft_format: str | None,
+    allow_lossy: bool,
     revision: str | None,
     token: str | None,
     verify_source: bool,
@@ -85,6 +92,14 @@ def convert_command(
     from dsv4.convert.pipeline import dry_run as preview
     from dsv4.convert.sources.location import locate
 
+    serving = serving_request(target, serve_with, draft_format, allow_lossy, reverse)
+    options: dict[str, Any] = {
+        "target": target,
+        "reverse": reverse,
+        "overwrite": overwrite,
+        "max_shard_size": max_shard_size,
+        "serving": serving,
+    }
     # the hub options are checked against SOURCE here; without them convert() locates it
     where = (
         locate(source, revision=revision, token=token, verify_files=verify_source)
@@ -92,25 +107,18 @@ def convert_command(
         else source
     )
     if dry_run:
-        plan, would, header_bytes = preview(
-            where, out, target=target, reverse=reverse, overwrite=overwrite, max_shard_size=max_shard_size
-        )
+        plan, would, header_bytes, served = preview(where, out, **options)
         if as_json:
-            echo_json(plan.to_json() | {"header_bytes_read": header_bytes, "output": out, "would": would})
+            echo_json(
+                plan.to_json()
+                | {"header_bytes_read": header_bytes, "output": out, "would": would}
+                | _serve_json(served)
+            )
             return
-        _print_plan(plan, False, quiet, full=True, header_bytes=header_bytes)
+        _print_plan(plan, False, quiet, full=True, header_bytes=header_bytes, served=served)
         click.echo(f"dry run: {out} {DRY_RUN_OUTCOMES[would]}; nothing was written")
         return
-    result = convert(
-        where,
-        out,
-        target=target,
-        reverse=reverse,
-        overwrite=overwrite,
-        wait=wait,
-        max_shard_size=max_shard_size,
-        quiet=quiet or as_json,
-    )
+    result = convert(where, out, wait=wait, quiet=quiet or as_json, **options)
     if as_json:
         echo_json(result.to_json())
     elif result.status == "up-to-date":
@@ -123,6 +131,10 @@ def convert_command(
             f"{result.status} {result.tensors} tensors into {out}: read {gb(result.bytes_read)}, wrote "
             f"{gb(result.bytes_written)} in {result.seconds:.1f} s"
         )
+    if serving is not None and not as_json:
+        from dsv4.convert.serving import COMMANDS_FILE
+
+        click.echo((result.out / COMMANDS_FILE).read_text(encoding="utf-8"), nl=False)
 
 
 DRY_RUN_OUTCOMES = {
@@ -136,6 +148,7 @@ DRY_RUN_OUTCOMES = {
 @click.argument("source")
 @target_option
 @click.option("--reverse", is_flag=True, help="Plan the reverse conversion of a converted checkpoint.")
+@serve_options
 @revision_option
 @token_option
 @quiet_option
@@ -143,15 +156,26 @@ DRY_RUN_OUTCOMES = {
     "--json", "as_json", is_flag=True, help="The whole plan (every tensor and byte range, every skip) as JSON."
 )
 def plan_command(
-    source: str, target: str, reverse: bool, revision: str | None, token: str | None, quiet: bool, as_json: bool
+    source: str,
+    target: str,
+    reverse: bool,
+    serve_with: str | None,
+    draft_format: str | None,
+    allow_lossy: bool,
+    revision: str | None,
+    token: str | None,
+    quiet: bool,
+    as_json: bool,
 ) -> None:
-    """Show what converting SOURCE would read and write. Reads headers only."""
-    from dsv4.convert.pipeline import plan_source
+    """Show what converting SOURCE would read and write; with --serve-with, each draft module's
+    scheme beside TARGET and why. Reads headers only."""
+    from dsv4.convert.pipeline import plan_served, plan_source
     from dsv4.convert.sources.location import locate, open_source  # start-up time (see the module's docstring)
 
+    serving = serving_request(target, serve_with, draft_format, allow_lossy, reverse)
     with open_source(locate(source, revision=revision, token=token), quiet=quiet or as_json) as opened:
-        plan = plan_source(opened, target, reverse=reverse)
-    _print_plan(plan, as_json, quiet, full=True, header_bytes=opened.inventory.header_bytes)
+        plan, served = plan_served(opened, plan_source(opened, target, reverse=reverse), serving)
+    _print_plan(plan, as_json, quiet, full=True, header_bytes=opened.inventory.header_bytes, served=served)
 
 
 # how `plan` names the layout it chose (convert/plan.py choose_table)
@@ -161,12 +185,26 @@ DRAFTER_NAMES = {
 }
 
 
-def _print_plan(plan: Plan, as_json: bool, quiet: bool, *, full: bool, header_bytes: int | None = None) -> None:
+def _serve_json(served: Served | None) -> dict[str, object]:
+    from dsv4.convert.serving import serve_json
+
+    return {"serve": serve_json(served)} if served is not None else {}
+
+
+def _print_plan(
+    plan: Plan,
+    as_json: bool,
+    quiet: bool,
+    *,
+    full: bool,
+    header_bytes: int | None = None,
+    served: Served | None = None,
+) -> None:
     if as_json:
         data = plan.to_json() if full else plan.summary()
         if header_bytes is not None:
             data["header_bytes_read"] = header_bytes
-        echo_json(data)
+        echo_json(data | _serve_json(served))
         return
     s = plan.summary()
     click.echo(
@@ -189,3 +227,21 @@ def _print_plan(plan: Plan, as_json: bool, quiet: bool, *, full: bool, header_by
     click.echo("  ops:  " + ", ".join(f"{op} x{n}" for op, n in s["ops"].items()))
     for reason, n in s["skip_reasons"].items():
         click.echo(f"  skip x{n}: {reason}")
+    if served is not None:
+        _print_decisions(served)
+
+
+def _print_decisions(served: Served) -> None:
+    """The serve plan: the target and route, then per draft module its scheme, tensors and why."""
+    from dsv4.convert.serving import OVERRIDES_FILE, decision_rows
+
+    plan = served.plan
+    click.echo(f"  serve with:           {served.serving.target.name} ({served.serving.target.where})")
+    click.echo(f"  route:                {plan.route} ({plan.why})")
+    launch = f"OUT/{OVERRIDES_FILE} (--hf-overrides)" if plan.overrides is not None else "none"
+    click.echo(f"  launch overrides:     {launch}")
+    rows = decision_rows(served)
+    width = max(len(r["module"]) for r in rows)
+    click.echo(f"  {'module':{width}}  {'scheme':12} tensors  why")
+    for r in rows:
+        click.echo(f"  {r['module']:{width}}  {r['scheme']:12} {len(r['tensors']):7}  {r['why']}")

@@ -35,9 +35,11 @@ from dsv4.model.presets import PRESETS, VARIANTS
 )
 @click.option(
     "--serve-with",
-    type=click.Path(exists=True, path_type=Path),
-    help="A draft directory: the target model (its directory or config.json) it is to be served beside; fails when "
-    "vLLM would build the draft's layers differently (another quantisation, another architecture).",
+    metavar="TARGET",
+    help="A draft directory: the target model it is to be served beside (its directory, its config.json, or a hub "
+    "repo [hf://]org/name[@revision], of which only config.json is read), with the draft's OUT/serve/"
+    "vllm-hf-overrides.json applied where it has one; fails when vLLM would build the draft's layers differently "
+    "(another quantisation, another architecture).",
 )
 @quiet_option
 @json_option
@@ -48,7 +50,7 @@ def check_command(
     fast: bool,
     device: str | None,
     junit: Path | None,
-    serve_with: Path | None,
+    serve_with: str | None,
     quiet: bool,
     as_json: bool,
 ) -> None:

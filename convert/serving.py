@@ -1,0 +1,174 @@
+"""A draft made to serve beside a serving target (`--serve-with TARGET`, convert/serving_target.py
+reads it): the serve plan of the source's draft (convert/schemes/registry.py), the draft's
+config.json under it, and what goes into OUT/serve/ beside the tensors:
+
+  OUT/serve/vllm-hf-overrides.json  the value vLLM's --hf-overrides takes, where the route
+                                    changes the target's launch (serve.overrides)
+  OUT/serve/commands.sh             the launch commands, from the target file's serve
+                                    templates (mapping/targets/draft.toml [[card.serve]])
+
+Both are written into the partial directory with the tensors and listed in conversion.json's
+"serve" record, so an interrupted run leaves nothing that looks complete and --overwrite
+takes them for this tool's own files.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+from dsv4.convert.choose import choose_table
+from dsv4.convert.errors import PlanError
+from dsv4.convert.launch import serve_commands
+from dsv4.convert.plan import Plan, plan_conversion
+from dsv4.convert.schemes.base import ROUTES, ServePlan, layer_map
+from dsv4.convert.schemes.registry import serve_plan
+from dsv4.convert.serving_target import QUANTIZATION, ServingTarget
+from dsv4.convert.sources.inventory import Inventory
+from dsv4.mapping.targets import bundled_target, require_target
+from dsv4.model.native import Layout, standalone_draft_layout
+from dsv4.model.record import sha256_hex
+from dsv4.model.strictjson import json_bytes, write_bytes
+
+SERVE_DIR = "serve"
+OVERRIDES_FILE = f"{SERVE_DIR}/vllm-hf-overrides.json"
+COMMANDS_FILE = f"{SERVE_DIR}/commands.sh"
+DRAFT_FORMATS = ("auto", *ROUTES)  # --draft-format: auto (the exact route the target allows), or a route
+
+
+@dataclass(frozen=True)
+class Serving:
+    """What --serve-with asks: the target, the route (--draft-format) and --allow-lossy."""
+
+    target: ServingTarget
+    route: str = "auto"
+    allow_lossy: bool = False
+
+
+@dataclass(frozen=True)
+class Served:
+    """A serving request decided for one source: the serve plan, and the draft's layout and kind."""
+
+    serving: Serving
+    plan: ServePlan
+    layout: str  # the draft's --target (a serving target file: mapping/targets/draft.toml)
+    drafter: str  # "mtp" or "dspark" (the draft table's), which launch command serves it
+    native: Layout  # the native draft's layout, what the schemes derive the tensors from
+
+
+def decide_serving(inventory: Inventory, plan: Plan, serving: Serving) -> Served:
+    """The serve plan of `plan`'s draft beside the serving target: the source's draft modules
+    from its plan into the bundled layout (headers only, the one open inventory), the
+    native draft layout of its config as what the schemes derive their tensors from."""
+    serving.target.refuse_unless_fits(plan.config)
+    bundled = plan_conversion(inventory, choose_table(bundled_target().name, inventory))
+    native = standalone_draft_layout(plan.model_config)
+    decided = serve_plan(
+        serving.target.config,
+        layer_map(bundled),
+        native,
+        serving.target.where,
+        partial(PlanError, kind="quant_carry"),
+        route=serving.route,
+        allow_lossy=serving.allow_lossy,
+    )
+    return Served(serving, decided, plan.target, plan.identity.drafter, native)
+
+
+def draft_config(plan: Plan, served: Served) -> dict[str, Any] | bytes:
+    """The draft's config.json: the source's, with the quantization_config the runtime is to
+    build the draft with (none: the field removed); the source's bytes where that is what it
+    says already. num_hidden_layers stays the source's, which the target's equals
+    (refuse_unless_fits): vLLM numbers the draft's layers after the target's
+    num_hidden_layers (models/deepseek_v4/nvidia/mtp.py 216-225) and SGLang names the draft's
+    parameters after the draft's own (docs/serving.md), so the two must agree."""
+    config = {k: v for k, v in plan.config.items() if k != QUANTIZATION}
+    if served.plan.quantization_config is not None:
+        config[QUANTIZATION] = served.plan.quantization_config
+    return plan.config_bytes if config == plan.config else config
+
+
+def quant_method(config: dict[str, Any]) -> str | None:
+    """A draft config's quantisation method (what SGLang's --speculative-draft-model-quantization names)."""
+    qc = config.get(QUANTIZATION)
+    method = qc.get("quant_method") if isinstance(qc, dict) else None
+    return method if isinstance(method, str) else None
+
+
+def serve_files(served: Served, out: Path) -> dict[str, bytes]:
+    """OUT/serve/'s files (module docstring) for a draft published at `out` (absolute: the
+    commands name it, and the overrides file by its path under it)."""
+    files: dict[str, bytes] = {}
+    overrides = None
+    if served.plan.overrides is not None:
+        files[OVERRIDES_FILE] = json_bytes(served.plan.overrides)
+        overrides = str(out / OVERRIDES_FILE)
+    commands = serve_commands(
+        require_target(served.layout),
+        served.serving.target.name,
+        str(out),
+        served.drafter,
+        route=served.plan.route,
+        overrides=overrides,
+        quantization=quant_method({QUANTIZATION: served.plan.quantization_config}),
+    )
+    head = f"# Serve {out} beside {served.serving.target.name} ({served.plan.route}: {served.plan.why})\n\n"
+    files[COMMANDS_FILE] = (head + commands + "\n").encode()
+    return files
+
+
+def write_serve_files(files: dict[str, bytes], partial_dir: Path) -> None:
+    (partial_dir / SERVE_DIR).mkdir(exist_ok=True)
+    for name, data in files.items():
+        write_bytes(partial_dir / name, data)
+
+
+def serve_record(served: Served, files: dict[str, bytes]) -> dict[str, Any]:
+    """conversion.json's "serve": the target, the route and why, and OUT/serve/'s files."""
+    return {
+        "target": served.serving.target.to_json(),
+        "route": served.plan.route,
+        "why": served.plan.why,
+        "allow_lossy": served.serving.allow_lossy,
+        "files": {name: sha256_hex(data) for name, data in sorted(files.items())},
+    }
+
+
+def serving_output(served: Served | None, out: Path) -> tuple[dict[str, bytes], dict[str, Any]] | None:
+    """OUT/serve/'s files for the draft published at `out`, and conversion.json's record of them."""
+    if served is None:
+        return None
+    files = serve_files(served, out)
+    return files, serve_record(served, files)
+
+
+def decision_rows(served: Served) -> list[dict[str, Any]]:
+    """Each draft module's decision: its runtime name, scheme, why, and the tensors it takes."""
+    return [
+        {
+            "module": d.module,
+            "kind": d.kind,
+            "scheme": d.scheme.name,
+            "why": d.why,
+            "parts": list(d.parts),
+            "tensors": [
+                {"name": o.name, "dtype": o.dtype, "shape": list(o.shape), "transform": o.transform, "exact": o.exact}
+                for o in d.outputs(served.native)
+            ],
+        }
+        for d in served.plan.decisions
+    ]
+
+
+def serve_json(served: Served) -> dict[str, Any]:
+    """`plan --serve-with --json`'s "serve": the target, the route, the overrides, the decisions."""
+    return {
+        "target": served.serving.target.to_json(),
+        "route": served.plan.route,
+        "why": served.plan.why,
+        "overrides": served.plan.overrides,
+        "quantization_config": served.plan.quantization_config,
+        "decisions": decision_rows(served),
+    }
