@@ -10,6 +10,7 @@ are ever matched, so an honest pattern answers in microseconds.
 
 from __future__ import annotations
 
+import functools
 import multiprocessing
 import re
 import time
@@ -59,36 +60,47 @@ def match_table(
         unique.setdefault(pattern, field)
     if not unique:
         return {}
-    ordered = list(unique)
+    try:
+        return dict(zip(unique, _run(tuple(unique), tuple(names)), strict=True))
+    except _TooSlow as slow:
+        field = unique[slow.pattern]
+        raise error(
+            f"{where}: {field} took more than {SECONDS:g} s to match the draft's {len(names)} layer names "
+            "(a regular expression that backtracks without bound); refused",
+            path=where,
+            field=field,
+        ) from None
+
+
+class _TooSlow(Exception):
+    def __init__(self, pattern: str) -> None:
+        self.pattern = pattern
+
+
+@functools.lru_cache(maxsize=64)  # one plan asks about the same patterns for each route's config
+def _run(patterns: tuple[str, ...], names: tuple[str, ...]) -> tuple[frozenset[str], ...]:
     receive, send = _context().Pipe(duplex=False)
-    child = _context().Process(target=_match_all, args=(ordered, list(names), send), daemon=True)
+    child = _context().Process(target=_match_all, args=(patterns, names, send), daemon=True)
     child.start()
     send.close()
-    table: dict[str, frozenset[str]] = {}
+    table: list[frozenset[str]] = []
     on = 0
+    start = time.monotonic()
     try:
-        start = time.monotonic()
-        while len(table) < len(ordered):
+        while len(table) < len(patterns):
             left = SECONDS - (time.monotonic() - start)
             if left <= 0 or not receive.poll(left):
-                field = unique[ordered[on]]
-                raise error(
-                    f"{where}: {field} took more than {SECONDS:g} s to match the draft's {len(names)} "
-                    "layer names (a regular expression that backtracks without bound); refused",
-                    path=where,
-                    field=field,
-                )
+                raise _TooSlow(patterns[on])
             message = receive.recv()
             if isinstance(message, int):
                 on = message
             else:
-                table[ordered[on]] = frozenset(names[k] for k in message)
+                table.append(frozenset(names[k] for k in message))
     except EOFError:
-        field = unique[ordered[on]]
-        raise error(f"{where}: {field} could not be matched (the matcher died)", path=where, field=field) from None
+        raise _TooSlow(patterns[on]) from None  # the child died on it (out of memory)
     finally:
         if child.is_alive():
             child.kill()
         child.join()
         receive.close()
-    return table
+    return tuple(table)
