@@ -119,4 +119,10 @@ def serving_target(preset: str, ignore: list[str], *, fp8_wo_a: bool = True, **e
     for wo_a first."""
     groups = {"wo_a": preset_group("FP8_BLOCK", [r"re:.*attn\.wo_a$"], "float-quantized")} if fp8_wo_a else {}
     groups["group_0"] = preset_group(preset, ["Linear"], FORMAT[preset])
-    return {"quant_method": "compressed-tensors", "format": FORMAT[preset], "config_groups": groups, "ignore": ignore, **extra}
+    return {
+        "quant_method": "compressed-tensors",
+        "format": FORMAT[preset],
+        "config_groups": groups,
+        "ignore": ignore,
+        **extra,
+    }

@@ -48,12 +48,13 @@ from dsv4.convert.schemes.ct_match import (
     NEVER_QUANTISED,
     PLATFORMS,
     DraftModule,
+    Refused,
     Resolver,
     regex_table,
     transformed,
     vllm_name,
 )
-from dsv4.convert.schemes.ct_schemes import CT_FP8_BLOCK, CT_MXFP4, is_lossy, scheme_for
+from dsv4.convert.schemes.ct_schemes import CT_FP8_BLOCK, is_lossy, scheme_for
 from dsv4.model.native import Layout
 
 METHOD = "compressed-tensors"
@@ -99,21 +100,22 @@ def _outcomes(
         for m, d in quantised.items():
             try:
                 found = resolver.resolve(d)
-            except ValueError as exc:
-                raise error(
-                    f"{where}: quantization_config: {exc} on {platform}", path=where, field="quantization_config.ignore"
-                ) from None
+            except Refused as exc:
+                raise error(f"{where}: {exc} (on {platform})", path=where, field=exc.field) from None
+            # vLLM wraps a linear in its transforms whether or not the quantisation ignores it
+            # (compressed_tensors.py:162-181)
             tf = transformed(config, d, platform, regex)
-            if tf is not None and found != IGNORED:
+            if tf is not None:
                 raise error(
-                    f"{where}: {tf} wraps the draft's {d.name} on {platform} in an online transform; its weights would have to be rotated",
+                    f"{where}: {tf} wraps the draft's {d.name} on {platform} in an online transform; "
+                    "its weights would have to be rotated",
                     path=where,
                     field=tf,
                 )
             if platform != PLATFORMS[0] and _key(found) != _key(out[m]):
                 raise error(
-                    f"{where}: quantization_config gives {d.name} {_said(out[m])} on {PLATFORMS[0]} but {_said(found)} on {platform}; "
-                    "one draft directory cannot serve both",
+                    f"{where}: quantization_config gives {d.name} {_said(out[m])} on {PLATFORMS[0]} "
+                    f"but {_said(found)} on {platform}; one draft directory cannot serve both",
                     path=where,
                     field="quantization_config",
                 )

@@ -192,7 +192,8 @@ def identify(w: Any, inp: Any, fmt: str, fld: str, where: str, error: ErrorFacto
             error,
             where,
             w_fld,
-            f"({what}{' with input activations' if inp is not None else ''}) is not a scheme this converter writes (it knows FP8_BLOCK, W4A16/W8A16, NVFP4A16, NVFP4, MXFP4A16, MXFP4)",
+            f"({what}{' with input activations' if inp is not None else ''}) is not a scheme this converter "
+            "writes (it knows FP8_BLOCK, W4A16/W8A16, NVFP4A16, NVFP4, MXFP4A16, MXFP4)",
         )
     return _checked_format(scheme, fmt, fld, where, error), False
 
@@ -228,8 +229,6 @@ def _group(name: str, body: object, default_fmt: str | None, where: str, error: 
             error, where, f"{fld}.weights", "is absent: a group without weight quantisation has no scheme for the draft"
         )
     w = _args(body["weights"], f"{fld}.weights", where, error)
-    if w.actorder in ("group", "dynamic"):  # vLLM raises (compressed_tensors.py:318-326)
-        raise _refuse(error, where, f"{fld}.weights.actorder", f"{w.actorder!r} is refused by vLLM 0.33.0")
     inp = body.get("input_activations")
     inp = _args(inp, f"{fld}.input_activations", where, error) if inp is not None else None
     fmt_value = body.get("format") if body.get("format") is not None else default_fmt

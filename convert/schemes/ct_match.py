@@ -91,6 +91,14 @@ SUFFIXES = ((".ffn.gate.bias", ".ffn.gate.e_score_correction_bias"),)
 IGNORED = "ignored"
 
 
+class Refused(ValueError):
+    """Where vLLM raises for a module: the message and the config field at fault."""
+
+    def __init__(self, message: str, field: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
 def vllm_name(module: str) -> str:
     """The quantisation prefix vLLM gives a module of the repo's layer map: SharedHead is built
     with the layer's prefix, so its head is `model.layers.{L}.head` (nvidia/mtp.py:136-138,
@@ -194,7 +202,9 @@ class Resolver:
         ValueError where vLLM does (mixed shards)."""
         ignored = self.ignored(name)
         if ignored is None:
-            raise ValueError(f"the shards of {name} are ignored and not ignored (vLLM raises)")
+            raise Refused(
+                f"ignore covers some shards of {name} but not all, which vLLM refuses", "quantization_config.ignore"
+            )
         if ignored:
             return IGNORED
         t = self.target(name, cls)
@@ -207,7 +217,12 @@ class Resolver:
         found = [self.scheme_dict(p, cls) for p in probe_names(module, self.platform)]
         keys = {_same(f) for f in found}
         if len(keys) > 1:
-            raise ValueError(f"the probes {', '.join(probe_names(module, self.platform))} of {module.name} differ")
+            probes = ", ".join(probe_names(module, self.platform))
+            raise Refused(
+                f"the routed experts {module.name} are probed as {probes} and these get different schemes, "
+                "which vLLM refuses",
+                "quantization_config.config_groups",
+            )
         return found[0]
 
 

@@ -62,7 +62,10 @@ TARGETS: dict[str, dict[str, Any]] = {
 # (target, route, allow_lossy) -> variant -> the decision table, or a refusal's words
 Expected = dict[str, Any]
 MATCH: dict[tuple[str, bool], Expected] = {
-    ("fp8-block", False): {"instruct": table("ct-fp8-block", "ct-fp8-block"), "base": table("ct-fp8-block", "ct-fp8-block")},
+    ("fp8-block", False): {
+        "instruct": table("ct-fp8-block", "ct-fp8-block"),
+        "base": table("ct-fp8-block", "ct-fp8-block"),
+    },
     ("w4a16", False): {"instruct": LOSSY, "base": LOSSY},
     ("w4a16", True): {
         "instruct": table("requant-wna16", "requant-wna16", wo_a="ct-fp8-block"),
@@ -83,7 +86,10 @@ MATCH: dict[tuple[str, bool], Expected] = {
     ("ignores-draft", False): {"instruct": XPU_WO_A, "base": XPU_WO_A},
     ("ignores-draft", True): {"instruct": XPU_WO_A, "base": XPU_WO_A},
     # the regex compressed-tensors' MTP carry-over writes matches no draft name in vLLM 0.33.0
-    ("ignores-mtp", False): {"instruct": table("ct-fp8-block", "ct-fp8-block"), "base": table("ct-fp8-block", "ct-fp8-block")},
+    ("ignores-mtp", False): {
+        "instruct": table("ct-fp8-block", "ct-fp8-block"),
+        "base": table("ct-fp8-block", "ct-fp8-block"),
+    },
     ("hadamard", False): {"instruct": "transform_config.config_groups.v.apply.0", "base": "transform_config"},
     ("hadamard", True): {"instruct": "transform_config.config_groups.v.apply.0", "base": "transform_config"},
 }
@@ -106,13 +112,18 @@ CASES += [(t, "match-target", lossy) for t in TARGETS for lossy in (False, True)
 @pytest.fixture(scope="module")
 def plans(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Plan]:
     root = tmp_path_factory.mktemp("ct")
-    return {v: bundled_plan(write_checkpoint(root / v, preset="tiny", variant=v, seed=0)) for v in ("instruct", "base", "dspark")}
+    return {
+        v: bundled_plan(write_checkpoint(root / v, preset="tiny", variant=v, seed=0))
+        for v in ("instruct", "base", "dspark")
+    }
 
 
 def plan_for(plan: Plan, qc: Any, route: str, allow_lossy: bool = False) -> ServePlan:
     config = {**plan.config, "num_hidden_layers": N, "quantization_config": qc}
     native = standalone_draft_layout(plan.model_config)
-    return registry.serve_plan(config, layer_map(plan), native, "t/config.json", ERROR, route=route, allow_lossy=allow_lossy)
+    return registry.serve_plan(
+        config, layer_map(plan), native, "t/config.json", ERROR, route=route, allow_lossy=allow_lossy
+    )
 
 
 def outcome(plan: Plan, qc: Any, route: str, allow_lossy: bool) -> dict[str, str] | str:
@@ -147,7 +158,9 @@ def test_a_dspark_draft_takes_a_config_of_its_own_and_no_launch_change(
     target's groups, every DSpark linear is FP8 block and every FP4 expert MXFP4, exactly."""
     plan = plans["dspark"]
     if route not in ("auto", "overlay"):
-        with pytest.raises(PlanError, match=f"--draft-format {route}: a DSpark draft is built from its own config.json"):
+        with pytest.raises(
+            PlanError, match=f"--draft-format {route}: a DSpark draft is built from its own config.json"
+        ):
             plan_for(plan, TARGETS[target], route)
         return
     got = plan_for(plan, TARGETS[target], route)
@@ -175,7 +188,10 @@ def test_the_overlay_adds_draft_groups_first_and_the_draft_to_every_transforms_i
     assert got.route == "overlay" and got.overrides == {"quantization_config": got.quantization_config}
     effective = got.overrides["quantization_config"]
     assert list(effective["config_groups"]) == ["dsv4_draft_linears", "dsv4_draft_experts", "wo_a", "group_0"]
-    linears, experts = effective["config_groups"]["dsv4_draft_linears"], effective["config_groups"]["dsv4_draft_experts"]
+    linears, experts = (
+        effective["config_groups"]["dsv4_draft_linears"],
+        effective["config_groups"]["dsv4_draft_experts"],
+    )
     assert linears == preset_group(
         "FP8_BLOCK",
         [
@@ -185,10 +201,15 @@ def test_the_overlay_adds_draft_groups_first_and_the_draft_to_every_transforms_i
         "float-quantized",
     )
     assert experts == preset_group(
-        "MXFP4A16", [r"re:^model\.layers\.43\.ffn\.experts\.\d+\.(w1|w2|w3|gate_proj|up_proj|down_proj)$"], "mxfp4-pack-quantized"
+        "MXFP4A16",
+        [r"re:^model\.layers\.43\.ffn\.experts\.\d+\.(w1|w2|w3|gate_proj|up_proj|down_proj)$"],
+        "mxfp4-pack-quantized",
     )
     assert effective["ignore"] == qc["ignore"]  # the target's layers keep what they had
-    assert effective["transform_config"]["config_groups"]["v"]["apply"][0]["ignore"] == ["lm_head", r"re:^model\.layers\.43\."]
+    assert effective["transform_config"]["config_groups"]["v"]["apply"][0]["ignore"] == [
+        "lm_head",
+        r"re:^model\.layers\.43\.",
+    ]
     assert {k: v for k, v in effective.items() if k not in ("config_groups", "transform_config")} == {
         k: v for k, v in qc.items() if k not in ("config_groups", "transform_config")
     }
@@ -228,22 +249,45 @@ def test_the_schemes_make_the_tensors_vllm_loads(plans: dict[str, Plan]) -> None
     assert of("instruct", "match-target", f"{e}.weight_shape")[:3] == ("I64", (2,), "requant.weight_shape")
     assert of("instruct", "match-target", f"{e}.weight_shape")[4] is False
     o = outs[("instruct", "match-target", f"{e}.weight_packed")]
-    assert dict(o.args)["num_bits"] == 4 and dict(o.args)["group_size"] == 128 and dict(o.args)["format"] == "pack-quantized"
+    assert (
+        dict(o.args)["num_bits"] == 4
+        and dict(o.args)["group_size"] == 128
+        and dict(o.args)["format"] == "pack-quantized"
+    )
     wq_a = "mtp.0.attn.wq_a"  # a fused pair's parts share one NVFP4 global scale: each reads both
     qc = TARGETS["nvfp4a16"]
-    nv = {o.name: o for d in plan_for(plans["instruct"], qc, "match-target", True).decisions for o in d.outputs(standalone_draft_layout(plans["instruct"].model_config))}
-    assert nv[f"{wq_a}.weight_global_scale"].inputs == (f"{wq_a}.weight", f"{wq_a}.scale", "mtp.0.attn.wkv.weight", "mtp.0.attn.wkv.scale")
-    assert nv[f"{w1}.weight_global_scale"].inputs[2:] == ("mtp.0.ffn.experts.0.w3.weight", "mtp.0.ffn.experts.0.w3.scale")
+    nv = {
+        o.name: o
+        for d in plan_for(plans["instruct"], qc, "match-target", True).decisions
+        for o in d.outputs(standalone_draft_layout(plans["instruct"].model_config))
+    }
+    assert nv[f"{wq_a}.weight_global_scale"].inputs == (
+        f"{wq_a}.weight",
+        f"{wq_a}.scale",
+        "mtp.0.attn.wkv.weight",
+        "mtp.0.attn.wkv.scale",
+    )
+    assert nv[f"{w1}.weight_global_scale"].inputs[2:] == (
+        "mtp.0.ffn.experts.0.w3.weight",
+        "mtp.0.ffn.experts.0.w3.scale",
+    )
     assert nv[f"{w1}.weight_scale"].dtype == "F8_E4M3" and nv[f"{w1}.weight_scale"].shape == (128, 16)
 
 
 def test_match_target_with_fp4_experts_reblocks_them_into_fp8(plans: dict[str, Plan]) -> None:
     native = standalone_draft_layout(plans["instruct"].model_config)
-    d = next(d for d in plan_for(plans["instruct"], TARGETS["fp8-block"], "match-target").decisions if d.module.endswith("experts"))
+    d = next(
+        d
+        for d in plan_for(plans["instruct"], TARGETS["fp8-block"], "match-target").decisions
+        if d.module.endswith("experts")
+    )
     w1 = {o.name: o for o in d.outputs(native)}
     stem = "mtp.0.ffn.experts.0.w1"
     assert (w1[f"{stem}.weight"].transform, w1[f"{stem}.weight"].shape) == ("fp4_to_fp8_block.weight", (128, 256))
-    assert (w1[f"{stem}.weight_scale"].transform, w1[f"{stem}.weight_scale"].shape) == ("fp4_to_fp8_block.weight_scale", (1, 2))
+    assert (w1[f"{stem}.weight_scale"].transform, w1[f"{stem}.weight_scale"].shape) == (
+        "fp4_to_fp8_block.weight_scale",
+        (1, 2),
+    )
     assert w1[f"{stem}.weight"].inputs == (f"{stem}.weight", f"{stem}.scale") and w1[f"{stem}.weight"].exact
 
 

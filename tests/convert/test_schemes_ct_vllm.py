@@ -32,8 +32,16 @@ from dsv4.convert.inmemory import bundled_plan
 from dsv4.convert.schemes import compressed_tensors as ct
 from dsv4.convert.schemes.base import LayerMap, layer_map
 from dsv4.convert.schemes.ct_config import parse
-from dsv4.convert.schemes.ct_match import IGNORED, NEVER_QUANTISED, PLATFORMS, Resolver, class_of
-from dsv4.convert.schemes.ct_match import DraftModule, regex_table, vllm_name
+from dsv4.convert.schemes.ct_match import (
+    IGNORED,
+    NEVER_QUANTISED,
+    PLATFORMS,
+    DraftModule,
+    Resolver,
+    class_of,
+    regex_table,
+    vllm_name,
+)
 from dsv4.convert.synth import write_checkpoint
 from dsv4.model.native import standalone_draft_layout
 from scripts.runtime_loaders.cut import cut
@@ -80,23 +88,45 @@ def wheel() -> dict[str, Any]:
         "QuantizationType": QuantizationType,
         "CompressionFormat": CompressionFormat,
     }
-    cut(w.source(Q + "utils/config_utils.py"), "config_utils.py", ["find_matching_patterns", "is_equal_or_regex_match"], ns)
+    cut(
+        w.source(Q + "utils/config_utils.py"),
+        "config_utils.py",
+        ["find_matching_patterns", "is_equal_or_regex_match"],
+        ns,
+    )
     ct_utils = Q + "compressed_tensors/utils.py"
     names = ["is_activation_quantization_format", "should_ignore_layer", "find_matched_target"]
     cut(w.source(ct_utils), "ct_utils.py", [*names, "_find_first_match", "_match_fused_layer"], ns)
     methods = ["apply_vllm_mapper", "get_scheme_dict", "_add_fused_moe_to_target_scheme_map"]
     methods.append("_quantization_scheme_map_from_config")
-    cut(w.source(Q + "compressed_tensors/compressed_tensors.py"), "ct.py", [f"CompressedTensorsConfig.{m}" for m in methods], ns)
+    cut(
+        w.source(Q + "compressed_tensors/compressed_tensors.py"),
+        "ct.py",
+        [f"CompressedTensorsConfig.{m}" for m in methods],
+        ns,
+    )
     mapper_methods = ["map_name", "_map_name", "_map_name_with_shard", "get_rename_mapper"]
-    cut(w.source(V + "model_executor/models/utils.py"), "models_utils.py", [f"WeightsMapper.{m}" for m in mapper_methods], ns)
+    cut(
+        w.source(V + "model_executor/models/utils.py"),
+        "models_utils.py",
+        [f"WeightsMapper.{m}" for m in mapper_methods],
+        ns,
+    )
     ns["WeightsMapper"] = dataclass(type("WeightsMapper", (WeightsMapper, ns["WeightsMapper"]), {}))
     for platform in ("nvidia", "amd"):
         sub: dict[str, Any] = dict(ns)
-        cut(w.source(V + f"models/deepseek_v4/{platform}/model.py"), f"{platform}_model.py", ["_make_deepseek_v4_weights_mapper"], sub)
+        cut(
+            w.source(V + f"models/deepseek_v4/{platform}/model.py"),
+            f"{platform}_model.py",
+            ["_make_deepseek_v4_weights_mapper"],
+            sub,
+        )
         ns[f"mapper_{platform}"] = sub["_make_deepseek_v4_weights_mapper"]("fp4").get_rename_mapper()
         tree = ast.parse(w.source(V + f"models/deepseek_v4/{platform}/model.py"))
         packed = next(
-            n.value for n in ast.walk(tree) if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", "") == "packed_modules_mapping"
+            n.value
+            for n in ast.walk(tree)
+            if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", "") == "packed_modules_mapping"
         )
         ns[f"packed_{platform}"] = ast.literal_eval(packed)
     ns["packed_xpu"] = ast.literal_eval(
@@ -114,7 +144,9 @@ def wheel() -> dict[str, Any]:
     defaults = {a.arg: d for a, d in zip(reversed(params), reversed(values), strict=False)}
     for platform in ("nvidia", "xpu", "amd"):
         tree = ast.parse(w.source(V + f"models/deepseek_v4/{platform}/model.py"))
-        call = next(n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "FusedMoEFactory")
+        call = next(
+            n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "FusedMoEFactory"
+        )
         given = next((k.value for k in call.keywords if k.arg == "ckpt_names"), defaults["ckpt_names"])
         gate, down, up = ast.literal_eval(given)
         ns[f"probes_{platform}"] = (gate, up, down)  # get_moe_method's order (compressed_tensors_moe.py:36-43)
@@ -136,7 +168,9 @@ def _vllm_config(ns: dict[str, Any], qc: dict[str, Any], platform: str) -> Any:
         hf = types.SimpleNamespace(num_hidden_layers=N, num_nextn_predict_layers=1)
         utils = types.ModuleType("vllm.model_executor.models.utils")
         utils.WeightsMapper = ns["WeightsMapper"]
-        saved = {k: sys.modules.get(k) for k in ("vllm", "vllm.model_executor", "vllm.model_executor.models", utils.__name__)}
+        saved = {
+            k: sys.modules.get(k) for k in ("vllm", "vllm.model_executor", "vllm.model_executor.models", utils.__name__)
+        }
         for k in saved:
             sys.modules[k] = utils if k == utils.__name__ else types.ModuleType(k)
         try:
@@ -188,7 +222,10 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "config_groups": {"g": _group("W4A16", ["Linear"], "pack-quantized")},
         "ignore": ["mtp.0.e_proj", "mtp.0.attn.wq_a", "mtp.0.attn.wkv", "mtp.0.ffn.shared_experts.w2"],
     },
-    "layer-regex-ignore": {"config_groups": {"g": _group("W4A16", ["Linear"], "pack-quantized")}, "ignore": [r"re:.*layers\.43\..*"]},
+    "layer-regex-ignore": {
+        "config_groups": {"g": _group("W4A16", ["Linear"], "pack-quantized")},
+        "ignore": [r"re:.*layers\.43\..*"],
+    },
     "exact-layer-names": {
         "config_groups": {
             "a": _group("FP8_BLOCK", ["layers.43.attn.wq_b", "layers.43.ffn.shared_experts.w2"], "float-quantized"),
@@ -196,7 +233,10 @@ CONFIGS: dict[str, dict[str, Any]] = {
         },
         "ignore": ["layers.43.attn.wq_a", "layers.43.attn.wkv"],
     },
-    "one-shard-ignored": {"config_groups": {"g": _group("W4A16", ["Linear"], "pack-quantized")}, "ignore": [r"re:.*\.wkv$"]},
+    "one-shard-ignored": {
+        "config_groups": {"g": _group("W4A16", ["Linear"], "pack-quantized")},
+        "ignore": [r"re:.*\.wkv$"],
+    },
     "expert-regex-w123": {
         "config_groups": {
             "e": _group("MXFP4A16", [r"re:.*experts\.\d+\.w[123]$"], "mxfp4-pack-quantized"),
@@ -229,7 +269,9 @@ def draft() -> tuple[LayerMap, Any]:
 
 
 def _modules(layers: LayerMap) -> list[DraftModule]:
-    return [DraftModule(vllm_name(m), layers.kinds[m]) for m in layers.parts if not NEVER_QUANTISED.search(vllm_name(m))]
+    return [
+        DraftModule(vllm_name(m), layers.kinds[m]) for m in layers.parts if not NEVER_QUANTISED.search(vllm_name(m))
+    ]
 
 
 @pytest.mark.parametrize("name", [*CONFIGS, "overlay", "bf16-overlay"])
@@ -240,7 +282,12 @@ def test_the_matcher_answers_as_vllm_on_every_draft_module_and_platform(
     if name in CONFIGS:
         qc = {"quant_method": "compressed-tensors", "format": "pack-quantized", **CONFIGS[name]}
     else:
-        qc = ct.overlay_config({"quant_method": "compressed-tensors", **CONFIGS["linear-class"]}, layers, native, bf16=name == "bf16-overlay")
+        qc = ct.overlay_config(
+            {"quant_method": "compressed-tensors", **CONFIGS["linear-class"]},
+            layers,
+            native,
+            bf16=name == "bf16-overlay",
+        )
     disagree = []
     for platform in PLATFORMS:
         config = _vllm_config(wheel, qc, platform)
@@ -259,7 +306,10 @@ def test_the_configs_reach_each_outcome(wheel: dict[str, Any], draft: tuple[Laye
     seen: set[str] = set()
     for name, body in CONFIGS.items():
         qc = {"quant_method": "compressed-tensors", "format": "pack-quantized", **body}
-        answers = {p: [_vllm_answer(_vllm_config(wheel, qc, p), m, wheel[f"probes_{p}"]) for m in _modules(layers)] for p in PLATFORMS}
+        answers = {
+            p: [_vllm_answer(_vllm_config(wheel, qc, p), m, wheel[f"probes_{p}"]) for m in _modules(layers)]
+            for p in PLATFORMS
+        }
         seen |= {"raises" if a == "raises" else "none" if a is None else "scheme" for a in answers["nvidia"]}
         if answers["nvidia"] != answers["xpu"]:
             seen.add(f"platforms differ: {name}")
