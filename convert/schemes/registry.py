@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from dsv4.convert.plan import Plan
-from dsv4.convert.schemes import compressed_tensors, deepseek_fp8, unquantised
+from dsv4.convert.schemes import compressed_tensors, deepseek_fp8, modelopt, unquantised
 from dsv4.convert.schemes.base import (
     ROUTES,
     Decision,
@@ -27,7 +27,7 @@ from dsv4.convert.schemes.base import (
 from dsv4.model.native import Layout, standalone_draft_layout
 
 METHODS: dict[str | None, TargetMethod] = {
-    entry.method: entry for entry in (deepseek_fp8.ENTRY, compressed_tensors.ENTRY, unquantised.ENTRY)
+    entry.method: entry for entry in (deepseek_fp8.ENTRY, compressed_tensors.ENTRY, modelopt.ENTRY, unquantised.ENTRY)
 }
 
 

@@ -57,6 +57,12 @@ TARGETS: dict[str, dict[str, Any]] = {
     "ignores-draft": serving_target("W4A16", ["lm_head", r"re:.*layers\.43\..*"]),
     "ignores-mtp": serving_target("FP8_BLOCK", ["lm_head", "re:^mtp.*"], fp8_wo_a=False),
     "hadamard": serving_target("W4A16", ["lm_head"], transform_config=HADAMARD),
+    "modelopt-nvfp4": {
+        "quant_method": "modelopt",
+        "quant_algo": "NVFP4",
+        "group_size": 16,
+        "exclude_modules": ["lm_head"],
+    },
 }
 
 # (target, route, allow_lossy) -> variant -> the decision table, or a refusal's words
@@ -92,6 +98,8 @@ MATCH: dict[tuple[str, bool], Expected] = {
     },
     ("hadamard", False): {"instruct": "transform_config.config_groups.v.apply.0", "base": "transform_config"},
     ("hadamard", True): {"instruct": "transform_config.config_groups.v.apply.0", "base": "transform_config"},
+    # every draft linear, the head included, is NVFP4 W4A4 under the target's config (modelopt.py:228-264)
+    ("modelopt-nvfp4", False): {"instruct": "needs the calibrated activation scale input_scale", "base": "input_scale"},
 }
 for name in TARGETS:
     MATCH.setdefault((name, True), MATCH[(name, False)])
@@ -101,6 +109,10 @@ def routes_of(target: str) -> dict[str, Expected]:
     """auto, overlay, bf16 and native for `target` (match-target is MATCH's)."""
     if target == "ignores-draft":  # ignore is checked before any group: the draft's wo_a is bf16
         return {r: {"instruct": XPU_WO_A, "base": XPU_WO_A} for r in ("auto", "overlay", "bf16")} | {"native": NATIVE}
+    if target == "modelopt-nvfp4":  # one algorithm for every layer not excluded: bf16 is the exact route
+        every = {"instruct": table("unquantised", "unquantised"), "base": table("unquantised", "unquantised")}
+        other = "is not a route for a ModelOpt target"
+        return {"auto": every, "bf16": every, "overlay": other, "native": other}
     overlay = {"instruct": OVERLAY["instruct"], "base": OVERLAY["base"]}
     return {"auto": overlay, "overlay": overlay, "bf16": {"instruct": BF16, "base": BF16}, "native": NATIVE}
 
@@ -157,6 +169,8 @@ def test_a_dspark_draft_takes_a_config_of_its_own_and_no_launch_change(
     """vLLM builds DSpark from the draft's own config.json (dspark/utils.py:115-117): whatever the
     target's groups, every DSpark linear is FP8 block and every FP4 expert MXFP4, exactly."""
     plan = plans["dspark"]
+    if TARGETS[target]["quant_method"] == "modelopt":
+        return dspark_beside_modelopt(plan, route)
     if route not in ("auto", "overlay"):
         with pytest.raises(
             PlanError, match=f"--draft-format {route}: a DSpark draft is built from its own config.json"
@@ -180,6 +194,31 @@ def test_a_dspark_draft_takes_a_config_of_its_own_and_no_launch_change(
         ],
         [rf"re:^model\.(layers\.{numbers}\.)?ffn\.experts\.\d+\.(w1|w2|w3|gate_proj|up_proj|down_proj)$"],
     ]
+
+
+def dspark_beside_modelopt(plan: Plan, route: str) -> None:
+    if route not in ("auto", "bf16"):
+        with pytest.raises(
+            PlanError, match=f"--draft-format {route}: a DSpark draft beside a ModelOpt target takes bf16"
+        ):
+            plan_for(plan, TARGETS["modelopt-nvfp4"], route)
+        return
+    got = plan_for(plan, TARGETS["modelopt-nvfp4"], route)
+    assert {d.scheme.name for d in got.decisions} == {"unquantised"} and got.overrides is None
+    assert got.quantization_config == {**TARGETS["modelopt-nvfp4"], "exclude_modules": ["lm_head", "model.*"]}
+
+
+def test_a_modelopt_target_excludes_the_draft_layers_at_launch(plans: dict[str, Plan]) -> None:
+    got = plan_for(plans["instruct"], TARGETS["modelopt-nvfp4"], "auto")
+    assert got.route == "bf16" and got.overrides == {"quantization_config": got.quantization_config}
+    assert got.overrides["quantization_config"] == {
+        **TARGETS["modelopt-nvfp4"],
+        "exclude_modules": ["lm_head", "model.layers.43.*"],
+    }
+    nested = {"quant_method": "modelopt", "quantization": {"quant_algo": "NVFP4", "exclude_modules": ["lm_head"]}}
+    got = plan_for(plans["instruct"], nested, "bf16")
+    assert got.overrides is not None
+    assert got.overrides["quantization_config"]["quantization"]["exclude_modules"] == ["lm_head", "model.layers.43.*"]
 
 
 def test_the_overlay_adds_draft_groups_first_and_the_draft_to_every_transforms_ignore(plans: dict[str, Plan]) -> None:

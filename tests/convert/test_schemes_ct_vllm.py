@@ -16,7 +16,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from functools import partial
 from types import MappingProxyType
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 import pytest
 from compressed_tensors import CompressionFormat
@@ -105,7 +105,7 @@ def wheel() -> dict[str, Any]:
         [f"CompressedTensorsConfig.{m}" for m in methods],
         ns,
     )
-    mapper_methods = ["map_name", "_map_name", "_map_name_with_shard", "get_rename_mapper"]
+    mapper_methods = ["map_name", "_map_name", "_map_name_with_shard", "get_rename_mapper", "apply_list"]
     cut(
         w.source(V + "model_executor/models/utils.py"),
         "models_utils.py",
@@ -137,6 +137,10 @@ def wheel() -> dict[str, Any]:
         )
     )
     cut(w.source(V + "models/deepseek_v4/quant_config.py"), "quant_config.py", ["align_mtp_quant_config"], ns)
+    ns |= {"Literal": Literal, "fnmatch": fnmatch.fnmatch}
+    cut(w.source(Q + "utils/quant_utils.py"), "quant_utils.py", ["is_layer_skipped"], ns)
+    modelopt = ["ModelOptQuantConfigBase.is_layer_excluded", "ModelOptQuantConfigBase.apply_vllm_mapper"]
+    cut(w.source(Q + "modelopt.py"), "modelopt.py", modelopt, ns)
     layer_py = ast.parse(w.source(V + "model_executor/layers/fused_moe/layer.py"))
     factory = next(n for n in ast.walk(layer_py) if isinstance(n, ast.FunctionDef) and n.name == "FusedMoEFactory")
     params = [*factory.args.args, *factory.args.kwonlyargs]
@@ -316,3 +320,61 @@ def test_the_configs_reach_each_outcome(wheel: dict[str, Any], draft: tuple[Laye
         if answers["nvidia"] != answers["amd"]:
             seen.add(f"amd differs: {name}")
     assert {"raises", "none", "scheme", "platforms differ: expert-regex-w123", "amd differs: exact-mtp-ignore"} <= seen
+
+
+EXCLUDES = {
+    "lm-head": ["lm_head"],
+    "mtp-star": ["lm_head", "mtp*"],
+    "exact-mtp": ["mtp.0.e_proj", "mtp.0.attn.wq_a", "mtp.0.attn.wkv", "mtp.0.ffn.experts"],
+    "layer-star": ["layers.43*"],
+    "one-shard": ["layers.43.attn.wkv"],
+    "substring": ["shared_experts", "wo_"],
+    "wildcards": ["*.ffn.experts", "model.layers.4?.attn.w[oq]_b"],
+    "overlay": ["lm_head", "model.layers.43.*"],
+}
+
+
+def _vllm_excluded(ns: dict[str, Any], exclude: list[str], platform: str, name: str) -> object:
+    config = object.__new__(ns["ModelOptQuantConfigBase"])
+    config.exclude_modules = list(exclude)
+    config.apply_vllm_mapper(ns["mapper_amd" if platform == "amd" else "mapper_nvidia"])
+    config.packed_modules_mapping = ns[f"packed_{platform}"]
+    if platform == "amd":
+        rekey = ns["WeightsMapper"](orig_to_new_prefix={"model.mtp.0.": f"model.layers.{N}."})
+        config.apply_vllm_mapper(rekey)  # what align_mtp_quant_config passes (quant_config.py:50-57)
+    try:
+        return config.is_layer_excluded(name)
+    except ValueError:
+        return "raises"
+
+
+@pytest.mark.parametrize("name", list(EXCLUDES))
+def test_modelopt_exclusion_answers_as_vllm_on_every_draft_module(
+    wheel: dict[str, Any], draft: tuple[LayerMap, Any], name: str
+) -> None:
+    from dsv4.convert.schemes.ct_match import FUSED
+    from dsv4.convert.schemes.modelopt import _mapped, excluded
+
+    layers, _ = draft
+    disagree = []
+    for platform in PLATFORMS:
+        for module in _modules(layers):
+            try:
+                mine: object = excluded(module.name, _mapped(EXCLUDES[name], platform, N, 1), FUSED[platform])
+            except ValueError:
+                mine = "raises"
+            theirs = _vllm_excluded(wheel, EXCLUDES[name], platform, module.name)
+            if mine != theirs:
+                disagree.append(f"{platform} {module.name}: vLLM {theirs}, ours {mine}")
+    assert not disagree, "\n".join(disagree)
+
+
+def test_the_exclusions_reach_each_outcome(wheel: dict[str, Any], draft: tuple[LayerMap, Any]) -> None:
+    layers, _ = draft
+    seen: set[object] = set()
+    for name, exclude in EXCLUDES.items():
+        answers = {p: [_vllm_excluded(wheel, exclude, p, m.name) for m in _modules(layers)] for p in PLATFORMS}
+        seen |= set(answers["nvidia"])
+        if answers["amd"] != answers["nvidia"]:
+            seen.add(f"amd differs: {name}")
+    assert {True, False, "raises", "amd differs: exact-mtp"} <= seen
