@@ -11,7 +11,7 @@ which replaces the attribute wholesale (config/model.py:555-568, 691-692). The r
   FP8 block and MXFP4 experts, a requantisation otherwise, refused where an activation scale
   needs calibration);
 * overlay: the target's config with config groups anchored on the draft's layers placed FIRST
-  (vLLM takes the first target whose pattern matches the name, utils.py:105-130), FP8 block for
+  (vLLM takes the first target whose pattern matches the name, compressed_tensors/utils.py:105-130), FP8 block for
   the linears, MXFP4 (FP4 experts) or FP8 block (FP8 experts) for the routed experts: exact;
 * bf16: the draft's layers added to `ignore` (checked before targets), weights dequantised
   (exact), but wo_a keeps an FP8 block group: vLLM XPU runs wo_a only through its FP8 kernel

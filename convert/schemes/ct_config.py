@@ -1,11 +1,11 @@
 """A serving target's compressed-tensors `quantization_config`, read strictly, and each config
 group's scheme named as vLLM 0.33.0 dispatches it.
 
-vLLM parses the config in CompressedTensorsConfig.from_config (compressed_tensors.py:206-250):
+vLLM parses the config in CompressedTensorsConfig.from_config (compressed_tensors.py:235-271):
 groups whose only target ends in "Attention" are dropped, every target maps to its group's
 weights / input_activations (QuantizationArgs, pydantic-validated) and format (the group's,
 else the config's), a later group naming the same target replaces it in place (a dict
-assignment, :330-336). The scheme a layer gets follows `_get_scheme_from_parts`
+assignment, :318-336). The scheme a layer gets follows `_get_scheme_from_parts`
 (:783-949) for linears and `CompressedTensorsMoEMethod.get_moe_method`
 (compressed_tensors_moe.py:28-201) for experts; this module names the outcomes this converter
 can write the draft for and refuses every other one naming its field, rather than guess.
@@ -21,7 +21,7 @@ from typing import Any
 from dsv4.convert.schemes.base import ErrorFactory
 
 METHOD = "compressed-tensors"
-# what CompressedTensorsConfig reads (compressed_tensors.py:206-250) and what
+# what CompressedTensorsConfig reads (compressed_tensors.py:235-271) and what
 # compressed-tensors' QuantizationConfig writes beside it (quantization/quant_config.py:164-170)
 KNOWN_KEYS = frozenset(
     {
@@ -44,7 +44,7 @@ GROUP_KEYS = frozenset({"targets", "weights", "input_activations", "output_activ
 FP8_BLOCK, WNA16, NVFP4A16, NVFP4, MXFP4A16, MXFP4 = "FP8_BLOCK", "WNA16", "NVFP4A16", "NVFP4", "MXFP4A16", "MXFP4"
 # the format a scheme's tensors are written in (compressed-tensors' CompressionFormat); vLLM
 # reads FP8 only under an activation-quantisation format (utils.py:43-50) and WNA16 only
-# pack-quantized (compressed_tensors.py:863-872)
+# pack-quantized (compressed_tensors.py:865-875)
 FORMATS = {
     FP8_BLOCK: ("float-quantized", "naive-quantized"),
     WNA16: ("pack-quantized",),
@@ -89,7 +89,7 @@ class Transform:
 @dataclass(frozen=True)
 class CtConfig:
     groups: dict[str, Group]
-    # target -> group, in vLLM's order: first insertion, last group wins (compressed_tensors.py:330)
+    # target -> group, in vLLM's order: first insertion, last group wins (compressed_tensors.py:332)
     targets: dict[str, Group]
     ignore: tuple[str, ...]
     transforms: tuple[Transform, ...] = field(default=())
@@ -148,7 +148,7 @@ def identify(w: Any, inp: Any, fmt: str, fld: str, where: str, error: ErrorFacto
                 scheme = NVFP4
             else:  # vLLM raises (:799-802)
                 raise _refuse(error, where, in_fld, "must be NVFP4 (or absent) beside NVFP4 weights, as vLLM requires")
-        elif strategy == "group" and w.group_size == 32:  # _is_mxfp4 :439-455
+        elif strategy == "group" and w.group_size == 32:  # _is_mxfp4 :440-456
             if inp is not None and _v(inp.type) == "float" and inp.num_bits == 8:
                 raise _refuse(
                     error, where, in_fld, "is FP8 beside MXFP4 weights (W4A8 MXFP4): not a scheme this converter writes"
@@ -162,7 +162,7 @@ def identify(w: Any, inp: Any, fmt: str, fld: str, where: str, error: ErrorFacto
                 f"{strategy!r} with group_size {w.group_size} is not NVFP4 (tensor_group 16) or MXFP4 (group 32)",
             )
     elif _v(w.type) == "int" and inp is None and strategy in ("group", "channel") and not w.dynamic:
-        if fmt != "pack-quantized":  # vLLM falls through to schemes that refuse (:863-872)
+        if fmt != "pack-quantized":  # vLLM falls through to schemes that refuse (:865-875)
             raise _refuse(
                 error, where, f"{fld}.format", f"{fmt!r}: int weights without activations are read only pack-quantized"
             )
@@ -182,7 +182,7 @@ def identify(w: Any, inp: Any, fmt: str, fld: str, where: str, error: ErrorFacto
                 error,
                 where,
                 f"{in_fld}.strategy",
-                "static FP8 activations must be per-tensor and symmetric (_is_fp8_w8a8 :611-614)",
+                "static FP8 activations must be per-tensor and symmetric (_is_fp8_w8a8 :582-616)",
             )
         scheme = FP8_BLOCK
         return _checked_format(scheme, fmt, fld, where, error), static
@@ -270,7 +270,7 @@ def parse(qc: Mapping[str, Any], where: str, error: ErrorFactory) -> CtConfig:
         raise _refuse(error, where, f"quantization_config.{extra[0]}", "is not a compressed-tensors field vLLM reads")
     sparsity = qc.get("sparsity_config")
     if sparsity and (not isinstance(sparsity, Mapping) or sparsity.get("targets")):
-        # vLLM refuses a sparsity config with targets (compressed_tensors.py:253-283)
+        # vLLM refuses a sparsity config with targets (compressed_tensors.py:273-300)
         raise _refuse(
             error,
             where,
@@ -289,7 +289,7 @@ def parse(qc: Mapping[str, Any], where: str, error: ErrorFactory) -> CtConfig:
         if isinstance(body, Mapping) and isinstance(body.get("targets"), list):
             t = body["targets"]
             if len(t) == 1 and isinstance(t[0], str) and t[0].endswith("Attention"):
-                continue  # vLLM drops attention-only groups (compressed_tensors.py:211-221)
+                continue  # vLLM drops attention-only groups (compressed_tensors.py:240-251)
         group = _group(str(name), body, top_fmt, where, error)
         groups[group.name] = group
         for target in group.targets:

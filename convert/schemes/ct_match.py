@@ -14,7 +14,7 @@ target, on each platform, by vLLM's own rules, re-written here because vLLM is n
 * then targets in order: the name (equal or re.match), the fused shards all matching, then the
   class name (an `re:` entry re.match-ing it, any other entry contained in it, ignoring case)
   (utils.py:73-176, config_utils.py:431-452); "RoutedExperts" takes the "Linear" scheme
-  (compressed_tensors.py:202-213);
+  (compressed_tensors.py:221-232);
 * routed experts are probed as `experts.0.{gate,up,down}` under the checkpoint names: w1/w3/w2
   on NVIDIA (nvidia/model.py:435), gate_proj/up_proj/down_proj on XPU and AMD, whose
   FusedMoEFactory calls pass none (xpu/model.py:722-737, amd/model.py:749-763;
@@ -258,7 +258,7 @@ def transformed(
     is_match on each partition: name equal or re.match, or a class of the MRO equal, LinearBase
     also as "Linear"; transform/linear.py:194-263, compressed_tensors/utils/match.py:344-466)."""
     if module.kind == "moe":
-        return None  # transforms wrap linears only (compressed_tensors.py:162-166)
+        return None  # transforms wrap linears only (compressed_tensors.py:159-181)
     mro = MRO[class_of(module.name)]
     classes = set(mro) | ({"Linear"} if "LinearBase" in mro else set())
     leaf = module.name.rsplit(".", 1)[-1]
