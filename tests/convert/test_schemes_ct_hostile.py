@@ -120,14 +120,23 @@ def plan(tmp_path_factory: pytest.TempPathFactory) -> Plan:
     return bundled_plan(write_checkpoint(tmp_path_factory.mktemp("hostile") / "d", preset="tiny", seed=0))
 
 
+FACTORIES = {"plan": partial(PlanError, kind="quant_carry"), "check": partial(CheckError, kind="serve_mismatch")}
+
+
 @pytest.mark.parametrize(
-    "factory", [partial(PlanError, kind="quant_carry"), partial(CheckError, kind="serve_mismatch")]
+    ("factory", "names"),
+    [(FACTORIES["plan"], list(HOSTILE)), (FACTORIES["check"], ["unknown-format", "huge-pattern", "one-shard-ignored"])],
+    ids=["plan-error-all", "check-error-some"],
 )
-def test_every_hostile_config_is_refused_in_one_line_naming_its_field(plan: Plan, factory: Any) -> None:
+def test_every_hostile_config_is_refused_in_one_line_naming_its_field(
+    plan: Plan, factory: Any, names: list[str]
+) -> None:
+    """The refusal is raised through the caller's factory (a plan's PlanError, `check`'s CheckError)."""
     native = standalone_draft_layout(plan.model_config)
     start = time.monotonic()
     wrong = []
-    for name, (qc, field, said) in HOSTILE.items():
+    for name in names:
+        qc, field, said = HOSTILE[name]
         config = {**plan.config, "num_hidden_layers": 43, "quantization_config": qc}
         try:
             # match-target: the target's own groups meet the draft (an overlay's would win the experts)
