@@ -93,3 +93,36 @@ def native_with(tmp: Path, qc: dict[str, Any] | None) -> Path:
         config["quantization_config"] = qc
     (native / "config.json").write_text(json.dumps(config))
     return native
+
+
+def preset_group(preset: str, targets: list[str], fmt: str) -> dict[str, Any]:
+    """One config group of compressed-tensors' own preset `preset` (FP8_BLOCK, W4A16, NVFP4A16,
+    NVFP4, MXFP4A16, MXFP4), as its QuantizationScheme serialises it."""
+    from compressed_tensors.quantization import preset_name_to_scheme
+
+    return {**preset_name_to_scheme(preset, targets).model_dump(mode="json", exclude_none=True), "format": fmt}
+
+
+FORMAT = {
+    "FP8_BLOCK": "float-quantized",
+    "W4A16": "pack-quantized",
+    "NVFP4A16": "nvfp4-pack-quantized",
+    "NVFP4": "nvfp4-pack-quantized",
+    "MXFP4A16": "mxfp4-pack-quantized",
+    "MXFP4": "mxfp4-pack-quantized",
+}
+
+
+def serving_target(preset: str, ignore: list[str], *, fp8_wo_a: bool = True, **extra: Any) -> dict[str, Any]:
+    """A re-quantised DeepSeek V4 target's quantization_config: `preset` on every Linear, and
+    (as a V4 target that runs must, its O-projection reading wo_a as FP8) an FP8 block group
+    for wo_a first."""
+    groups = {"wo_a": preset_group("FP8_BLOCK", [r"re:.*attn\.wo_a$"], "float-quantized")} if fp8_wo_a else {}
+    groups["group_0"] = preset_group(preset, ["Linear"], FORMAT[preset])
+    return {
+        "quant_method": "compressed-tensors",
+        "format": FORMAT[preset],
+        "config_groups": groups,
+        "ignore": ignore,
+        **extra,
+    }

@@ -178,6 +178,9 @@ class TargetMethod:
     method: str | None
     label: str  # what the method is, for the refusal that lists the known ones
     decide: Callable[[Mapping[str, Any] | None, LayerMap, Layout, str, ErrorFactory], list[Decision]]
+    # serve(qc, layers, native, where, error, route, allow_lossy): the ServePlan of a route
+    # ("auto" included); None: the registry's own rule for the entries with one route each
+    serve: Callable[..., ServePlan] | None = None
 
 
 @dataclass(frozen=True)

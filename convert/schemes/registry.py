@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from dsv4.convert.plan import Plan
-from dsv4.convert.schemes import deepseek_fp8, unquantised
+from dsv4.convert.schemes import compressed_tensors, deepseek_fp8, modelopt, unquantised
 from dsv4.convert.schemes.base import (
     ROUTES,
     Decision,
@@ -26,7 +26,9 @@ from dsv4.convert.schemes.base import (
 )
 from dsv4.model.native import Layout, standalone_draft_layout
 
-METHODS: dict[str | None, TargetMethod] = {entry.method: entry for entry in (deepseek_fp8.ENTRY, unquantised.ENTRY)}
+METHODS: dict[str | None, TargetMethod] = {
+    entry.method: entry for entry in (deepseek_fp8.ENTRY, compressed_tensors.ENTRY, modelopt.ENTRY, unquantised.ENTRY)
+}
 
 
 def _known() -> str:
@@ -55,6 +57,15 @@ def target_method(qc: object, where: str, error: ErrorFactory) -> TargetMethod:
     return entry
 
 
+def _renumbered(target_config: Mapping[str, Any], layers: LayerMap, where: str, error: ErrorFactory) -> LayerMap:
+    n = target_config.get("num_hidden_layers")
+    if type(n) is not int or n < 1:
+        raise error(
+            f"{where}: num_hidden_layers is {n!r}, expected a positive integer", path=where, field="num_hidden_layers"
+        )
+    return layers.renumbered(n)
+
+
 def decide(
     target_config: Mapping[str, Any], layers: LayerMap, native: Layout, where: str, error: ErrorFactory
 ) -> list[Decision]:
@@ -62,13 +73,9 @@ def decide(
     whose config.json is `target_config` (read at `where`): named as the runtime names it
     beside that target (after its `num_hidden_layers`), with its scheme. `native` is the
     draft's native layout, what the schemes derive their tensors from."""
-    n = target_config.get("num_hidden_layers")
-    if type(n) is not int or n < 1:
-        raise error(
-            f"{where}: num_hidden_layers is {n!r}, expected a positive integer", path=where, field="num_hidden_layers"
-        )
+    renumbered = _renumbered(target_config, layers, where, error)
     qc = target_config.get("quantization_config")
-    return target_method(qc, where, error).decide(qc, layers.renumbered(n), native, where, error)
+    return target_method(qc, where, error).decide(qc, renumbered, native, where, error)
 
 
 def serve_plan(
@@ -87,9 +94,15 @@ def serve_plan(
     is lossy and `allow_lossy`."""
     if route != "auto" and route not in ROUTES:
         raise error(f"--draft-format {route!r} is not one of auto, {', '.join(ROUTES)}", field="--draft-format")
-    decisions = decide(target_config, layers, native, where, error)
     qc = target_config.get("quantization_config")
-    method = target_method(qc, where, error).method
+    entry = target_method(qc, where, error)
+    if entry.serve is not None:
+        assert qc is not None  # only the entries of a named method have routes of their own
+        return entry.serve(
+            qc, _renumbered(target_config, layers, where, error), native, where, error, route, allow_lossy
+        )
+    decisions = decide(target_config, layers, native, where, error)
+    method = entry.method
     # the two entries of today: a DeepSeek fp8 target serves the native draft as it is; a
     # target with no quantisation config builds every draft layer bf16 (exact), no launch change
     chosen = {"fp8": "native", None: "match-target"}[method]

@@ -1,0 +1,338 @@
+"""A compressed-tensors serving target (`quant_method: compressed-tensors`).
+
+vLLM 0.33.0 builds the V4 MTP draft with the TARGET's quantisation config object: the draft's
+VllmConfig keeps it (v1/spec_decode/llm_base_proposer.py:1265-1316, config/vllm.py:1607-1610)
+and every V4 MTP layer reads vllm_config.quant_config (nvidia/mtp.py:92, xpu/mtp.py:76,
+amd/mtp.py:75). So each draft module gets what the target's config gives its runtime name
+(ct_match.py), and the only lever is the launch's `--hf-overrides '{"quantization_config": ...}'`,
+which replaces the attribute wholesale (config/model.py:555-568, 691-692). The routes:
+
+* match-target: the target's config as it is; each module in the target's scheme (exact for
+  FP8 block and MXFP4 experts, a requantisation otherwise, refused where an activation scale
+  needs calibration);
+* overlay: the target's config with config groups anchored on the draft's layers placed FIRST
+  (vLLM takes the first target whose pattern matches the name, compressed_tensors/utils.py:105-130), FP8 block for
+  the linears, MXFP4 (FP4 experts) or FP8 block (FP8 experts) for the routed experts: exact;
+* bf16: the draft's layers added to `ignore` (checked before targets), weights dequantised
+  (exact), but wo_a keeps an FP8 block group: vLLM XPU runs wo_a only through its FP8 kernel
+  (xpu/xpu_sparse.py:107-118).
+Both overlays add the draft's layers to every transform's ignore, so no transform wraps them.
+
+DSpark drafts are built from the draft's OWN config under the target's method name
+(v1/worker/gpu/spec_decode/dspark/utils.py:115-117, config/speculative.py:1564-1566), with no
+name mapper or fused-module mapping (nvidia/dspark.py:348-373): the draft's config.json gets a
+config of its own whose groups name its layers, and the launch stays as it is.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from dsv4.convert.schemes.base import (
+    PACKED_FP4,
+    UNQUANTISED,
+    Decision,
+    ErrorFactory,
+    LayerMap,
+    Scheme,
+    ServePlan,
+    TargetMethod,
+    part_tensors,
+)
+from dsv4.convert.schemes.ct_config import CtConfig, Group, parse
+from dsv4.convert.schemes.ct_match import (
+    IGNORED,
+    NEVER_QUANTISED,
+    PLATFORMS,
+    DraftModule,
+    Refused,
+    Resolver,
+    regex_table,
+    transformed,
+    vllm_name,
+)
+from dsv4.convert.schemes.ct_schemes import CT_FP8_BLOCK, is_lossy, scheme_for
+from dsv4.model.native import Layout
+
+METHOD = "compressed-tensors"
+LINEAR_GROUP, EXPERTS_GROUP = "dsv4_draft_linears", "dsv4_draft_experts"
+WO_A = "attn.wo_a"
+
+
+def _modules(layers: LayerMap) -> dict[str, DraftModule]:
+    return {m: DraftModule(vllm_name(m), layers.kinds[m]) for m in layers.parts}
+
+
+def _storage(layers: LayerMap, module: str, native: Layout) -> str:
+    part = layers.parts[module][0]
+    return part_tensors(part, native)[f"{part}.weight"][0]
+
+
+def _pair_of(layers: LayerMap, module: str):
+    """The parts of `module` that share one NVFP4 global scale: a fused pair, or an expert's w1/w3."""
+    parts = layers.parts[module]
+
+    def pair(part: str) -> tuple[str, ...]:
+        if layers.kinds[module] != "moe":
+            return parts
+        stem, leaf = part.rsplit(".", 1)
+        return (f"{stem}.w1", f"{stem}.w3") if leaf in ("w1", "w3") else (part,)
+
+    return pair
+
+
+def _outcomes(
+    config: CtConfig, layers: LayerMap, where: str, error: ErrorFactory, *, target_model: bool
+) -> dict[str, Group | str | None]:
+    """Per draft module what `config` gives it on every platform; a module the platforms
+    disagree on, one vLLM would refuse, or one an online transform would wrap is refused."""
+    modules = _modules(layers)
+    quantised = {m: d for m, d in modules.items() if not NEVER_QUANTISED.search(d.name)}
+    regex = regex_table(config, quantised.values(), where, error)
+    n = layers.num_hidden_layers
+    n_mtp = len({int(m.split(".")[2]) for m in layers.parts if m.startswith("model.layers.")})
+    out: dict[str, Group | str | None] = {m: None for m in modules}
+    for platform in PLATFORMS:
+        resolver = Resolver(config, platform, n, n_mtp, regex, target_model=target_model)
+        for m, d in quantised.items():
+            try:
+                found = resolver.resolve(d)
+            except Refused as exc:
+                raise error(f"{where}: {exc} (on {platform})", path=where, field=exc.field) from None
+            # vLLM wraps a linear in its transforms whether or not the quantisation ignores it
+            # (compressed_tensors.py:162-181)
+            tf = transformed(config, d, platform, regex)
+            if tf is not None:
+                raise error(
+                    f"{where}: {tf} wraps the draft's {d.name} on {platform} in an online transform; "
+                    "its weights would have to be rotated",
+                    path=where,
+                    field=tf,
+                )
+            if platform != PLATFORMS[0] and _key(found) != _key(out[m]):
+                raise error(
+                    f"{where}: quantization_config gives {d.name} {_said(out[m])} on {PLATFORMS[0]} "
+                    f"but {_said(found)} on {platform}; one draft directory cannot serve both",
+                    path=where,
+                    field="quantization_config",
+                )
+            out[m] = found
+    return out
+
+
+def _key(found: Group | str | None) -> object:
+    return (found.scheme, repr(found.weights), found.format) if isinstance(found, Group) else found
+
+
+def _said(found: Group | str | None) -> str:
+    return (
+        f"{found.name} ({found.scheme})" if isinstance(found, Group) else "ignore" if found == IGNORED else "no scheme"
+    )
+
+
+def _decisions(
+    config: CtConfig,
+    layers: LayerMap,
+    native: Layout,
+    where: str,
+    error: ErrorFactory,
+    *,
+    allow_lossy: bool,
+    why: str,
+    target_model: bool = True,
+) -> list[Decision]:
+    outcomes = _outcomes(config, layers, where, error, target_model=target_model)
+    out = []
+    for m, found in outcomes.items():
+        name, kind, parts = vllm_name(m), layers.kinds[m], layers.parts[m]
+        if not isinstance(found, Group):
+            scheme, said = UNQUANTISED, f"{why}: {'ignored' if found == IGNORED else 'no target'}, bf16"
+        else:
+            if name.endswith(".head"):
+                raise error(
+                    f"{where}: {found.field} quantises the draft's head {name}; this converter ships it bf16",
+                    path=where,
+                    field=f"{found.field}.targets",
+                )
+            scheme, calibrate = scheme_for(found, _storage(layers, m, native), _pair_of(layers, m))
+            if calibrate is not None:
+                raise error(
+                    f"{where}: {found.field} gives {name} a calibrated {calibrate} (static activation scale); "
+                    "it cannot be made without calibration data",
+                    path=where,
+                    field=f"{found.field}.input_activations",
+                )
+            if is_lossy(scheme) and not allow_lossy:
+                raise error(
+                    f"{where}: {found.field} ({found.scheme}) makes {name} a lossy requantisation; "
+                    "pass --allow-lossy to write it, or take --draft-format overlay (exact)",
+                    path=where,
+                    field=f"{found.field}.weights",
+                )
+            said = f"{why}: {found.name} ({found.scheme})"
+        _check_wo_a(name, scheme, where, error)
+        out.append(Decision(name, kind, parts, scheme, said))
+    return out
+
+
+def _check_wo_a(name: str, scheme: Scheme, where: str, error: ErrorFactory) -> None:
+    """V4's O-projection reads wo_a's tensors itself: FP8 or bf16 on NVIDIA
+    (nvidia/ops/o_proj.py:61-103), FP8 only on XPU (xpu/xpu_sparse.py:107-118)."""
+    if not name.endswith(WO_A) or scheme is CT_FP8_BLOCK:
+        return
+    platforms = "xpu" if scheme is UNQUANTISED else "nvidia and xpu"
+    raise error(
+        f"{where}: the draft's {name} would be {scheme.name}, which vLLM's V4 O-projection cannot read on {platforms} "
+        "(it runs wo_a through its FP8 kernel)",
+        path=where,
+        field="quantization_config",
+    )
+
+
+def _alternation(items: list[str]) -> str:
+    return "(" + "|".join(re.escape(i) for i in items) + ")" if len(items) > 1 else re.escape(items[0])
+
+
+def _layer_numbers(layers: LayerMap) -> list[str]:
+    return sorted({m.split(".")[2] for m in layers.parts if m.startswith("model.layers.")}, key=int)
+
+
+def _scheme_group(preset: str, targets: list[str], fmt: str) -> dict[str, Any]:
+    from compressed_tensors.quantization import preset_name_to_scheme  # the optional [quant] extra
+
+    group = preset_name_to_scheme(preset, targets).model_dump(mode="json", exclude_none=True)
+    return {**group, "format": fmt}
+
+
+def draft_groups(
+    layers: LayerMap, native: Layout, *, anchor: str, linear_leaves: list[str] | None = None
+) -> dict[str, Any]:
+    """Config groups naming only the draft's modules (`anchor` is the regex of their common
+    prefix): FP8 block for its quantisable linears (or those of `linear_leaves`), MXFP4 for FP4
+    routed experts, FP8 block for FP8 ones; expert targets cover the NVIDIA and the XPU/AMD
+    probe names."""
+    linears, experts = [], None
+    for m in layers.parts:
+        name = vllm_name(m)
+        if NEVER_QUANTISED.search(name) or name.endswith(".head"):
+            continue
+        leaf = re.sub(r"^model\.(layers\.\d+\.)?", "", name)
+        if layers.kinds[m] == "moe":
+            experts = _storage(layers, m, native)
+        elif (linear_leaves is None or leaf in linear_leaves) and leaf not in linears:
+            linears.append(leaf)
+    groups = {LINEAR_GROUP: _scheme_group("FP8_BLOCK", [f"re:^{anchor}{_alternation(linears)}$"], "float-quantized")}
+    if experts is not None and linear_leaves is None:
+        preset, fmt = (
+            ("MXFP4A16", "mxfp4-pack-quantized") if experts == PACKED_FP4 else ("FP8_BLOCK", "float-quantized")
+        )
+        probes = r"ffn\.experts\.\d+\.(w1|w2|w3|gate_proj|up_proj|down_proj)"
+        groups[EXPERTS_GROUP] = _scheme_group(preset, [f"re:^{anchor}{probes}$"], fmt)
+    return groups
+
+
+def overlay_config(qc: Mapping[str, Any], layers: LayerMap, native: Layout, *, bf16: bool) -> dict[str, Any]:
+    """The target's config with the draft's groups first (so they win the name match), and the
+    draft's layers in every transform's ignore; `bf16`: the draft's layers ignored instead,
+    wo_a kept in an FP8 block group."""
+    out = copy.deepcopy(dict(qc))
+    layer = rf"model\.layers\.{_alternation(_layer_numbers(layers))}\."
+    if bf16:
+        groups = draft_groups(layers, native, anchor=layer, linear_leaves=[WO_A])
+        out["ignore"] = [*(out.get("ignore") or []), f"re:^{layer}(?!{re.escape(WO_A)}$)"]
+    else:
+        groups = draft_groups(layers, native, anchor=layer)
+    taken = set(out["config_groups"])
+    out["config_groups"] = {_free(g, taken): body for g, body in groups.items()} | out["config_groups"]
+    for scheme in (out.get("transform_config") or {}).get("config_groups", {}).values():
+        for args in scheme.get("apply", []):
+            args["ignore"] = [*args.get("ignore", []), f"re:^{layer}"]
+    return out
+
+
+def _free(name: str, taken: set[str]) -> str:
+    k = 0
+    while (candidate := name if k == 0 else f"{name}_{k}") in taken:
+        k += 1
+    return candidate
+
+
+def decide(
+    qc: Mapping[str, Any] | None, layers: LayerMap, native: Layout, where: str, error: ErrorFactory
+) -> list[Decision]:
+    """The target's own scheme for each module (lossy ones included: what vLLM builds)."""
+    assert qc is not None
+    return _decisions(
+        parse(qc, where, error), layers, native, where, error, allow_lossy=True, why="the target's config"
+    )
+
+
+def serve(
+    qc: Mapping[str, Any],
+    layers: LayerMap,
+    native: Layout,
+    where: str,
+    error: ErrorFactory,
+    route: str,
+    allow_lossy: bool,
+) -> ServePlan:
+    config = parse(qc, where, error)  # refuses what it cannot read before any route is chosen
+    if any(m == "model.main_proj" for m in layers.parts):  # only DSpark builds main_proj (nvidia/dspark.py:115-121)
+        return _serve_dspark(qc, layers, native, where, error, route)
+    if route == "native":
+        raise error(
+            f"{where}: --draft-format native: vLLM builds the MTP draft with this compressed-tensors config, which "
+            "has no parameter for the native .scale tensors (take overlay, bf16 or match-target)",
+            path=where,
+            field="quantization_config.quant_method",
+        )
+    if route == "match-target":
+        decisions = _decisions(config, layers, native, where, error, allow_lossy=allow_lossy, why="match-target")
+        lossy = any(is_lossy(d.scheme) for d in decisions)
+        why = "the target's own schemes, no launch change" + (" (lossy requantisation allowed)" if lossy else "")
+        return ServePlan("match-target", decisions, None, dict(qc), f"{route}: {why}")
+    chosen = "bf16" if route == "bf16" else "overlay"
+    effective = overlay_config(qc, layers, native, bf16=chosen == "bf16")
+    decisions = _decisions(parse(effective, where, error), layers, native, where, error, allow_lossy=False, why=chosen)
+    why = (
+        "the draft's layers ignored at launch (bf16, exact), wo_a in an FP8 block group"
+        if chosen == "bf16"
+        else "FP8 block / MXFP4 groups for the draft's layers at launch (exact)"
+    )
+    # the draft's own config.json says what its layers are built with; vLLM builds them with the
+    # target's object (which the overrides make the same), and only refuses a draft config whose
+    # method disagrees with an explicit speculative quantization (config/model.py:1454-1462)
+    return ServePlan(chosen, decisions, {"quantization_config": effective}, effective, f"{route}: {why}")
+
+
+def _serve_dspark(
+    qc: Mapping[str, Any], layers: LayerMap, native: Layout, where: str, error: ErrorFactory, route: str
+) -> ServePlan:
+    if route not in ("auto", "overlay"):
+        raise error(
+            f"{where}: --draft-format {route}: a DSpark draft is built from its own config.json under the target's "
+            "method (dspark/utils.py:115-117), which the converter writes; take auto or overlay",
+            path=where,
+            field="--draft-format",
+        )
+    # its layers and its main projection (model.main_proj) under one anchor
+    groups = draft_groups(layers, native, anchor=rf"model\.(layers\.{_alternation(_layer_numbers(layers))}\.)?")
+    own = {"quant_method": METHOD, "format": "mixed-precision", "config_groups": groups, "ignore": []}
+    decisions = _decisions(
+        parse(own, where, error), layers, native, where, error, allow_lossy=False, why="dspark", target_model=False
+    )
+    return ServePlan(
+        "overlay",
+        decisions,
+        None,
+        own,
+        f"{route}: the DSpark draft's own config names its layers (exact), no launch change",
+    )
+
+
+ENTRY = TargetMethod(
+    METHOD, "compressed-tensors (FP8_BLOCK, W4A16/W8A16, NVFP4A16, NVFP4, MXFP4A16, MXFP4)", decide, serve
+)
