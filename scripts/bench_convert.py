@@ -6,6 +6,7 @@ converter's own memory on it and on the tiny checkpoint.
     .venv/bin/python scripts/bench_convert.py --variant dspark     # V4-Flash-0731's DSpark drafter (~13 GB)
     .venv/bin/python scripts/bench_convert.py --target draft       # another installed target (convert --target)
     .venv/bin/python scripts/bench_convert.py --profile            # where the converter's time goes
+    .venv/bin/python scripts/bench_convert.py --io-profile         # what every round waited on (scripts/io_profile.py)
 
 Writes (once, kept for reruns unless --clean) the real-size slice with real data (not
 sparse): embed.weight, head.weight and the MTP block of Flash, ~5.7 GB (`--variant dspark`:
@@ -23,8 +24,10 @@ as listed, even rounds reversed), each from a cold page cache (`echo 3 >
   requests, 4 in flight: no page cache, no copy), then as many bytes written with O_DIRECT
   to one file on the same disk and fsynced. Its figure is read + write seconds.
 
-Beside every round: the 1-minute load average before it. Ratios are throughput ratios
-(time of the comparison / time of the converter: >= 1 means the converter is as fast).
+Beside every round: the 1-minute load average before it; with --io-profile, each measurement's I/O
+counters (scripts/io_profile.py: the converter's read/write overlap, iowait, PSI, dirty pages).
+Ratios are throughput ratios (time of the comparison / time of the converter: >= 1 means the
+converter is as fast).
 
 --profile instead runs one cold conversion of the slice in this process under cProfile
 and prints where its main thread (the writer) spends the time.

@@ -8,6 +8,8 @@
 Read beside each round of scripts/bench_convert.py (`--io-profile`), so that a slow round says what it
 waited on. Every counter is the kernel's own (Documentation/admin-guide/iostats.rst, proc(5)); one the
 machine lacks (no /proc/pressure, a file system on no block device) is left out of the summary, not faked.
+On the H200 machine (Firecracker, a virtio disk) /proc/diskstats does not count the disk's own I/O (0-1 MB
+read in rounds that read 5.7-13 GB, docs/results/convert.md): read the process, iowait and PSI figures there.
 
 * the disk under the work directory (/proc/diskstats, the line of st_dev's major:minor): MB read and
   written, the share of the wall it was busy (io_ticks), the mean time a read and a write request took
@@ -108,10 +110,17 @@ class IoSampler:
         self.pid: int | None = None
         self.samples: list[dict[str, Any]] = []
         self._stop = threading.Event()
+        self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def watch(self, pid: int) -> None:
+        """Follow `pid`'s own counters from now on (a sample is taken at once, so a short run has two)."""
         self.pid = pid
+        self._append()
+
+    def _append(self) -> None:
+        with self._lock:  # the sampling thread and watch() both append; keep the samples in time order
+            self.samples.append(self._sample())
 
     def _sample(self) -> dict[str, Any]:
         return {
@@ -125,17 +134,17 @@ class IoSampler:
 
     def _run(self) -> None:
         while not self._stop.wait(INTERVAL_S):
-            self.samples.append(self._sample())
+            self._append()
 
     def __enter__(self) -> IoSampler:
-        self.samples.append(self._sample())
+        self._append()
         self._thread.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join()
-        self.samples.append(self._sample())
+        self._append()
 
     def summary(self) -> dict[str, Any]:
         first, last = self.samples[0], self.samples[-1]
