@@ -6,6 +6,7 @@ converter's own memory on it and on the tiny checkpoint.
     .venv/bin/python scripts/bench_convert.py --variant dspark     # V4-Flash-0731's DSpark drafter (~13 GB)
     .venv/bin/python scripts/bench_convert.py --target draft       # another installed target (convert --target)
     .venv/bin/python scripts/bench_convert.py --profile            # where the converter's time goes
+    .venv/bin/python scripts/bench_convert.py --io-profile         # what every round waited on (scripts/io_profile.py)
 
 Writes (once, kept for reruns unless --clean) the real-size slice with real data (not
 sparse): embed.weight, head.weight and the MTP block of Flash, ~5.7 GB (`--variant dspark`:
@@ -23,8 +24,10 @@ as listed, even rounds reversed), each from a cold page cache (`echo 3 >
   requests, 4 in flight: no page cache, no copy), then as many bytes written with O_DIRECT
   to one file on the same disk and fsynced. Its figure is read + write seconds.
 
-Beside every round: the 1-minute load average before it. Ratios are throughput ratios
-(time of the comparison / time of the converter: >= 1 means the converter is as fast).
+Beside every round: the 1-minute load average before it; with --io-profile, each measurement's I/O
+counters (scripts/io_profile.py: the converter's read/write overlap, iowait, PSI, dirty pages).
+Ratios are throughput ratios (time of the comparison / time of the converter: >= 1 means the
+converter is as fast).
 
 --profile instead runs one cold conversion of the slice in this process under cProfile
 and prints where its main thread (the writer) spends the time.
@@ -37,6 +40,7 @@ tiny and for the slice.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import hashlib
 import json
@@ -51,6 +55,8 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+from io_profile import IoSampler  # scripts/io_profile.py, beside this file
 
 from dsv4.convert.choose import choose_table
 from dsv4.convert.execute import hasher_lanes
@@ -98,14 +104,20 @@ def drop_caches() -> bool:
         return False
 
 
-def timed(cmd: list[str]) -> tuple[float, float, float, str]:
-    """Wall seconds, the child's user and system CPU seconds, its stdout."""
+def timed(cmd: list[str], sampler: IoSampler | None = None) -> tuple[float, float, float, str]:
+    """Wall seconds, the child's user and system CPU seconds, its stdout; `sampler` follows the
+    child's own reads and writes."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t = time.perf_counter()
-    done = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True)
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True) as child:
+        if sampler is not None:
+            sampler.watch(child.pid)
+        stdout, _ = child.communicate()
     seconds = time.perf_counter() - t
+    if child.returncode:
+        raise subprocess.CalledProcessError(child.returncode, cmd, stdout)
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return seconds, after.ru_utime - before.ru_utime, after.ru_stime - before.ru_stime, done.stdout
+    return seconds, after.ru_utime - before.ru_utime, after.ru_stime - before.ru_stime, stdout
 
 
 def _direct_requests(size: int) -> list[tuple[int, int]]:
@@ -204,27 +216,33 @@ def profile(src: Path, dst: Path, target: str) -> None:
     )
 
 
-def measure(kind: str, src: Path, dst: Path, files: list[Path], nbytes: int, target: str) -> dict:
+def measure(kind: str, src: Path, dst: Path, files: list[Path], nbytes: int, target: str, io: bool) -> dict:
     shutil.rmtree(dst, ignore_errors=True)
     drop_caches()
     row: dict = {"kind": kind, "load_avg": round(os.getloadavg()[0], 2)}
-    if kind == "disk":
-        dst.mkdir(parents=True)
-        read_s = disk_read_seconds(files)
-        drop_caches()
-        write_s = disk_write_seconds(dst / "disk-write.bin", nbytes)
-        return row | {"seconds": round(read_s + write_s, 2), "read_s": round(read_s, 2), "write_s": round(write_s, 2)}
-    if kind == "cp+sync":
-        cmd = ["sh", "-c", f"cp -r '{src}' '{dst}' && sync"]
-    else:
-        cmd = [sys.executable, "-m", "dsv4", str(src), str(dst), "--target", target, "--json"]
-    seconds, user, system, out = timed(cmd)
-    row |= {"seconds": round(seconds, 2), "user_s": round(user, 2), "sys_s": round(system, 2)}
+    sampler = IoSampler(dst.parent) if io else None
+    with sampler or contextlib.nullcontext():
+        if kind == "disk":
+            dst.mkdir(parents=True)
+            read_s = disk_read_seconds(files)
+            drop_caches()
+            write_s = disk_write_seconds(dst / "disk-write.bin", nbytes)
+            row |= {"seconds": round(read_s + write_s, 2), "read_s": round(read_s, 2), "write_s": round(write_s, 2)}
+        else:
+            cmd = (
+                ["sh", "-c", f"cp -r '{src}' '{dst}' && sync"]
+                if kind == "cp+sync"
+                else [sys.executable, "-m", "dsv4", str(src), str(dst), "--target", target, "--json"]
+            )
+            seconds, user, system, out = timed(cmd, sampler)
+            row |= {"seconds": round(seconds, 2), "user_s": round(user, 2), "sys_s": round(system, 2)}
+    if sampler is not None:
+        row["io"] = sampler.summary()
     if kind == "convert":
         result = json.loads(out)
         row |= {
             "copy_s": round(result["seconds"], 2),
-            "startup_s": round(seconds - result["seconds"], 2),
+            "startup_s": round(row["seconds"] - result["seconds"], 2),
             "read_vs_plan": round(result["bytes_read"] / result["bytes_planned"], 4),
         }
     return row
@@ -250,6 +268,12 @@ def parse_args() -> argparse.Namespace:
     )
     ap.add_argument("--target", default="xpu", help="the converter's --target")
     ap.add_argument("--skip-memory", action="store_true", help="Do not measure the converter's memory.")
+    ap.add_argument(
+        "--io-profile",
+        action="store_true",
+        help="Beside every measurement, the kernel's I/O counters (scripts/io_profile.py): disk busy, request "
+        "times, iowait, PSI, the converter's read/write overlap.",
+    )
     return ap.parse_args()
 
 
@@ -268,10 +292,10 @@ def source_checkpoints(work: Path, variant: str) -> tuple[Path, Path]:
     return src, tiny
 
 
-def one_round(r: int, src: Path, dst: Path, files: list[Path], nbytes: int, target: str) -> dict:
+def one_round(r: int, src: Path, dst: Path, files: list[Path], nbytes: int, target: str, io: bool) -> dict:
     """Round `r`: the three measurements, in the listed order in odd rounds, reversed in even."""
     kinds = ("cp+sync", "disk", "convert") if r % 2 else ("convert", "disk", "cp+sync")
-    rows = {kind: measure(kind, src, dst, files, nbytes, target) for kind in kinds}
+    rows = {kind: measure(kind, src, dst, files, nbytes, target, io) for kind in kinds}
     shutil.rmtree(dst, ignore_errors=True)
     c = rows["convert"]
     return {
@@ -302,11 +326,43 @@ def print_round_table(rounds: list[dict], vs_cp: list[float], vs_disk: list[floa
             f"| {row['convert_vs_cp_sync']:.2f}x | {row['convert_vs_disk']:.2f}x |",
             file=sys.stderr,
         )
+    if "io" in rounds[0]["convert"]:
+        print_io_table(rounds)
     print(
         f"\nconvert / cp+sync: median {statistics.median(vs_cp):.3f}, min {min(vs_cp):.3f}; "
         f"convert / disk: median {statistics.median(vs_disk):.3f}, min {min(vs_disk):.3f}",
         file=sys.stderr,
     )
+
+
+def _io_split(x: dict) -> str:
+    """Seconds reading and writing at once / only reading / only writing / idle, or '-' (not measured)."""
+    return " / ".join(f"{x[k]:.2f}" for k in ("both_s", "read_only_s", "write_only_s", "idle_s")) if x else "-"
+
+
+def print_io_table(rounds: list[dict]) -> None:
+    """With --io-profile: each measurement's I/O counters (scripts/io_profile.py), one row each."""
+    print(
+        "\n| round | measured | wall s | disk MB read / written | disk busy | ms per read / write request | "
+        "mean queue | disk reading+writing / only reading / only writing / idle s | iowait cpu-s "
+        "| PSI io some / full s | dirty MB at start / max | process reads end / disk writes end s "
+        "| process reading+writing / only reading / only writing / idle s |\n"
+        "|---|---|---:|---|---:|---|---:|---|---:|---|---|---|---|",
+        file=sys.stderr,
+    )
+    for row in rounds:
+        for kind in row["order"].split(" > "):
+            io = row[kind]["io"]
+            d, p = io.get("disk", {}), io.get("process", {})
+            print(
+                f"| {row['round']} | {kind} | {io['wall_s']:.2f} | {d.get('read_MB', '-')} / {d.get('write_MB', '-')} "
+                f"| {d.get('busy', '-')} | {d.get('read_ms_per_request', '-')} / {d.get('write_ms_per_request', '-')} "
+                f"| {d.get('mean_queue', '-')} | {_io_split(d)} | {io['iowait_cpu_s']:.2f} "
+                f"| {io.get('psi_io_some_s', '-')} / {io.get('psi_io_full_s', '-')} "
+                f"| {io['dirty_MB_at_start']} / {io['dirty_MB_max']} "
+                f"| {p.get('reads_end_s', '-')} / {d.get('writes_end_s', '-')} | {_io_split(p)} |",
+                file=sys.stderr,
+            )
 
 
 def main() -> None:
@@ -330,7 +386,7 @@ def main() -> None:
     cold = drop_caches()
     rounds = []
     for r in range(1, args.rounds + 1):
-        rounds.append(one_round(r, src, dst, files, nbytes, args.target))
+        rounds.append(one_round(r, src, dst, files, nbytes, args.target, args.io_profile))
         print(json.dumps(rounds[-1]), file=sys.stderr)
     if args.clean:
         shutil.rmtree(src)

@@ -4,8 +4,9 @@
 # cold-cache rounds: `cp -r` + `sync`, the converter, the disk's own read + write, load
 # average beside each round; the converter's memory on tiny and on the slice.
 #
-#   scripts/bench_h200.sh [instruct|dspark] [TARGET] [ROUNDS]     (defaults: instruct xpu 5)
+#   scripts/bench_h200.sh [instruct|dspark] [TARGET] [ROUNDS] [BENCH_OPTIONS...]   (defaults: instruct xpu 5)
 #
+# BENCH_OPTIONS go to scripts/bench_convert.py as they are (e.g. --io-profile --skip-memory).
 # Runs from the repository root with the machine's own python3 (torch, safetensors,
 # huggingface_hub, click and tqdm are there; nothing is installed): the tree is imported as
 # the package `dsv4` through a link. Results go to $OUT (the device tool's folder) or
@@ -17,6 +18,7 @@ cd "$(dirname "$0")/.."
 variant=${1:-instruct}
 target=${2:-xpu}
 rounds=${3:-5}
+shift $(($# < 3 ? $# : 3))
 work=${BENCH_WORK:-/tmp/bench}
 results=${OUT:-$work/results}
 mkdir -p /tmp/pk "$work" "$results"
@@ -28,11 +30,13 @@ export PYTHONPATH=/tmp/pk XDG_CACHE_HOME=/tmp/xdg PYTHONUNBUFFERED=1
   echo "cpus $(nproc)"
   free -g | head -2
   df -h "$work" | tail -1
-  findmnt -no SOURCE,FSTYPE -T "$work" || true
+  findmnt -no SOURCE,FSTYPE,OPTIONS -T "$work" || true
+  uname -r
+  ls /proc/pressure 2>/dev/null || echo "no /proc/pressure"
   cat /proc/sys/vm/dirty_background_ratio /proc/sys/vm/dirty_ratio
   python3 -c 'import sys, torch, safetensors; print(sys.version.split()[0], torch.__version__, safetensors.__version__)'
 } 2>&1 | tee "$results/machine-$variant-$target.txt"
 name="bench-$variant-$target"
-python3 scripts/bench_convert.py --work "$work" --variant "$variant" --target "$target" --rounds "$rounds" \
+python3 scripts/bench_convert.py --work "$work" --variant "$variant" --target "$target" --rounds "$rounds" "$@" \
   >"$results/$name.json" 2> >(tee "$results/$name.log" >&2)
 cat "$results/$name.json"
