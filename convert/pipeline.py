@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass
+from itertools import chain
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -28,6 +29,9 @@ from dsv4.convert.outpath import resolve_output
 from dsv4.convert.output import OutputClaim, claim_output
 from dsv4.convert.plan import Plan, PlannedTensor, plan_conversion, plan_reverse
 from dsv4.convert.quant_config import carried_quantization
+from dsv4.convert.routes import apply_route
+from dsv4.convert.schemes.base import ServePlan
+from dsv4.convert.served import measured_fields, serve_digest, serve_record
 from dsv4.convert.sources.location import locate, open_source
 from dsv4.convert.sources.source import HubSpec, Source, local_root
 from dsv4.convert.writer import ShardWriter, TensorSpec, shard_name
@@ -35,6 +39,7 @@ from dsv4.mapping.targets import default_target, require_target
 from dsv4.model import strictjson
 from dsv4.model.checkpoint import CONFIG, INDEX_NAME, read_local_header
 from dsv4.model.record import (
+    CONVERSION_RECORD,
     LAYOUT_RECORD,
     ConversionRecord,
     LayoutRecord,
@@ -105,10 +110,19 @@ def output_config(plan: Plan) -> dict[str, Any] | bytes:
     return config
 
 
-def _fingerprint(plan: Plan, source: Source, shards: list[list[PlannedTensor]]) -> dict[str, Any]:
+def _fingerprint(
+    plan: Plan, source: Source, shards: list[list[PlannedTensor]], serve: ServePlan | None = None
+) -> dict[str, Any]:
+    # a computed tensor adds its transform; a plan without any digests as it always has
     layout = [
-        [(t.name, t.dtype, list(t.shape), [(p.file, p.start, p.end) for p in t.pieces]) for t in s] for s in shards
+        [
+            (t.name, t.dtype, list(t.shape), [(p.file, p.start, p.end) for p in t.pieces])
+            + ((t.transform.to_json(),) if t.transform is not None else ())
+            for t in s
+        ]
+        for s in shards
     ]
+    served = {} if serve is None else {"serve": serve_digest(serve)}
     return {
         "tool_version": __version__,
         "direction": plan.direction,
@@ -118,6 +132,7 @@ def _fingerprint(plan: Plan, source: Source, shards: list[list[PlannedTensor]]) 
         "plan_sha256": hashlib.sha256(json.dumps(layout).encode()).hexdigest(),
         # the output's config.json is made from it (a draft directory's is it, byte for byte)
         "config_sha256": sha256_hex(plan.config_bytes),
+        **served,
     }
 
 
@@ -198,15 +213,25 @@ def _up_to_date(claim: OutputClaim, fingerprint: dict[str, Any], overwrite: bool
 
 
 def _write_output(
-    plan: Plan, source: Source, claim: OutputClaim, *, overwrite: bool, max_shard_size: int, quiet: bool
+    plan: Plan,
+    source: Source,
+    claim: OutputClaim,
+    *,
+    overwrite: bool,
+    max_shard_size: int,
+    quiet: bool,
+    serve: ServePlan | None = None,
 ) -> ConversionResult:
     """Convert `plan` into the claimed OUT: nothing if it is up to date, else in the
-    partial directory (resuming its work), then publish."""
+    partial directory (resuming its work), then publish. With `serve` (a draft plan's
+    ServePlan) the draft is written as its route makes it (convert/routes.py)."""
     start = time.monotonic()
+    if serve is not None:
+        plan = apply_route(plan, serve)
     config = output_config(plan)  # before any byte is written: a config that cannot be carried fails here
     shards = shard_layout(plan, max_shard_size)
     names = [shard_name(k, len(shards)) for k in range(len(shards))]
-    fingerprint = _fingerprint(plan, source, shards)
+    fingerprint = _fingerprint(plan, source, shards, serve)
 
     if _up_to_date(claim, fingerprint, overwrite):
         return ConversionResult(claim.out, "up-to-date", 0, 0, time.monotonic() - start, len(plan.tensors), plan)
@@ -240,8 +265,12 @@ def _write_output(
                     if t.name in journal and t.name not in valid:
                         del journal[t.name]
                 jobs += [(t, writer) for t in tensors if t.name not in journal]
-            for t, sha in executor.run(jobs):
+            # computed tensors first: a refused computation stops the run before the copies
+            computed = executor.compute([(t, w) for t, w in jobs if t.transform is not None])
+            copied = ((t, sha, None) for t, sha in executor.run([(t, w) for t, w in jobs if t.transform is None]))
+            for t, sha, measured in chain(computed, copied):
                 entry = {"name": t.name, "file": shard_of[t.name], "nbytes": t.nbytes, "sha256": sha}
+                entry.update(measured_fields(measured))
                 jf.write(json.dumps(entry, sort_keys=True) + "\n")
                 jf.flush()
                 journal[t.name] = entry
@@ -255,9 +284,11 @@ def _write_output(
         source.reader.verify_unchanged([CONFIG, INDEX_NAME, *plan.files_needed])
         claim.publish()
     except PlanError as exc2:
-        if exc2.kind != "source_changed":
+        # source_changed: its tensors may hold bytes of either version, a rerun starts over;
+        # inexact_transform: the same source refuses the same block again, nothing to resume
+        if exc2.kind not in ("source_changed", "inexact_transform"):
             raise
-        claim.discard_partial()  # its tensors may hold bytes of either version: a rerun starts over
+        claim.discard_partial()
         raise
     except OSError as exc:
         raise claim.write_failed(exc) from None
@@ -305,7 +336,7 @@ def _write_records(
         write_bytes(partial / CONFIG, config)
     else:
         write_record(partial / CONFIG, config)
-    ConversionRecord(
+    record = ConversionRecord(
         tool_version=__version__,
         direction=plan.direction,
         identity=plan.identity,
@@ -319,7 +350,11 @@ def _write_records(
         config_fields=runtime_config_fields(
             strictjson.loads(config) if isinstance(config, bytes) else config
         ),  # as written
-    ).write(partial)
+    ).to_json()
+    computed = serve_record(plan, journal)
+    if computed is not None:  # a draft without computed tensors records what it always has
+        record["serve"] = computed
+    write_record(partial / CONVERSION_RECORD, record)
 
 
 def plan_source(source: Source, target: str, *, reverse: bool = False) -> Plan:
@@ -340,9 +375,11 @@ def convert(
     wait: bool = False,
     max_shard_size: int = DEFAULT_MAX_SHARD,
     quiet: bool = True,
+    serve_with: Callable[[Source, Plan], ServePlan] | None = None,
 ) -> ConversionResult:
     """Convert the source `typed` names (native checkpoint, or with reverse=True a converted
-    one) into `out`.
+    one) into `out`; with `serve_with`, the draft as the ServePlan it gives for the open
+    source and its draft plan has it made (convert/routes.py).
 
     OUT is owned (checked safe, locked) before the source is opened and until the output
     is published; with `wait` a run finding OUT locked waits for the other run. `target`:
@@ -355,7 +392,10 @@ def convert(
         open_source(where, quiet=quiet) as source,
     ):
         plan = plan_source(source, target, reverse=reverse)
-        return _write_output(plan, source, claim, overwrite=overwrite, max_shard_size=max_shard_size, quiet=quiet)
+        serve = serve_with(source, plan) if serve_with is not None else None
+        return _write_output(
+            plan, source, claim, overwrite=overwrite, max_shard_size=max_shard_size, quiet=quiet, serve=serve
+        )
 
 
 class DryRun(NamedTuple):
