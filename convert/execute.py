@@ -25,10 +25,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dsv4.convert import transforms
+from dsv4.convert.computed import Measured
 from dsv4.convert.plan import PlannedTensor
 from dsv4.convert.sources.local import DIRECT_ALIGN
 from dsv4.convert.sources.source import ByteReader
-from dsv4.convert.transforms import Measured
 from dsv4.convert.writer import ShardWriter
 from dsv4.model.dtypes import tensor_bytes
 

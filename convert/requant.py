@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import torch
 
+from dsv4.convert.computed import Computed
 from dsv4.convert.errors import PlanError
 from dsv4.convert.planned import Transform
 from dsv4.convert.quant_config import INSTALL_HINT
 from dsv4.convert.transform_ops import measure, native_dequantised
-from dsv4.convert.transforms import Computed
 
 TENSOR_GROUP = "tensor_group"  # NVFP4's strategy: local scales per group under one global scale
 

@@ -16,9 +16,9 @@ import hashlib
 import json
 from typing import Any
 
+from dsv4.convert.computed import Measured
 from dsv4.convert.plan import Plan
 from dsv4.convert.schemes.base import ServePlan
-from dsv4.convert.transforms import Measured
 
 MEASURED = ("max_abs_error", "rel_rms_error")  # a journal entry's and the record's fields
 

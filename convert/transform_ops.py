@@ -13,9 +13,9 @@ from collections.abc import Callable
 
 import torch
 
+from dsv4.convert.computed import CT_FP8_BLOCK, FP4_GROUP, Computed, Measured
 from dsv4.convert.errors import PlanError
 from dsv4.convert.planned import Transform
-from dsv4.convert.transforms import CT_FP8_BLOCK, FP4_GROUP, Computed, Measured
 from dsv4.model.quantized import FP8, dequant_block, dequant_packed, scale_to_float
 from dsv4.model.storage import FP4
 

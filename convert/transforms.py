@@ -31,6 +31,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from dsv4.convert.computed import CT_FP8_BLOCK, FP4_GROUP, Computed
 from dsv4.convert.errors import PlanError
 from dsv4.model.dtypes import ITEMSIZE
 from dsv4.model.storage import FP4, ceil_div
@@ -42,33 +43,12 @@ if TYPE_CHECKING:
 
 Spec = tuple[str, tuple[int, ...]]  # (safetensors dtype, shape)
 Args = dict[str, Any]
-CT_FP8_BLOCK = (128, 128)  # compressed-tensors' FP8_BLOCK weights' block_structure (quant_scheme.py:447-454)
-FP4_GROUP = FP4.scale_block[1] if FP4.scale_block else 0  # inputs per E8M0 scale of a native FP4 weight
 SCALES = ("F8_E8M0", "F32")  # a native weight's scale: E8M0 bytes, or F32 values (Base's FP8 linears)
 
 
 class TransformInputError(ValueError):
     """The inputs are not what the transform takes (a scheme's bug or a layout this entry
     does not know): the reason, for the plan's refusal."""
-
-
-@dataclass(frozen=True)
-class Measured:
-    """A computed weight against the native dequantised one (None: no weight was rebuilt, as
-    for a scale's decoding)."""
-
-    max_abs_error: float
-    rel_rms_error: float
-
-    @property
-    def exact(self) -> bool:
-        return self.max_abs_error == 0.0
-
-
-@dataclass(frozen=True)
-class Computed:
-    tensors: dict[str, torch.Tensor]  # leaf ("" for a transform of one output) -> the tensor
-    measured: Measured | None
 
 
 @dataclass(frozen=True)
