@@ -17,8 +17,8 @@ FP4_GROUP = FP4.scale_block[1] if FP4.scale_block else 0  # inputs per E8M0 scal
 
 @dataclass(frozen=True)
 class Measured:
-    """A computed weight against the native dequantised one (None: no weight was rebuilt, as
-    for a scale's decoding)."""
+    """A computed weight, read back as its scheme reads it, against the native dequantised one:
+    the max absolute difference and the RMS difference over the native weight's RMS."""
 
     max_abs_error: float
     rel_rms_error: float
@@ -31,4 +31,4 @@ class Measured:
 @dataclass(frozen=True)
 class Computed:
     tensors: dict[str, torch.Tensor]  # leaf ("" for a transform of one output) -> the tensor
-    measured: Measured | None
+    measured: Measured | None  # None: no weight was rebuilt (a scale's decoding)

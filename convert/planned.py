@@ -3,6 +3,7 @@ it from native tensors (a served draft's computed tensor, convert/transforms.py)
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,8 +36,9 @@ class Transform:
         return self.name.partition(".")[2]
 
     @property
-    def computation(self) -> tuple[str, tuple[tuple[str, Any], ...], tuple[str, ...]]:
-        return self.family, self.args, tuple(t.name for t in self.inputs)
+    def computation(self) -> tuple[str, str, tuple[str, ...]]:
+        # the args as JSON: a value may be a list (a QuantizationArgs' block_structure), unhashable
+        return self.family, json.dumps(self.args), tuple(t.name for t in self.inputs)
 
     def to_json(self) -> dict[str, Any]:
         return {
