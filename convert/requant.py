@@ -4,10 +4,10 @@ tensors are what the library (and vLLM, which reads them with it) makes and read
 
 The weight is dequantised first (exactly, in bf16: the dtype vLLM builds the draft in, so a
 pack-quantized scale comes out bf16 as its WNA16 layer's weight_scale is,
-compressed_tensors_wNa16.py); then per group `calculate_qparams` on the group's min and max
+compressed_tensors_wNa16.py:190-196); then per group `calculate_qparams` on the group's min and max
 (quantization/utils/helpers.py:52), for NVFP4 with the global scale `generate_gparam` gives
 the amax of the fused layer's weights together (helpers.py:324: vLLM takes one global scale
-per fused linear, the max of its shards', compressed_tensors_w4a4_nvfp4.py:98-110, and the
+per fused linear, the max of its shards', compressed_tensors_w4a4_nvfp4.py:99-111, and the
 experts' w1's for w1 and w3 both, compressed_tensors_moe_w4a4_nvfp4.py:223-231), and the
 format's compressor packs (compressors/base.py:38-97). The compressor's own `decompress`
 rebuilds the weight, which is measured against the native one.

@@ -116,7 +116,7 @@ def _int_packed(n: int, k: int, args: Args) -> dict[str, Spec]:
     """compressed-tensors' pack-quantized: pack_to_int32 packs num_bits-bit codes densely into
     int32 words along K (compressors/pack_quantized/helpers.py:21), one scale per group in the
     weight's dtype (bf16: the native weight dequantised), an asymmetric zero point packed
-    along N (pack_quantized/base.py:100-103)."""
+    along N (pack_quantized/base.py:103-106)."""
     bits, group = args.get("num_bits"), args.get("group_size")
     if args.get("strategy") != "group" or type(bits) is not int or type(group) is not int or not 0 < bits <= 8:
         raise TransformInputError(f"pack-quantized takes group-strategy int weights, not {args}")
@@ -132,8 +132,8 @@ def _int_packed(n: int, k: int, args: Args) -> dict[str, Spec]:
 
 def requant_leaves(n: int, k: int, args: Args) -> dict[str, Spec]:
     """The tensors a [N, K] weight becomes in the compressed-tensors format args["format"]:
-    what its compressor's compression_param_names lists (compressors/pack_quantized/base.py:44-58,
-    nvfp4/base.py:37-47, mxfp4/base.py:34-44) at the shapes vLLM 0.33.0 registers
+    what its compressor's compression_param_names lists (compressors/pack_quantized/base.py:45-58,
+    nvfp4/base.py:37-47, mxfp4/base.py:35-43) at the shapes vLLM 0.33.0 registers
     (compressed_tensors_wNa16.py, compressed_tensors_w4a4_nvfp4.py, compressed_tensors_w4a4_mxfp4.py)."""
     fmt = args.get("format")
     if fmt == "pack-quantized":

@@ -32,7 +32,7 @@ def read_w4a16(out: dict[str, torch.Tensor]) -> torch.Tensor:
 
 
 def read_nvfp4(out: dict[str, torch.Tensor]) -> torch.Tensor:
-    # CT stores the global scale as a divisor (compressed_tensors_w4a4_nvfp4.py:108-110)
+    # CT stores the global scale as a divisor (compressed_tensors_w4a4_nvfp4.py:110-111)
     local = out["weight_scale"].float().repeat_interleave(16, 1)
     return fp4_values(out["weight_packed"]) * local / out["weight_global_scale"]
 
