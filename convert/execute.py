@@ -246,7 +246,7 @@ class Executor:
         for members in computations.values():
             transform = members[0][0].transform
             assert transform is not None
-            inputs = [self._read_whole(t) for t in transform.inputs]
+            inputs = [read_whole(self.reader, t) for t in transform.inputs]
             result = transforms.compute(transform, inputs, members[0][0].name)
             del inputs
             for t, writer in members:
@@ -256,24 +256,25 @@ class Executor:
                 self.progress(len(view))
                 yield t, hashlib.sha256(view).hexdigest(), result.measured
 
-    def _read_whole(self, t: PlannedTensor) -> torch.Tensor:
-        """Native tensor `t` (its pieces back to back), read CHUNK bytes a call."""
-        import torch
-
-        from dsv4.model.dtypes import TORCH_DTYPES
-
-        buf = bytearray(t.nbytes)
-        view, at = memoryview(buf), 0
-        for p in t.pieces:
-            for off in range(p.start, p.end, CHUNK):
-                n = min(CHUNK, p.end - off)
-                self.reader.read_into(p.file, off, view[at : at + n])
-                at += n
-        return torch.frombuffer(buf, dtype=TORCH_DTYPES[t.dtype]).view(t.shape)
-
     def close(self) -> None:
         self.reads.shutdown()
         self.hashers.close()
+
+
+def read_whole(reader: ByteReader, t: PlannedTensor) -> torch.Tensor:
+    """Planned tensor `t` (its pieces back to back) as a CPU tensor, read CHUNK bytes a call."""
+    import torch
+
+    from dsv4.model.dtypes import TORCH_DTYPES
+
+    buf = bytearray(t.nbytes)
+    view, at = memoryview(buf), 0
+    for p in t.pieces:
+        for off in range(p.start, p.end, CHUNK):
+            n = min(CHUNK, p.end - off)
+            reader.read_into(p.file, off, view[at : at + n])
+            at += n
+    return torch.frombuffer(buf, dtype=TORCH_DTYPES[t.dtype]).view(t.shape)
 
 
 def _as_planned(t: PlannedTensor, value: torch.Tensor) -> memoryview:
