@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 from dsv4.convert.computed import CT_FP8_BLOCK, FP4_GROUP, Computed
 from dsv4.convert.errors import PlanError
 from dsv4.model.dtypes import ITEMSIZE
-from dsv4.model.storage import FP4, ceil_div
+from dsv4.model.storage import DENSE_LINEAR, FP4, FP8, ceil_div
 
 if TYPE_CHECKING:
     import torch
@@ -43,7 +43,7 @@ if TYPE_CHECKING:
 
 Spec = tuple[str, tuple[int, ...]]  # (safetensors dtype, shape)
 Args = dict[str, Any]
-SCALES = ("F8_E8M0", "F32")  # a native weight's scale: E8M0 bytes, or F32 values (Base's FP8 linears)
+SCALES = (FP4.linear_scale_dtype, FP8.linear_scale_dtype)  # a native weight's scale: E8M0 bytes, or F32 (Base)
 
 
 class TransformInputError(ValueError):
@@ -66,10 +66,10 @@ def native_weight(weight: Spec, scale: Spec, source_block: tuple[int, int]) -> t
     (wd, ws), (sd, ss) = weight, scale
     if len(ws) != 2 or sd not in SCALES:
         raise TransformInputError(f"takes a 2-D native weight and its scale, not {wd}{list(ws)} + {sd}{list(ss)}")
-    if wd == "F8_E4M3":
+    if wd == DENSE_LINEAR.weight_dtype:
         n, k = ws
         grid = (ceil_div(n, source_block[0]), ceil_div(k, source_block[1]))
-    elif wd == "I8" and sd == "F8_E8M0":
+    elif wd == FP4.weight_dtype and sd == FP4.scale_dtype:
         n, k = ws[0], ws[1] * FP4.codes_per_byte
         grid = (n, ceil_div(k, FP4_GROUP))
     else:
@@ -87,7 +87,7 @@ def _copy_makes(inputs: Sequence[Spec], args: Args, source_block: tuple[int, int
 
 
 def _e8m0_makes(inputs: Sequence[Spec], args: Args, source_block: tuple[int, int]) -> dict[str, Spec]:
-    if len(inputs) != 1 or inputs[0][0] != "F8_E8M0":
+    if len(inputs) != 1 or inputs[0][0] != FP4.scale_dtype:
         raise TransformInputError(f"takes one E8M0 scale, not {[d for d, _ in inputs]}")
     return {"": ("F32", inputs[0][1])}
 
@@ -105,7 +105,7 @@ def _bf16_makes(inputs: Sequence[Spec], args: Args, source_block: tuple[int, int
 
 def _fp8_block_makes(inputs: Sequence[Spec], args: Args, source_block: tuple[int, int]) -> dict[str, Spec]:
     weight, scale = _pair(inputs, "a packed FP4 weight and its E8M0 scales")
-    if weight[0] != "I8":
+    if weight[0] != FP4.weight_dtype:
         raise TransformInputError(f"takes a packed FP4 (I8) weight, not {weight[0]}")
     n, k = native_weight(weight, scale, source_block)
     bn, bk = CT_FP8_BLOCK
@@ -130,6 +130,11 @@ def _int_packed(n: int, k: int, args: Args) -> dict[str, Spec]:
     return made
 
 
+# the packed-FP4 formats and the one group size each compressor takes (can_compress:
+# compressors/nvfp4/base.py:145, mxfp4/base.py:64)
+FP4_GROUPS = {"nvfp4-pack-quantized": 16, "mxfp4-pack-quantized": 32}
+
+
 def requant_leaves(n: int, k: int, args: Args) -> dict[str, Spec]:
     """The tensors a [N, K] weight becomes in the compressed-tensors format args["format"]:
     what its compressor's compression_param_names lists (compressors/pack_quantized/base.py:45-58,
@@ -138,17 +143,15 @@ def requant_leaves(n: int, k: int, args: Args) -> dict[str, Spec]:
     fmt = args.get("format")
     if fmt == "pack-quantized":
         return _int_packed(n, k, args)
-    if fmt == "nvfp4-pack-quantized":
-        return {
-            "weight_packed": ("U8", (n, k // 2)),
-            "weight_scale": ("F8_E4M3", (n, ceil_div(k, 16))),
-            "weight_global_scale": ("F32", (1,)),
-        }
-    if fmt == "mxfp4-pack-quantized":
-        return {"weight_packed": ("U8", (n, k // 2)), "weight_scale": ("U8", (n, ceil_div(k, 32)))}
-    raise TransformInputError(
-        f"requantises into pack-quantized, nvfp4-pack-quantized or mxfp4-pack-quantized, not {fmt!r}"
-    )
+    if fmt not in FP4_GROUPS:
+        raise TransformInputError(f"requantises into pack-quantized or {' or '.join(FP4_GROUPS)}, not {fmt!r}")
+    if args.get("group_size") != FP4_GROUPS[fmt]:
+        raise TransformInputError(f"{fmt} takes groups of {FP4_GROUPS[fmt]}, not {args.get('group_size')!r}")
+    made = {"weight_packed": ("U8", (n, k // 2)), "weight_scale": ("U8", (n, ceil_div(k, FP4_GROUPS[fmt])))}
+    if fmt == "nvfp4-pack-quantized":  # e4m3 local scales under one F32 global scale
+        made["weight_scale"] = ("F8_E4M3", made["weight_scale"][1])
+        made["weight_global_scale"] = ("F32", (1,))
+    return made
 
 
 def _requant_makes(inputs: Sequence[Spec], args: Args, source_block: tuple[int, int]) -> dict[str, Spec]:

@@ -320,6 +320,18 @@ def test_an_interrupted_run_resumes_its_computed_tensors(
             Output("mtp.0.attn.wq_b.weight", "BF16", (512, 128), "dequant_bf16", ("mtp.0.attn.wq_c.weight",)),
             "reads mtp.0.attn.wq_c.weight, no tensor of the native draft",
         ),
+        (
+            Output(
+                "mtp.0.attn.wq_b.weight_packed",
+                "U8",
+                (512, 64),
+                "requant.weight_packed",
+                ("mtp.0.attn.wq_b.weight", "mtp.0.attn.wq_b.scale"),
+                exact=False,
+                args=(("format", "nvfp4-pack-quantized"), ("group_size", 32)),
+            ),
+            "nvfp4-pack-quantized takes groups of 16, not 32",
+        ),
     ],
 )
 def test_an_output_its_transform_cannot_make_is_refused_before_anything_is_read(
@@ -328,5 +340,5 @@ def test_an_output_its_transform_cannot_make_is_refused_before_anything_is_read(
     with pytest.raises(PlanError) as caught:
         served(sources["instruct"], tmp_path / "out", lambda part, native: [output] if part.endswith("wq_b") else [])
     assert caught.value.kind == "layout_mismatch" and said in str(caught.value)
-    assert str(caught.value).startswith("mtp.0.attn.wq_b.weight: model.layers.2.attn.wq_b built test takes it by ")
+    assert str(caught.value).startswith(f"{output.name}: model.layers.2.attn.wq_b built test takes it by ")
     assert not (tmp_path / "out").exists()
