@@ -16,7 +16,6 @@ import time
 from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass
-from itertools import chain
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -24,17 +23,18 @@ from dsv4 import __version__
 from dsv4.convert import progress
 from dsv4.convert.choose import Direction, choose_table
 from dsv4.convert.errors import OutputError, PlanError
-from dsv4.convert.execute import Executor, still_valid
+from dsv4.convert.execute import Executor
+from dsv4.convert.journal import open_shards, read_journal, run_jobs
 from dsv4.convert.outpath import resolve_output
 from dsv4.convert.output import OutputClaim, claim_output
 from dsv4.convert.plan import Plan, PlannedTensor, plan_conversion, plan_reverse
 from dsv4.convert.quant_config import carried_quantization
 from dsv4.convert.routes import apply_route
 from dsv4.convert.schemes.base import ServePlan
-from dsv4.convert.served import measured_fields, serve_digest, serve_record
+from dsv4.convert.served import serve_digest, serve_record
 from dsv4.convert.sources.location import locate, open_source
 from dsv4.convert.sources.source import HubSpec, Source, local_root
-from dsv4.convert.writer import ShardWriter, TensorSpec, shard_name
+from dsv4.convert.writer import shard_name
 from dsv4.mapping.targets import default_target, require_target
 from dsv4.model import strictjson
 from dsv4.model.checkpoint import CONFIG, INDEX_NAME, read_local_header
@@ -55,6 +55,10 @@ if TYPE_CHECKING:
     from huggingface_hub.utils import tqdm
 
 DEFAULT_MAX_SHARD = 5 * 10**9
+# refusals mid-run after which the partial directory is dropped: a source file that changed
+# (its tensors may hold bytes of either version, a rerun starts over), and a computed tensor
+# that cannot be made exactly (the same source refuses the same block again: nothing to resume)
+DISCARDED = ("source_changed", "inexact_transform")
 
 
 @dataclass
@@ -136,25 +140,6 @@ def _fingerprint(
     }
 
 
-def _journal(path: Path) -> dict[str, dict[str, Any]]:
-    """Finished tensors; a line torn by a kill is ignored (that tensor is redone)."""
-    done: dict[str, dict[str, Any]] = {}
-    if path.exists():
-        for line in path.read_bytes().splitlines():
-            try:
-                entry = strictjson.loads(line)
-            except strictjson.StrictJSONError:
-                continue
-            if (
-                isinstance(entry, dict)
-                and isinstance(entry.get("name"), str)
-                and isinstance(entry.get("nbytes"), int)
-                and isinstance(entry.get("sha256"), str)
-            ):
-                done[entry["name"]] = entry
-    return done
-
-
 def _verify(
     partial: Path, shards: list[list[PlannedTensor]], names: list[str], journal: dict[str, dict[str, Any]]
 ) -> None:
@@ -226,8 +211,7 @@ def _write_output(
     partial directory (resuming its work), then publish. With `serve` (a draft plan's
     ServePlan) the draft is written as its route makes it (convert/routes.py)."""
     start = time.monotonic()
-    if serve is not None:
-        plan = apply_route(plan, serve)
+    plan = apply_route(plan, serve) if serve is not None else plan
     config = output_config(plan)  # before any byte is written: a config that cannot be carried fails here
     shards = shard_layout(plan, max_shard_size)
     names = [shard_name(k, len(shards)) for k in range(len(shards))]
@@ -239,7 +223,7 @@ def _write_output(
 
     try:
         resumed = claim.start(fingerprint)
-        journal = _journal(claim.journal) if resumed else {}
+        journal = read_journal(claim.journal) if resumed else {}
     except OSError as exc:
         raise claim.write_failed(exc) from None
     partial = claim.partial
@@ -249,31 +233,9 @@ def _write_output(
     bar = progress_bar(plan.bytes_to_write, plan.bytes_to_write - todo, quiet)
     executor = Executor(source.reader, bar.update)
     try:
-        with open(claim.journal, "a") as jf, ExitStack() as open_shards:
-            # every shard open at once: the executor reads the largest tensors first,
-            # whichever shard they go into
-            jobs: list[tuple[PlannedTensor, ShardWriter]] = []
-            writers: list[ShardWriter] = []
-            for tensors, name in zip(shards, names, strict=True):
-                claim.ensure_owner()  # never open a shard in a partial directory another run may own now
-                specs = [TensorSpec(t.name, t.dtype, t.shape) for t in tensors]
-                writer = open_shards.enter_context(ShardWriter(partial / name, specs, {"format": "pt"}, resume=resumed))
-                writers.append(writer)
-                done = [journal[t.name] for t in tensors if t.name in journal]
-                valid = still_valid(writer.path, done, writer.offsets) if writer.resumed else set()
-                for t in tensors:
-                    if t.name in journal and t.name not in valid:
-                        del journal[t.name]
-                jobs += [(t, writer) for t in tensors if t.name not in journal]
-            # computed tensors first: a refused computation stops the run before the copies
-            computed = executor.compute([(t, w) for t, w in jobs if t.transform is not None])
-            copied = ((t, sha, None) for t, sha in executor.run([(t, w) for t, w in jobs if t.transform is None]))
-            for t, sha, measured in chain(computed, copied):
-                entry = {"name": t.name, "file": shard_of[t.name], "nbytes": t.nbytes, "sha256": sha}
-                entry.update(measured_fields(measured))
-                jf.write(json.dumps(entry, sort_keys=True) + "\n")
-                jf.flush()
-                journal[t.name] = entry
+        with open(claim.journal, "a") as jf, ExitStack() as opened:
+            jobs, writers = open_shards(claim, opened, shards, names, journal, resumed)
+            run_jobs(executor, jobs, shard_of, jf, journal)
             for writer in writers:
                 writer.sync()
         # the journal is closed: nothing writes into the partial directory once it is OUT
@@ -284,9 +246,7 @@ def _write_output(
         source.reader.verify_unchanged([CONFIG, INDEX_NAME, *plan.files_needed])
         claim.publish()
     except PlanError as exc2:
-        # source_changed: its tensors may hold bytes of either version, a rerun starts over;
-        # inexact_transform: the same source refuses the same block again, nothing to resume
-        if exc2.kind not in ("source_changed", "inexact_transform"):
+        if exc2.kind not in DISCARDED:
             raise
         claim.discard_partial()
         raise
