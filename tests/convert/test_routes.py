@@ -206,8 +206,12 @@ def test_bf16_route_is_the_native_weights_bit_for_bit(sources: dict[str, Path], 
 
 
 def test_fp4_experts_into_fp8_blocks_are_exact(sources: dict[str, Path], tmp_path: Path) -> None:
-    served(sources["instruct"], tmp_path / "out", _fp8_from_fp4)
+    result = served(sources["instruct"], tmp_path / "out", _fp8_from_fp4)
     src, out = load_all(sources["instruct"]), load_all(tmp_path / "out")
+    # a weight and its scale are one computation: its inputs are read once, as planned
+    copied = sum(t.nbytes for t in result.plan.tensors if t.transform is None)
+    inputs = sum(src[f"{p}.{leaf}"].nbytes for p in parts_of(src, torch.int8) for leaf in ("weight", "scale"))
+    assert result.bytes_read == result.plan.bytes_to_read == copied + inputs
     for p in parts_of(src, torch.int8):
         weight, scale = out[f"{p}.weight"], out[f"{p}.weight_scale"]
         s = scale.repeat_interleave(128, 0)[: weight.shape[0]].repeat_interleave(128, 1)[:, : weight.shape[1]]
