@@ -19,6 +19,9 @@ class PlanError(DSV4Error):
         "duplicate_target",
         "source_changed",  # a source file changed between planning and publishing: nothing is published
         "quant_carry",  # the quantization_config cannot be carried to the draft's layer names unchanged
+        # a served draft's tensor its scheme takes exact cannot be (an FP4 block whose scales span
+        # more than FP8 e4m3 holds): refused while computing it, nothing is published
+        "inexact_transform",
     )
 
 

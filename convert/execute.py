@@ -1,7 +1,9 @@
-"""The executor: copies a plan's byte ranges from a source into shards, hashing each tensor.
+"""The executor: copies a plan's byte ranges from a source into shards, hashing each tensor,
+and computes a served draft's computed tensors (convert/transforms.py) from their inputs.
 
 Reads, writes and hashes overlap in threads; a fixed set of buffers bounds the memory
-whatever the size of the checkpoint. What to copy is the plan's (convert/plan.py); where
+whatever the size of the checkpoint. A computation holds its inputs whole, one at a time:
+the memory is bounded by one module's tensors. What to copy is the plan's (convert/plan.py); where
 it lands is the writer's (convert/writer.py); the output directory's life cycle is
 convert/output.py's; convert/pipeline.py ties them together.
 """
@@ -20,12 +22,18 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from dsv4.convert import transforms
+from dsv4.convert.computed import Measured
 from dsv4.convert.plan import PlannedTensor
 from dsv4.convert.sources.local import DIRECT_ALIGN
 from dsv4.convert.sources.source import ByteReader
 from dsv4.convert.writer import ShardWriter
+from dsv4.model.dtypes import tensor_bytes
+
+if TYPE_CHECKING:
+    import torch
 
 CHUNK = 8 * 1024 * 1024  # bytes per read/write: large enough for full disk speed
 
@@ -225,9 +233,59 @@ class Executor:
                 last.result()
                 yield t, self.hashers.hexdigest(t.name)
 
+    def compute(
+        self, jobs: list[tuple[PlannedTensor, ShardWriter]]
+    ) -> Iterator[tuple[PlannedTensor, str, Measured | None]]:
+        """Compute each transformed tensor into its shard's writer; yields it with its sha256
+        and its computation's measured error. A computation (a weight and its scale) runs
+        once for all of its tensors in `jobs`, its inputs read whole and let go after."""
+        computations: dict[object, list[tuple[PlannedTensor, ShardWriter]]] = {}
+        for t, writer in jobs:
+            assert t.transform is not None
+            computations.setdefault(t.transform.computation, []).append((t, writer))
+        for members in computations.values():
+            transform = members[0][0].transform
+            assert transform is not None
+            inputs = [read_whole(self.reader, t) for t in transform.inputs]
+            result = transforms.compute(transform, inputs, members[0][0].name)
+            del inputs
+            for t, writer in members:
+                view = _as_planned(t, result.tensors[t.transform.leaf if t.transform else ""])
+                writer.write(t.name, view)
+                self.written += len(view)
+                self.progress(len(view))
+                yield t, hashlib.sha256(view).hexdigest(), result.measured
+
     def close(self) -> None:
         self.reads.shutdown()
         self.hashers.close()
+
+
+def read_whole(reader: ByteReader, t: PlannedTensor) -> torch.Tensor:
+    """Planned tensor `t` (its pieces back to back) as a CPU tensor, read CHUNK bytes a call."""
+    import torch
+
+    from dsv4.model.dtypes import TORCH_DTYPES
+
+    buf = bytearray(t.nbytes)
+    view, at = memoryview(buf), 0
+    for p in t.pieces:
+        for off in range(p.start, p.end, CHUNK):
+            n = min(CHUNK, p.end - off)
+            reader.read_into(p.file, off, view[at : at + n])
+            at += n
+    return torch.frombuffer(buf, dtype=TORCH_DTYPES[t.dtype]).view(t.shape)
+
+
+def _as_planned(t: PlannedTensor, value: torch.Tensor) -> memoryview:
+    """A computed tensor's bytes, once it is what the plan said (a transform that makes
+    something else is a bug, never written)."""
+    from dsv4.model.dtypes import SAFETENSORS_NAMES
+
+    made = (SAFETENSORS_NAMES[value.dtype], tuple(value.shape))
+    if made != (t.dtype, t.shape):
+        raise AssertionError(f"{t.name}: {t.op} made {made[0]}{list(made[1])}, planned {t.dtype}{list(t.shape)}")
+    return tensor_bytes(value)
 
 
 def _hash_range(path: Path, start: int, nbytes: int) -> str | None:

@@ -23,16 +23,18 @@ from dsv4 import __version__
 from dsv4.convert import progress
 from dsv4.convert.choose import Direction, choose_table
 from dsv4.convert.errors import OutputError, PlanError
-from dsv4.convert.execute import Executor, still_valid
+from dsv4.convert.execute import Executor
+from dsv4.convert.journal import open_shards, read_journal, run_jobs
 from dsv4.convert.outpath import resolve_output
 from dsv4.convert.output import OutputClaim, claim_output
 from dsv4.convert.plan import Plan, PlannedTensor, plan_conversion, plan_reverse
 from dsv4.convert.quant_config import carried_quantization
 from dsv4.convert.routes import apply_route
+from dsv4.convert.served import serve_record
 from dsv4.convert.serving import Served, Serving, decide_serving, draft_config, serving_output, write_serve_files
 from dsv4.convert.sources.location import locate, open_source
 from dsv4.convert.sources.source import HubSpec, Source, local_root
-from dsv4.convert.writer import ShardWriter, TensorSpec, shard_name
+from dsv4.convert.writer import shard_name
 from dsv4.mapping.targets import default_target, require_target
 from dsv4.model import strictjson
 from dsv4.model.checkpoint import CONFIG, INDEX_NAME, read_local_header
@@ -52,6 +54,10 @@ if TYPE_CHECKING:
     from huggingface_hub.utils import tqdm
 
 DEFAULT_MAX_SHARD = 5 * 10**9
+# refusals mid-run after which the partial directory is dropped: a source file that changed
+# (its tensors may hold bytes of either version, a rerun starts over), and a computed tensor
+# that cannot be made exactly (the same source refuses the same block again: nothing to resume)
+DISCARDED = ("source_changed", "inexact_transform")
 
 
 @dataclass
@@ -112,7 +118,12 @@ def _fingerprint(
     plan: Plan, source: Source, shards: list[list[PlannedTensor]], serve: dict[str, Any] | None = None
 ) -> dict[str, Any]:
     layout = [
-        [(t.name, t.dtype, list(t.shape), [(p.file, p.start, p.end) for p in t.pieces]) for t in s] for s in shards
+        [
+            (t.name, t.dtype, list(t.shape), [(p.file, p.start, p.end) for p in t.pieces])
+            + ((t.transform.to_json(),) if t.transform is not None else ())
+            for t in s
+        ]
+        for s in shards
     ]
     return {
         "tool_version": __version__,
@@ -127,25 +138,6 @@ def _fingerprint(
         # files): another target, route or launch command is another output
         **({"serve": serve} if serve is not None else {}),
     }
-
-
-def _journal(path: Path) -> dict[str, dict[str, Any]]:
-    """Finished tensors; a line torn by a kill is ignored (that tensor is redone)."""
-    done: dict[str, dict[str, Any]] = {}
-    if path.exists():
-        for line in path.read_bytes().splitlines():
-            try:
-                entry = strictjson.loads(line)
-            except strictjson.StrictJSONError:
-                continue
-            if (
-                isinstance(entry, dict)
-                and isinstance(entry.get("name"), str)
-                and isinstance(entry.get("nbytes"), int)
-                and isinstance(entry.get("sha256"), str)
-            ):
-                done[entry["name"]] = entry
-    return done
 
 
 def _verify(
@@ -239,7 +231,8 @@ def _write_output(
     served: Served | None = None,
 ) -> ConversionResult:
     """Convert `plan` into the claimed OUT: nothing if it is up to date, else in the
-    partial directory (resuming its work), then publish."""
+    partial directory (resuming its work), then publish. With `serve` (a draft plan's
+    ServePlan) the draft is written as its route makes it (convert/routes.py)."""
     start = time.monotonic()
     config, shards, names, serving, fingerprint = _output_layout(plan, source, served, claim.path, max_shard_size)
 
@@ -249,7 +242,7 @@ def _write_output(
 
     try:
         resumed = claim.start(fingerprint)
-        journal = _journal(claim.journal) if resumed else {}
+        journal = read_journal(claim.journal) if resumed else {}
     except OSError as exc:
         raise claim.write_failed(exc) from None
     partial = claim.partial
@@ -259,27 +252,9 @@ def _write_output(
     bar = progress_bar(plan.bytes_to_write, plan.bytes_to_write - todo, quiet)
     executor = Executor(source.reader, bar.update)
     try:
-        with open(claim.journal, "a") as jf, ExitStack() as open_shards:
-            # every shard open at once: the executor reads the largest tensors first,
-            # whichever shard they go into
-            jobs: list[tuple[PlannedTensor, ShardWriter]] = []
-            writers: list[ShardWriter] = []
-            for tensors, name in zip(shards, names, strict=True):
-                claim.ensure_owner()  # never open a shard in a partial directory another run may own now
-                specs = [TensorSpec(t.name, t.dtype, t.shape) for t in tensors]
-                writer = open_shards.enter_context(ShardWriter(partial / name, specs, {"format": "pt"}, resume=resumed))
-                writers.append(writer)
-                done = [journal[t.name] for t in tensors if t.name in journal]
-                valid = still_valid(writer.path, done, writer.offsets) if writer.resumed else set()
-                for t in tensors:
-                    if t.name in journal and t.name not in valid:
-                        del journal[t.name]
-                jobs += [(t, writer) for t in tensors if t.name not in journal]
-            for t, sha in executor.run(jobs):
-                entry = {"name": t.name, "file": shard_of[t.name], "nbytes": t.nbytes, "sha256": sha}
-                jf.write(json.dumps(entry, sort_keys=True) + "\n")
-                jf.flush()
-                journal[t.name] = entry
+        with open(claim.journal, "a") as jf, ExitStack() as opened:
+            jobs, writers = open_shards(claim, opened, shards, names, journal, resumed)
+            run_jobs(executor, jobs, shard_of, jf, journal)
             for writer in writers:
                 writer.sync()
         # the journal is closed: nothing writes into the partial directory once it is OUT
@@ -289,9 +264,9 @@ def _write_output(
         source.reader.verify_unchanged([CONFIG, INDEX_NAME, *plan.files_needed])
         claim.publish()
     except PlanError as exc2:
-        if exc2.kind != "source_changed":
+        if exc2.kind not in DISCARDED:
             raise
-        claim.discard_partial()  # its tensors may hold bytes of either version: a rerun starts over
+        claim.discard_partial()
         raise
     except OSError as exc:
         raise claim.write_failed(exc) from None
@@ -356,7 +331,7 @@ def _write_records(
         config_fields=runtime_config_fields(
             strictjson.loads(config) if isinstance(config, bytes) else config
         ),  # as written
-        serve=serving[1] if serving is not None else None,
+        serve=serve_record(plan, journal, serving[1] if serving is not None else None),
     ).write(partial)
 
 

@@ -3,7 +3,9 @@
 A Plan lists every output tensor with the source byte ranges it is made of, in write
 order, and every skipped source key with its reason. Every operation in a table moves
 bytes (a row-major concat along dim 0 or a stack is its parts back to back), so a planned
-tensor is simply a list of byte ranges: the executor needs no knowledge of the ops.
+tensor is simply a list of byte ranges: the executor needs no knowledge of the ops. A draft
+made to serve beside a quantised target (convert/routes.py) also has computed tensors: those
+carry a `Transform` (convert/transforms.py computes it from its inputs, each read whole).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any
 
 from dsv4.convert.choose import Direction
 from dsv4.convert.errors import PlanError
+from dsv4.convert.planned import PlannedTensor
 from dsv4.convert.sources.inventory import Inventory
 from dsv4.mapping.errors import TableError
 from dsv4.mapping.patterns import PINNED, expand
@@ -32,20 +35,6 @@ from dsv4.model.record import Identified, TableIdentity
 from dsv4.model.safetensors_header import TensorBytes
 
 NATIVE_BLOCK = re.compile(r"(mtp\.\d+)\.")  # a native draft block's prefix
-
-
-@dataclass(frozen=True)
-class PlannedTensor:
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    pieces: tuple[TensorBytes, ...]  # the source bytes it is made of, in order
-    op: str
-    rule: str
-
-    @property
-    def nbytes(self) -> int:
-        return sum(p.nbytes for p in self.pieces)
 
 
 @dataclass(frozen=True)
@@ -67,9 +56,12 @@ class Plan(Identified):
 
     @property
     def bytes_to_read(self) -> int:
-        # every output byte is read once from the source (a shared tensor copied into
-        # several blocks is read once per copy)
-        return self.bytes_to_write
+        # every copied byte is read once from the source (a shared tensor copied into
+        # several blocks is read once per copy); a computation's inputs once for all the
+        # tensors it makes
+        copied = sum(t.nbytes for t in self.tensors if t.transform is None)
+        computations = {t.transform.computation: t.pieces for t in self.tensors if t.transform is not None}
+        return copied + sum(p.nbytes for pieces in computations.values() for p in pieces)
 
     @property
     def files_needed(self) -> list[str]:
@@ -103,6 +95,7 @@ class Plan(Identified):
                 "op": t.op,
                 "rule": t.rule,
                 "pieces": [{**asdict(p), "shape": list(p.shape)} for p in t.pieces],  # as JSON reads back
+                **({"transform": t.transform.to_json()} if t.transform is not None else {}),
             }
             for t in self.tensors
         ]
