@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from dsv4.model.dtypes import TORCH_DTYPES
-from dsv4.model.storage import ExpertStorage, ceil_div
+from dsv4.model.storage import EXPERT_CONTAINERS, ExpertStorage, ceil_div
 
 FP8 = torch.float8_e4m3fn
 E8M0 = torch.float8_e8m0fnu
@@ -145,6 +145,10 @@ class Bf16Linear(QuantLayer):
         super().__init__(quant_name)
         self.weight = weight_param((out_features, in_features), torch.bfloat16)
 
+    def dequantized(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        """The weight in `dtype` (wo_a reads its weight so, whatever container holds it)."""
+        return self.weight.to(dtype)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x @ self.weight.T
 
@@ -208,3 +212,34 @@ class RoutedExperts(nn.Module):
             parts = zip(w13.split(self.inter, dim=0), s13.split(half, dim=0), strict=True)
             w13 = torch.cat([dequantize(self.storage, w, s, self.block, dtype) for w, s in parts], dim=0)
         return w13, dequantize(self.storage, w2, s2, self.block, dtype)
+
+
+class Bf16Experts(nn.Module):
+    """E stacked experts held in bf16 (a draft whose experts are unquantised, or decoded when loading):
+    the same `w13_weight` [E, 2I, H] and `w2_weight` [E, H, I] names as the quantised containers, no scale."""
+
+    def __init__(self, n_experts: int, hidden: int, inter: int) -> None:
+        super().__init__()
+        self.w13_weight = weight_param((n_experts, 2 * inter, hidden), torch.bfloat16)
+        self.w2_weight = weight_param((n_experts, hidden, inter), torch.bfloat16)
+
+    def expert_weights(self, e: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.w13_weight[e].to(dtype), self.w2_weight[e].to(dtype)
+
+
+def holding(module: nn.Module, container: str) -> nn.Module | None:
+    """`module` (an Fp8Linear or RoutedExperts of the model as built, on the meta device) rebuilt to keep
+    its weights as `container` (model/storage.py HeldLinear.container), its name and dims unchanged; None
+    when this model has no such container for it (the caller decodes those weights to bf16 instead)."""
+    if isinstance(module, Fp8Linear):
+        rows, cols = module.weight.shape
+        if container == "bf16":
+            return Bf16Linear(cols, rows, module.quant_name)
+        scale = {"fp8-e8m0": E8M0, "fp8-f32": torch.float32}.get(container)
+        return None if scale is None else Fp8Linear(cols, module.parts, scale, module.quant_name, module.block)
+    assert isinstance(module, RoutedExperts)
+    E, H, I = module.w13_weight.shape[0], module.w2_weight.shape[1], module.inter
+    if container == "bf16":
+        return Bf16Experts(E, H, I)
+    storage = EXPERT_CONTAINERS.get(container)
+    return None if storage is None else RoutedExperts(storage, E, H, I, module.block)
