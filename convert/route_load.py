@@ -171,9 +171,15 @@ def _ct_decompressed(compressor: str, preset: str, held: Held, group: int) -> to
     return BaseCompressor.get_value_from_registry(compressor).decompress(dict(held), scheme)["weight"]
 
 
+def decoded(form: HeldLinear, held: Held, cfg: ModelConfig, group: int) -> torch.Tensor:
+    """A linear held as `form` (its tensors `held`, by leaf; `group` its inputs per scale) as bf16 [rows,
+    cols]: the exact forms by the bundled model's own dequantisation (model/quantized.py), the lossy
+    ones by compressed-tensors' decompressors."""
+    return _decoders()[form.name](held, cfg, group)
+
+
 def _decoders() -> dict[str, Callable[[Held, ModelConfig, int], torch.Tensor]]:
-    """Held form -> its decoding to bf16 [rows, cols]: the exact forms by the bundled model's own
-    dequantisation (model/quantized.py), the lossy ones by compressed-tensors'."""
+    """Held form name -> its decoding (`decoded`)."""
     from dsv4.model.quantized import dequant_block, dequant_packed
     from dsv4.model.storage import FP4
 
@@ -256,7 +262,6 @@ def load_held(root: Path, device: torch.device) -> nn.Module:
     container_of = {p: kept[path] for path, ps in parts.items() if path in kept for p in ps}
     dims = native_linears(cfg)
     tensors = checkpoint.load_tensors(headers.tensors)
-    decoders = _decoders()
 
     def value_of(native: str) -> torch.Tensor | None:
         module, leaf = native.rsplit(".", 1)
@@ -270,7 +275,7 @@ def load_held(root: Path, device: torch.device) -> nn.Module:
             return None
         group = form.group_of(dims[module][1], {k: tuple(v.shape) for k, v in held.items()})
         assert group is not None  # held_forms refused any other
-        return decoders[form.name](held, cfg, group)
+        return decoded(form, held, cfg, group)
 
     expected = model.state_dict()
     state = {}

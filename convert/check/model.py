@@ -2,7 +2,8 @@
 order): layout (names, shapes and dtypes equal the target's layout, mapping/targets.py), quant
 (every linear has a quantisation layer name and resolves to one scheme), smoke (a strict load
 into the bundled model and a few-token forward; for DSpark one draft block; a draft directory
-is mapped in memory into the bundled layout first, convert/inmemory.py) and native
+is mapped in memory into the bundled layout first, convert/inmemory.py; one written for a serving
+target is loaded as its held forms say, convert/route_load.py) and native
 (numerical parity with the reference on the native checkpoint)."""
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ from safetensors.torch import load_file, save_file
 from dsv4.convert.check.run import run_checks
 from dsv4.convert.inmemory import match_target_figures, model_loader
 from dsv4.convert.pipeline import convert
-from dsv4.convert.route_load import native_linears
+from dsv4.convert.route_load import decoded, native_linears
 from dsv4.convert.schemes.base import module_of
 from dsv4.convert.synth import write_checkpoint
 from dsv4.model.checkpoint import INDEX_NAME, Checkpoint
@@ -32,7 +32,7 @@ from dsv4.model.errors import LoadError
 from dsv4.model.quantized import Bf16Experts, Bf16Linear, Fp8Linear, RoutedExperts, dequant_block, dequant_packed
 from dsv4.model.record import CONVERSION_RECORD
 from dsv4.model.smoke import draft_logits
-from dsv4.model.storage import FP4
+from dsv4.model.storage import FP4, HELD_LINEARS
 
 CPU = torch.device("cpu")
 TOKENS = 6
@@ -171,8 +171,31 @@ def test_overlay_keeps_fp8_blocks_and_fp4_experts_quantised_bf16_keeps_bf16(draf
     assert isinstance(bf16.mtp_block.ffn.experts.routed_experts, Bf16Experts)
 
 
+@pytest.mark.parametrize(
+    ("form", "module", "preset", "fmt"),
+    [
+        ("ct-fp8-block", "mtp.0.attn.wq_b", "FP8_BLOCK", "float-quantized"),
+        ("ct-mxfp4", "mtp.0.ffn.experts.5.w2", "MXFP4A16", "mxfp4-pack-quantized"),
+    ],
+)
+def test_an_exact_ct_form_decodes_as_compressed_tensors_decompresses_it(drafts, form, module, preset, fmt):
+    # the repo's own decoding of the e4m3 blocks and of the e2m1 nibbles (the low one the even input,
+    # DeepSeek's order) against the library's: the same bf16 values
+    draft = drafts("instruct", "overlay")
+    cfg = Checkpoint(draft).model_config
+    held = {x.name: t for x in HELD_LINEARS[form].leaves for t in [_tensors(draft)[f"{module}.{x.name}"]]}
+    theirs = BaseCompressor.get_value_from_registry(fmt).decompress(
+        dict(held), preset_name_to_scheme(preset, ["Linear"])
+    )
+    assert torch.equal(decoded(HELD_LINEARS[form], held, cfg, HELD_LINEARS[form].group), theirs["weight"].bfloat16())
+
+
+def _tensors(draft: Path) -> dict[str, torch.Tensor]:
+    return load_file(draft / "model-00001-of-00001.safetensors")
+
+
 def _rewritten(src: Path, out: Path, edit: Callable[[dict[str, torch.Tensor]], None]) -> Path:
-    tensors = load_file(src / "model-00001-of-00001.safetensors")
+    tensors = _tensors(src)
     edit(tensors)
     out.mkdir()
     save_file(tensors, out / "model.safetensors")  # one file, no index
