@@ -155,9 +155,11 @@ def native_plan(cfg: ModelConfig, config: dict[str, Any], location: str) -> Plan
 Held = dict[str, "torch.Tensor"]  # a held linear's tensors by leaf
 
 
-def _ct_decompressed(compressor: str, preset: str, held: Held, group: int) -> torch.Tensor:
-    """compressed-tensors' own decompression of one module's `held` tensors, as the `preset` scheme
-    with weights grouped by `group` (compressed_tensors/compressors/{pack_quantized,nvfp4}/base.py)."""
+def _ct_decompressed(lossy: tuple[str, str], held: Held, group: int) -> torch.Tensor:
+    """compressed-tensors' own decompression of one module's `held` tensors by `lossy` (its compressor's
+    format and the preset scheme of its weights), the weights grouped by `group` (compressed-tensors
+    0.20.1 compressors/pack_quantized/base.py:113-181, compressors/nvfp4/base.py:101-133)."""
+    compressor, preset = lossy
     try:
         from compressed_tensors.compressors import BaseCompressor
         from compressed_tensors.quantization import preset_name_to_scheme
@@ -175,37 +177,23 @@ def decoded(form: HeldLinear, held: Held, cfg: ModelConfig, group: int) -> torch
     """A linear held as `form` (its tensors `held`, by leaf; `group` its inputs per scale) as bf16 [rows,
     cols]: the exact forms by the bundled model's own dequantisation (model/quantized.py), the lossy
     ones by compressed-tensors' decompressors."""
-    return _decoders()[form.name](held, cfg, group)
+    import torch
 
-
-def _decoders() -> dict[str, Callable[[Held, ModelConfig, int], torch.Tensor]]:
-    """Held form name -> its decoding (`decoded`)."""
     from dsv4.model.quantized import dequant_block, dequant_packed
     from dsv4.model.storage import FP4
 
-    def fp8(held: Held, cfg: ModelConfig, group: int) -> torch.Tensor:
-        return dequant_block(held["weight"], held.get("scale", held.get("weight_scale")), cfg.weight_block_size)
+    weight, *scales = (held[leaf.name] for leaf in form.leaves)  # the weight first, then its scale(s)
+    if form.container in ("fp8-e8m0", "fp8-f32"):
+        return dequant_block(weight, scales[0], cfg.weight_block_size)
+    if form.container == "fp4":
+        return dequant_packed(weight, scales[0], FP4)
+    if form.exact:  # bf16
+        return weight
+    return _ct_decompressed(LOSSY_FORMATS[form.name], held, group).to(torch.bfloat16)
 
-    def fp4(held: Held, cfg: ModelConfig, group: int) -> torch.Tensor:
-        return dequant_packed(
-            held.get("weight", held.get("weight_packed")), held.get("scale", held.get("weight_scale")), FP4
-        )
 
-    def lossy(compressor: str, preset: str) -> Callable[[Held, ModelConfig, int], torch.Tensor]:
-        import torch
-
-        return lambda held, cfg, group: _ct_decompressed(compressor, preset, held, group).to(torch.bfloat16)
-
-    return {
-        "native-fp8": fp8,
-        "native-fp8-f32": fp8,
-        "ct-fp8-block": fp8,
-        "native-fp4": fp4,
-        "ct-mxfp4": fp4,
-        "bf16": lambda held, cfg, group: held["weight"],
-        "w4a16": lossy("pack-quantized", "W4A16"),
-        "nvfp4a16": lossy("nvfp4-pack-quantized", "NVFP4A16"),
-    }
+# a lossy form -> (compressed-tensors' format, the preset scheme of its weights)
+LOSSY_FORMATS = {"w4a16": ("pack-quantized", "W4A16"), "nvfp4a16": ("nvfp4-pack-quantized", "NVFP4A16")}
 
 
 # --- the bundled model from a held draft --------------------------------------------------------

@@ -211,7 +211,8 @@ HELD_LINEARS: dict[str, HeldLinear] = {
             "native-fp4", (Leaf("weight", "I8", "packed", 2), Leaf("scale", "F8_E8M0", "group")), "fp4", group=32
         ),
         # compressed-tensors' FP8 block (the native e4m3 bytes, the E8M0 scales as their F32 values) and
-        # MXFP4 (the native bytes as U8, DeepSeek's nibble order: the low nibble is the even input)
+        # MXFP4 (the native bytes as U8: DeepSeek's nibble order, the low nibble the even input, as
+        # compressed-tensors 0.20.1 packs it, compressors/nvfp4/helpers.py:412 and :440)
         HeldLinear(
             "ct-fp8-block", (Leaf("weight", "F8_E4M3", "full"), Leaf("weight_scale", "F32", "block")), "fp8-f32"
         ),
@@ -220,7 +221,8 @@ HELD_LINEARS: dict[str, HeldLinear] = {
         ),
         HeldLinear("bf16", (Leaf("weight", "BF16", "full"),), "bf16"),
         # the lossy requantisations of match-target: W4A16 (int4 eight per int32, a bf16 scale per group)
-        # and NVFP4A16 (e2m1 two per byte, an e4m3 scale per 16 inputs, one F32 global scale)
+        # and NVFP4A16 (e2m1 two per byte, an e4m3 scale per 16 inputs, one F32 global scale that
+        # divides them: compressed-tensors 0.20.1 quantization/lifecycle/forward_helpers.py:184-185)
         HeldLinear(
             "w4a16",
             (
