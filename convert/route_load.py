@@ -16,7 +16,9 @@ and the decoding must be the one the format's writer defines, not a second copy 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -237,8 +239,10 @@ def _parameter(
 def load_held(root: Path, device: torch.device) -> nn.Module:
     """The bundled model loaded from draft directory `root`, whose linears are held as a serving
     target's schemes take them (held_forms checks every tensor first): each layer kept in the
-    container its form names where the model has one, else decoded to bf16."""
+    container its form names where the model has one; else a linear decoded to bf16 when loading,
+    routed experts one at a time when a token routes to one."""
     from dsv4.model.loader import draft_model_holding, load_state
+    from dsv4.model.quantized import DecodedExperts
 
     checkpoint = Checkpoint(root)
     cfg, headers = checkpoint.model_config, checkpoint.headers
@@ -246,29 +250,52 @@ def load_held(root: Path, device: torch.device) -> nn.Module:
     forms = held_forms(cfg, {n: (t.dtype, t.shape) for n, t in headers.tensors.items()}, where)
     plan = native_plan(cfg, checkpoint.config, str(root))
     parts = layer_parts(plan)
-    model, kept = draft_model_holding(cfg, _layer_containers(parts, forms, where))
-    container_of = {p: kept[path] for path, ps in parts.items() if path in kept for p in ps}
     dims = native_linears(cfg)
-    tensors = checkpoint.load_tensors(headers.tensors)
+    tensors = checkpoint.load_tensors(headers.tensors)  # on the CPU, views of the mapped shards
+
+    def held(module: str) -> Held:
+        return {x.name: tensors[f"{module}.{x.name}"] for x in forms[module].leaves}
+
+    def decode(module: str) -> torch.Tensor:
+        group = forms[module].group_of(dims[module][1], {k: tuple(v.shape) for k, v in held(module).items()})
+        assert group is not None  # held_forms refused any other
+        return decoded(forms[module], held(module), cfg, group)
+
+    def decoded_experts(path: str) -> DecodedExperts:
+        return DecodedExperts(partial(_expert, decode, _experts_of(parts[path])), device)
+
+    model, kept = draft_model_holding(cfg, _layer_containers(parts, forms, where), decoded_experts)
+    container_of = {p: kept[path] for path, ps in parts.items() if path in kept for p in ps}
 
     def value_of(native: str) -> torch.Tensor | None:
         module, leaf = native.rsplit(".", 1)
-        form = forms.get(module)
-        if form is None:
+        if module not in forms:
             return tensors[native]  # a norm, hyper-connection, sink or router tensor: as the draft holds it
-        held = {x.name: tensors[f"{module}.{x.name}"] for x in form.leaves}
-        if container_of[module] != "bf16":
-            return held[form.leaves[NATIVE_LEAVES.index(leaf)].name]  # the weight's or the scale's bytes
-        if leaf != "weight":
-            return None
-        group = form.group_of(dims[module][1], {k: tuple(v.shape) for k, v in held.items()})
-        assert group is not None  # held_forms refused any other
-        return decoded(form, held, cfg, group)
+        if container_of[module] != "bf16":  # kept as held: the weight's or the scale's bytes
+            return held(module)[forms[module].leaves[NATIVE_LEAVES.index(leaf)].name]
+        return decode(module) if leaf == "weight" else None
 
-    expected = model.state_dict()
+    expected = model.state_dict()  # no parameter of experts decoded one at a time
     state = {}
     for t in plan.tensors:
         value = _parameter(t.pieces, value_of, expected[t.name]) if t.name in expected else None
         if value is not None:
             state[t.name] = value
     return load_state(cfg, state, device, model)
+
+
+EXPERT_PART = re.compile(r"\.(\d+)\.(w[123])\Z")  # a routed expert's linear: ...ffn.experts.{e}.w{1,2,3}
+
+
+def _experts_of(parts: tuple[str, ...]) -> dict[tuple[int, str], str]:
+    """(expert, w1|w2|w3) -> the native module, for a routed-experts layer's parts."""
+    return {(int(m.group(1)), m.group(2)): p for p in parts if (m := EXPERT_PART.search(p))}
+
+
+def _expert(
+    decode: Callable[[str], torch.Tensor], experts: dict[tuple[int, str], str], e: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Expert e's (w13 = cat(w1, w3), w2), each decoded as its held form says."""
+    import torch
+
+    return torch.cat([decode(experts[e, "w1"]), decode(experts[e, "w3"])]), decode(experts[e, "w2"])

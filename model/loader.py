@@ -13,7 +13,7 @@ the embedding).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
@@ -25,7 +25,7 @@ from dsv4.model.dtypes import SAFETENSORS_NAMES
 from dsv4.model.errors import DSV4Error, LoadError
 from dsv4.model.layout import build_draft_model, draft_layers_present
 from dsv4.model.mtp import DeepSeekV4MTP, Experts
-from dsv4.model.quantized import holding
+from dsv4.model.quantized import DecodedExperts, holding
 from dsv4.model.record import LayoutRecord, RecordError
 
 
@@ -100,20 +100,27 @@ def _require_parameters(
             )
 
 
-def draft_model_holding(cfg: ModelConfig, holds: Mapping[str, str]) -> tuple[torch.nn.Module, dict[str, str]]:
+def draft_model_holding(
+    cfg: ModelConfig, holds: Mapping[str, str], decoded_experts: Callable[[str], DecodedExperts]
+) -> tuple[torch.nn.Module, dict[str, str]]:
     """The draft model for `cfg` (on the meta device) with each quantisation layer at module path `path`
     of `holds` rebuilt to keep its weights as the container `holds[path]` names (model/storage.py
-    HeldLinear.container), or as bf16 where the model has no such container for that layer; and the
-    container each layer got. A routed-experts layer's container is its `routed_experts` child."""
+    HeldLinear.container) where the model has one for that layer, else as bf16 (a linear: its weight is
+    then the caller's decoding) or as `decoded_experts(path)` (routed experts, decoded one at a time);
+    and the container each layer got ("decoded" for the latter). A routed-experts layer's container is
+    its `routed_experts` child."""
     model = build_draft_model(cfg)
     kept: dict[str, str] = {}
     for path, container in holds.items():
         module = model.get_submodule(path)
-        where = f"{path}.routed_experts" if isinstance(module, Experts) else path
-        held = model.get_submodule(where)
-        rebuilt = holding(held, container)
-        kept[path] = container if rebuilt is not None else "bf16"
-        model.set_submodule(where, rebuilt if rebuilt is not None else holding(held, "bf16"))
+        experts = isinstance(module, Experts)
+        where = f"{path}.routed_experts" if experts else path
+        rebuilt = holding(model.get_submodule(where), container)
+        if rebuilt is None:
+            container = "decoded" if experts else "bf16"
+            rebuilt = decoded_experts(path) if experts else holding(module, "bf16")
+        kept[path] = container
+        model.set_submodule(where, rebuilt)
     return model, kept
 
 

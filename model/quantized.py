@@ -13,6 +13,8 @@ of the routed experts only those some token routes to are ever dequantised.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -214,23 +216,30 @@ class RoutedExperts(nn.Module):
         return w13, dequantize(self.storage, w2, s2, self.block, dtype)
 
 
-class Bf16Experts(nn.Module):
-    """E stacked experts held in bf16 (a draft whose experts are unquantised, or decoded when loading):
-    the same `w13_weight` [E, 2I, H] and `w2_weight` [E, H, I] names as the quantised containers, no scale."""
+ExpertDecoder = Callable[[int], tuple[torch.Tensor, torch.Tensor]]  # e -> (w13 [2I, H], w2 [H, I]) in bf16
 
-    def __init__(self, n_experts: int, hidden: int, inter: int) -> None:
+
+class DecodedExperts(nn.Module):
+    """Routed experts left as a draft holds them (bf16, or a form the model has no container for) and
+    decoded one at a time, when a token routes to one: `decode(e)` gives expert e's (w13, w2), moved to
+    `device`. It has no parameters: the tensors it decodes are the loader's (the draft's mapped shards),
+    so a forward makes only the routed experts' pages resident, as the quantised containers do."""
+
+    def __init__(self, decode: ExpertDecoder, device: torch.device) -> None:
         super().__init__()
-        self.w13_weight = weight_param((n_experts, 2 * inter, hidden), torch.bfloat16)
-        self.w2_weight = weight_param((n_experts, hidden, inter), torch.bfloat16)
+        self.decode = decode
+        self.device = device
 
     def expert_weights(self, e: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.w13_weight[e].to(dtype), self.w2_weight[e].to(dtype)
+        w13, w2 = self.decode(e)
+        return w13.to(self.device, dtype), w2.to(self.device, dtype)
 
 
 def holding(module: nn.Module, container: str) -> nn.Module | None:
     """`module` (an Fp8Linear or RoutedExperts of the model as built, on the meta device) rebuilt to keep
     its weights as `container` (model/storage.py HeldLinear.container), its name and dims unchanged; None
-    when this model has no such container for it (the caller decodes those weights to bf16 instead)."""
+    when this model has no such container for it (the caller decodes those weights instead: a linear to
+    bf16 when loading, experts one at a time, DecodedExperts)."""
     if isinstance(module, Fp8Linear):
         rows, cols = module.weight.shape
         if container == "bf16":
@@ -239,7 +248,5 @@ def holding(module: nn.Module, container: str) -> nn.Module | None:
         return None if scale is None else Fp8Linear(cols, module.parts, scale, module.quant_name, module.block)
     assert isinstance(module, RoutedExperts)
     E, H, I = module.w13_weight.shape[0], module.w2_weight.shape[1], module.inter
-    if container == "bf16":
-        return Bf16Experts(E, H, I)
     storage = EXPERT_CONTAINERS.get(container)
     return None if storage is None else RoutedExperts(storage, E, H, I, module.block)

@@ -30,7 +30,7 @@ from dsv4.convert.synth import write_checkpoint
 from dsv4.model.checkpoint import INDEX_NAME, Checkpoint
 from dsv4.model.dtypes import tensor_bytes
 from dsv4.model.errors import LoadError
-from dsv4.model.quantized import Bf16Experts, Bf16Linear, Fp8Linear, RoutedExperts, dequant_block, dequant_packed
+from dsv4.model.quantized import Bf16Linear, DecodedExperts, Fp8Linear, RoutedExperts, dequant_block, dequant_packed
 from dsv4.model.record import CONVERSION_RECORD
 from dsv4.model.smoke import draft_logits
 from dsv4.model.storage import FP4, HELD_LINEARS
@@ -162,7 +162,7 @@ def test_an_exact_route_gives_the_native_drafts_logits_bit_for_bit_on_the_cpu(dr
     assert torch.equal(held, native)
 
 
-def test_overlay_keeps_fp8_blocks_and_fp4_experts_quantised_bf16_keeps_bf16(drafts):
+def test_overlay_keeps_fp8_blocks_and_fp4_experts_quantised_bf16_keeps_its_linears_and_decodes_experts(drafts):
     overlay = model_loader(drafts("instruct", "overlay"))(CPU)
     layer = overlay.model.layers["2"]
     assert isinstance(layer.e_proj, Fp8Linear) and layer.e_proj.weight_scale_inv.dtype == torch.float32
@@ -171,7 +171,7 @@ def test_overlay_keeps_fp8_blocks_and_fp4_experts_quantised_bf16_keeps_bf16(draf
     bf16 = model_loader(drafts("instruct", "bf16"))(CPU).model.layers["2"]
     assert isinstance(bf16.mtp_block.attn.fused_wqa_wkv, Bf16Linear)
     assert isinstance(bf16.mtp_block.attn.wo_a, Fp8Linear)  # wo_a keeps its FP8-block group
-    assert isinstance(bf16.mtp_block.ffn.experts.routed_experts, Bf16Experts)
+    assert isinstance(bf16.mtp_block.ffn.experts.routed_experts, DecodedExperts)  # one expert at a time
 
 
 @pytest.mark.parametrize(
