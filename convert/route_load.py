@@ -63,14 +63,15 @@ def native_linears(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
 
 
 def is_held_for_a_target(cfg: ModelConfig, found: Found) -> bool:
-    """Whether a draft directory holding `found` holds some native linear otherwise than as its
-    native pair (so it was written for a serving target): the names say, no data is read."""
-    linears = native_linears(cfg)
-    leaves: dict[str, set[str]] = {}
-    for name in found:
-        if module_of(name) in linears:
-            leaves.setdefault(module_of(name), set()).add(name.rsplit(".", 1)[1])
-    return any(leaves.get(m, set()) != set(NATIVE_LEAVES) for m in linears)
+    """Whether a draft directory holding `found` holds some native linear otherwise than as its native
+    pair (so it was written for a serving target): a leaf other than weight and scale, or a weight of
+    another dtype (bf16). Headers only; a native draft with a tensor missing is left to the planner."""
+    native, linears = standalone_draft_layout(cfg), native_linears(cfg)
+    for name, (dtype, _) in found.items():
+        module, leaf = name.rsplit(".", 1) if "." in name else ("", name)
+        if module in linears and (leaf not in NATIVE_LEAVES or (leaf == "weight" and dtype != native[name][0])):
+            return True
+    return False
 
 
 def _refuse_nearest(module: str, dtypes: dict[str, str], where: str) -> None:

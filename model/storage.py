@@ -10,6 +10,10 @@ and `synth` read these fields; none names a format itself. So a new storage is o
 the table lines that map it to xpu): `storage_of` refuses any other name by name, never reads it as
 another. Only the independent reference (model/reference.py) decodes fp4 and fp8 its own way, by design.
 
+Below them, the forms a draft written for a serving target holds one native linear in (`HELD_LINEARS`:
+the native pair, compressed-tensors' leaves, bf16), which the held-draft loader (convert/route_load.py)
+and `check` read.
+
 Its functions take the expert_dtype string, not a ModelConfig, and it imports nothing of this package
 but the errors and no torch: every layer reads it, so it sits at the bottom and closes no import circle.
 """

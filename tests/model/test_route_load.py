@@ -141,8 +141,9 @@ def drafts(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, str], Pat
                 made[variant, route] = root / variant / route
             else:
                 form = ROUTES[route]
+                kind = "instruct" if variant == "dspark" else variant  # DSpark: an instruct release
                 made[variant, route] = write_held(
-                    draft(variant, "native"), root / variant / route, lambda m: form(m, variant)
+                    draft(variant, "native"), root / variant / route, lambda m: form(m, kind)
                 )
         return made[variant, route]
 
@@ -160,6 +161,22 @@ def _logits(path: Path) -> torch.Tensor:
 def test_an_exact_route_gives_the_native_drafts_logits_bit_for_bit_on_the_cpu(drafts, variant, route):
     native, held = _logits(drafts(variant, "native")), _logits(drafts(variant, route))
     assert torch.equal(held, native)
+
+
+def _dspark_base_logits(path: Path) -> torch.Tensor:
+    model = model_loader(path)(CPU)
+    cfg = model.config
+    features = torch.randn(TOKENS, cfg.dspark_stages * cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+    context = torch.arange(TOKENS)
+    ids, positions = model.block_ids(3), model.block_positions(context)
+    return model.base_logits(model.hidden_states(features.bfloat16(), context, ids, positions))
+
+
+def test_a_dspark_drafter_by_overlay_gives_the_native_base_logits_bit_for_bit(drafts):
+    # its stages' linears and experts go through the same held forms as an MTP block's
+    assert torch.equal(
+        _dspark_base_logits(drafts("dspark", "overlay")), _dspark_base_logits(drafts("dspark", "native"))
+    )
 
 
 def test_overlay_keeps_fp8_blocks_and_fp4_experts_quantised_bf16_keeps_its_linears_and_decodes_experts(drafts):
