@@ -63,13 +63,18 @@ def native_linears(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
 
 
 def is_held_for_a_target(cfg: ModelConfig, found: Found) -> bool:
-    """Whether a draft directory holding `found` holds some native linear otherwise than as its native
-    pair (so it was written for a serving target): a leaf other than weight and scale, or a weight of
-    another dtype (bf16). Headers only; a native draft with a tensor missing is left to the planner."""
-    native, linears = standalone_draft_layout(cfg), native_linears(cfg)
+    """Whether a draft directory holding `found` holds some native linear otherwise than as a native
+    pair (so it was written for a serving target): a leaf other than weight and scale, or exactly the
+    tensors of another form (a bf16 weight alone). Headers only: a native draft with a tensor missing
+    or of a wrong dtype is left to the planner and the config check to refuse."""
+    linears = native_linears(cfg)
+    leaves: dict[str, dict[str, str]] = {}
     for name, (dtype, _) in found.items():
-        module, leaf = name.rsplit(".", 1) if "." in name else ("", name)
-        if module in linears and (leaf not in NATIVE_LEAVES or (leaf == "weight" and dtype != native[name][0])):
+        if (module := module_of(name)) in linears:
+            leaves.setdefault(module, {})[name.rsplit(".", 1)[1]] = dtype
+    for held in leaves.values():
+        form = held_linear(held)
+        if any(leaf not in NATIVE_LEAVES for leaf in held) or (form is not None and not form.native):
             return True
     return False
 

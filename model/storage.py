@@ -190,6 +190,7 @@ class HeldLinear:
     container: str
     exact: bool = True
     group: int = 0
+    native: bool = False  # a native pair: as the source release stores the linear
 
     def group_of(self, cols: int, held: dict[str, tuple[int, ...]]) -> int | None:
         """The group of a linear with `cols` inputs whose leaves have the shapes `held` (leaf -> shape):
@@ -209,10 +210,24 @@ HELD_LINEARS: dict[str, HeldLinear] = {
     h.name: h
     for h in (
         # the native pairs (mapping/README.md#storage-dtypes): FP8 with E8M0 or F32 block scales, FP4 experts
-        HeldLinear("native-fp8", (Leaf("weight", "F8_E4M3", "full"), Leaf("scale", "F8_E8M0", "block")), "fp8-e8m0"),
-        HeldLinear("native-fp8-f32", (Leaf("weight", "F8_E4M3", "full"), Leaf("scale", "F32", "block")), "fp8-f32"),
         HeldLinear(
-            "native-fp4", (Leaf("weight", "I8", "packed", 2), Leaf("scale", "F8_E8M0", "group")), "fp4", group=32
+            "native-fp8",
+            (Leaf("weight", "F8_E4M3", "full"), Leaf("scale", "F8_E8M0", "block")),
+            "fp8-e8m0",
+            native=True,
+        ),
+        HeldLinear(
+            "native-fp8-f32",
+            (Leaf("weight", "F8_E4M3", "full"), Leaf("scale", "F32", "block")),
+            "fp8-f32",
+            native=True,
+        ),
+        HeldLinear(
+            "native-fp4",
+            (Leaf("weight", "I8", "packed", 2), Leaf("scale", "F8_E8M0", "group")),
+            "fp4",
+            group=32,
+            native=True,
         ),
         # compressed-tensors' FP8 block (the native e4m3 bytes, the E8M0 scales as their F32 values) and
         # MXFP4 (the native bytes as U8: DeepSeek's nibble order, the low nibble the even input, as
