@@ -227,19 +227,30 @@ def _layer_containers(parts: dict[str, tuple[str, ...]], forms: dict[str, HeldLi
     return out
 
 
-def _parameter(
-    pieces: tuple[TensorBytes, ...], value_of: Callable[[str], torch.Tensor | None], like: torch.Tensor
-) -> torch.Tensor | None:
-    """A model parameter shaped and typed `like`, its pieces' values back to back (a table op is a
-    concat along dim 0 or a stack: its parts' bytes in order); None when its pieces hold nothing
-    under the layer's container (the scales of a layer kept in bf16)."""
+def _back_to_back(values: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+    """`values`' bytes back to back as a tensor shaped and typed `like` (every table op is a concat along
+    dim 0 or a stack: its parts' bytes in order)."""
     import torch
 
-    values = [value_of(p.name) for p in pieces]
-    if all(v is None for v in values):
-        return None
-    flat = torch.cat([v.contiguous().reshape(-1).view(torch.uint8) for v in values if v is not None])
+    flat = torch.cat([v.contiguous().reshape(-1).view(torch.uint8) for v in values])
     return flat.view(like.dtype).view(like.shape)
+
+
+def _stacked_experts(
+    path: str, experts: dict[tuple[int, str], str], leaf_of: Callable[[str, int], torch.Tensor], model: nn.Module
+) -> dict[str, torch.Tensor]:
+    """The kept routed-experts parameters of the layer at `path` (its parts `experts`), each expert's w1
+    and w3 then its w2, weight then scale (`leaf_of(module, 0 or 1)`), in the container the model
+    built: named by that container, not by the config's storage (FP4 experts held as FP8 blocks)."""
+    held = model.get_submodule(f"{path}.routed_experts")
+    expected = held.state_dict()
+    count = 1 + max(e for e, _ in experts)
+    out = {}
+    for w, linears in (("w13", ("w1", "w3")), ("w2", ("w2",))):
+        for i, param in enumerate(("weight", held.scale_name)):
+            values = [leaf_of(experts[e, x], i) for e in range(count) for x in linears]
+            out[f"{path}.routed_experts.{w}_{param}"] = _back_to_back(values, expected[f"{w}_{param}"])
+    return out
 
 
 def load_held(root: Path, device: torch.device) -> nn.Module:
@@ -273,20 +284,29 @@ def load_held(root: Path, device: torch.device) -> nn.Module:
     model, kept = draft_model_holding(cfg, _layer_containers(parts, forms, where), decoded_experts)
     container_of = {p: kept[path] for path, ps in parts.items() if path in kept for p in ps}
 
+    def leaf_of(module: str, i: int) -> torch.Tensor:  # a kept linear's weight (0) or scale (1), as held
+        return held(module)[forms[module].leaves[i].name]
+
     def value_of(native: str) -> torch.Tensor | None:
         module, leaf = native.rsplit(".", 1)
         if module not in forms:
             return tensors[native]  # a norm, hyper-connection, sink or router tensor: as the draft holds it
-        if container_of[module] != "bf16":  # kept as held: the weight's or the scale's bytes
-            return held(module)[forms[module].leaves[NATIVE_LEAVES.index(leaf)].name]
+        if container_of[module] != "bf16":
+            return leaf_of(module, NATIVE_LEAVES.index(leaf))
         return decode(module) if leaf == "weight" else None
 
-    expected = model.state_dict()  # no parameter of experts decoded one at a time
+    moe = {layer.path for layer in quant_layers_of(cfg) if layer.kind == "moe"}
+    expert_parts = {p for path in moe for p in parts[path]}
     state = {}
+    for path in moe:  # kept experts by their container's names; decoded ones have no parameter
+        if kept.get(path) != "decoded":
+            state.update(_stacked_experts(path, _experts_of(parts[path]), leaf_of, model))
+    expected = model.state_dict()
     for t in plan.tensors:
-        value = _parameter(t.pieces, value_of, expected[t.name]) if t.name in expected else None
-        if value is not None:
-            state[t.name] = value
+        if t.name in expected and not any(module_of(p.name) in expert_parts for p in t.pieces):
+            values = [value_of(p.name) for p in t.pieces]
+            if all(v is not None for v in values):  # else the scale of a layer kept in bf16
+                state[t.name] = _back_to_back(values, expected[t.name])
     return load_state(cfg, state, device, model)
 
 

@@ -70,8 +70,22 @@ def _ct(preset: str, weight: torch.Tensor, group: int | None = None) -> dict[str
     return BaseCompressor.get_value_from_registry(fmt).compress(state, scheme)
 
 
+def _fp8_blocks(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> dict[str, torch.Tensor]:
+    """An FP4 expert's values as e4m3 blocks with F32 power-of-two scales: exact, since the codes of
+    one block span few exponents (asserted)."""
+    values = _dequantised(weight, scale, block).float()
+    grid = values.unflatten(0, (-1, block[0])).unflatten(-1, (-1, block[1]))  # [rows/bn, bn, cols/bk, bk]
+    amax = grid.abs().amax(dim=(1, 3)).clamp_min(torch.finfo(torch.float32).tiny)
+    scales = torch.exp2(torch.ceil(torch.log2(amax / torch.finfo(torch.float8_e4m3fn).max)))
+    fp8 = (grid / scales[:, None, :, None]).to(torch.float8_e4m3fn)
+    assert torch.equal(fp8.float() * scales[:, None, :, None], grid), "not exact in FP8 blocks"
+    return {"weight": fp8.reshape(values.shape), "weight_scale": scales}
+
+
 def held_as(form: str, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> dict[str, torch.Tensor]:
     """A native linear's (weight, scale) as the leaves of `form`, by the names contract."""
+    if form == "fp4-as-fp8-block":
+        return _fp8_blocks(weight, scale, block)
     if form == "ct-fp8-block":
         return {"weight": weight, "weight_scale": _f32_scale(scale)}
     if form == "ct-mxfp4":
@@ -118,6 +132,8 @@ ROUTES: dict[str, Callable[[str, str], str]] = {
     "overlay": lambda m, variant: "ct-mxfp4" if is_expert(m) and variant == "instruct" else "ct-fp8-block",
     # bf16: every linear dequantised, wo_a kept in an FP8-block group
     "bf16": lambda m, variant: "ct-fp8-block" if m.endswith(".attn.wo_a") else "bf16",
+    # match-target beside a CT FP8-block target: FP4 experts re-expressed, exactly, as FP8 blocks
+    "fp8-block": lambda m, variant: "fp4-as-fp8-block" if is_expert(m) and variant == "instruct" else "ct-fp8-block",
     "w4a16": lambda m, variant: "W4A16",
     "nvfp4a16": lambda m, variant: "NVFP4A16",
     # an MXFP4 target: the experts' bytes copied, the FP8 linears requantised into MXFP4
@@ -156,8 +172,10 @@ def _logits(path: Path) -> torch.Tensor:
     return draft_logits(load, CPU, TOKENS)
 
 
-@pytest.mark.parametrize("variant", ["instruct", "base"])
-@pytest.mark.parametrize("route", ["overlay", "bf16"])
+@pytest.mark.parametrize(
+    ("variant", "route"),
+    [("instruct", "overlay"), ("base", "overlay"), ("instruct", "bf16"), ("base", "bf16"), ("instruct", "fp8-block")],
+)
 def test_an_exact_route_gives_the_native_drafts_logits_bit_for_bit_on_the_cpu(drafts, variant, route):
     native, held = _logits(drafts(variant, "native")), _logits(drafts(variant, route))
     assert torch.equal(held, native)
@@ -179,7 +197,7 @@ def test_a_dspark_drafter_by_overlay_gives_the_native_base_logits_bit_for_bit(dr
     )
 
 
-def test_overlay_keeps_fp8_blocks_and_fp4_experts_quantised_bf16_keeps_its_linears_and_decodes_experts(drafts):
+def test_each_form_is_kept_in_the_models_container_for_it_or_decoded(drafts):
     overlay = model_loader(drafts("instruct", "overlay"))(CPU)
     layer = overlay.model.layers["2"]
     assert isinstance(layer.e_proj, Fp8Linear) and layer.e_proj.weight_scale_inv.dtype == torch.float32
@@ -189,6 +207,8 @@ def test_overlay_keeps_fp8_blocks_and_fp4_experts_quantised_bf16_keeps_its_linea
     assert isinstance(bf16.mtp_block.attn.fused_wqa_wkv, Bf16Linear)
     assert isinstance(bf16.mtp_block.attn.wo_a, Fp8Linear)  # wo_a keeps its FP8-block group
     assert isinstance(bf16.mtp_block.ffn.experts.routed_experts, DecodedExperts)  # one expert at a time
+    fp8 = model_loader(drafts("instruct", "fp8-block"))(CPU).model.layers["2"].mtp_block.ffn.experts.routed_experts
+    assert isinstance(fp8, RoutedExperts) and fp8.storage.name == "fp8"  # an instruct draft's experts in FP8 blocks
 
 
 @pytest.mark.parametrize(
