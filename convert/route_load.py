@@ -1,13 +1,14 @@
 """A draft directory written for a serving target (`--serve-with`, any route) loaded into the
 bundled model, each native linear decoded as the form it is held in says (model/storage.py
-HELD_LINEARS), and the figures of a lossy draft against the native one.
+HELD_LINEARS); every tensor checked first, strictly (`held_forms`, also the layout check's rule).
 
 The native names map into the bundled model by the xpu table, as for a native draft
 (convert/inmemory.py): its plan, made for the native layout this draft's config describes,
 says which native tensors each model parameter is made of, back to back. A held linear the
-model has a container for (FP8 blocks with E8M0 or F32 scales, FP4 experts, bf16) is loaded as
-its bytes; any other (the lossy forms, an MXFP4 linear) is decoded to bf16 first. So an exact
-route's draft runs on the very values the native draft does.
+model has a container for (FP8 blocks with E8M0 or F32 scales, FP4 experts, bf16 linears) is
+loaded as its bytes; any other linear (a lossy form, an MXFP4 linear) is decoded to bf16 first,
+and routed experts the model has no container for are decoded one at a time, when a token routes
+to one. So an exact route's draft runs on the very values the native draft does.
 
 Lossy forms are decoded with compressed-tensors' own decompressors (an optional extra, imported
 here only when such a draft is loaded): the bundled model (model/) imports no optional library,
