@@ -16,12 +16,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from click.testing import CliRunner
 from compressed_tensors.compressors import BaseCompressor
 from compressed_tensors.quantization import preset_name_to_scheme
 from compressed_tensors.quantization.utils.helpers import calculate_qparams, generate_gparam
 from safetensors.torch import load_file, save_file
 
 from dsv4.convert.check.run import run_checks
+from dsv4.convert.cli.main import cli
 from dsv4.convert.inmemory import match_target_figures, model_loader
 from dsv4.convert.pipeline import convert
 from dsv4.convert.route_load import decoded, native_linears
@@ -311,6 +313,7 @@ def test_a_lossy_draft_reports_its_top1_agreement_and_logits_error(drafts, route
     assert 0 < figures["logits_rel_rms"] < 0.2
     assert figures["logits_max_abs_diff"] > 0  # lossy: not the native logits
     assert figures["rows_compared"] >= 1 and figures["top1_agreement"] >= 0.5
+    assert json.loads(json.dumps(figures, allow_nan=False)) == figures  # conversion.json can record them as they are
 
 
 def test_check_native_runs_the_bundled_model_on_a_held_draft(drafts):
@@ -319,3 +322,10 @@ def test_check_native_runs_the_bundled_model_on_a_held_draft(drafts):
     assert status["layout"][0] == "pass"
     assert "34 linears held as 34 ct-fp8-block," in status["layout"][1]  # Base: FP8-block experts too
     assert status["smoke"][0] == "pass" and status["native"][0] == "pass", status
+
+
+def test_smoke_native_runs_on_a_held_draft_from_the_command_line(drafts):
+    held, source = drafts("instruct", "overlay"), drafts("instruct", "source")
+    result = CliRunner().invoke(cli, ["smoke", str(held), "--device", "cpu", "--tokens", "4", "--native", str(source)])
+    assert result.exit_code == 0, result.output
+    assert f"smoke: {held} on cpu" in result.output and "top-1 agreement 1.000" in result.output
