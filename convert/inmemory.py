@@ -11,15 +11,20 @@ directory needs no target checkpoint: embed.weight and head.weight are inside it
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from dsv4.convert.choose import choose_table
 from dsv4.convert.plan import Plan, plan_conversion
+from dsv4.convert.route_load import is_held_for_a_target, load_held
 from dsv4.convert.sources.location import open_source
 from dsv4.convert.sources.source import ByteReader
 from dsv4.mapping.targets import bundled_target
+from dsv4.model.checkpoint import Checkpoint
+from dsv4.model.errors import DSV4Error
 from dsv4.model.loader import has_layout_record, load_state
+from dsv4.model.parity import SMOKE_TOKENS
 
 if TYPE_CHECKING:
     import torch
@@ -69,8 +74,41 @@ def load_native_named(root: Path, device: torch.device, plan: Plan | None = None
 def model_loader(root: Path, plan: Callable[[], Plan] | None = None) -> Callable[[torch.device], nn.Module] | None:
     """How `smoke` and `check` load `root` into the bundled model: None for a converted
     checkpoint (its config.json has the layout record: the strict loader reads its names
-    as they are), the in-memory xpu plan for a checkpoint in native names (`plan()` gives
-    it when the caller has one, so `check` plans a draft directory once)."""
+    as they are), the held draft's loader for a draft written for a serving target, the
+    in-memory xpu plan for a checkpoint in native names (`plan()` gives it when the caller
+    has one, so `check` plans a draft directory once)."""
     if has_layout_record(root):
         return None
+    if held_for_a_target(root):  # linears held as a serving target's schemes take them (--serve-with)
+        return lambda device: load_held(root, device)
     return lambda device: load_native_named(root, device, plan() if plan is not None else None)
+
+
+def held_for_a_target(root: Path) -> bool:
+    """Whether draft directory `root` holds some linear otherwise than as its native pair (a draft
+    written for a serving target, convert/route_load.py); headers only. A directory whose config or
+    headers cannot be read is not: the native path's own checks name what is wrong."""
+    checkpoint = Checkpoint(root)
+    try:
+        found = {name: (t.dtype, t.shape) for name, t in checkpoint.headers.tensors.items()}
+        return is_held_for_a_target(checkpoint.model_config, found)
+    except DSV4Error:
+        return False
+
+
+def match_target_figures(
+    draft: Path, native: Path, device: str = "cpu", tokens: int = SMOKE_TOKENS, seed: int = 0
+) -> dict[str, Any]:
+    """A match-target draft directory `draft` against `native` (the native checkpoint or native draft it
+    was made from), the bundled model run on both with smoke's seeded inputs on `device`: top-1
+    agreement where the native top-2 margin is decisive, and the logits error
+    (model/smoke.py agreement_figures; MTP drafts)."""
+    import torch
+
+    from dsv4.model.loader import load_converted
+    from dsv4.model.parity import agreement_figures
+    from dsv4.model.smoke import draft_logits
+
+    dev = torch.device(device)
+    logits = [draft_logits(model_loader(d) or partial(load_converted, d), dev, tokens, seed) for d in (draft, native)]
+    return {**agreement_figures(*logits), "device": str(dev), "tokens": tokens, "seed": seed}

@@ -13,7 +13,7 @@ the embedding).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
@@ -24,7 +24,8 @@ from dsv4.model.dspark import DSparkDraft
 from dsv4.model.dtypes import SAFETENSORS_NAMES
 from dsv4.model.errors import DSV4Error, LoadError
 from dsv4.model.layout import build_draft_model, draft_layers_present
-from dsv4.model.mtp import DeepSeekV4MTP
+from dsv4.model.mtp import DeepSeekV4MTP, Experts
+from dsv4.model.quantized import DecodedExperts, holding
 from dsv4.model.record import LayoutRecord, RecordError
 
 
@@ -99,15 +100,42 @@ def _require_parameters(
             )
 
 
+def draft_model_holding(
+    cfg: ModelConfig, holds: Mapping[str, str], decoded_experts: Callable[[str], DecodedExperts]
+) -> tuple[torch.nn.Module, dict[str, str]]:
+    """The draft model for `cfg` (on the meta device) with each quantisation layer at module path `path`
+    of `holds` rebuilt to keep its weights as the container `holds[path]` names (model/storage.py
+    HeldLinear.container) where the model has one for that layer, else as bf16 (a linear: its weight is
+    then the caller's decoding) or as `decoded_experts(path)` (routed experts, decoded one at a time);
+    and the container each layer got ("decoded" for the latter). A routed-experts layer's container is
+    its `routed_experts` child."""
+    model = build_draft_model(cfg)
+    kept: dict[str, str] = {}
+    for path, container in holds.items():
+        module = model.get_submodule(path)
+        experts = isinstance(module, Experts)
+        where = f"{path}.routed_experts" if experts else path
+        rebuilt = holding(model.get_submodule(where), container)
+        if rebuilt is None:
+            container = "decoded" if experts else "bf16"
+            rebuilt = decoded_experts(path) if experts else holding(module, "bf16")
+        kept[path] = container
+        model.set_submodule(where, rebuilt)
+    return model, kept
+
+
 def load_state(
-    cfg: ModelConfig, state: dict[str, torch.Tensor], device: str | torch.device | None = None
+    cfg: ModelConfig,
+    state: dict[str, torch.Tensor],
+    device: str | torch.device | None = None,
+    model: torch.nn.Module | None = None,
 ) -> DeepSeekV4MTP | DSparkDraft:
-    """The draft model for `cfg` with `state` (the xpu layout's names, e.g. planned in
-    memory from a native-named checkpoint) loaded strictly: a missing or extra name is
-    missing_key / unexpected_key, a shape or dtype other than the model's
+    """The draft model for `cfg` (`model` when the caller built it, draft_model_holding) with `state` (the
+    xpu layout's names, e.g. planned in memory from a native-named checkpoint) loaded strictly: a missing
+    or extra name is missing_key / unexpected_key, a shape or dtype other than the model's
     shape_mismatch / dtype_mismatch."""
     dev = torch.device(device) if device is not None else default_device()
-    model = build_draft_model(cfg)
+    model = model if model is not None else build_draft_model(cfg)
     _require_parameters(model.state_dict(), {n: (SAFETENSORS_NAMES[t.dtype], tuple(t.shape)) for n, t in state.items()})
     model.load_state_dict({k: v.to(dev) for k, v in state.items()}, strict=True, assign=True)
     return model.eval()

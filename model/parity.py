@@ -108,6 +108,28 @@ def top1_agreement_up_to_ties(logits: torch.Tensor, logits_ref: torch.Tensor, re
     return (gap <= tol).float().mean().item()
 
 
+def agreement_figures(logits: torch.Tensor, native: torch.Tensor, tie_rel: float = TIE_REL) -> dict[str, Any]:
+    """How a draft's logits agree with the native draft's on the same inputs: top-1 agreement over
+    the rows where the native top-2 margin exceeds tie_rel * max|native logit| (elsewhere either
+    order is a near-tie: model/parity.py), None when no row is that decisive; the largest logit
+    difference, and the relative RMS of the difference."""
+    top2 = native.topk(2, dim=-1).values
+    epsilon = tie_rel * native.abs().max().item()
+    decisive = (top2[:, 0] - top2[:, 1]) > epsilon
+    same = logits.argmax(-1) == native.argmax(-1)
+    compared = int(decisive.sum())
+    diff = (logits - native).float()
+    return {
+        "top1_agreement": same[decisive].float().mean().item() if compared else None,
+        "rows_compared": compared,
+        "rows": native.shape[0],
+        "tie_epsilon": epsilon,
+        "logits_max_abs_diff": diff.abs().max().item(),
+        "logits_max_abs": native.abs().max().item(),
+        "logits_rel_rms": (diff.norm() / native.float().norm().clamp_min(1e-30)).item(),
+    }
+
+
 def parity_verdict(
     report: dict[str, Any], min_top1: float = MIN_TOP1, max_rel_diff: float = MAX_REL_DIFF
 ) -> tuple[bool, str]:

@@ -13,11 +13,13 @@ of the routed experts only those some token routes to are ever dequantised.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
 from dsv4.model.dtypes import TORCH_DTYPES
-from dsv4.model.storage import ExpertStorage, ceil_div
+from dsv4.model.storage import EXPERT_CONTAINERS, ExpertStorage, ceil_div
 
 FP8 = torch.float8_e4m3fn
 E8M0 = torch.float8_e8m0fnu
@@ -145,6 +147,10 @@ class Bf16Linear(QuantLayer):
         super().__init__(quant_name)
         self.weight = weight_param((out_features, in_features), torch.bfloat16)
 
+    def dequantized(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        """The weight in `dtype` (wo_a reads its weight so, whatever container holds it)."""
+        return self.weight.to(dtype)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x @ self.weight.T
 
@@ -208,3 +214,39 @@ class RoutedExperts(nn.Module):
             parts = zip(w13.split(self.inter, dim=0), s13.split(half, dim=0), strict=True)
             w13 = torch.cat([dequantize(self.storage, w, s, self.block, dtype) for w, s in parts], dim=0)
         return w13, dequantize(self.storage, w2, s2, self.block, dtype)
+
+
+ExpertDecoder = Callable[[int], tuple[torch.Tensor, torch.Tensor]]  # e -> (w13 [2I, H], w2 [H, I]) in bf16
+
+
+class DecodedExperts(nn.Module):
+    """Routed experts left as a draft holds them (bf16, or a form the model has no container for) and
+    decoded one at a time, when a token routes to one: `decode(e)` gives expert e's (w13, w2), moved to
+    `device`. It has no parameters: the tensors it decodes are the loader's (the draft's mapped shards),
+    so a forward makes only the routed experts' pages resident, as the quantised containers do."""
+
+    def __init__(self, decode: ExpertDecoder, device: torch.device) -> None:
+        super().__init__()
+        self.decode = decode
+        self.device = device
+
+    def expert_weights(self, e: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        w13, w2 = self.decode(e)
+        return w13.to(self.device, dtype), w2.to(self.device, dtype)
+
+
+def holding(module: nn.Module, container: str) -> nn.Module | None:
+    """`module` (an Fp8Linear or RoutedExperts of the model as built, on the meta device) rebuilt to keep
+    its weights as `container` (model/storage.py HeldLinear.container), its name and dims unchanged; None
+    when this model has no such container for it (the caller decodes those weights instead: a linear to
+    bf16 when loading, experts one at a time, DecodedExperts)."""
+    if isinstance(module, Fp8Linear):
+        rows, cols = module.weight.shape
+        if container == "bf16":
+            return Bf16Linear(cols, rows, module.quant_name)
+        scale = {"fp8-e8m0": E8M0, "fp8-f32": torch.float32}.get(container)
+        return None if scale is None else Fp8Linear(cols, module.parts, scale, module.quant_name, module.block)
+    assert isinstance(module, RoutedExperts)
+    E, H, I = module.w13_weight.shape[0], module.w2_weight.shape[1], module.inter
+    storage = EXPERT_CONTAINERS.get(container)
+    return None if storage is None else RoutedExperts(storage, E, H, I, module.block)

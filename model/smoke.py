@@ -89,6 +89,24 @@ def _routed_as_the_reference(
     return (out if again is None else again), found
 
 
+def smoke_inputs(
+    cfg: ModelConfig, tokens: int, seed: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """An MTP step's inputs, seeded: random token ids, positions 0.., random previous hidden states."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, cfg.vocab_size, (tokens,), generator=gen).to(device)
+    positions = torch.arange(tokens).to(device)
+    prev = torch.randn(tokens, cfg.hc_dim, generator=gen).to(torch.bfloat16).to(device)
+    return ids, positions, prev
+
+
+def draft_logits(load: Loader, device: torch.device, tokens: int = SMOKE_TOKENS, seed: int = 0) -> torch.Tensor:
+    """The fp32 logits [T, V] of one MTP step of the model `load` gives, on run_smoke's inputs for `seed`."""
+    model = load(device)
+    inputs = smoke_inputs(model.config, tokens, seed, device)
+    return model.compute_logits(model(*inputs))
+
+
 def run_smoke(
     out_dir: str | Path,
     device: str | None = None,
@@ -110,10 +128,7 @@ def run_smoke(
     load_model = load or (lambda d: load_converted(out_dir, d))
     model, report["load_ms"] = _timed(dev, lambda: load_model(dev))
     cfg = model.config
-    gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, cfg.vocab_size, (tokens,), generator=gen).to(dev)
-    positions = torch.arange(tokens).to(dev)
-    prev = torch.randn(tokens, cfg.hc_dim, generator=gen).to(torch.bfloat16).to(dev)
+    ids, positions, prev = smoke_inputs(cfg, tokens, seed, dev)
 
     model_routing = RoutingLog()  # the warm run's, compared with the reference's below
     for run in ("first", "warm"):

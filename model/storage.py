@@ -10,6 +10,10 @@ and `synth` read these fields; none names a format itself. So a new storage is o
 the table lines that map it to xpu): `storage_of` refuses any other name by name, never reads it as
 another. Only the independent reference (model/reference.py) decodes fp4 and fp8 its own way, by design.
 
+Below them, the forms a draft written for a serving target holds one native linear in (`HELD_LINEARS`:
+the native pair, compressed-tensors' leaves, bf16), which the held-draft loader (convert/route_load.py)
+and `check` read.
+
 Its functions take the expert_dtype string, not a ModelConfig, and it imports nothing of this package
 but the errors and no torch: every layer reads it, so it sits at the bottom and closes no import circle.
 """
@@ -140,3 +144,145 @@ def holding_layout_tensor(param: str, dtype: str) -> tuple[str, ...]:
 def scale_params() -> tuple[str, ...]:
     """Every storage's layout scale parameter name (weight_scale, weight_scale_inv)."""
     return tuple(sorted({s.scale_param for s in STORAGES.values()}))
+
+
+# --- how a draft directory holds one native linear under a serving scheme -----------------------
+# A draft written for a serving target (--serve-with, mapping/README.md#storage-dtypes) keeps every
+# native module name (`mtp.0.attn.wq_a`, `mtp.0.ffn.experts.3.w1`) but holds each linear as the scheme
+# vLLM builds it with takes it: the native pair (`.weight` + `.scale`), compressed-tensors' leaves
+# (`.weight` + `.weight_scale`, `.weight_packed` + ...), or a bf16 `.weight`. One entry per such form.
+
+
+@dataclass(frozen=True)
+class Leaf:
+    """One tensor of a held linear [rows, cols]: its name after the module's, its dtype, and its shape
+    for the linear's logical dims and the held form's group (the inputs one scale covers along cols)."""
+
+    name: str
+    dtype: str
+    grid: str  # "full" [rows, cols], "packed" [rows, cols / per_element], "block" [ceil(rows/br), ceil(cols/bc)],
+    # "group" [rows, cols / group], "pair" [2] (the logical shape), "one" [1] (a tensor-wide scale)
+    per_element: int = 1  # codes per stored element of a "packed" leaf (e2m1: 2 per byte, int4: 8 per int32)
+
+    def shape(self, rows: int, cols: int, group: int, block: tuple[int, int]) -> tuple[int, ...]:
+        grids = {
+            "full": lambda: (rows, cols),
+            "packed": lambda: (rows, cols // self.per_element),
+            "block": lambda: (ceil_div(rows, block[0]), ceil_div(cols, block[1])),
+            "group": lambda: (rows, cols // group),
+            "pair": lambda: (2,),
+            "one": lambda: (1,),
+        }
+        return grids[self.grid]()
+
+
+@dataclass(frozen=True)
+class HeldLinear:
+    """One form a draft directory holds a native linear in. `container` is what the bundled model keeps
+    it as when it has such a container for the layer (model/quantized.py `holding`): "fp8-e8m0" or
+    "fp8-f32" (e4m3 with block scales), "fp4" (packed e2m1 and E8M0 bytes, routed experts only), "bf16";
+    any other pairing is decoded to bf16 when loading. `exact`: decoding it gives the native values bit
+    for bit (the lossy forms hold a requantisation). `group`: inputs per scale, 0 when the scale's
+    shape says (W4A16's group size is the target's choice)."""
+
+    name: str
+    leaves: tuple[Leaf, ...]
+    container: str
+    exact: bool = True
+    group: int = 0
+    native: bool = False  # a native pair: as the source release stores the linear
+
+    def group_of(self, cols: int, held: dict[str, tuple[int, ...]]) -> int | None:
+        """The group of a linear with `cols` inputs whose leaves have the shapes `held` (leaf -> shape):
+        0 for a form with no per-group scale; None when the scale's columns group no whole inputs."""
+        scale = next((leaf for leaf in self.leaves if leaf.grid == "group"), None)
+        if self.group or scale is None:
+            return self.group
+        width = held.get(scale.name, (0, 0))[-1]
+        return cols // width if width and cols % width == 0 else None
+
+    def tensors(self, rows: int, cols: int, group: int, block: tuple[int, int]) -> dict[str, tuple[str, tuple]]:
+        """leaf -> (dtype, shape) of a linear [rows, cols] held so."""
+        return {leaf.name: (leaf.dtype, leaf.shape(rows, cols, group, block)) for leaf in self.leaves}
+
+
+HELD_LINEARS: dict[str, HeldLinear] = {
+    h.name: h
+    for h in (
+        # the native pairs (mapping/README.md#storage-dtypes): FP8 with E8M0 or F32 block scales, FP4 experts
+        HeldLinear(
+            "native-fp8",
+            (Leaf("weight", "F8_E4M3", "full"), Leaf("scale", "F8_E8M0", "block")),
+            "fp8-e8m0",
+            native=True,
+        ),
+        HeldLinear(
+            "native-fp8-f32",
+            (Leaf("weight", "F8_E4M3", "full"), Leaf("scale", "F32", "block")),
+            "fp8-f32",
+            native=True,
+        ),
+        HeldLinear(
+            "native-fp4",
+            (Leaf("weight", "I8", "packed", 2), Leaf("scale", "F8_E8M0", "group")),
+            "fp4",
+            group=32,
+            native=True,
+        ),
+        # compressed-tensors' FP8 block (the native e4m3 bytes, the E8M0 scales as their F32 values) and
+        # MXFP4 (the native bytes as U8: DeepSeek's nibble order, the low nibble the even input, as
+        # compressed-tensors 0.20.1 packs it, compressors/nvfp4/helpers.py:412 and :440)
+        HeldLinear(
+            "ct-fp8-block", (Leaf("weight", "F8_E4M3", "full"), Leaf("weight_scale", "F32", "block")), "fp8-f32"
+        ),
+        HeldLinear(
+            "ct-mxfp4", (Leaf("weight_packed", "U8", "packed", 2), Leaf("weight_scale", "U8", "group")), "fp4", group=32
+        ),
+        HeldLinear("bf16", (Leaf("weight", "BF16", "full"),), "bf16"),
+        # the lossy requantisations of match-target: W4A16 (int4 eight per int32, a bf16 scale per group)
+        # and NVFP4A16 (e2m1 two per byte, an e4m3 scale per 16 inputs, one F32 global scale that
+        # divides them: compressed-tensors 0.20.1 quantization/lifecycle/forward_helpers.py:184-185)
+        HeldLinear(
+            "w4a16",
+            (
+                Leaf("weight_packed", "I32", "packed", 8),
+                Leaf("weight_scale", "BF16", "group"),
+                Leaf("weight_shape", "I64", "pair"),
+            ),
+            "bf16",
+            exact=False,
+        ),
+        HeldLinear(
+            "nvfp4a16",
+            (
+                Leaf("weight_packed", "U8", "packed", 2),
+                Leaf("weight_scale", "F8_E4M3", "group"),
+                Leaf("weight_global_scale", "F32", "one"),
+            ),
+            "bf16",
+            exact=False,
+            group=16,
+        ),
+    )
+}
+
+
+def held_linear(leaves: dict[str, str]) -> HeldLinear | None:
+    """The form whose leaves are exactly `leaves` (leaf -> safetensors dtype); None when none is."""
+    return next((h for h in HELD_LINEARS.values() if {leaf.name: leaf.dtype for leaf in h.leaves} == leaves), None)
+
+
+def nearest_held_linears(leaves: dict[str, str]) -> list[HeldLinear]:
+    """The forms sharing the most leaf names, then (leaf, dtype) pairs, with `leaves` (an FP8 weight
+    alone is as near to the native pair as to compressed-tensors' FP8 block): what a refusal says is
+    missing, extra or of another dtype."""
+
+    def shared(h: HeldLinear) -> tuple[int, int]:  # leaf names first, then (name, dtype) pairs
+        return sum(x.name in leaves for x in h.leaves), sum(leaves.get(x.name) == x.dtype for x in h.leaves)
+
+    best = max(shared(h) for h in HELD_LINEARS.values())
+    return [h for h in HELD_LINEARS.values() if shared(h) == best]
+
+
+# the routed-expert storages by the container a held form names (the others are kept as bf16)
+EXPERT_CONTAINERS: dict[str, ExpertStorage] = {"fp4": FP4, "fp8-f32": FP8}

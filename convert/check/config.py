@@ -15,6 +15,7 @@ from typing import Any
 
 from dsv4.convert.check.context import Context, first_line
 from dsv4.convert.errors import CheckError
+from dsv4.convert.route_load import is_held_for_a_target
 from dsv4.mapping.errors import TableError
 from dsv4.mapping.table import Table, load_table
 from dsv4.mapping.targets import Target, bundled_target, installed_tables, installed_targets, require_target
@@ -33,6 +34,8 @@ from dsv4.model.storage import holding_layout_tensor, holding_native_weight, sca
 
 EXPERT = re.compile(rf"\.ffn\.experts\.routed_experts\.(w13|w2)_(weight|{'|'.join(scale_params())})\Z")
 NATIVE_EXPERT = re.compile(r"mtp\.\d+\.ffn\.experts\.(\d+)\.w[123]\.(weight|scale)\Z")
+# a native expert's tensor of any leaf: its native pair, or a serving target's form (route_load.py)
+EXPERT_TENSOR = re.compile(r"mtp\.\d+\.ffn\.experts\.(\d+)\.w[123]\.\w+\Z")
 
 
 def _expert_dtype_of(name: str, dtype: str) -> tuple[str, ...] | None:
@@ -157,8 +160,12 @@ def _check_blocks(target: Target, cfg: ModelConfig, headers: ShardHeaders, where
 
 
 def _check_experts(target: Target, cfg: ModelConfig, headers: ShardHeaders, where: str) -> None:
-    """Every routed-expert tensor is of config.json's expert_dtype; in native names, experts 0..E-1 are all there."""
-    for name, src in sorted(headers.tensors.items()):
+    """Every routed-expert tensor is of config.json's expert_dtype; in native names, experts 0..E-1 are all there.
+    A draft written for a serving target holds its experts as the target's scheme takes them (bf16, MXFP4...):
+    the layout check holds each to its form (convert/route_load.py)."""
+    found = {name: (src.dtype, src.shape) for name, src in headers.tensors.items()}
+    held = target.kind.native_names and is_held_for_a_target(cfg, found)
+    for name, src in sorted(headers.tensors.items()) if not held else ():
         implied = _expert_dtype_of(name, src.dtype)
         if implied is not None and cfg.expert_dtype not in implied:
             raise CheckError(
@@ -168,7 +175,7 @@ def _check_experts(target: Target, cfg: ModelConfig, headers: ShardHeaders, wher
                 path=str(where),
                 tensor=name,
             )
-    experts = {int(m.group(1)) for name in headers.tensors if (m := NATIVE_EXPERT.match(name))}
+    experts = {int(m.group(1)) for name in headers.tensors if (m := EXPERT_TENSOR.match(name))}
     if target.kind.native_names and experts != set(range(cfg.n_routed_experts)):
         raise CheckError(
             f"{where}: n_routed_experts = {cfg.n_routed_experts}, but the tensors hold routed experts "

@@ -2,11 +2,13 @@
 order): layout (names, shapes and dtypes equal the target's layout, mapping/targets.py), quant
 (every linear has a quantisation layer name and resolves to one scheme), smoke (a strict load
 into the bundled model and a few-token forward; for DSpark one draft block; a draft directory
-is mapped in memory into the bundled layout first, convert/inmemory.py) and native
+is mapped in memory into the bundled layout first, convert/inmemory.py; one written for a serving
+target is loaded as its held forms say, convert/route_load.py) and native
 (numerical parity with the reference on the native checkpoint)."""
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -16,9 +18,11 @@ from dsv4.convert.check.config import layout_target
 from dsv4.convert.check.context import Context, Skipped, first_line, short
 from dsv4.convert.errors import CheckError
 from dsv4.convert.quant_config import check_draft_quantization
+from dsv4.convert.route_load import Found, held_forms, is_held_for_a_target
 from dsv4.mapping.targets import bundled_target
 from dsv4.model.checkpoint import INDEX_NAME
-from dsv4.model.errors import DSV4Error
+from dsv4.model.config import ModelConfig
+from dsv4.model.errors import DSV4Error, LoadError
 from dsv4.model.layout import build_draft_model
 from dsv4.model.parity import parity_verdict
 
@@ -27,6 +31,9 @@ from dsv4.model.parity import parity_verdict
 def check_layout(ctx: Context, details: dict[str, Any]) -> str:
     headers, cfg = ctx.need_headers(), ctx.need_config()
     target, layout = layout_target(ctx)
+    found = {name: (src.dtype, src.shape) for name, src in headers.tensors.items()}
+    if layout.kind.native_names and is_held_for_a_target(cfg, found):
+        return _check_held_layout(ctx, cfg, found, details)
     want = layout.layout(cfg)
     missing = sorted(set(want) - set(headers.tensors))
     unexpected = sorted(set(headers.tensors) - set(want))
@@ -64,12 +71,41 @@ def check_layout(ctx: Context, details: dict[str, Any]) -> str:
     return f"all {len(want)} tensors of the {target} layout present with their shapes and dtypes, nothing else"
 
 
+HELD_REFUSALS = {  # the strict loader's refusal -> the layout check's finding
+    "missing_key": "missing_tensors",
+    "unexpected_key": "unexpected_tensors",
+    "shape_mismatch": "tensor_shape",
+    "dtype_mismatch": "tensor_dtype",
+}
+
+
+def _check_held_layout(ctx: Context, cfg: ModelConfig, found: Found, details: dict[str, Any]) -> str:
+    """A draft written for a serving target: each native linear in one form the bundled model decodes
+    (model/storage.py HELD_LINEARS), every other tensor as the native draft holds it. Which forms the
+    target takes is the serve check's (--serve-with)."""
+    try:
+        forms = held_forms(cfg, found, ctx.where(INDEX_NAME))
+    except LoadError as exc:
+        raise CheckError(str(exc), kind=HELD_REFUSALS[exc.kind], path=exc.path, tensor=exc.tensor) from None
+    counts = Counter(form.name for form in forms.values())
+    details["held"] = dict(sorted(counts.items()))
+    said = ", ".join(f"{n} {name}" for name, n in sorted(counts.items()))
+    return f"a draft for a serving target: its {len(forms)} linears held as {said}, the rest as the native draft's"
+
+
 # --- quantisation ------------------------------------------------------------------------
 def check_quant(ctx: Context, details: dict[str, Any]) -> str:
     cfg = ctx.need_config()
     assert ctx.config is not None  # a parsed cfg implies a parsed config.json
     config = ctx.config
-    if layout_target(ctx)[1].kind.native_names:
+    native_names = layout_target(ctx)[1].kind.native_names
+    if native_names and is_held_for_a_target(
+        cfg, {n: (t.dtype, t.shape) for n, t in ctx.need_headers().tensors.items()}
+    ):
+        raise Skipped(
+            "a draft for a serving target: the schemes its layers are built with are the target's (--serve-with)"
+        )
+    if native_names:
         # native module names: the quantisation layer names are those of the bundled layout's
         # conversion of this directory, whose config.json the converter rewrites (convert/quant_config.py)
         from dsv4.convert.pipeline import output_config
