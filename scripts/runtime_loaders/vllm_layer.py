@@ -24,6 +24,7 @@ class Built:
     method: str
     params: dict[str, torch.nn.Parameter]
     error: str = ""
+    shards: tuple[Any, ...] = (None,)  # a fused linear's shard ids, as load_weights passes them
 
 
 def _linear_specs(cfg: Any, layer: int) -> list[tuple[str, str, str, dict[str, Any]]]:
@@ -122,4 +123,5 @@ def _build(path: str, prefix: str, kind: str, make: Any) -> Built:
         return Built(path, prefix, kind, "", {}, f"{type(exc).__name__}: {exc}")
     method = type(getattr(module, "scheme", None) or module.quant_method).__name__
     params = {f"{path}.{n}": p for n, p in module.named_parameters(recurse=False)}
-    return Built(path, prefix, kind, method, params)
+    shards = tuple(range(len(module.output_sizes))) if hasattr(module, "output_sizes") else (None,)
+    return Built(path, prefix, kind, method, params, shards=shards)
