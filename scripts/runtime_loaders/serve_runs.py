@@ -18,7 +18,7 @@ from dsv4.model.checkpoint import local_weight_map
 from dsv4.model.reference import fp4_weight, fp8_weight
 
 from .recording import Recorder, attrs, read_tensors
-from .vllm_build import build_namespace, imports_from, target_quant_config
+from .vllm_build import build_namespace, imports_from, quant_config_for
 from .vllm_layer import Built, build_layer
 from .vllm_runs import VLLM_CUTS, stand_in_layer, table_facts, vllm_namespace
 from .wheels import Wheel
@@ -35,7 +35,7 @@ class Fill:
 
 @dataclass
 class ServeReport:
-    platform: str
+    loader: str
     methods: dict[str, str] = field(default_factory=dict)  # quant prefix -> vLLM method
     fed: int = 0
     params: int = 0
@@ -64,8 +64,14 @@ class _Table(dict):
         self.modules = [b.path + "." for b in built]
         self.known, self.fills, self.rec = known, fills, rec
 
+    def _unbuilt(self, name: str) -> bool:
+        return not any(name.startswith(m) for m in self.modules) and any(k.fullmatch(name) for k in self.known)
+
+    def __contains__(self, name: object) -> bool:  # the DSpark loader asks before it indexes (xpu/dspark.py:344, 384)
+        return dict.__contains__(self, name) or (isinstance(name, str) and self._unbuilt(name))
+
     def __missing__(self, name: str) -> Any:
-        if any(name.startswith(m) for m in self.modules) or not any(k.fullmatch(name) for k in self.known):
+        if not self._unbuilt(name):
             raise KeyError(name)
         param = types.SimpleNamespace(data=None)
         param.weight_loader = lambda p, loaded, *a, **k: self._plain(name, p, loaded)
@@ -103,7 +109,7 @@ def _recording(param: Any, name: str, fills: dict[str, list[Fill]], rec: Recorde
     param.weight_loader = load
 
 
-def _known_names(config: dict[str, Any], table: str) -> list[re.Pattern[str]]:
+def _known_names(table: str) -> list[re.Pattern[str]]:
     """The runtime's parameter names the repo's table names (mapping/xpu.toml: vLLM's
     in-memory names, the ones the loaders were verified to fill), placeholders as numbers."""
     out = []
@@ -163,23 +169,31 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def serve_run(
-    wheel: Wheel, platform: str, draft: Path, quantization_config: dict[str, Any], native: Path, config: dict[str, Any]
+    wheel: Wheel, loader: str, draft: Path, quantization_config: dict[str, Any], native: Path, config: dict[str, Any]
 ) -> ServeReport:
-    """vLLM's `platform` MTP loader on DRAFT, its parameters those vLLM builds under
-    `quantization_config` (the effective one: the target's, or the overrides')."""
-    report = ServeReport(platform)
+    """vLLM's `loader` (VLLM_CUTS) on DRAFT, its parameters those vLLM builds under
+    `quantization_config` (MTP: the target's effective one; DSpark: the draft's own)."""
+    platform, layout = loader.split("-")[1:]
+    report = ServeReport(loader)
     cfg = attrs(config)
     build_ns = build_namespace(wheel, platform)
-    qc = target_quant_config(build_ns, quantization_config, platform, cfg)
-    start, n = config["num_hidden_layers"], config.get("num_nextn_predict_layers", 1)
-    built = [b for i in range(n) for b in build_layer(build_ns, qc, cfg, start + i, platform)]
+    qc = quant_config_for(build_ns, quantization_config, platform, layout, cfg)
+    start = config["num_hidden_layers"]
+    if layout == "mtp":
+        n = config.get("num_nextn_predict_layers", 1)
+        indices = [start + i for i in range(n)]
+    else:
+        n = config.get("n_mtp_layers") or 3  # xpu/dspark.py:57
+        indices = list(range(n))
+    built = [b for i in indices for b in build_layer(build_ns, qc, cfg, layout, i, platform)]
     report.methods = {b.prefix: b.method or b.error for b in built}
     report.errors += [f"{b.prefix}: {b.error}" for b in built if b.error]
     rec, fills = Recorder(), {}
-    table = _Table(built, _known_names(config, "xpu"), fills, rec)
+    table_name = "xpu" if layout == "mtp" else "xpu_dspark"
+    table = _Table(built, _known_names(table_name), fills, rec)
     for name, param in list(table.items()):
         _recording(param, name, fills, rec)
-    spec = VLLM_CUTS[f"vllm-{platform}-mtp"]
+    spec = VLLM_CUTS[loader]
     ns = vllm_namespace(wheel, spec["cuts"], rec, [True])
     ns["dict"] = lambda x=(), **k: x.table if isinstance(x, _Named) else dict(x, **k)
 
@@ -189,14 +203,16 @@ def serve_run(
 
     model = type(spec["class"], (ns[spec["class"]], StandIn), {})()
     model.config, model.quant_config = cfg, qc
-    model.model = types.SimpleNamespace(
-        layers={str(start + i): stand_in_layer() for i in range(n)}, mtp_start_layer_idx=start, num_mtp_layers=n
-    )
-    # nvidia/mtp.py:308-310: a compressed-tensors config has no weight_block_size
-    model.pad_shared_expert = getattr(qc, "weight_block_size", None) is not None
+    if layout == "mtp":
+        layers = {str(i): stand_in_layer() for i in indices}
+        model.model = types.SimpleNamespace(layers=layers, mtp_start_layer_idx=start, num_mtp_layers=n)
+        # nvidia/mtp.py:308-310: a compressed-tensors config has no weight_block_size
+        model.pad_shared_expert = getattr(qc, "weight_block_size", None) is not None
+    else:
+        model.model = types.SimpleNamespace(layers=[stand_in_layer() for _ in indices])
     with imports_from(build_ns):  # RoutedExperts.weight_loader imports inside (routed_experts.py:697-699)
         fed = _feed(model, draft, rec, report)
-    droppable, _shared = table_facts(load_table("xpu"), config)
+    droppable, _shared = table_facts(load_table(table_name), config)
     reached = {f.tensor for fs in fills.values() for f in fs}
     errored = {e.split(":", 1)[0] for e in report.errors}
     report.skipped = [t for t in fed if t not in reached and t not in errored and not droppable(t)]

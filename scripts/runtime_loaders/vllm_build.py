@@ -440,16 +440,20 @@ def effective_quantization_config(target_config: dict[str, Any], overrides: dict
     return copy.deepcopy(target_config.get("quantization_config") or {})
 
 
-def target_quant_config(ns: dict[str, Any], quantization_config: dict[str, Any], platform: str, draft_config: Any) -> Any:
-    """CompressedTensorsConfig.from_config, then what the target's model init does with it
-    (configure_quant_config with the V4 class's mapper and packed modules,
-    model_loader/utils.py:93-94, 367-387), then the draft's own init: AMD re-keys
-    model.mtp.{i}. entries (amd/mtp.py:301, quant_config.py:33-57)."""
+def quant_config_for(ns: dict[str, Any], quantization_config: dict[str, Any], platform: str, layout: str, draft_config: Any) -> Any:
+    """The CompressedTensorsConfig the draft layers are built with. MTP: the target's object
+    (from_config, then the target's model init: configure_quant_config with the V4 class's
+    mapper and packed modules, model_loader/utils.py:93-94, 367-387; then AMD's draft
+    re-keys model.mtp.{i}. entries, amd/mtp.py:301, quant_config.py:33-57). DSpark: built
+    from the draft's own quantization_config (dspark/utils.py:115-117) for a draft class
+    that has neither a mapper nor packed_modules_mapping (xpu/dspark.py: none), so
+    configure_quant_config leaves it as parsed."""
     with imports_from(ns):
         qc = ns["CompressedTensorsConfig"].from_config(quantization_config)
-        ns["configure_quant_config"](qc, ns["DeepseekV4ForCausalLM"])
-        if platform == "amd":
-            ns["align_mtp_quant_config"](qc, draft_config)
+        if layout == "mtp":
+            ns["configure_quant_config"](qc, ns["DeepseekV4ForCausalLM"])
+            if platform == "amd":
+                ns["align_mtp_quant_config"](qc, draft_config)
     return qc
 
 

@@ -1,4 +1,4 @@
-"""The quantised modules of vLLM's V4 MTP layer, built with the wheel's own linear and
+"""The quantised modules of vLLM's V4 MTP and DSpark draft layers, built with the wheel's own linear and
 RoutedExperts classes (cut out by vllm_build) under the target's quant config: their
 parameters are what DeepSeekV4MTP.load_weights fills."""
 
@@ -27,26 +27,35 @@ class Built:
     shards: tuple[Any, ...] = (None,)  # a fused linear's shard ids, as load_weights passes them
 
 
-def _linear_specs(cfg: Any, layer: int) -> list[tuple[str, str, str, dict[str, Any]]]:
-    """(module path, quant prefix, class, constructor arguments) as the wheel builds them.
-    e_proj/h_proj: nvidia/mtp.py:103-118 (xpu/mtp.py:84-99, amd/mtp.py:83-98); the block is
-    built with the bare layer prefix (nvidia/mtp.py:139-144), under the module mtp_block;
-    attention: attention.py:252-287; shared experts: nvidia/model.py:153-168, 323-333, no
-    block padding (a compressed-tensors config has no weight_block_size, nvidia/model.py:148-152)."""
+def _linear_specs(cfg: Any, layout: str, index: int) -> list[tuple[str, str, str, dict[str, Any]]]:
+    """(module path, quant prefix, class, constructor arguments) of draft layer `index` as
+    the wheel builds them. MTP (layer N+i): e_proj/h_proj, nvidia/mtp.py:103-118
+    (xpu/mtp.py:84-99, amd/mtp.py:83-98); the block is built with the bare layer prefix
+    (nvidia/mtp.py:139-144) under the module mtp_block. DSpark (stage i): main_proj on
+    stage 0's call, xpu/dspark.py:66-73; the block is the module layers.{i} built with the
+    prefix layers.{N+i} (xpu/dspark.py:77-84). The block: attention.py:252-287; shared
+    experts nvidia/model.py:153-168, 323-333, unpadded (a compressed-tensors config has no
+    weight_block_size, nvidia/model.py:148-152)."""
     head_dim, n_heads, groups = cfg.head_dim, cfg.num_attention_heads, cfg.o_groups
     shared = cfg.moe_intermediate_size * cfg.n_shared_experts
-    top, block = f"model.layers.{layer}", f"model.layers.{layer}.mtp_block"
-    q = f"model.layers.{layer}"
-    no_bias = {"bias": False}
+    h = cfg.hidden_size
+    plain = {"bias": False, "return_bias": False}
+    if layout == "mtp":
+        q = f"model.layers.{index}"
+        block = f"{q}.mtp_block"
+        top = [(f"{q}.{m}", f"{q}.{m}", "ReplicatedLinear", {"input_size": h, "output_size": h, **plain}) for m in ("e_proj", "h_proj")]
+    else:
+        q, block = f"model.layers.{cfg.num_hidden_layers + index}", f"model.layers.{index}"
+        width = h * len(cfg.dspark_target_layer_ids)
+        top = [("model.main_proj", "model.main_proj", "ReplicatedLinear", {"input_size": width, "output_size": h, **plain})] if index == 0 else []
     return [
-        (f"{top}.e_proj", f"{q}.e_proj", "ReplicatedLinear", {"input_size": cfg.hidden_size, "output_size": cfg.hidden_size, **no_bias, "return_bias": False}),
-        (f"{top}.h_proj", f"{q}.h_proj", "ReplicatedLinear", {"input_size": cfg.hidden_size, "output_size": cfg.hidden_size, **no_bias, "return_bias": False}),
-        (f"{block}.attn.fused_wqa_wkv", f"{q}.attn.fused_wqa_wkv", "MergedColumnParallelLinear", {"input_size": cfg.hidden_size, "output_sizes": [cfg.q_lora_rank, head_dim], **no_bias, "disable_tp": True}),
-        (f"{block}.attn.wq_b", f"{q}.attn.wq_b", "ColumnParallelLinear", {"input_size": cfg.q_lora_rank, "output_size": n_heads * head_dim, **no_bias, "return_bias": False}),
-        (f"{block}.attn.wo_a", f"{q}.attn.wo_a", "ColumnParallelLinear", {"input_size": n_heads * head_dim // groups, "output_size": groups * cfg.o_lora_rank, **no_bias, "return_bias": False}),
-        (f"{block}.attn.wo_b", f"{q}.attn.wo_b", "RowParallelLinear", {"input_size": groups * cfg.o_lora_rank, "output_size": cfg.hidden_size, **no_bias, "return_bias": False}),
-        (f"{block}.ffn.shared_experts.gate_up_proj", f"{q}.ffn.shared_experts.gate_up_proj", "MergedColumnParallelLinear", {"input_size": cfg.hidden_size, "output_sizes": [shared] * 2, **no_bias}),
-        (f"{block}.ffn.shared_experts.down_proj", f"{q}.ffn.shared_experts.down_proj", "RowParallelLinear", {"input_size": shared, "output_size": cfg.hidden_size, **no_bias}),
+        *top,
+        (f"{block}.attn.fused_wqa_wkv", f"{q}.attn.fused_wqa_wkv", "MergedColumnParallelLinear", {"input_size": h, "output_sizes": [cfg.q_lora_rank, head_dim], "bias": False, "disable_tp": True}),
+        (f"{block}.attn.wq_b", f"{q}.attn.wq_b", "ColumnParallelLinear", {"input_size": cfg.q_lora_rank, "output_size": n_heads * head_dim, **plain}),
+        (f"{block}.attn.wo_a", f"{q}.attn.wo_a", "ColumnParallelLinear", {"input_size": n_heads * head_dim // groups, "output_size": groups * cfg.o_lora_rank, **plain}),
+        (f"{block}.attn.wo_b", f"{q}.attn.wo_b", "RowParallelLinear", {"input_size": groups * cfg.o_lora_rank, "output_size": h, **plain}),
+        (f"{block}.ffn.shared_experts.gate_up_proj", f"{q}.ffn.shared_experts.gate_up_proj", "MergedColumnParallelLinear", {"input_size": h, "output_sizes": [shared] * 2, "bias": False}),
+        (f"{block}.ffn.shared_experts.down_proj", f"{q}.ffn.shared_experts.down_proj", "RowParallelLinear", {"input_size": shared, "output_size": h, "bias": False}),
     ]
 
 
@@ -84,18 +93,21 @@ def _expert_map() -> Any:
     return types.SimpleNamespace(map_global_to_local=lambda e: e, num_fused_shared_experts=0)
 
 
-def build_layer(ns: dict[str, Any], qc: Any, cfg: Any, layer: int, platform: str) -> list[Built]:
-    """Every quantised module of MTP layer `layer` under quant config `qc`: each built by the
-    wheel's class (its __init__ asks qc for the method and runs create_weights)."""
+def build_layer(ns: dict[str, Any], qc: Any, cfg: Any, layout: str, index: int, platform: str) -> list[Built]:
+    """Every quantised module of draft layer `index` (MTP: N+i; DSpark: stage i) under
+    quant config `qc`: each built by the wheel's class (its __init__ asks qc for the
+    method and runs create_weights)."""
     built = []
     with imports_from(ns):
         torch.set_default_dtype(torch.bfloat16)  # the model dtype, as vLLM sets it while building
         try:
-            for path, prefix, cls, kwargs in _linear_specs(cfg, layer):
+            specs = _linear_specs(cfg, layout, index)
+            for path, prefix, cls, kwargs in specs:
                 built.append(_build(path, prefix, "linear", lambda c=cls, k=kwargs, p=prefix: ns[c](quant_config=qc, prefix=p, **k)))
             experts_cls = type("RoutedExperts", (ns["RoutedExperts"],), {"update_expert_map_info": lambda self: None})
             gate, down, up = PLATFORMS[platform]["ckpt"]
-            prefix = f"model.layers.{layer}.ffn.experts"
+            block_path, block_prefix = specs[-1][0].rsplit(".ffn.", 1)[0], specs[-1][1].rsplit(".ffn.", 1)[0]
+            prefix = f"{block_prefix}.ffn.experts"
 
             def experts() -> Any:
                 return experts_cls(
@@ -110,7 +122,7 @@ def build_layer(ns: dict[str, Any], qc: Any, cfg: Any, layer: int, platform: str
                     swiglu_limit=getattr(cfg, "swiglu_limit", None),
                 )
 
-            built.append(_build(f"model.layers.{layer}.mtp_block.ffn.experts.routed_experts", prefix, "experts", experts))
+            built.append(_build(f"{block_path}.ffn.experts.routed_experts", prefix, "experts", experts))
         finally:
             torch.set_default_dtype(torch.float32)
     return built

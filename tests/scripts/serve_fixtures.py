@@ -117,3 +117,22 @@ def bf16_overrides(target: dict[str, Any], layer: int) -> dict[str, Any]:
     qc["ignore"] = [*qc["ignore"], f"{at}(?!attn\\.wo_a$){LINEARS}$", f"{at}{EXPERTS}$"]
     qc["config_groups"]["dsv4_mtp_wo_a"] = group("FP8_BLOCK", [rf"{at}attn\.wo_a$"])
     return {"quantization_config": qc}
+
+
+def dspark_overlay_draft(draft: Path, out: Path) -> Path:
+    """The overlay tensors, and config.json's quantization_config a compressed-tensors one
+    of the draft's own: vLLM builds a DSpark draft from it, its groups matched against the
+    draft's quant prefixes as they are (no mapper, no fused-shard expansion)."""
+    overlay_draft(draft, out)
+    config = json.loads((out / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "compressed-tensors",
+        "format": "mixed-precision",
+        "config_groups": {
+            "dsv4_draft_linear": group("FP8_BLOCK", [rf"re:^model\.(main_proj|layers\.\d+\.{LINEARS})$"]),
+            "dsv4_draft_experts": group("MXFP4A16", [rf"re:^model\.layers\.\d+\.{EXPERTS}$"]),
+        },
+        "ignore": [],
+    }
+    (out / "config.json").write_text(json.dumps(config, indent=1))
+    return out
