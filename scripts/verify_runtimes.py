@@ -68,6 +68,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from runtime_loaders import UsageError  # noqa: E402
 from runtime_loaders.cut import cut  # noqa: E402
 from runtime_loaders.recording import Recorder, RecordingParam, Report, run_loader  # noqa: E402
+from runtime_loaders.serve_verify import serve_table, verify_serving  # noqa: E402
 from runtime_loaders.sglang_runs import SGLANG_CUTS, verify_sglang  # noqa: E402
 from runtime_loaders.vllm_runs import VLLM_CUTS, verify_vllm  # noqa: E402
 from runtime_loaders.wheels import (  # noqa: E402
@@ -98,6 +99,7 @@ __all__ = [
     "run_loader",
     "subprocess",
     "verify",
+    "verify_serving",
     "wheel_cache",
     "wheels_cached",
 ]
@@ -167,23 +169,41 @@ def main(argv: list[str] | None = None) -> int:
         choices=sorted(VLLM_CUTS) + sorted(SGLANG_CUTS),
         help="run only this loader (repeatable; default: every one for the drafter)",
     )
+    ap.add_argument(
+        "--serve-with",
+        type=Path,
+        help="a compressed-tensors target's config.json (or its directory): load DRAFT into the parameters vLLM builds beside it",
+    )
+    ap.add_argument(
+        "--overrides", type=Path, help="with --serve-with: the JSON value of vLLM's --hf-overrides the target runs with"
+    )
     ap.add_argument("--json", action="store_true", help="every report as JSON, per tensor")
     args = ap.parse_args(argv)
-    if not args.fetch_wheels and None in (args.draft, args.expected, args.native):
-        ap.error("DRAFT, --expected and --native are required (unless --fetch-wheels)")
+    needed = (args.draft, args.native) if args.serve_with else (args.draft, args.expected, args.native)
+    if not args.fetch_wheels and None in needed:
+        ap.error("DRAFT and --native, and --expected unless --serve-with, are required (unless --fetch-wheels)")
+    if args.overrides and not args.serve_with:
+        ap.error("--overrides goes with --serve-with")
     try:
         if args.fetch_wheels:
             for package in WHEELS:
                 print(wheel_path(args.wheels, package))
             return 0
-        reports = verify(args.draft, args.expected, args.native, args.wheels, args.loader)
+        if args.serve_with:
+            target, reports = verify_serving(
+                args.wheels, args.draft, args.serve_with, args.overrides, args.native, args.loader
+            )
+            lines = serve_table(target, args.overrides.name if args.overrides else "no overrides", reports)
+        else:
+            reports = verify(args.draft, args.expected, args.native, args.wheels, args.loader)
+            lines = table_lines(reports)
     except (UsageError, DSV4Error) as exc:  # a missing wheel or directory, an unreadable checkpoint
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if args.json:
         print(json.dumps([r.summary() for r in reports], indent=1))
     else:
-        print("\n".join(table_lines(reports)))
+        print("\n".join(lines))
     return 0 if all(r.passed for r in reports) else 1
 
 

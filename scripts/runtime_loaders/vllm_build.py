@@ -274,8 +274,20 @@ def _platform(name: str) -> Any:
     )
 
 
+_BUILT: dict[tuple[Path, str], dict[str, Any]] = {}
+
+
 def build_namespace(wheel: Wheel, platform: str) -> dict[str, Any]:
-    """The cut-out code's module globals: the wheel's code (VLLM_BUILD_CUTS) and the stubs."""
+    """The cut-out code's module globals: the wheel's code (VLLM_BUILD_CUTS) and the stubs,
+    compiled once per wheel and platform (the classes hold no state a build leaves behind
+    but CompressedTensorsWNA16's log-once set)."""
+    key = (wheel.path, platform)
+    if key not in _BUILT:
+        _BUILT[key] = _compile_namespace(wheel, platform)
+    return _BUILT[key]
+
+
+def _compile_namespace(wheel: Wheel, platform: str) -> dict[str, Any]:
     from compressed_tensors import CompressionFormat
     from compressed_tensors.config import SparsityCompressionConfig
     from compressed_tensors.quantization import (

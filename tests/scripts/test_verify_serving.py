@@ -1,0 +1,174 @@
+"""verify_runtimes.py --serve-with: vLLM 0.33.0's own compressed-tensors parsing, scheme
+choice, create_weights and V4 draft loaders (cut out of the cached wheel, run on CPU) take
+a draft beside a compressed-tensors target.
+
+The drafts are tiny `--target draft` outputs rewritten by the routes' tensor-name contract
+(tests/scripts/serve_fixtures.py) until the converter writes the routes; the wheels come
+from the cache the test command fills (never downloaded here, never skipped).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file, save_file
+
+from dsv4.convert.pipeline import convert
+from dsv4.convert.synth import write_checkpoint
+
+# beside this file (pytest puts a test file's directory on sys.path)
+import serve_fixtures as sf
+from test_verify_runtimes import vr
+
+MTP_LOADERS = ["vllm-nvidia-mtp", "vllm-amd-mtp", "vllm-xpu-mtp"]
+LAYER = 2  # the tiny preset's num_hidden_layers: the draft is vLLM's model.layers.2
+
+
+@pytest.fixture(scope="module")
+def wheels() -> Path:
+    cache = vr.wheel_cache()
+    if not vr.wheels_cached(cache):
+        pytest.fail(f"wheels not in {cache}: scripts/test.sh fetches them (verify_runtimes.py --fetch-wheels)")
+    return cache
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("serving")
+    out = {}
+    for variant in ("instruct", "dspark"):
+        native = write_checkpoint(root / variant / "native", preset="tiny", variant=variant, seed=0)
+        convert(native, root / variant / "draft", target="draft")
+        out[f"{variant}/native"], out[f"{variant}/draft"] = native, root / variant / "draft"
+    out["overlay"] = sf.overlay_draft(out["instruct/draft"], root / "overlay")
+    out["bf16"] = sf.bf16_draft(out["instruct/draft"], root / "bf16")
+    out["dspark/overlay"] = sf.dspark_overlay_draft(out["dspark/draft"], root / "dspark-overlay")
+    return out
+
+
+def write_json(path: Path, value: dict) -> Path:
+    path.write_text(json.dumps(value))
+    return path
+
+
+def serve(wheels: Path, draft: Path, native: Path, target: dict, overrides: dict | None, tmp_path: Path, loaders=None):
+    target_file = write_json(tmp_path / "target.json", target)
+    overrides_file = write_json(tmp_path / "overrides.json", overrides) if overrides else None
+    return vr.verify_serving(wheels, draft, target_file, overrides_file, native, loaders)[1]
+
+
+@pytest.mark.parametrize("preset", list(sf.TARGETS))
+def test_the_overlay_draft_loads_exactly_beside_each_target(
+    dirs: dict[str, Path], wheels: Path, tmp_path: Path, preset: str
+) -> None:
+    target = sf.target_config(preset)
+    reports = serve(wheels, dirs["overlay"], dirs["instruct/native"], target, sf.overlay_overrides(target, LAYER), tmp_path)
+    assert [r.loader for r in reports] == MTP_LOADERS
+    for r in reports:
+        assert r.passed, r.summary()
+        # 39: the draft layer's parameters less the embedding and head (the target's)
+        assert r.filled == r.params == 39
+        assert set(r.methods.values()) == {"CompressedTensorsW8A8Fp8", "CompressedTensorsW4A4Mxfp4MoEMethod"}
+
+
+def test_the_bf16_draft_loads_exactly_with_the_draft_layers_ignored(
+    dirs: dict[str, Path], wheels: Path, tmp_path: Path
+) -> None:
+    target = sf.target_config("NVFP4A16")
+    reports = serve(wheels, dirs["bf16"], dirs["instruct/native"], target, sf.bf16_overrides(target, LAYER), tmp_path)
+    for r in reports:
+        assert r.passed, r.summary()
+        assert r.methods[f"model.layers.{LAYER}.attn.wo_a"] == "CompressedTensorsW8A8Fp8"  # XPU reads wo_a as FP8
+        assert r.methods[f"model.layers.{LAYER}.ffn.experts"] == "UnquantizedFusedMoEMethod"
+        assert r.methods[f"model.layers.{LAYER}.e_proj"] == "UnquantizedLinearMethod"
+
+
+def test_the_native_draft_beside_a_w4a16_target_fails_in_vllms_loader(
+    dirs: dict[str, Path], wheels: Path, tmp_path: Path
+) -> None:
+    reports = serve(wheels, dirs["instruct/draft"], dirs["instruct/native"], sf.target_config("W4A16"), None, tmp_path)
+    for r in reports:
+        assert not r.passed
+        assert set(r.methods.values()) == {"CompressedTensorsWNA16", "CompressedTensorsWNA16MoEMethod"}
+        # the loader indexes params_dict without a check (nvidia/mtp.py:496, xpu/mtp.py:444)
+        assert f"mtp.0.e_proj.weight: KeyError: 'model.layers.{LAYER}.e_proj.weight'" in r.errors
+        assert f"model.layers.{LAYER}.e_proj.weight_packed (1 of 1 parts)" in r.unfilled
+
+
+def test_a_changed_value_is_reported_not_exact(dirs: dict[str, Path], wheels: Path, tmp_path: Path) -> None:
+    draft = tmp_path / "changed"
+    draft.mkdir()
+    for f in dirs["overlay"].iterdir():
+        (draft / f.name).write_bytes(f.read_bytes())
+    shard = draft / "model-00001-of-00001.safetensors"
+    tensors = load_file(shard)
+    tensors["mtp.0.e_proj.weight_scale"] = tensors["mtp.0.e_proj.weight_scale"] * 2
+    packed = tensors["mtp.0.ffn.experts.3.w3.weight_packed"].clone()
+    packed[0, 0] ^= 1
+    tensors["mtp.0.ffn.experts.3.w3.weight_packed"] = packed
+    save_file(tensors, shard)
+    target = sf.target_config("FP8_BLOCK")
+    (r,) = serve(wheels, draft, dirs["instruct/native"], target, sf.overlay_overrides(target, LAYER), tmp_path, ["vllm-nvidia-mtp"])
+    assert not r.passed and not r.errors
+    assert r.inexact == [
+        f"model.layers.{LAYER}.e_proj.weight_scale",
+        f"model.layers.{LAYER}.mtp_block.ffn.experts.routed_experts.w13_weight_packed",
+    ]
+
+
+def test_an_expert_group_naming_only_w123_misses_the_xpu_and_amd_experts(
+    dirs: dict[str, Path], wheels: Path, tmp_path: Path
+) -> None:
+    # XPU and AMD build the routed experts with FusedMoEFactory's default checkpoint names,
+    # so compressed-tensors probes experts.0.gate_proj/up_proj/down_proj there
+    target = sf.target_config("W4A16")
+    overrides = sf.overlay_overrides(target, LAYER)
+    overrides["quantization_config"]["config_groups"]["dsv4_mtp_experts"]["targets"] = [
+        rf"re:^model\.layers\.{LAYER}\.ffn\.experts\.\d+\.w[123]$"
+    ]
+    reports = {r.loader: r for r in serve(wheels, dirs["overlay"], dirs["instruct/native"], target, overrides, tmp_path)}
+    experts = f"model.layers.{LAYER}.ffn.experts"
+    assert reports["vllm-nvidia-mtp"].passed
+    for loader in ("vllm-amd-mtp", "vllm-xpu-mtp"):
+        assert reports[loader].methods[experts] == "CompressedTensorsWNA16MoEMethod"
+        assert not reports[loader].passed
+
+
+def test_a_dspark_draft_loads_by_its_own_compressed_tensors_config(
+    dirs: dict[str, Path], wheels: Path, tmp_path: Path
+) -> None:
+    target = sf.target_config("W4A16")
+    (r,) = serve(wheels, dirs["dspark/overlay"], dirs["dspark/native"], target, None, tmp_path)
+    assert r.loader == "vllm-xpu-dspark"
+    assert r.passed, r.summary()
+    assert r.filled == r.params == 96  # 98 less the embedding and head
+
+
+def test_a_native_dspark_draft_beside_a_compressed_tensors_target_loses_its_scales(
+    dirs: dict[str, Path], wheels: Path, tmp_path: Path
+) -> None:
+    # the draft's fp8 dict parsed as compressed-tensors yields no scheme: bf16 parameters,
+    # and the loader drops every scale it has no parameter for without a word (xpu/dspark.py:384-385)
+    (r,) = serve(wheels, dirs["dspark/draft"], dirs["dspark/native"], sf.target_config("W4A16"), None, tmp_path)
+    assert not r.errors and not r.passed
+    assert set(r.methods.values()) == {"UnquantizedLinearMethod", "UnquantizedFusedMoEMethod"}
+    assert all(t.endswith(".scale") for t in r.skipped) and "mtp.0.attn.wq_a.scale" in r.skipped
+    assert "model.layers.0.attn.wq_b.weight" in r.inexact  # FP8 codes copied into bf16, unscaled
+
+
+def test_the_command_prints_the_table_and_exits_by_the_result(
+    dirs: dict[str, Path], wheels: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    target = write_json(tmp_path / "config.json", sf.target_config("MXFP4A16"))
+    overrides = write_json(tmp_path / "overrides.json", sf.overlay_overrides(sf.target_config("MXFP4A16"), LAYER))
+    common = ["--serve-with", str(target), "--native", str(dirs["instruct/native"]), "--wheels", str(wheels)]
+    assert vr.main([str(dirs["overlay"]), *common, "--overrides", str(overrides), "--loader", "vllm-xpu-mtp"]) == 0
+    row = capsys.readouterr().out.splitlines()[2]
+    assert row.startswith("| mxfp4-pack-quantized | overrides.json | vllm-xpu-mtp |") and row.endswith("| 0 | 0 | 39/39 | yes |")
+    assert vr.main([str(dirs["instruct/draft"]), *common, "--loader", "vllm-xpu-mtp"]) == 1
+    assert "KeyError" in capsys.readouterr().out
+    fp8_target = write_json(tmp_path / "fp8.json", {"quantization_config": {"quant_method": "fp8"}})
+    assert vr.main([str(dirs["instruct/draft"]), "--serve-with", str(fp8_target), "--native", str(dirs["instruct/native"])]) == 2
+    assert "--serve-with takes a compressed-tensors target" in capsys.readouterr().err
