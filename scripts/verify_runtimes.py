@@ -69,6 +69,7 @@ from runtime_loaders import UsageError  # noqa: E402
 from runtime_loaders.cut import cut  # noqa: E402
 from runtime_loaders.recording import Recorder, RecordingParam, Report, run_loader  # noqa: E402
 from runtime_loaders.serve_verify import serve_table, verify_serving  # noqa: E402
+from runtime_loaders.sglang_quant import sglang_draft_quantization  # noqa: E402
 from runtime_loaders.sglang_runs import SGLANG_CUTS, verify_sglang  # noqa: E402
 from runtime_loaders.vllm_runs import VLLM_CUTS, verify_vllm  # noqa: E402
 from runtime_loaders.wheels import (  # noqa: E402
@@ -100,6 +101,9 @@ __all__ = [
     "subprocess",
     "verify",
     "verify_serving",
+    "sglang_draft_quantization",
+    "Wheel",
+    "wheel_path",
     "wheel_cache",
     "wheels_cached",
 ]

@@ -9,11 +9,14 @@ from typing import Any
 
 from . import UsageError
 from .serve_runs import ServeReport, serve_run
+from .sglang_quant import sglang_draft_quantization
+from .sglang_runs import verify_sglang
 from .vllm_build import effective_quantization_config
 from .wheels import Wheel, wheel_path
 
 MTP_LOADERS = ["vllm-nvidia-mtp", "vllm-amd-mtp", "vllm-xpu-mtp"]
 DSPARK_LOADERS = ["vllm-xpu-dspark"]  # vLLM 0.33.0's one DSpark class (models/deepseek_v4/xpu/dspark.py)
+# the rows per draft kind: vLLM's loaders, then SGLang's (sglang_report)
 
 
 def read_config(path: Path) -> dict[str, Any]:
@@ -54,8 +57,30 @@ def verify_serving(
     chosen = loaders or (DSPARK_LOADERS if is_dspark else MTP_LOADERS)
     quant = (config.get("quantization_config") or {}) if is_dspark else effective
     wheel = Wheel(wheel_path(wheels, "vllm"))
-    reports = [serve_run(wheel, loader, draft, quant, native, config) for loader in chosen]
+    reports = [serve_run(wheel, loader, draft, quant, native, config) for loader in chosen if loader.startswith("vllm-")]
+    sglang = "sglang-dspark" if is_dspark else "sglang-nextn"
+    if loaders is None or sglang in loaders:
+        reports.append(sglang_report(Wheel(wheel_path(wheels, "sglang")), sglang, draft, native))
     return scheme_label(target_config.get("quantization_config") or {}), reports
+
+
+def sglang_report(wheel: Wheel, loader: str, draft: Path, native: Path) -> ServeReport:
+    """SGLang beside any target: the quantisation it builds the draft with (the draft's own
+    config.json, the target launched without --quantization), and its loader on DRAFT
+    against the same loader on NATIVE (sglang_runs.verify_sglang)."""
+    quantization, errors = sglang_draft_quantization(wheel, draft)
+    run = verify_sglang(wheel, loader, draft, native)
+    return ServeReport(
+        loader,
+        methods={"draft": f"quantization {quantization}"},
+        fed=run.fed,
+        params=len(run.hit) + len(run.missing),
+        filled=len(run.hit),
+        errors=errors + run.errors,
+        skipped=run.skipped,
+        unfilled=run.missing,
+        inexact=run.unequal,
+    )
 
 
 def serve_table(target: str, route: str, reports: list[ServeReport]) -> list[str]:

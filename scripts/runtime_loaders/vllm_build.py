@@ -424,10 +424,10 @@ def _no_roundup(_self: Any, hidden: int, intermediate: int, *_a: Any) -> tuple[i
 
 
 @contextlib.contextmanager
-def imports_from(ns: dict[str, Any]) -> Iterator[None]:
-    """The modules of IMPORTED_INSIDE, each holding `ns`, while the cut-out code runs."""
-    saved = {k: sys.modules.get(k) for k in IMPORTED_INSIDE}
-    for name in IMPORTED_INSIDE:
+def imports_from(ns: dict[str, Any], modules: list[str] = IMPORTED_INSIDE) -> Iterator[None]:
+    """The `modules` (default: IMPORTED_INSIDE), each holding `ns`, while the cut-out code runs."""
+    saved = {k: sys.modules.get(k) for k in modules}
+    for name in modules:
         module = types.ModuleType(name)
         module.__dict__.update({k: v for k, v in ns.items() if not k.startswith("__")})
         module.__path__ = []  # a package, for the submodules

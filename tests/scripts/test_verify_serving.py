@@ -53,7 +53,7 @@ def write_json(path: Path, value: dict) -> Path:
     return path
 
 
-def serve(wheels: Path, draft: Path, native: Path, target: dict, overrides: dict | None, tmp_path: Path, loaders=None):
+def serve(wheels: Path, draft: Path, native: Path, target: dict, overrides: dict | None, tmp_path: Path, loaders=MTP_LOADERS):
     target_file = write_json(tmp_path / "target.json", target)
     overrides_file = write_json(tmp_path / "overrides.json", overrides) if overrides else None
     return vr.verify_serving(wheels, draft, target_file, overrides_file, native, loaders)[1]
@@ -140,7 +140,7 @@ def test_a_dspark_draft_loads_by_its_own_compressed_tensors_config(
     dirs: dict[str, Path], wheels: Path, tmp_path: Path
 ) -> None:
     target = sf.target_config("W4A16")
-    (r,) = serve(wheels, dirs["dspark/overlay"], dirs["dspark/native"], target, None, tmp_path)
+    (r,) = serve(wheels, dirs["dspark/overlay"], dirs["dspark/native"], target, None, tmp_path, ["vllm-xpu-dspark"])
     assert r.loader == "vllm-xpu-dspark"
     assert r.passed, r.summary()
     assert r.filled == r.params == 96  # 98 less the embedding and head
@@ -151,11 +151,34 @@ def test_a_native_dspark_draft_beside_a_compressed_tensors_target_loses_its_scal
 ) -> None:
     # the draft's fp8 dict parsed as compressed-tensors yields no scheme: bf16 parameters,
     # and the loader drops every scale it has no parameter for without a word (xpu/dspark.py:384-385)
-    (r,) = serve(wheels, dirs["dspark/draft"], dirs["dspark/native"], sf.target_config("W4A16"), None, tmp_path)
+    (r,) = serve(wheels, dirs["dspark/draft"], dirs["dspark/native"], sf.target_config("W4A16"), None, tmp_path, ["vllm-xpu-dspark"])
     assert not r.errors and not r.passed
     assert set(r.methods.values()) == {"UnquantizedLinearMethod", "UnquantizedFusedMoEMethod"}
     assert all(t.endswith(".scale") for t in r.skipped) and "mtp.0.attn.wq_a.scale" in r.skipped
     assert "model.layers.0.attn.wq_b.weight" in r.inexact  # FP8 codes copied into bf16, unscaled
+
+
+def test_sglang_builds_the_draft_by_its_own_config_so_it_takes_the_native_draft_only(
+    dirs: dict[str, Path], wheels: Path, tmp_path: Path
+) -> None:
+    target = sf.target_config("W4A16")
+    (native,) = serve(wheels, dirs["instruct/draft"], dirs["instruct/native"], target, None, tmp_path, ["sglang-nextn"])
+    assert native.passed, native.summary()
+    assert native.methods == {"draft": "quantization fp8"}  # the draft's config.json, whatever the target
+    (overlay,) = serve(wheels, dirs["overlay"], dirs["instruct/native"], target, None, tmp_path, ["sglang-nextn"])
+    assert not overlay.passed
+    assert "warning: model.decoder.self_attn.wkv.weight_scale not found in params_dict." in overlay.errors
+
+
+def test_sglang_detects_the_drafts_quantisation_over_the_targets_flag(wheels: Path, dirs: dict[str, Path]) -> None:
+    sglang = vr.Wheel(vr.wheel_path(wheels, "sglang"))
+    draft = dirs["instruct/draft"]
+    # unset, the draft flag takes the target's --quantization (serving_hook.py:684-689); a
+    # draft model then keeps its config's method where the two differ (model_config.py:2122-2136),
+    # and "unquant" only empties the flag, so the config's fp8 is detected again (:2106-2107)
+    for target_flag, draft_flag in ((None, None), ("compressed-tensors", None), ("w8a8_fp8", None), (None, "unquant")):
+        assert vr.sglang_draft_quantization(sglang, draft, target_flag, draft_flag) == ("fp8", [])
+    assert vr.sglang_draft_quantization(sglang, dirs["dspark/overlay"]) == ("compressed-tensors", [])
 
 
 def test_the_command_prints_the_table_and_exits_by_the_result(
