@@ -104,8 +104,14 @@ def bf16_draft(draft: Path, out: Path) -> Path:
 
 
 def overlay_overrides(target: dict[str, Any], layer: int) -> dict[str, Any]:
+    """The target's config + FP8-block linears and MXFP4 experts anchored on the draft layer,
+    the draft layer added to every transform's ignore (a transform wraps a layer whatever
+    the quantisation groups say)."""
     qc = copy.deepcopy(target["quantization_config"])
     at = rf"re:^model\.layers\.{layer}\."
+    for transform in ((qc.get("transform_config") or {}).get("config_groups") or {}).values():
+        for args in transform["apply"]:
+            args["ignore"] = [*args.get("ignore", []), f"{at}.*"]
     qc["config_groups"]["dsv4_mtp_linear"] = group("FP8_BLOCK", [f"{at}{LINEARS}$"])
     qc["config_groups"]["dsv4_mtp_experts"] = group("MXFP4A16", [f"{at}{EXPERTS}$"])
     return {"quantization_config": qc}

@@ -136,6 +136,22 @@ def test_an_expert_group_naming_only_w123_misses_the_xpu_and_amd_experts(
         assert not reports[loader].passed
 
 
+def test_a_target_transform_must_ignore_the_draft_layer(dirs: dict[str, Path], wheels: Path, tmp_path: Path) -> None:
+    target = sf.target_config("W4A16")
+    hadamard = {"type": "hadamard", "apply": [{"targets": [r"re:.*\.(wo_b|down_proj)$"], "location": "input"}]}
+    target["quantization_config"]["transform_config"] = {"config_groups": {"u": hadamard}}
+    overrides = sf.overlay_overrides(target, LAYER)
+    (r,) = serve(wheels, dirs["overlay"], dirs["instruct/native"], target, overrides, tmp_path, ["vllm-nvidia-mtp"])
+    assert r.passed, r.summary()
+    overrides["quantization_config"]["transform_config"] = target["quantization_config"]["transform_config"]
+    (r,) = serve(wheels, dirs["overlay"], dirs["instruct/native"], target, overrides, tmp_path, ["vllm-nvidia-mtp"])
+    # the draft's weights would have to be rotated: reported as the layer's error (the
+    # transform method itself is not built here)
+    assert not r.passed
+    assert r.methods[f"model.layers.{LAYER}.attn.wo_b"].startswith("TransformOnDraft")
+    assert r.methods[f"model.layers.{LAYER}.ffn.shared_experts.down_proj"].startswith("TransformOnDraft")
+
+
 def test_a_dspark_draft_loads_by_its_own_compressed_tensors_config(
     dirs: dict[str, Path], wheels: Path, tmp_path: Path
 ) -> None:
