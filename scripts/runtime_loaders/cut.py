@@ -26,9 +26,7 @@ def _member_names(node: ast.stmt) -> list[str]:
 
 def _kept(node: ast.stmt) -> ast.stmt:
     if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-        node.decorator_list = [
-            d for d in node.decorator_list if isinstance(d, ast.Name) and d.id in _KEPT_DECORATORS
-        ]
+        node.decorator_list = [d for d in node.decorator_list if isinstance(d, ast.Name) and d.id in _KEPT_DECORATORS]
     return node
 
 

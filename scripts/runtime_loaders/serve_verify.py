@@ -57,7 +57,9 @@ def verify_serving(
     chosen = loaders or (DSPARK_LOADERS if is_dspark else MTP_LOADERS)
     quant = (config.get("quantization_config") or {}) if is_dspark else effective
     wheel = Wheel(wheel_path(wheels, "vllm"))
-    reports = [serve_run(wheel, loader, draft, quant, native, config) for loader in chosen if loader.startswith("vllm-")]
+    reports = [
+        serve_run(wheel, loader, draft, quant, native, config) for loader in chosen if loader.startswith("vllm-")
+    ]
     sglang = "sglang-dspark" if is_dspark else "sglang-nextn"
     if loaders is None or sglang in loaders:
         reports.append(sglang_report(Wheel(wheel_path(wheels, "sglang")), sglang, draft, native))
@@ -85,7 +87,8 @@ def sglang_report(wheel: Wheel, loader: str, draft: Path, native: Path) -> Serve
 
 def serve_table(target: str, route: str, reports: list[ServeReport]) -> list[str]:
     lines = [
-        "| target scheme | route | loader | draft methods | tensors fed | params filled | errors | skips | exact | pass |",
+        "| target scheme | route | loader | draft methods | tensors fed | params filled "
+        "| errors | skips | exact | pass |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in reports:

@@ -67,10 +67,22 @@ SGLANG_QUANT_CUTS: dict[str, list[str]] = {
 IMPORTED_INSIDE = ["sglang", "sglang.srt", "sglang.srt.configs", "sglang.srt.configs.model_config"]
 # the registry's other classes: the base's override (returns None)
 _PLAIN = [
-    "Fp8Config", "MiniMaxM3Nvfp4Config", "BlockInt8Config", "NvFp4OnlineConfig", "W8A8Int8Config",
-    "W8A8Fp8Config", "BitsAndBytesConfig", "GGUFConfig", "CompressedTensorsConfig",
-    "W4AFp8Config", "QuarkConfig", "AutoRoundConfig", "ModelSlimConfig", "QuarkInt4Fp8Config",
-    "Mxfp4W4A8Config", "Mxfp4Config",
+    "Fp8Config",
+    "MiniMaxM3Nvfp4Config",
+    "BlockInt8Config",
+    "NvFp4OnlineConfig",
+    "W8A8Int8Config",
+    "W8A8Fp8Config",
+    "BitsAndBytesConfig",
+    "GGUFConfig",
+    "CompressedTensorsConfig",
+    "W4AFp8Config",
+    "QuarkConfig",
+    "AutoRoundConfig",
+    "ModelSlimConfig",
+    "QuarkInt4Fp8Config",
+    "Mxfp4W4A8Config",
+    "Mxfp4Config",
 ]
 
 
@@ -134,4 +146,3 @@ def sglang_draft_quantization(
     except ValueError as exc:
         return None, [f"{draft / 'config.json'}: ValueError: {exc}"]
     return model_config.quantization, []
-

@@ -43,19 +43,63 @@ def _linear_specs(cfg: Any, layout: str, index: int) -> list[tuple[str, str, str
     if layout == "mtp":
         q = f"model.layers.{index}"
         block = f"{q}.mtp_block"
-        top = [(f"{q}.{m}", f"{q}.{m}", "ReplicatedLinear", {"input_size": h, "output_size": h, **plain}) for m in ("e_proj", "h_proj")]
+        top = [
+            (f"{q}.{m}", f"{q}.{m}", "ReplicatedLinear", {"input_size": h, "output_size": h, **plain})
+            for m in ("e_proj", "h_proj")
+        ]
     else:
         q, block = f"model.layers.{cfg.num_hidden_layers + index}", f"model.layers.{index}"
         width = h * len(cfg.dspark_target_layer_ids)
-        top = [("model.main_proj", "model.main_proj", "ReplicatedLinear", {"input_size": width, "output_size": h, **plain})] if index == 0 else []
+        top = (
+            [
+                (
+                    "model.main_proj",
+                    "model.main_proj",
+                    "ReplicatedLinear",
+                    {"input_size": width, "output_size": h, **plain},
+                )
+            ]
+            if index == 0
+            else []
+        )
     return [
         *top,
-        (f"{block}.attn.fused_wqa_wkv", f"{q}.attn.fused_wqa_wkv", "MergedColumnParallelLinear", {"input_size": h, "output_sizes": [cfg.q_lora_rank, head_dim], "bias": False, "disable_tp": True}),
-        (f"{block}.attn.wq_b", f"{q}.attn.wq_b", "ColumnParallelLinear", {"input_size": cfg.q_lora_rank, "output_size": n_heads * head_dim, **plain}),
-        (f"{block}.attn.wo_a", f"{q}.attn.wo_a", "ColumnParallelLinear", {"input_size": n_heads * head_dim // groups, "output_size": groups * cfg.o_lora_rank, **plain}),
-        (f"{block}.attn.wo_b", f"{q}.attn.wo_b", "RowParallelLinear", {"input_size": groups * cfg.o_lora_rank, "output_size": h, **plain}),
-        (f"{block}.ffn.shared_experts.gate_up_proj", f"{q}.ffn.shared_experts.gate_up_proj", "MergedColumnParallelLinear", {"input_size": h, "output_sizes": [shared] * 2, "bias": False}),
-        (f"{block}.ffn.shared_experts.down_proj", f"{q}.ffn.shared_experts.down_proj", "RowParallelLinear", {"input_size": shared, "output_size": h, "bias": False}),
+        (
+            f"{block}.attn.fused_wqa_wkv",
+            f"{q}.attn.fused_wqa_wkv",
+            "MergedColumnParallelLinear",
+            {"input_size": h, "output_sizes": [cfg.q_lora_rank, head_dim], "bias": False, "disable_tp": True},
+        ),
+        (
+            f"{block}.attn.wq_b",
+            f"{q}.attn.wq_b",
+            "ColumnParallelLinear",
+            {"input_size": cfg.q_lora_rank, "output_size": n_heads * head_dim, **plain},
+        ),
+        (
+            f"{block}.attn.wo_a",
+            f"{q}.attn.wo_a",
+            "ColumnParallelLinear",
+            {"input_size": n_heads * head_dim // groups, "output_size": groups * cfg.o_lora_rank, **plain},
+        ),
+        (
+            f"{block}.attn.wo_b",
+            f"{q}.attn.wo_b",
+            "RowParallelLinear",
+            {"input_size": groups * cfg.o_lora_rank, "output_size": h, **plain},
+        ),
+        (
+            f"{block}.ffn.shared_experts.gate_up_proj",
+            f"{q}.ffn.shared_experts.gate_up_proj",
+            "MergedColumnParallelLinear",
+            {"input_size": h, "output_sizes": [shared] * 2, "bias": False},
+        ),
+        (
+            f"{block}.ffn.shared_experts.down_proj",
+            f"{q}.ffn.shared_experts.down_proj",
+            "RowParallelLinear",
+            {"input_size": shared, "output_size": h, "bias": False},
+        ),
     ]
 
 
@@ -103,7 +147,11 @@ def build_layer(ns: dict[str, Any], qc: Any, cfg: Any, layout: str, index: int, 
         try:
             specs = _linear_specs(cfg, layout, index)
             for path, prefix, cls, kwargs in specs:
-                built.append(_build(path, prefix, "linear", lambda c=cls, k=kwargs, p=prefix: ns[c](quant_config=qc, prefix=p, **k)))
+                built.append(
+                    _build(
+                        path, prefix, "linear", lambda c=cls, k=kwargs, p=prefix: ns[c](quant_config=qc, prefix=p, **k)
+                    )
+                )
             experts_cls = type("RoutedExperts", (ns["RoutedExperts"],), {"update_expert_map_info": lambda self: None})
             gate, down, up = PLATFORMS[platform]["ckpt"]
             block_path, block_prefix = specs[-1][0].rsplit(".ffn.", 1)[0], specs[-1][1].rsplit(".ffn.", 1)[0]

@@ -29,7 +29,10 @@ TARGETS = {
 }
 # the draft layer's modules as vLLM names them for the quant config (shards of the fused
 # ones included: compressed-tensors matches fused layers shard by shard)
-LINEARS = r"(e_proj|h_proj|attn\.(fused_wqa_wkv|wq_a|wkv|wq_b|wo_a|wo_b)|ffn\.shared_experts\.(gate_up_proj|down_proj|w[123]))"
+LINEARS = (
+    r"(e_proj|h_proj|attn\.(fused_wqa_wkv|wq_a|wkv|wq_b|wo_a|wo_b)"
+    r"|ffn\.shared_experts\.(gate_up_proj|down_proj|w[123]))"
+)
 # the routed experts' probe names: w1/w2/w3 on NVIDIA, gate/up/down_proj on XPU and AMD
 EXPERTS = r"ffn\.experts\.\d+\.(w[123]|gate_proj|up_proj|down_proj)"
 

@@ -13,14 +13,14 @@ import json
 from pathlib import Path
 
 import pytest
-from safetensors.torch import load_file, save_file
-
-from dsv4.convert.pipeline import convert
-from dsv4.convert.synth import write_checkpoint
 
 # beside this file (pytest puts a test file's directory on sys.path)
 import serve_fixtures as sf
+from safetensors.torch import load_file, save_file
 from test_verify_runtimes import vr
+
+from dsv4.convert.pipeline import convert
+from dsv4.convert.synth import write_checkpoint
 
 MTP_LOADERS = ["vllm-nvidia-mtp", "vllm-amd-mtp", "vllm-xpu-mtp"]
 LAYER = 2  # the tiny preset's num_hidden_layers: the draft is vLLM's model.layers.2
@@ -53,7 +53,9 @@ def write_json(path: Path, value: dict) -> Path:
     return path
 
 
-def serve(wheels: Path, draft: Path, native: Path, target: dict, overrides: dict | None, tmp_path: Path, loaders=MTP_LOADERS):
+def serve(
+    wheels: Path, draft: Path, native: Path, target: dict, overrides: dict | None, tmp_path: Path, loaders=MTP_LOADERS
+):
     target_file = write_json(tmp_path / "target.json", target)
     overrides_file = write_json(tmp_path / "overrides.json", overrides) if overrides else None
     return vr.verify_serving(wheels, draft, target_file, overrides_file, native, loaders)[1]
@@ -64,7 +66,9 @@ def test_the_overlay_draft_loads_exactly_beside_each_target(
     dirs: dict[str, Path], wheels: Path, tmp_path: Path, preset: str
 ) -> None:
     target = sf.target_config(preset)
-    reports = serve(wheels, dirs["overlay"], dirs["instruct/native"], target, sf.overlay_overrides(target, LAYER), tmp_path)
+    reports = serve(
+        wheels, dirs["overlay"], dirs["instruct/native"], target, sf.overlay_overrides(target, LAYER), tmp_path
+    )
     assert [r.loader for r in reports] == MTP_LOADERS
     for r in reports:
         assert r.passed, r.summary()
@@ -110,7 +114,15 @@ def test_a_changed_value_is_reported_not_exact(dirs: dict[str, Path], wheels: Pa
     tensors["mtp.0.ffn.experts.3.w3.weight_packed"] = packed
     save_file(tensors, shard)
     target = sf.target_config("FP8_BLOCK")
-    (r,) = serve(wheels, draft, dirs["instruct/native"], target, sf.overlay_overrides(target, LAYER), tmp_path, ["vllm-nvidia-mtp"])
+    (r,) = serve(
+        wheels,
+        draft,
+        dirs["instruct/native"],
+        target,
+        sf.overlay_overrides(target, LAYER),
+        tmp_path,
+        ["vllm-nvidia-mtp"],
+    )
     assert not r.passed and not r.errors
     assert r.inexact == [
         f"model.layers.{LAYER}.e_proj.weight_scale",
@@ -128,7 +140,9 @@ def test_an_expert_group_naming_only_w123_misses_the_xpu_and_amd_experts(
     overrides["quantization_config"]["config_groups"]["dsv4_mtp_experts"]["targets"] = [
         rf"re:^model\.layers\.{LAYER}\.ffn\.experts\.\d+\.w[123]$"
     ]
-    reports = {r.loader: r for r in serve(wheels, dirs["overlay"], dirs["instruct/native"], target, overrides, tmp_path)}
+    reports = {
+        r.loader: r for r in serve(wheels, dirs["overlay"], dirs["instruct/native"], target, overrides, tmp_path)
+    }
     experts = f"model.layers.{LAYER}.ffn.experts"
     assert reports["vllm-nvidia-mtp"].passed
     for loader in ("vllm-amd-mtp", "vllm-xpu-mtp"):
@@ -167,7 +181,15 @@ def test_a_native_dspark_draft_beside_a_compressed_tensors_target_loses_its_scal
 ) -> None:
     # the draft's fp8 dict parsed as compressed-tensors yields no scheme: bf16 parameters,
     # and the loader drops every scale it has no parameter for without a word (xpu/dspark.py:384-385)
-    (r,) = serve(wheels, dirs["dspark/draft"], dirs["dspark/native"], sf.target_config("W4A16"), None, tmp_path, ["vllm-xpu-dspark"])
+    (r,) = serve(
+        wheels,
+        dirs["dspark/draft"],
+        dirs["dspark/native"],
+        sf.target_config("W4A16"),
+        None,
+        tmp_path,
+        ["vllm-xpu-dspark"],
+    )
     assert not r.errors and not r.passed
     assert set(r.methods.values()) == {"UnquantizedLinearMethod", "UnquantizedFusedMoEMethod"}
     assert all(t.endswith(".scale") for t in r.skipped) and "mtp.0.attn.wq_a.scale" in r.skipped
@@ -205,9 +227,16 @@ def test_the_command_prints_the_table_and_exits_by_the_result(
     common = ["--serve-with", str(target), "--native", str(dirs["instruct/native"]), "--wheels", str(wheels)]
     assert vr.main([str(dirs["overlay"]), *common, "--overrides", str(overrides), "--loader", "vllm-xpu-mtp"]) == 0
     row = capsys.readouterr().out.splitlines()[2]
-    assert row.startswith("| mxfp4-pack-quantized | overrides.json | vllm-xpu-mtp |") and row.endswith("| 0 | 0 | 39/39 | yes |")
+    assert row.startswith("| mxfp4-pack-quantized | overrides.json | vllm-xpu-mtp |") and row.endswith(
+        "| 0 | 0 | 39/39 | yes |"
+    )
     assert vr.main([str(dirs["instruct/draft"]), *common, "--loader", "vllm-xpu-mtp"]) == 1
     assert "KeyError" in capsys.readouterr().out
     fp8_target = write_json(tmp_path / "fp8.json", {"quantization_config": {"quant_method": "fp8"}})
-    assert vr.main([str(dirs["instruct/draft"]), "--serve-with", str(fp8_target), "--native", str(dirs["instruct/native"])]) == 2
+    assert (
+        vr.main(
+            [str(dirs["instruct/draft"]), "--serve-with", str(fp8_target), "--native", str(dirs["instruct/native"])]
+        )
+        == 2
+    )
     assert "--serve-with takes a compressed-tensors target" in capsys.readouterr().err
