@@ -142,7 +142,10 @@ def native_value(fed: str, native: dict[str, torch.Tensor], dtype: torch.dtype) 
         if weight.dtype == torch.int8:
             return fp4_weight(weight, scale).to(dtype)
         return fp8_weight(weight, scale, (128, 128)).to(dtype)
-    return native.get(fed)
+    same = native.get(fed)
+    if same is not None and dtype == torch.uint8 and same.dtype in (torch.float8_e8m0fnu, torch.int8):
+        return same.view(torch.uint8)  # the loader's own reinterpretation (nvidia/mtp.py:458-462)
+    return same
 
 
 def _assembled(param: Any, fills: list[Fill], native: dict[str, torch.Tensor]) -> torch.Tensor | None:

@@ -36,7 +36,8 @@ def scheme_label(qc: dict[str, Any]) -> str:
 def verify_serving(
     wheels: Path, draft: Path, target: Path, overrides: Path | None, native: Path, loaders: list[str] | None = None
 ) -> tuple[str, list[ServeReport]]:
-    """Every vLLM loader for the draft's kind on DRAFT beside TARGET: an MTP draft is built
+    """Every vLLM loader for the draft's kind on DRAFT beside TARGET, and SGLang's where no
+    overrides are given (SGLang builds the draft by its own config.json): an MTP draft is built
     with the target's effective quantization_config (the overrides' replacing it); a
     DSpark draft with its own (the target's method name, the draft's dict: config/speculative.py:1564-1566,
     dspark/utils.py:115-117; a target's dict --hf-overrides is not applied to a draft,
@@ -61,7 +62,8 @@ def verify_serving(
         serve_run(wheel, loader, draft, quant, native, config) for loader in chosen if loader.startswith("vllm-")
     ]
     sglang = "sglang-dspark" if is_dspark else "sglang-nextn"
-    if loaders is None or sglang in loaders:
+    # --hf-overrides is a vLLM launch: SGLang's row only without one (or asked for by name)
+    if (loaders is None and overrides is None) or (loaders and sglang in loaders):
         reports.append(sglang_report(Wheel(wheel_path(wheels, "sglang")), sglang, draft, native))
     return scheme_label(target_config.get("quantization_config") or {}), reports
 

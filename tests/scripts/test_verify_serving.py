@@ -101,6 +101,21 @@ def test_the_native_draft_beside_a_w4a16_target_fails_in_vllms_loader(
         assert f"model.layers.{LAYER}.e_proj.weight_packed (1 of 1 parts)" in r.unfilled
 
 
+def test_native_fp4_experts_beside_an_fp8_block_target_load_without_error_but_wrong(
+    dirs: dict[str, Path], wheels: Path, tmp_path: Path
+) -> None:
+    # RoutedExperts narrows the FP8 parameter to the packed FP4 tensor's half width
+    # (_narrow_expert_data_for_padding, routed_experts.py:495-527) and copies the int8
+    # codes as numbers: only the value check sees it
+    reports = serve(
+        wheels, dirs["instruct/draft"], dirs["instruct/native"], sf.target_config("FP8_BLOCK"), None, tmp_path
+    )
+    experts = f"model.layers.{LAYER}.mtp_block.ffn.experts.routed_experts"
+    for r in reports:
+        assert not any(e.startswith("mtp.0.ffn.experts.0.w1.weight:") for e in r.errors)
+        assert {f"{experts}.w13_weight", f"{experts}.w2_weight"} <= set(r.inexact)
+
+
 def test_a_changed_value_is_reported_not_exact(dirs: dict[str, Path], wheels: Path, tmp_path: Path) -> None:
     draft = tmp_path / "changed"
     draft.mkdir()
