@@ -191,6 +191,28 @@ def test_a_dspark_draft_loads_by_its_own_compressed_tensors_config(
     assert r.filled == r.params == 96  # 98 less the embedding and head
 
 
+def test_a_dspark_drafts_config_must_name_vllms_fused_modules(
+    dirs: dict[str, Path], wheels: Path, tmp_path: Path
+) -> None:
+    # the DSpark class has no packed_modules_mapping (nor a mapper): a group naming the
+    # checkpoint's shards (wq_a/wkv, shared_experts.w1/w3/w2) misses fused_wqa_wkv,
+    # gate_up_proj and down_proj, which then load unquantised with their scales dropped
+    draft = tmp_path / "shards"
+    draft.mkdir()
+    for f in dirs["dspark/overlay"].iterdir():
+        (draft / f.name).write_bytes(f.read_bytes())
+    config = json.loads((draft / "config.json").read_text())
+    shards = r"re:^model\.(main_proj|layers\.\d+\.(attn\.(wq_a|wkv|wq_b|wo_a|wo_b)|ffn\.shared_experts\.w[123]))$"
+    config["quantization_config"]["config_groups"]["dsv4_draft_linear"]["targets"] = [shards]
+    write_json(draft / "config.json", config)
+    (r,) = serve(wheels, draft, dirs["dspark/native"], sf.target_config("W4A16"), None, tmp_path, ["vllm-xpu-dspark"])
+    layer = config["num_hidden_layers"]
+    assert r.methods[f"model.layers.{layer}.attn.fused_wqa_wkv"] == "UnquantizedLinearMethod"
+    assert r.methods[f"model.layers.{layer}.attn.wq_b"] == "CompressedTensorsW8A8Fp8"
+    assert not r.errors and "mtp.0.attn.wq_a.weight_scale" in r.skipped
+    assert "model.layers.0.attn.fused_wqa_wkv.weight" in r.inexact
+
+
 def test_a_native_dspark_draft_beside_a_compressed_tensors_target_loses_its_scales(
     dirs: dict[str, Path], wheels: Path, tmp_path: Path
 ) -> None:
