@@ -106,8 +106,9 @@ def bf16_draft(draft: Path, out: Path) -> Path:
     return _write(draft, out, dst)
 
 
-def overlay_overrides(target: dict[str, Any], layer: int) -> dict[str, Any]:
-    """The target's config + FP8-block linears and MXFP4 experts anchored on the draft layer,
+def overlay_overrides(target: dict[str, Any], layer: int, experts: str = "MXFP4A16") -> dict[str, Any]:
+    """The target's config + FP8-block linears and MXFP4 experts (FP8-block for Base's FP8
+    experts) anchored on the draft layer,
     the draft layer added to every transform's ignore (a transform wraps a layer whatever
     the quantisation groups say)."""
     qc = copy.deepcopy(target["quantization_config"])
@@ -116,7 +117,7 @@ def overlay_overrides(target: dict[str, Any], layer: int) -> dict[str, Any]:
         for args in transform["apply"]:
             args["ignore"] = [*args.get("ignore", []), f"{at}.*"]
     qc["config_groups"]["dsv4_mtp_linear"] = group("FP8_BLOCK", [f"{at}{LINEARS}$"])
-    qc["config_groups"]["dsv4_mtp_experts"] = group("MXFP4A16", [f"{at}{EXPERTS}$"])
+    qc["config_groups"]["dsv4_mtp_experts"] = group(experts, [f"{at}{EXPERTS}$"])
     return {"quantization_config": qc}
 
 

@@ -38,12 +38,13 @@ def wheels() -> Path:
 def dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("serving")
     out = {}
-    for variant in ("instruct", "dspark"):
+    for variant in ("instruct", "base", "dspark"):
         native = write_checkpoint(root / variant / "native", preset="tiny", variant=variant, seed=0)
         convert(native, root / variant / "draft", target="draft")
         out[f"{variant}/native"], out[f"{variant}/draft"] = native, root / variant / "draft"
     out["overlay"] = sf.overlay_draft(out["instruct/draft"], root / "overlay")
     out["bf16"] = sf.bf16_draft(out["instruct/draft"], root / "bf16")
+    out["base/overlay"] = sf.overlay_draft(out["base/draft"], root / "base-overlay")
     out["dspark/overlay"] = sf.dspark_overlay_draft(out["dspark/draft"], root / "dspark-overlay")
     return out
 
@@ -75,6 +76,16 @@ def test_the_overlay_draft_loads_exactly_beside_each_target(
         # 39: the draft layer's parameters less the embedding and head (the target's)
         assert r.filled == r.params == 39
         assert set(r.methods.values()) == {"CompressedTensorsW8A8Fp8", "CompressedTensorsW4A4Mxfp4MoEMethod"}
+
+
+def test_base_fp8_experts_load_exactly_as_fp8_block_experts(
+    dirs: dict[str, Path], wheels: Path, tmp_path: Path
+) -> None:
+    target = sf.target_config("W4A16")
+    overrides = sf.overlay_overrides(target, LAYER, experts="FP8_BLOCK")
+    for r in serve(wheels, dirs["base/overlay"], dirs["base/native"], target, overrides, tmp_path):
+        assert r.passed, r.summary()
+        assert r.methods[f"model.layers.{LAYER}.ffn.experts"] == "CompressedTensorsW8A8Fp8MoEMethod"
 
 
 def test_the_bf16_draft_loads_exactly_with_the_draft_layers_ignored(
