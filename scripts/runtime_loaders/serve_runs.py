@@ -4,7 +4,6 @@ compared with the native checkpoint's."""
 
 from __future__ import annotations
 
-import re
 import types
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -13,8 +12,10 @@ from typing import Any
 
 import torch
 
-from dsv4.mapping.table import load_table
+from dsv4.mapping.patterns import expand
+from dsv4.mapping.table import Table, load_table, rule_bindings
 from dsv4.model.checkpoint import local_weight_map
+from dsv4.model.config import ModelConfig
 from dsv4.model.reference import fp4_weight, fp8_weight
 
 from .recording import Recorder, attrs, read_tensors
@@ -55,28 +56,17 @@ class ServeReport:
 
 
 class _Table(dict):
-    """params_dict: the built modules' parameters, exactly (a name under a built module
-    that it lacks is vLLM's KeyError); any other name the runtime's draft has (the xpu
-    table's targets: norms, hc_*, attn_sink, gate, head, embedding) is made on first use."""
+    """params_dict: the built modules' parameters, and the draft's unquantised parameters
+    (norms, hc_*, attn_sink, gate: `plain`), each of these taking what it is first fed.
+    Any other name is the KeyError vLLM raises."""
 
-    def __init__(self, built: list[Built], known: list[re.Pattern[str]], fills: dict[str, list[Fill]], rec: Recorder):
+    def __init__(self, built: list[Built], plain: list[str], fills: dict[str, list[Fill]], rec: Recorder):
         super().__init__({n: p for b in built for n, p in b.params.items()})
-        self.modules = [b.path + "." for b in built]
-        self.known, self.fills, self.rec = known, fills, rec
-
-    def _unbuilt(self, name: str) -> bool:
-        return not any(name.startswith(m) for m in self.modules) and any(k.fullmatch(name) for k in self.known)
-
-    def __contains__(self, name: object) -> bool:  # the DSpark loader asks before it indexes (xpu/dspark.py:344, 384)
-        return dict.__contains__(self, name) or (isinstance(name, str) and self._unbuilt(name))
-
-    def __missing__(self, name: str) -> Any:
-        if not self._unbuilt(name):
-            raise KeyError(name)
-        param = types.SimpleNamespace(data=None)
-        param.weight_loader = lambda p, loaded, *a, **k: self._plain(name, p, loaded)
-        self[name] = param
-        return param
+        for name in plain:
+            param = types.SimpleNamespace(data=None)
+            param.weight_loader = lambda p, loaded, *a, _n=name, **k: self._plain(_n, p, loaded)
+            self[name] = param
+        self.fills, self.rec = fills, rec
 
     def _plain(self, name: str, param: Any, loaded: torch.Tensor) -> None:
         self.fills.setdefault(name, []).append(Fill(self.rec.current, None, None))
@@ -109,14 +99,21 @@ def _recording(param: Any, name: str, fills: dict[str, list[Fill]], rec: Recorde
     param.weight_loader = load
 
 
-def _known_names(table: str) -> list[re.Pattern[str]]:
-    """The runtime's parameter names the repo's table names (mapping/xpu.toml: vLLM's
-    in-memory names, the ones the loaders were verified to fill), placeholders as numbers."""
-    out = []
-    for rule in load_table(table).rules:
-        if rule.target:
-            out.append(re.compile(re.sub(r"\\\{\w+\\\}", r"\\d+", re.escape(rule.target))))
-    return out
+def unquantised_names(table: Table, config: dict[str, Any], built: list[Built]) -> list[str]:
+    """The draft's parameters outside the built modules: the repo's table's targets (vLLM's
+    in-memory names, mapping/xpu.toml and xpu_dspark.toml, the names the loaders were verified
+    to fill) bound for this config, less those under a built module and the shared
+    embedding and head (the target's)."""
+    cfg = ModelConfig.from_dict(config)
+    _droppable, shared = table_facts(table, config)
+    modules = tuple(b.path + "." for b in built)
+    names = {
+        expand(rule.target, binding)
+        for rule in table.rules
+        if rule.target and rule.applies(cfg.expert_dtype)
+        for binding in rule_bindings(rule, cfg)
+    }
+    return sorted(n for n in names - shared if not n.startswith(modules))
 
 
 def expected_parts(b: Built, name: str, n_experts: int) -> set[tuple[Any, Any]]:
@@ -192,9 +189,9 @@ def serve_run(
     report.methods = {b.prefix: b.method or b.error for b in built}
     report.errors += [f"{b.prefix}: {b.error}" for b in built if b.error]
     rec, fills = Recorder(), {}
-    table_name = "xpu" if layout == "mtp" else "xpu_dspark"
-    table = _Table(built, _known_names(table_name), fills, rec)
-    for name, param in list(table.items()):
+    mapping = load_table("xpu" if layout == "mtp" else "xpu_dspark")
+    table = _Table(built, unquantised_names(mapping, config, built), fills, rec)
+    for name, param in ((n, p) for b in built for n, p in b.params.items()):
         _recording(param, name, fills, rec)
     spec = VLLM_CUTS[loader]
     ns = vllm_namespace(wheel, spec["cuts"], rec, [True])
@@ -215,7 +212,7 @@ def serve_run(
         model.model = types.SimpleNamespace(layers=[stand_in_layer() for _ in indices])
     with imports_from(build_ns):  # RoutedExperts.weight_loader imports inside (routed_experts.py:697-699)
         fed = _feed(model, draft, rec, report)
-    droppable, _shared = table_facts(load_table(table_name), config)
+    droppable, _shared = table_facts(mapping, config)
     reached = {f.tensor for fs in fills.values() for f in fs}
     errored = {e.split(":", 1)[0] for e in report.errors}
     report.skipped = [t for t in fed if t not in reached and t not in errored and not droppable(t)]

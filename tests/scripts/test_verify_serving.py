@@ -127,28 +127,41 @@ def test_native_fp4_experts_beside_an_fp8_block_target_load_without_error_but_wr
         assert {f"{experts}.w13_weight", f"{experts}.w2_weight"} <= set(r.inexact)
 
 
-def test_a_changed_value_is_reported_not_exact(dirs: dict[str, Path], wheels: Path, tmp_path: Path) -> None:
-    draft = tmp_path / "changed"
+def edited(source: Path, draft: Path) -> tuple[Path, dict]:
     draft.mkdir()
-    for f in dirs["overlay"].iterdir():
+    for f in source.iterdir():
         (draft / f.name).write_bytes(f.read_bytes())
-    shard = draft / "model-00001-of-00001.safetensors"
-    tensors = load_file(shard)
+    return draft / "model-00001-of-00001.safetensors", load_file(draft / "model-00001-of-00001.safetensors")
+
+
+def rewrite(shard: Path, tensors: dict) -> None:
+    save_file(tensors, shard)
+    index = {"metadata": {}, "weight_map": dict.fromkeys(tensors, shard.name)}
+    write_json(shard.parent / "model.safetensors.index.json", index)
+
+
+def test_a_missing_or_misnamed_unquantised_tensor_fails(dirs: dict[str, Path], wheels: Path, tmp_path: Path) -> None:
+    shard, tensors = edited(dirs["overlay"], tmp_path / "edited")
+    del tensors["mtp.0.enorm.weight"]
+    tensors["mtp.0.hnorm2.weight"] = tensors.pop("mtp.0.hnorm.weight")
+    rewrite(shard, tensors)
+    target = sf.target_config("W4A16")
+    overrides = sf.overlay_overrides(target, LAYER)
+    (r,) = serve(wheels, shard.parent, dirs["instruct/native"], target, overrides, tmp_path, ["vllm-nvidia-mtp"])
+    assert f"model.layers.{LAYER}.enorm.weight (1 of 1 parts)" in r.unfilled
+    assert f"mtp.0.hnorm2.weight: KeyError: 'model.layers.{LAYER}.hnorm2.weight'" in r.errors
+
+
+def test_a_changed_value_is_reported_not_exact(dirs: dict[str, Path], wheels: Path, tmp_path: Path) -> None:
+    shard, tensors = edited(dirs["overlay"], tmp_path / "changed")
     tensors["mtp.0.e_proj.weight_scale"] = tensors["mtp.0.e_proj.weight_scale"] * 2
     packed = tensors["mtp.0.ffn.experts.3.w3.weight_packed"].clone()
     packed[0, 0] ^= 1
     tensors["mtp.0.ffn.experts.3.w3.weight_packed"] = packed
-    save_file(tensors, shard)
+    rewrite(shard, tensors)
     target = sf.target_config("FP8_BLOCK")
-    (r,) = serve(
-        wheels,
-        draft,
-        dirs["instruct/native"],
-        target,
-        sf.overlay_overrides(target, LAYER),
-        tmp_path,
-        ["vllm-nvidia-mtp"],
-    )
+    overrides = sf.overlay_overrides(target, LAYER)
+    (r,) = serve(wheels, shard.parent, dirs["instruct/native"], target, overrides, tmp_path, ["vllm-nvidia-mtp"])
     assert not r.passed and not r.errors
     assert r.inexact == [
         f"model.layers.{LAYER}.e_proj.weight_scale",
