@@ -66,10 +66,11 @@ xpu DeepSeekV4MTP; xpu DSparkDeepseekV4ForCausalLM for a DSpark draft):
   c. that method's create_weights: the parameters with vLLM's classes, names, dtypes,
      shapes and weight_loaders (ModelWeightParameter & co., the layer's weight_loader(_v2),
      RoutedExperts.weight_loader);
-  d. the loader's load_weights feeding DRAFT into exactly those parameters (a name under a
-     built module that it lacks is the KeyError vLLM raises; other names are the runtime
-     draft's unquantised parameters, made on first load when the xpu table names them),
-     each weight_loader the wheel's own, copying into the parameter;
+  d. the loader's load_weights feeding DRAFT into exactly those parameters plus the draft's
+     unquantised ones (norms, hc_*, attn_sink, gate: the xpu / xpu_dspark tables' targets
+     bound for the config, less those under a built module and the shared embedding and
+     head); any other name is the KeyError vLLM raises; every built parameter's
+     weight_loader is the wheel's own, copying into the parameter;
   e. SGLang: the quantisation ModelConfig._verify_quantization picks for the draft
      directory (the draft flag defaulted from the target's as serving_hook.py:676-709 does),
      and SGLang's NextN/DSpark loader on DRAFT against NATIVE as above.

@@ -194,7 +194,8 @@ def serve_run(
     for name, param in ((n, p) for b in built for n, p in b.params.items()):
         _recording(param, name, fills, rec)
     spec = VLLM_CUTS[loader]
-    ns = vllm_namespace(wheel, spec["cuts"], rec, [True])
+    completeness = [True]
+    ns = vllm_namespace(wheel, spec["cuts"], rec, completeness)
     ns["dict"] = lambda x=(), **k: x.table if isinstance(x, _Named) else dict(x, **k)
 
     class StandIn:
@@ -211,7 +212,7 @@ def serve_run(
     else:
         model.model = types.SimpleNamespace(layers=[stand_in_layer() for _ in indices])
     with imports_from(build_ns):  # RoutedExperts.weight_loader imports inside (routed_experts.py:697-699)
-        fed = _feed(model, draft, rec, report)
+        fed = _feed(model, draft, rec, report, completeness)
     droppable, _shared = table_facts(mapping, config)
     reached = {f.tensor for fs in fills.values() for f in fs}
     errored = {e.split(":", 1)[0] for e in report.errors}
@@ -220,27 +221,33 @@ def serve_run(
     return report
 
 
-def _feed(model: Any, draft: Path, rec: Recorder, report: ServeReport) -> list[str]:
-    """Every DRAFT tensor through load_weights; an exception is recorded against the tensor
-    being loaded and the rest go on (a fresh call)."""
-    tensors = list(read_tensors(draft))
-    report.fed = len(tensors)
-    position = 0
+def _feed(model: Any, draft: Path, rec: Recorder, report: ServeReport, completeness: list[bool]) -> list[str]:
+    """Every DRAFT tensor through load_weights, read as it is fed; an exception is recorded
+    against the tensor being loaded and the rest go on (a fresh call, its completeness
+    check off: only the first call's is the runtime's)."""
+    fed: list[str] = []
+    exhausted = False
 
     def feed() -> Iterator[tuple[str, torch.Tensor]]:
-        nonlocal position
-        while position < len(tensors):
-            rec.current, tensor = tensors[position]
-            position += 1
-            yield rec.current, tensor
-        rec.current = ""
+        nonlocal exhausted
+        for name, tensor in read_tensors(draft):
+            rec.current = name
+            fed.append(name)
+            yield name, tensor
+        rec.current, exhausted = "", True
 
-    while position < len(tensors):
+    stream = feed()
+    while True:
         try:
-            model.load_weights(feed())
+            model.load_weights(stream)
+            break
         except Exception as exc:  # noqa: BLE001 - the runtime's error is the finding
             report.errors.append(f"{rec.current or '(after the last tensor)'}: {type(exc).__name__}: {exc}")
-    return [t for t, _ in tensors]
+            completeness[0] = False
+            if exhausted:
+                break
+    report.fed = len(fed)
+    return fed
 
 
 def _native(native: Path, names: set[str]) -> dict[str, torch.Tensor]:
