@@ -189,6 +189,24 @@ def test_an_expert_group_naming_only_w123_misses_the_xpu_and_amd_experts(
         assert not reports[loader].passed
 
 
+def test_the_targets_mtp_ignore_entries_reach_the_draft_on_amd_only(
+    dirs: dict[str, Path], wheels: Path, tmp_path: Path
+) -> None:
+    # compressed-tensors' own MTP carry-over writes re:^mtp.* (it matches no vLLM name);
+    # exact mtp.0.* names become model.mtp.0.* (the V4 mapper), re-keyed onto the draft
+    # layer by AMD's MTP only (amd/mtp.py:301, quant_config.py:33-57)
+    target = sf.target_config("W4A16")
+    target["quantization_config"]["ignore"] += ["re:^mtp.*", "mtp.0.e_proj"]
+    reports = {
+        r.loader: r for r in serve(wheels, dirs["instruct/draft"], dirs["instruct/native"], target, None, tmp_path)
+    }
+    e_proj, wq_b = f"model.layers.{LAYER}.e_proj", f"model.layers.{LAYER}.attn.wq_b"
+    assert reports["vllm-amd-mtp"].methods[e_proj] == "UnquantizedLinearMethod"
+    for loader in ("vllm-nvidia-mtp", "vllm-xpu-mtp"):
+        assert reports[loader].methods[e_proj] == "CompressedTensorsWNA16"
+    assert all(r.methods[wq_b] == "CompressedTensorsWNA16" for r in reports.values())
+
+
 def test_a_target_transform_must_ignore_the_draft_layer(dirs: dict[str, Path], wheels: Path, tmp_path: Path) -> None:
     target = sf.target_config("W4A16")
     hadamard = {"type": "hadamard", "apply": [{"targets": [r"re:.*\.(wo_b|down_proj)$"], "location": "input"}]}
