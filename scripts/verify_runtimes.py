@@ -2,6 +2,8 @@
 
     .venv/bin/python scripts/verify_runtimes.py DRAFT --expected XPU_OUT --native NATIVE \
         [--wheels DIR] [--loader NAME ...] [--json]
+    .venv/bin/python scripts/verify_runtimes.py DRAFT --serve-with TARGET [--overrides FILE] \
+        --native NATIVE [--loader NAME ...] [--json]
     .venv/bin/python scripts/verify_runtimes.py --fetch-wheels [--wheels DIR]
 
 DRAFT is the directory fed to the loaders (a `--target draft` output, or anything else to
@@ -45,6 +47,66 @@ run as written. What is stubbed:
   config.json's `quantization_config`; SGLang's `_dequant_fp8` (it needs einops) passes
   the FP8 weight on unchanged, in both its runs, while the wo_a pairing around it runs.
 
+--serve-with TARGET (a compressed-tensors target's config.json, or its directory) proves
+instead that DRAFT loads beside that target, with vLLM's parameters built by vLLM's own
+code rather than taken from an XPU_OUT (runtime_loaders/serve_verify.py, serve_runs.py,
+vllm_build.py, vllm_layer.py, sglang_quant.py). --overrides FILE is the JSON value of
+vLLM's --hf-overrides the target runs with: its quantization_config replaces the target's
+wholesale (vllm/config/model.py:555-568, 616-629, 691-692). Per vLLM loader (nvidia, amd,
+xpu DeepSeekV4MTP; xpu DSparkDeepseekV4ForCausalLM for a DSpark draft):
+  a. CompressedTensorsConfig.from_config on the effective quantization_config (DSpark: the
+     draft's own, dspark/utils.py:115-117), then configure_quant_config with
+     DeepseekV4ForCausalLM's hf_to_vllm_mapper and packed_modules_mapping (MTP only; the
+     DSpark class has neither), then AMD's align_mtp_quant_config;
+  b. each draft module built by the wheel's ReplicatedLinear / ColumnParallelLinear /
+     MergedColumnParallelLinear / RowParallelLinear / RoutedExperts __init__, with the
+     constructor arguments and quant prefixes of nvidia/mtp.py, attention.py, nvidia/model.py
+     and xpu/dspark.py (vllm_layer._linear_specs says where each comes from): __init__ asks
+     the config for the method (get_quant_method -> get_scheme / get_moe_method);
+  c. that method's create_weights: the parameters with vLLM's classes, names, dtypes,
+     shapes and weight_loaders (ModelWeightParameter & co., the layer's weight_loader(_v2),
+     RoutedExperts.weight_loader);
+  d. the loader's load_weights feeding DRAFT into exactly those parameters plus the draft's
+     unquantised ones (norms, hc_*, attn_sink, gate: the xpu / xpu_dspark tables' targets
+     bound for the config, less those under a built module and the shared embedding and
+     head); any other name is the KeyError vLLM raises; every built parameter's
+     weight_loader is the wheel's own, copying into the parameter;
+  e. SGLang: the quantisation ModelConfig._verify_quantization picks for the draft
+     directory (the draft flag defaulted from the target's as serving_hook.py:676-709 does),
+     and SGLang's NextN/DSpark loader on DRAFT against NATIVE as above.
+Pass rule per loader there: no error, no fed tensor reaching no parameter (but the xpu
+table's [copy] sources and mtp.* [skip] rules), every parameter part (shard, expert)
+filled exactly once, and every parameter's value what the native checkpoint gives: FP8
+bytes equal, an F32 weight_scale = 2^e of the E8M0, U8 weight_packed / weight_scale the
+native bytes, a bf16 weight the native weight dequantised (a requantised leaf with no
+native counterpart is reported not exact). What is cut out for it: VLLM_BUILD_CUTS
+(vllm_build.py: compressed-tensors config and utils, the transform lookup, parameter
+classes, fp8_utils' parameter makers, the linear and RoutedExperts classes, the CT linear
+schemes W8A8Fp8 / WNA16 / W4A4Fp4 / W4A4Mxfp4 and MoE methods W8A8Fp8 / WNA16 / W4A4Nvfp4 /
+W4A4Mxfp4 / Unquantized, WeightsMapper, _make_deepseek_v4_weights_mapper,
+configure_quant_config, align_mtp_quant_config), VLLM_CUTS (the loaders, as above) and
+SGLANG_QUANT_CUTS (sglang_quant.py: _verify_quantization and the registry's
+override_quantization_method hooks). No vLLM or SGLang module is imported whole; the
+compressed-tensors library is imported (vLLM's own dependency: QuantizationArgs,
+TransformConfig, is_match). What is stubbed there:
+* platform and process: current_platform per loader (nvidia: capability 9.0; amd: ROCm
+  9.4, not gfx950; xpu: no capability), tensor-parallel rank 0 of 1, no TPU weight-loader
+  sync, the vLLM config's model dtype bf16 and linear/MoE backends "auto", no LoRA;
+  torch's default dtype bf16 while the modules are built (as vLLM sets it);
+* kernels and backends: every kernel/backend selector and quant key the schemes'
+  __init__/create_weights call (init_*_linear_kernel, choose_mp_linear_kernel,
+  select_*_moe_backend, ...) returns a stand-in; FusedMoEMethodBase.maybe_roundup_sizes
+  keeps the sizes (it rounds only for all2all backends); no online quantization;
+* MoE: FusedMoEConfig as a namespace of the fields read (gated SiLU, TP/EP 1, no EPLB,
+  no padding), the expert map identity, update_expert_map_info a no-op;
+* a target transform_config that applies to a draft layer is reported as that layer's
+  error (TransformOnDraft) instead of building CompressedTensorsLinearTransformMethod;
+* the vLLM modules imported inside the cut-out functions (vllm_build.IMPORTED_INSIDE,
+  sglang_quant.IMPORTED_INSIDE) are, while they run, stand-in modules holding the
+  cut-out namespace;
+* SGLang: CUDA (is_hip False, capability 9.0, marlin supported), the registry's CUDA
+  branch (mxfp4), the other registry classes with the base's override (None).
+
 Pass rule per loader: no error (nor SGLang warning); no fed tensor skipped except those the
 runtime's draft has no place for (vLLM: the xpu table's [copy] sources embed.weight and
 head.weight, taken from the target at run time, and its [skip] rules on `mtp.*` names, the
@@ -68,6 +130,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from runtime_loaders import UsageError  # noqa: E402
 from runtime_loaders.cut import cut  # noqa: E402
 from runtime_loaders.recording import Recorder, RecordingParam, Report, run_loader  # noqa: E402
+from runtime_loaders.serve_verify import serve_table, verify_serving  # noqa: E402
+from runtime_loaders.sglang_quant import sglang_draft_quantization  # noqa: E402
 from runtime_loaders.sglang_runs import SGLANG_CUTS, verify_sglang  # noqa: E402
 from runtime_loaders.vllm_runs import VLLM_CUTS, verify_vllm  # noqa: E402
 from runtime_loaders.wheels import (  # noqa: E402
@@ -98,6 +162,10 @@ __all__ = [
     "run_loader",
     "subprocess",
     "verify",
+    "verify_serving",
+    "sglang_draft_quantization",
+    "Wheel",
+    "wheel_path",
     "wheel_cache",
     "wheels_cached",
 ]
@@ -167,23 +235,42 @@ def main(argv: list[str] | None = None) -> int:
         choices=sorted(VLLM_CUTS) + sorted(SGLANG_CUTS),
         help="run only this loader (repeatable; default: every one for the drafter)",
     )
+    ap.add_argument(
+        "--serve-with",
+        type=Path,
+        help="a compressed-tensors target's config.json (or its directory): "
+        "load DRAFT into the parameters vLLM builds beside it",
+    )
+    ap.add_argument(
+        "--overrides", type=Path, help="with --serve-with: the JSON value of vLLM's --hf-overrides the target runs with"
+    )
     ap.add_argument("--json", action="store_true", help="every report as JSON, per tensor")
     args = ap.parse_args(argv)
-    if not args.fetch_wheels and None in (args.draft, args.expected, args.native):
-        ap.error("DRAFT, --expected and --native are required (unless --fetch-wheels)")
+    needed = (args.draft, args.native) if args.serve_with else (args.draft, args.expected, args.native)
+    if not args.fetch_wheels and None in needed:
+        ap.error("DRAFT and --native, and --expected unless --serve-with, are required (unless --fetch-wheels)")
+    if args.overrides and not args.serve_with:
+        ap.error("--overrides goes with --serve-with")
     try:
         if args.fetch_wheels:
             for package in WHEELS:
                 print(wheel_path(args.wheels, package))
             return 0
-        reports = verify(args.draft, args.expected, args.native, args.wheels, args.loader)
+        if args.serve_with:
+            target, reports = verify_serving(
+                args.wheels, args.draft, args.serve_with, args.overrides, args.native, args.loader
+            )
+            lines = serve_table(target, args.overrides.name if args.overrides else "no overrides", reports)
+        else:
+            reports = verify(args.draft, args.expected, args.native, args.wheels, args.loader)
+            lines = table_lines(reports)
     except (UsageError, DSV4Error) as exc:  # a missing wheel or directory, an unreadable checkpoint
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if args.json:
         print(json.dumps([r.summary() for r in reports], indent=1))
     else:
-        print("\n".join(table_lines(reports)))
+        print("\n".join(lines))
     return 0 if all(r.passed for r in reports) else 1
 
 

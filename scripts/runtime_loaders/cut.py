@@ -1,4 +1,4 @@
-"""Cutting named functions, assignments and methods out of a wheel's source file."""
+"""Cutting named functions, classes, assignments and class members out of a wheel's source file."""
 
 from __future__ import annotations
 import __future__
@@ -9,14 +9,38 @@ from typing import Any
 
 from . import UsageError
 
+# decorators a cut-out method keeps: they change how it is called, and they are builtins
+# (the others, typing's @overload or a registry's, would need their module)
+_KEPT_DECORATORS = {"staticmethod", "classmethod", "property"}
+
+
+def _member_names(node: ast.stmt) -> list[str]:
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return [node.name]
+    if isinstance(node, ast.Assign):
+        return [t.id for t in node.targets if isinstance(t, ast.Name)]
+    if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+        return [node.target.id]
+    return []
+
+
+def _kept(node: ast.stmt) -> ast.stmt:
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        node.decorator_list = [d for d in node.decorator_list if isinstance(d, ast.Name) and d.id in _KEPT_DECORATORS]
+    return node
+
 
 def cut(source: str, filename: str, names: Iterable[str], namespace: dict[str, Any]) -> None:
-    """Compile the top-level functions, assignments and class methods `names` ("f", "X",
-    "Class.method") of `source` into `namespace`, keeping the file's line numbers.
+    """Compile the top-level functions, classes and assignments and the class members
+    `names` ("f", "X", "Class", "Class.method", "Class.attribute") of `source` into
+    `namespace`, keeping the file's line numbers.
 
-    A class is rebuilt with only the methods named, and of its bases only those already in
-    `namespace` (cut out before it); its other collaborators come from the stand-in it is
-    mixed with, so nothing else of the file runs.
+    A class named whole is taken as written (its bases and decorators must be in
+    `namespace`). A class named by members is rebuilt with only those members (methods
+    keep only their staticmethod/classmethod/property decorators; of overloads, the last
+    definition wins, as at run time), and of its bases only those already in `namespace` or cut out before it;
+    its other collaborators come from the stand-in it is mixed with, so nothing else of
+    the file runs.
     """
     tree = ast.parse(source, filename)
     wanted = list(names)
@@ -28,33 +52,29 @@ def cut(source: str, filename: str, names: Iterable[str], namespace: dict[str, A
     body: list[ast.stmt] = []
     found: set[str] = set()
     for node in tree.body:
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name in top:
+        if isinstance(node, ast.ClassDef) and node.name in top:
             body.append(node)
             found.add(node.name)
-        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
-            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-            hit = [t.id for t in targets if isinstance(t, ast.Name) and t.id in top]
-            if hit:
-                body.append(node)
-                found.update(hit)
         elif isinstance(node, ast.ClassDef) and node.name in by_class:
-            methods = [
-                m
-                for m in node.body
-                if isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef)) and m.name in by_class[node.name]
-            ]
-            found.update(f"{node.name}.{m.name}" for m in methods)
-            bases = [b for b in node.bases if isinstance(b, ast.Name) and b.id in namespace]
+            members = [_kept(m) for m in node.body if set(_member_names(m)) & set(by_class[node.name])]
+            found.update(f"{node.name}.{n}" for m in members for n in _member_names(m))
+            bases = [b for b in node.bases if isinstance(b, ast.Name) and (b.id in namespace or b.id in found)]
             cls = ast.ClassDef(
                 name=node.name,
                 bases=bases,
                 keywords=[],
-                body=methods or [ast.Pass()],
+                body=members or [ast.Pass()],
                 decorator_list=[],
                 type_params=[],
             )
             ast.copy_location(cls, node)
             body.append(cls)
+            found.add(node.name)
+        else:
+            hit = [n for n in _member_names(node) if n in top]
+            if hit:
+                body.append(node)
+                found.update(hit)
     missing = [n for n in wanted if n not in found]
     if missing:
         raise UsageError(f"{filename}: not found in the wheel: {', '.join(missing)}")

@@ -1,0 +1,321 @@
+"""verify_runtimes.py --serve-with: vLLM 0.33.0's own compressed-tensors parsing, scheme
+choice, create_weights and V4 draft loaders (cut out of the cached wheel, run on CPU) take
+a draft beside a compressed-tensors target.
+
+The drafts are tiny `--target draft` outputs rewritten by the routes' tensor-name contract
+(tests/scripts/serve_fixtures.py) until the converter writes the routes; the wheels come
+from the cache the test command fills (never downloaded here, never skipped).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+# beside this file (pytest puts a test file's directory on sys.path)
+import serve_fixtures as sf
+from safetensors.torch import load_file, save_file
+from test_verify_runtimes import vr
+
+from dsv4.convert.pipeline import convert
+from dsv4.convert.synth import write_checkpoint
+
+MTP_LOADERS = ["vllm-nvidia-mtp", "vllm-amd-mtp", "vllm-xpu-mtp"]
+LAYER = 2  # the tiny preset's num_hidden_layers: the draft is vLLM's model.layers.2
+
+
+@pytest.fixture(scope="module")
+def wheels() -> Path:
+    cache = vr.wheel_cache()
+    if not vr.wheels_cached(cache):
+        pytest.fail(f"wheels not in {cache}: scripts/test.sh fetches them (verify_runtimes.py --fetch-wheels)")
+    return cache
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("serving")
+    out = {}
+    for variant in ("instruct", "base", "dspark"):
+        native = write_checkpoint(root / variant / "native", preset="tiny", variant=variant, seed=0)
+        convert(native, root / variant / "draft", target="draft")
+        out[f"{variant}/native"], out[f"{variant}/draft"] = native, root / variant / "draft"
+    out["overlay"] = sf.overlay_draft(out["instruct/draft"], root / "overlay")
+    out["bf16"] = sf.bf16_draft(out["instruct/draft"], root / "bf16")
+    out["base/overlay"] = sf.overlay_draft(out["base/draft"], root / "base-overlay")
+    out["dspark/overlay"] = sf.dspark_overlay_draft(out["dspark/draft"], root / "dspark-overlay")
+    return out
+
+
+def write_json(path: Path, value: dict) -> Path:
+    path.write_text(json.dumps(value))
+    return path
+
+
+def serve(
+    wheels: Path, draft: Path, native: Path, target: dict, overrides: dict | None, tmp_path: Path, loaders=MTP_LOADERS
+):
+    target_file = write_json(tmp_path / "target.json", target)
+    overrides_file = write_json(tmp_path / "overrides.json", overrides) if overrides else None
+    return vr.verify_serving(wheels, draft, target_file, overrides_file, native, loaders)[1]
+
+
+@pytest.mark.parametrize("preset", list(sf.TARGETS))
+def test_the_overlay_draft_loads_exactly_beside_each_target(
+    dirs: dict[str, Path], wheels: Path, tmp_path: Path, preset: str
+) -> None:
+    target = sf.target_config(preset)
+    reports = serve(
+        wheels, dirs["overlay"], dirs["instruct/native"], target, sf.overlay_overrides(target, LAYER), tmp_path
+    )
+    assert [r.loader for r in reports] == MTP_LOADERS
+    for r in reports:
+        assert r.passed, r.summary()
+        # 39: the draft layer's parameters less the embedding and head (the target's)
+        assert r.filled == r.params == 39
+        assert set(r.methods.values()) == {"CompressedTensorsW8A8Fp8", "CompressedTensorsW4A4Mxfp4MoEMethod"}
+
+
+def test_base_fp8_experts_load_exactly_as_fp8_block_experts(
+    dirs: dict[str, Path], wheels: Path, tmp_path: Path
+) -> None:
+    target = sf.target_config("W4A16")
+    overrides = sf.overlay_overrides(target, LAYER, experts="FP8_BLOCK")
+    for r in serve(wheels, dirs["base/overlay"], dirs["base/native"], target, overrides, tmp_path):
+        assert r.passed, r.summary()
+        assert r.methods[f"model.layers.{LAYER}.ffn.experts"] == "CompressedTensorsW8A8Fp8MoEMethod"
+
+
+def test_the_bf16_draft_loads_exactly_with_the_draft_layers_ignored(
+    dirs: dict[str, Path], wheels: Path, tmp_path: Path
+) -> None:
+    target = sf.target_config("NVFP4A16")
+    reports = serve(wheels, dirs["bf16"], dirs["instruct/native"], target, sf.bf16_overrides(target, LAYER), tmp_path)
+    for r in reports:
+        assert r.passed, r.summary()
+        assert r.methods[f"model.layers.{LAYER}.attn.wo_a"] == "CompressedTensorsW8A8Fp8"  # XPU reads wo_a as FP8
+        assert r.methods[f"model.layers.{LAYER}.ffn.experts"] == "UnquantizedFusedMoEMethod"
+        assert r.methods[f"model.layers.{LAYER}.e_proj"] == "UnquantizedLinearMethod"
+
+
+def test_the_native_draft_beside_a_w4a16_target_fails_in_vllms_loader(
+    dirs: dict[str, Path], wheels: Path, tmp_path: Path
+) -> None:
+    reports = serve(wheels, dirs["instruct/draft"], dirs["instruct/native"], sf.target_config("W4A16"), None, tmp_path)
+    for r in reports:
+        assert not r.passed
+        assert set(r.methods.values()) == {"CompressedTensorsWNA16", "CompressedTensorsWNA16MoEMethod"}
+        # the loader indexes params_dict without a check (nvidia/mtp.py:496, xpu/mtp.py:444)
+        assert f"mtp.0.e_proj.weight: KeyError: 'model.layers.{LAYER}.e_proj.weight'" in r.errors
+        assert f"model.layers.{LAYER}.e_proj.weight_packed (1 of 1 parts)" in r.unfilled
+
+
+def test_native_fp4_experts_beside_an_fp8_block_target_load_without_error_but_wrong(
+    dirs: dict[str, Path], wheels: Path, tmp_path: Path
+) -> None:
+    # RoutedExperts narrows the FP8 parameter to the packed FP4 tensor's half width
+    # (_narrow_expert_data_for_padding, routed_experts.py:495-527) and copies the int8
+    # codes as numbers: only the value check sees it
+    reports = serve(
+        wheels, dirs["instruct/draft"], dirs["instruct/native"], sf.target_config("FP8_BLOCK"), None, tmp_path
+    )
+    experts = f"model.layers.{LAYER}.mtp_block.ffn.experts.routed_experts"
+    for r in reports:
+        assert not any(e.startswith("mtp.0.ffn.experts.0.w1.weight:") for e in r.errors)
+        assert {f"{experts}.w13_weight", f"{experts}.w2_weight"} <= set(r.inexact)
+
+
+def edited(source: Path, draft: Path) -> tuple[Path, dict]:
+    draft.mkdir()
+    for f in source.iterdir():
+        (draft / f.name).write_bytes(f.read_bytes())
+    return draft / "model-00001-of-00001.safetensors", load_file(draft / "model-00001-of-00001.safetensors")
+
+
+def rewrite(shard: Path, tensors: dict) -> None:
+    save_file(tensors, shard)
+    index = {"metadata": {}, "weight_map": dict.fromkeys(tensors, shard.name)}
+    write_json(shard.parent / "model.safetensors.index.json", index)
+
+
+def test_a_missing_or_misnamed_unquantised_tensor_fails(dirs: dict[str, Path], wheels: Path, tmp_path: Path) -> None:
+    shard, tensors = edited(dirs["overlay"], tmp_path / "edited")
+    del tensors["mtp.0.enorm.weight"]
+    tensors["mtp.0.hnorm2.weight"] = tensors.pop("mtp.0.hnorm.weight")
+    rewrite(shard, tensors)
+    target = sf.target_config("W4A16")
+    overrides = sf.overlay_overrides(target, LAYER)
+    (r,) = serve(wheels, shard.parent, dirs["instruct/native"], target, overrides, tmp_path, ["vllm-nvidia-mtp"])
+    assert f"model.layers.{LAYER}.enorm.weight (1 of 1 parts)" in r.unfilled
+    assert f"mtp.0.hnorm2.weight: KeyError: 'model.layers.{LAYER}.hnorm2.weight'" in r.errors
+
+
+def test_a_changed_value_is_reported_not_exact(dirs: dict[str, Path], wheels: Path, tmp_path: Path) -> None:
+    shard, tensors = edited(dirs["overlay"], tmp_path / "changed")
+    tensors["mtp.0.e_proj.weight_scale"] = tensors["mtp.0.e_proj.weight_scale"] * 2
+    packed = tensors["mtp.0.ffn.experts.3.w3.weight_packed"].clone()
+    packed[0, 0] ^= 1
+    tensors["mtp.0.ffn.experts.3.w3.weight_packed"] = packed
+    rewrite(shard, tensors)
+    target = sf.target_config("FP8_BLOCK")
+    overrides = sf.overlay_overrides(target, LAYER)
+    (r,) = serve(wheels, shard.parent, dirs["instruct/native"], target, overrides, tmp_path, ["vllm-nvidia-mtp"])
+    assert not r.passed and not r.errors
+    assert r.inexact == [
+        f"model.layers.{LAYER}.e_proj.weight_scale",
+        f"model.layers.{LAYER}.mtp_block.ffn.experts.routed_experts.w13_weight_packed",
+    ]
+
+
+def test_an_expert_group_naming_only_w123_misses_the_xpu_and_amd_experts(
+    dirs: dict[str, Path], wheels: Path, tmp_path: Path
+) -> None:
+    # XPU and AMD build the routed experts with FusedMoEFactory's default checkpoint names,
+    # so compressed-tensors probes experts.0.gate_proj/up_proj/down_proj there
+    target = sf.target_config("W4A16")
+    overrides = sf.overlay_overrides(target, LAYER)
+    overrides["quantization_config"]["config_groups"]["dsv4_mtp_experts"]["targets"] = [
+        rf"re:^model\.layers\.{LAYER}\.ffn\.experts\.\d+\.w[123]$"
+    ]
+    reports = {
+        r.loader: r for r in serve(wheels, dirs["overlay"], dirs["instruct/native"], target, overrides, tmp_path)
+    }
+    experts = f"model.layers.{LAYER}.ffn.experts"
+    assert reports["vllm-nvidia-mtp"].passed
+    for loader in ("vllm-amd-mtp", "vllm-xpu-mtp"):
+        assert reports[loader].methods[experts] == "CompressedTensorsWNA16MoEMethod"
+        assert not reports[loader].passed
+
+
+def test_the_targets_mtp_ignore_entries_reach_the_draft_on_amd_only(
+    dirs: dict[str, Path], wheels: Path, tmp_path: Path
+) -> None:
+    # compressed-tensors' own MTP carry-over writes re:^mtp.* (it matches no vLLM name);
+    # exact mtp.0.* names become model.mtp.0.* (the V4 mapper), re-keyed onto the draft
+    # layer by AMD's MTP only (amd/mtp.py:301, quant_config.py:33-57)
+    target = sf.target_config("W4A16")
+    target["quantization_config"]["ignore"] += ["re:^mtp.*", "mtp.0.e_proj"]
+    reports = {
+        r.loader: r for r in serve(wheels, dirs["instruct/draft"], dirs["instruct/native"], target, None, tmp_path)
+    }
+    e_proj, wq_b = f"model.layers.{LAYER}.e_proj", f"model.layers.{LAYER}.attn.wq_b"
+    assert reports["vllm-amd-mtp"].methods[e_proj] == "UnquantizedLinearMethod"
+    for loader in ("vllm-nvidia-mtp", "vllm-xpu-mtp"):
+        assert reports[loader].methods[e_proj] == "CompressedTensorsWNA16"
+    assert all(r.methods[wq_b] == "CompressedTensorsWNA16" for r in reports.values())
+
+
+def test_a_target_transform_must_ignore_the_draft_layer(dirs: dict[str, Path], wheels: Path, tmp_path: Path) -> None:
+    target = sf.target_config("W4A16")
+    hadamard = {"type": "hadamard", "apply": [{"targets": [r"re:.*\.(wo_b|down_proj)$"], "location": "input"}]}
+    target["quantization_config"]["transform_config"] = {"config_groups": {"u": hadamard}}
+    overrides = sf.overlay_overrides(target, LAYER)
+    (r,) = serve(wheels, dirs["overlay"], dirs["instruct/native"], target, overrides, tmp_path, ["vllm-nvidia-mtp"])
+    assert r.passed, r.summary()
+    overrides["quantization_config"]["transform_config"] = target["quantization_config"]["transform_config"]
+    (r,) = serve(wheels, dirs["overlay"], dirs["instruct/native"], target, overrides, tmp_path, ["vllm-nvidia-mtp"])
+    # the draft's weights would have to be rotated: reported as the layer's error (the
+    # transform method itself is not built here)
+    assert not r.passed
+    assert r.methods[f"model.layers.{LAYER}.attn.wo_b"].startswith("TransformOnDraft")
+    assert r.methods[f"model.layers.{LAYER}.ffn.shared_experts.down_proj"].startswith("TransformOnDraft")
+
+
+def test_a_dspark_draft_loads_by_its_own_compressed_tensors_config(
+    dirs: dict[str, Path], wheels: Path, tmp_path: Path
+) -> None:
+    target = sf.target_config("W4A16")
+    (r,) = serve(wheels, dirs["dspark/overlay"], dirs["dspark/native"], target, None, tmp_path, ["vllm-xpu-dspark"])
+    assert r.loader == "vllm-xpu-dspark"
+    assert r.passed, r.summary()
+    assert r.filled == r.params == 96  # 98 less the embedding and head
+
+
+def test_a_dspark_drafts_config_must_name_vllms_fused_modules(
+    dirs: dict[str, Path], wheels: Path, tmp_path: Path
+) -> None:
+    # the DSpark class has no packed_modules_mapping (nor a mapper): a group naming the
+    # checkpoint's shards (wq_a/wkv, shared_experts.w1/w3/w2) misses fused_wqa_wkv,
+    # gate_up_proj and down_proj, which then load unquantised with their scales dropped
+    draft = tmp_path / "shards"
+    draft.mkdir()
+    for f in dirs["dspark/overlay"].iterdir():
+        (draft / f.name).write_bytes(f.read_bytes())
+    config = json.loads((draft / "config.json").read_text())
+    shards = r"re:^model\.(main_proj|layers\.\d+\.(attn\.(wq_a|wkv|wq_b|wo_a|wo_b)|ffn\.shared_experts\.w[123]))$"
+    config["quantization_config"]["config_groups"]["dsv4_draft_linear"]["targets"] = [shards]
+    write_json(draft / "config.json", config)
+    (r,) = serve(wheels, draft, dirs["dspark/native"], sf.target_config("W4A16"), None, tmp_path, ["vllm-xpu-dspark"])
+    layer = config["num_hidden_layers"]
+    assert r.methods[f"model.layers.{layer}.attn.fused_wqa_wkv"] == "UnquantizedLinearMethod"
+    assert r.methods[f"model.layers.{layer}.attn.wq_b"] == "CompressedTensorsW8A8Fp8"
+    assert not r.errors and "mtp.0.attn.wq_a.weight_scale" in r.skipped
+    assert "model.layers.0.attn.fused_wqa_wkv.weight" in r.inexact
+
+
+def test_a_native_dspark_draft_beside_a_compressed_tensors_target_loses_its_scales(
+    dirs: dict[str, Path], wheels: Path, tmp_path: Path
+) -> None:
+    # the draft's fp8 dict parsed as compressed-tensors yields no scheme: bf16 parameters,
+    # and the loader drops every scale it has no parameter for without a word (xpu/dspark.py:384-385)
+    (r,) = serve(
+        wheels,
+        dirs["dspark/draft"],
+        dirs["dspark/native"],
+        sf.target_config("W4A16"),
+        None,
+        tmp_path,
+        ["vllm-xpu-dspark"],
+    )
+    assert not r.errors and not r.passed
+    assert set(r.methods.values()) == {"UnquantizedLinearMethod", "UnquantizedFusedMoEMethod"}
+    assert all(t.endswith(".scale") for t in r.skipped) and "mtp.0.attn.wq_a.scale" in r.skipped
+    assert "model.layers.0.attn.wq_b.weight" in r.inexact  # FP8 codes copied into bf16, unscaled
+
+
+def test_sglang_builds_the_draft_by_its_own_config_so_it_takes_the_native_draft_only(
+    dirs: dict[str, Path], wheels: Path, tmp_path: Path
+) -> None:
+    target = sf.target_config("W4A16")
+    (native,) = serve(wheels, dirs["instruct/draft"], dirs["instruct/native"], target, None, tmp_path, ["sglang-nextn"])
+    assert native.passed, native.summary()
+    assert native.methods == {"draft": "quantization fp8"}  # the draft's config.json, whatever the target
+    (overlay,) = serve(wheels, dirs["overlay"], dirs["instruct/native"], target, None, tmp_path, ["sglang-nextn"])
+    assert not overlay.passed
+    assert "warning: model.decoder.self_attn.wkv.weight_scale not found in params_dict." in overlay.errors
+
+
+def test_sglang_detects_the_drafts_quantisation_over_the_targets_flag(wheels: Path, dirs: dict[str, Path]) -> None:
+    sglang = vr.Wheel(vr.wheel_path(wheels, "sglang"))
+    draft = dirs["instruct/draft"]
+    # unset, the draft flag takes the target's --quantization (serving_hook.py:684-689); a
+    # draft model then keeps its config's method where the two differ (model_config.py:2122-2136),
+    # and "unquant" only empties the flag, so the config's fp8 is detected again (:2106-2107)
+    for target_flag, draft_flag in ((None, None), ("compressed-tensors", None), ("w8a8_fp8", None), (None, "unquant")):
+        assert vr.sglang_draft_quantization(sglang, draft, target_flag, draft_flag) == ("fp8", [])
+    assert vr.sglang_draft_quantization(sglang, dirs["dspark/overlay"]) == ("compressed-tensors", [])
+
+
+def test_the_command_prints_the_table_and_exits_by_the_result(
+    dirs: dict[str, Path], wheels: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    target = write_json(tmp_path / "config.json", sf.target_config("MXFP4A16"))
+    overrides = write_json(tmp_path / "overrides.json", sf.overlay_overrides(sf.target_config("MXFP4A16"), LAYER))
+    common = ["--serve-with", str(target), "--native", str(dirs["instruct/native"]), "--wheels", str(wheels)]
+    assert vr.main([str(dirs["overlay"]), *common, "--overrides", str(overrides), "--loader", "vllm-xpu-mtp"]) == 0
+    row = capsys.readouterr().out.splitlines()[2]
+    assert row.startswith("| mxfp4-pack-quantized | overrides.json | vllm-xpu-mtp |") and row.endswith(
+        "| 0 | 0 | 39/39 | yes |"
+    )
+    assert vr.main([str(dirs["instruct/draft"]), *common, "--loader", "vllm-xpu-mtp"]) == 1
+    assert "KeyError" in capsys.readouterr().out
+    fp8_target = write_json(tmp_path / "fp8.json", {"quantization_config": {"quant_method": "fp8"}})
+    assert (
+        vr.main(
+            [str(dirs["instruct/draft"]), "--serve-with", str(fp8_target), "--native", str(dirs["instruct/native"])]
+        )
+        == 2
+    )
+    assert "--serve-with takes a compressed-tensors target" in capsys.readouterr().err
