@@ -12,11 +12,17 @@ from typing import Any
 from dsv4.convert.check.config import layout_target
 from dsv4.convert.check.context import Context, Skipped, first_line
 from dsv4.convert.errors import CheckError
-from dsv4.convert.schemes.registry import check_draft_served
+from dsv4.convert.plan import Plan
+from dsv4.convert.route_load import native_plan
+from dsv4.convert.schemes.base import layer_map
+from dsv4.convert.schemes.registry import check_draft_served, serve_plan
 from dsv4.convert.serving import OVERRIDES_FILE
 from dsv4.convert.serving_target import ServingTarget, first_difference, read_serving_target, serve_fields
 from dsv4.mapping.targets import serving_targets
+from dsv4.model.checkpoint import CONFIG
+from dsv4.model.config import ModelConfig
 from dsv4.model.errors import DSV4Error
+from dsv4.model.native import standalone_draft_layout
 from dsv4.model.record import brief
 from dsv4.model.strictjson import StrictJSONError, loads, read_record_bytes
 
@@ -54,6 +60,30 @@ def _overrides(ctx: Context) -> dict[str, Any]:
     return value
 
 
+def _refuse_foreign_overrides(ctx: Context, target: ServingTarget, overrides: dict[str, Any], plan: Plan) -> None:
+    """The overrides replace the target's whole quantization_config (vLLM sets it wholesale), so
+    a file made for another target would rebuild this target's own layers too: it must be what
+    this target's config and the draft's route (conversion.json's; else overlay or bf16) make."""
+    recorded = (ctx.record.serve or {}).get("route") if ctx.record is not None else None
+    layers, native = layer_map(plan), standalone_draft_layout(plan.model_config)
+    made: dict[str, Any] = {}
+    for route in [recorded] if isinstance(recorded, str) else ["overlay", "bf16"]:
+        try:
+            made = serve_plan(target.config, layers, native, target.where, SERVE_MISMATCH, route=route).overrides or {}
+        except CheckError:
+            continue
+        if made == overrides:
+            return
+    path = ctx.root / OVERRIDES_FILE
+    field = (first_difference(overrides, made, ("quantization_config",)) or ("quantization_config",))[0]
+    raise SERVE_MISMATCH(
+        f"{path}: {field} is not what {target.where} and the draft's route make: made for another target, "
+        "these overrides would rebuild that target's own layers too",
+        path=str(path),
+        field=field,
+    )
+
+
 def check_serve(ctx: Context, details: dict[str, Any]) -> str:
     if ctx.serve_with is None:
         raise Skipped("not requested (--serve-with TARGET)")
@@ -67,7 +97,15 @@ def check_serve(ctx: Context, details: dict[str, Any]) -> str:
         )
     target = _target(ctx)
     where = target.where
+    # the draft's modules from the native layout its config describes, not from its tensors, which
+    # a route has renamed (weight_scale, weight_packed) where the xpu table knows native names only
+    try:
+        plan = native_plan(ModelConfig.from_dict(ctx.config, str(ctx.root / CONFIG)), ctx.config, str(ctx.root))
+    except DSV4Error as exc:
+        raise Skipped(f"needs the xpu plan of the draft's native layout: {first_line(exc)}") from None
     overrides = _overrides(ctx)
+    if overrides:
+        _refuse_foreign_overrides(ctx, target, overrides, plan)
     effective = {**target.config, **overrides}
     with_overrides = f" (with {ctx.root / OVERRIDES_FILE} applied)" if overrides else ""
     found = first_difference(ctx.config, effective, serve_fields())
@@ -83,10 +121,6 @@ def check_serve(ctx: Context, details: dict[str, Any]) -> str:
             field=key,
         )
     # and each draft module holds what the scheme the target gives it takes (convert/schemes/)
-    try:
-        plan = ctx.bundled_plan()
-    except DSV4Error as exc:
-        raise Skipped(f"needs the xpu plan of this draft directory: {first_line(exc)}") from None
     have = {name: (t.dtype, tuple(t.shape)) for name, t in ctx.need_headers().tensors.items()}
     served = check_draft_served(effective, plan, have, where, SERVE_MISMATCH)
     return (

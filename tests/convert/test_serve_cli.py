@@ -15,8 +15,10 @@ from typing import Any
 import pytest
 from edits import tree_digest
 from inprocess import run_main
+from quant_configs import serving_target
 
 from dsv4.convert import serving
+from dsv4.convert.check import serve as check_serve
 from dsv4.convert.cli.common import DRAFT_FORMATS
 from dsv4.convert.schemes.base import ROUTES, ServePlan
 from dsv4.convert.serving import COMMANDS_FILE, OVERRIDES_FILE
@@ -205,10 +207,12 @@ def overlay(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     decided = serving.serve_plan
 
     def with_overrides(target_config: dict[str, Any], *args: Any, **kwargs: Any) -> ServePlan:
+        kwargs.pop("route", None)  # the stand-in is the overlay whatever route is asked
         native = decided({**target_config, "quantization_config": FP8}, *args, **kwargs)
         return ServePlan("overlay", native.decisions, {"quantization_config": FP8}, FP8, "overlay: a test's route")
 
     monkeypatch.setattr(serving, "serve_plan", with_overrides)
+    monkeypatch.setattr(check_serve, "serve_plan", with_overrides)  # the check re-derives the overrides
     return {"quantization_config": FP8}
 
 
@@ -294,3 +298,19 @@ def test_the_drafts_config_says_the_quantisation_the_route_builds_it_with(
         k: v for k, v in source.items() if k != "quantization_config"
     }
     assert "quantization_config" not in json.loads((out / "conversion.json").read_text())["config_fields"]
+
+
+def test_check_refuses_overrides_made_for_another_target(
+    native: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # vLLM replaces the target's whole quantization_config by the overrides' (config/model.py
+    # 555-568): an overlay made for a W4A16 target, launched beside an NVFP4 one, would rebuild
+    # the NVFP4 target's own layers as W4A16
+    w4a16 = target_like(native, tmp_path / "w4a16", quantization_config=serving_target("W4A16", ["lm_head"]))
+    nvfp4 = target_like(native, tmp_path / "nvfp4", quantization_config=serving_target("NVFP4", ["lm_head"]))
+    out = tmp_path / "out"
+    assert convert_beside(monkeypatch, capsys, native, out, w4a16, "-q")[0] == 0
+    assert run_main(monkeypatch, capsys, "check", out, "--serve-with", w4a16)[0] == 0
+    code, _, err = run_main(monkeypatch, capsys, "check", out, "--serve-with", nvfp4)
+    assert code == 86
+    assert f"{out / OVERRIDES_FILE}: quantization_config.config_groups is not what {nvfp4 / 'config.json'}" in err
