@@ -84,6 +84,22 @@ def _refuse_foreign_overrides(ctx: Context, target: ServingTarget, overrides: di
     )
 
 
+def _dspark_effective(draft: dict[str, Any], effective: dict[str, Any], where: str) -> dict[str, Any]:
+    """vLLM builds a DSpark draft's layers from the DRAFT's own quantization_config under the
+    target's method name (v1/worker/gpu/spec_decode/dspark/utils.py:115-117,
+    config/speculative.py:1564-1566): the method must be the target's, the rest is the draft's."""
+    mine, theirs = draft.get("quantization_config"), effective.get("quantization_config")
+    method = (theirs or {}).get("quant_method") if isinstance(theirs, dict) else None
+    if (mine or {}).get("quant_method") != method:
+        raise SERVE_MISMATCH(
+            f"{where}: quantization_config.quant_method is {brief(method)}, the DSpark draft's is "
+            f"{brief((mine or {}).get('quant_method'))}: vLLM reads the draft's config under the target's method",
+            path=where,
+            field="quantization_config.quant_method",
+        )
+    return {**effective, "quantization_config": mine}
+
+
 def check_serve(ctx: Context, details: dict[str, Any]) -> str:
     if ctx.serve_with is None:
         raise Skipped("not requested (--serve-with TARGET)")
@@ -107,6 +123,8 @@ def check_serve(ctx: Context, details: dict[str, Any]) -> str:
     if overrides:
         _refuse_foreign_overrides(ctx, target, overrides, plan)
     effective = {**target.config, **overrides}
+    if plan.identity.drafter == "dspark":
+        effective = _dspark_effective(ctx.config, effective, where)
     with_overrides = f" (with {ctx.root / OVERRIDES_FILE} applied)" if overrides else ""
     found = first_difference(ctx.config, effective, serve_fields())
     if found is not None:

@@ -314,3 +314,22 @@ def test_check_refuses_overrides_made_for_another_target(
     code, _, err = run_main(monkeypatch, capsys, "check", out, "--serve-with", nvfp4)
     assert code == 86
     assert f"{out / OVERRIDES_FILE}: quantization_config.config_groups is not what {nvfp4 / 'config.json'}" in err
+
+
+def test_a_dspark_draft_beside_a_compressed_tensors_target_carries_its_own_config(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # vLLM builds a DSpark draft from the draft's own quantization_config under the target's
+    # method (dspark/utils.py:115-117): no launch change, and the native FP8 dict would load
+    # FP8 bytes unscaled into bf16 parameters, so check refuses the native draft there
+    dspark = write_checkpoint(tmp_path / "dspark", preset="tiny", variant="dspark", seed=0)
+    target = target_like(dspark, tmp_path / "w4a16", quantization_config=serving_target("W4A16", ["lm_head"]))
+    out, plain = tmp_path / "out", tmp_path / "plain"
+    assert convert_beside(monkeypatch, capsys, dspark, out, target, "-q")[0] == 0
+    assert not (out / OVERRIDES_FILE).exists()
+    assert json.loads((out / "config.json").read_text())["quantization_config"]["quant_method"] == "compressed-tensors"
+    assert run_main(monkeypatch, capsys, "check", out, "--serve-with", target)[0] == 0
+    assert run_main(monkeypatch, capsys, dspark, plain, "--target", "draft", "-q")[0] == 0
+    code, _, err = run_main(monkeypatch, capsys, "check", plain, "--serve-with", target)
+    assert code == 86
+    assert "quantization_config.quant_method is 'compressed-tensors', the DSpark draft's is 'fp8'" in err
