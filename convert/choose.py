@@ -70,16 +70,18 @@ def refuse_unconvertible(inv: Inventory, target: str) -> None:
     why = families[family].refusal(require_target(target))
     if why is not None:
         raise CheckpointError(
-            f"{where}: holds a {families[family].title} drafter, which --target {target} does not convert yet: {why}",
+            f"{where}: holds a {families[family].title} drafter, which --target {target} does not convert: {why}",
             kind="unsupported_drafter",
             path=where,
         )
 
 
-def choose_table(target: str, inv: Inventory, direction: Direction = "forward") -> Table:
+def choose_table(target: str, inv: Inventory, direction: Direction = "forward", *, convertible: bool = False) -> Table:
     """The installed table of `target` for the draft layout `inv` holds (MTP or DSpark).
     A converted checkpoint given to a forward conversion, or a full native one given to a
-    reverse conversion, is refused naming the command that takes it (unsupported_layout)."""
+    reverse conversion, is refused naming the command that takes it (unsupported_layout);
+    `convertible`: so is a drafter family `target` does not convert (the commands; `check`
+    maps a draft directory into the xpu layout in memory, whichever family it holds)."""
     where = inv.location
     if direction == "forward" and isinstance(inv.config.get(LAYOUT_RECORD), dict):
         raise CheckpointError(
@@ -90,7 +92,7 @@ def choose_table(target: str, inv: Inventory, direction: Direction = "forward") 
             kind="unsupported_layout",
             path=str(where),
         )
-    if direction == "forward":
+    if convertible and direction == "forward":
         refuse_unconvertible(inv, target)
     if direction == "reverse" and is_full_native(inv.tensors):
         raise CheckpointError(

@@ -234,6 +234,21 @@ def _require_stages(inv: Inventory, cfg: ModelConfig, stages: set[int]) -> None:
         )
 
 
+def _refuse_unconfigured(inv: Inventory, rule: Rule, binding: dict[str, int], target: str) -> None:
+    """A rule binding for a tensor the config's layout lacks is another release's (a Vision-Exp
+    router's gate.bias_vl): refused (33) where the checkpoint holds a source of it all the same."""
+    held = [n for n in _source_names(rule, binding, inv.model_config) if n in inv.tensors]
+    if held:
+        src = inv.tensors[held[0]]
+        raise PlanError(
+            f"{src.file}: tensor {held[0]}: not a tensor of the {target} layout for this config.json (keys and config "
+            "disagree)",
+            kind="layout_mismatch",
+            path=str(src.file),
+            tensor=held[0],
+        )
+
+
 def _source_pieces(
     inv: Inventory,
     rule: Rule,
@@ -282,9 +297,7 @@ def plan_conversion(inv: Inventory, table: Table) -> Plan:
     cfg = inv.model_config
     rules = [r for r in table.rules_for(cfg.expert_dtype) if r.op != "refuse"]
     skipped = _classify(inv, rules, cfg)
-    blocks = {
-        m.group(1) for key in inv.tensors if (m := NATIVE_BLOCK.match(key))
-    }  # blocks beyond the config: _classify
+    blocks = {m.group(1) for key in inv.tensors if (m := NATIVE_BLOCK.match(key))}  # beyond the config: _classify
     if cfg.is_dspark:
         _require_stages(inv, cfg, {int(b.removeprefix("mtp.")) for b in blocks})
     else:
@@ -298,6 +311,9 @@ def plan_conversion(inv: Inventory, table: Table) -> Plan:
             continue
         for binding in rule_bindings(rule, cfg):
             target = expand(rule.target, binding)
+            if target not in layout:
+                _refuse_unconfigured(inv, rule, binding, table.target)
+                continue  # a tensor only some releases have (Vision-Exp's gate.bias_vl), not this one
             pieces, src_dtype = _source_pieces(inv, rule, binding, target, expected_src, consumed)
             shapes = [p.shape for p in pieces]
             dtype = rule.view or src_dtype

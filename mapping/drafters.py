@@ -44,14 +44,13 @@ def identify_drafter(config: Mapping[str, Any], names: Iterable[str], block: re.
     NO_DRAFTER when no name is a draft block's (`block`: the layout's block prefix, `mtp.N.` in
     native names); None for a model that is not DeepSeek V4's (the config loader refuses it)."""
     names = list(names)
-    family = config_family(config, names)
+    family = _family(config, names)
     return NO_DRAFTER if family is not None and not any(block.match(n) for n in names) else family
 
 
-def config_family(config: Mapping[str, Any], names: Iterable[str] = ()) -> str | None:
-    """The drafter family a model with this config.json (and these tensor names, where known)
-    has or drafts for, whether or not its tensors hold the drafter (a target model's config
-    names the family vLLM builds its draft as); None for a model that is not DeepSeek V4's."""
+def _family(config: Mapping[str, Any], names: list[str]) -> str | None:
+    """The drafter family of a model with this config.json and these tensor names, whether or
+    not the tensors hold it; None for a model that is not DeepSeek V4's."""
     model_type = config.get("model_type", SUPPORTED_MODEL_TYPE)
     if model_type not in (SUPPORTED_MODEL_TYPE, V41_MODEL_TYPE):
         return None

@@ -18,8 +18,7 @@ from dsv4.convert.schemes.base import layer_map
 from dsv4.convert.schemes.registry import check_draft_served, serve_plan
 from dsv4.convert.serving import OVERRIDES_FILE
 from dsv4.convert.serving_target import ServingTarget, first_difference, read_serving_target, serve_fields
-from dsv4.mapping.drafters import config_family
-from dsv4.mapping.targets import Target, drafter_families, serving_targets
+from dsv4.mapping.targets import serving_targets
 from dsv4.model.checkpoint import CONFIG
 from dsv4.model.config import ModelConfig
 from dsv4.model.errors import DSV4Error
@@ -101,22 +100,6 @@ def _dspark_effective(draft: dict[str, Any], effective: dict[str, Any], where: s
     return {**effective, "quantization_config": mine}
 
 
-def _refuse_other_family(draft: dict[str, Any], target: ServingTarget, layout: Target) -> None:
-    """vLLM builds the draft as the drafter family the TARGET's config names (its fields, the
-    serve fields compared before this, and a vision tower: vision_n_layers gives every stage's
-    router a gate.bias_vl, models/deepseek_v4/nvidia/model.py:309-317), so it must be the draft's."""
-    mine, theirs = config_family(draft), config_family(target.config)
-    if mine is None or theirs is None or mine == theirs:
-        return
-    titles = {name: family.title for name, family in drafter_families()[1].items()}
-    raise SERVE_MISMATCH(
-        f"{target.where}: its config makes {layout.runtime_named('vLLM')} build a {titles[theirs]} drafter, but the "
-        f"draft is a {titles[mine]} one, which would not load as that: take the draft from the target's own "
-        "checkpoint (convert-dsv4 TARGET OUT --target draft)",
-        path=target.where,
-    )
-
-
 def check_serve(ctx: Context, details: dict[str, Any]) -> str:
     if ctx.serve_with is None:
         raise Skipped("not requested (--serve-with TARGET)")
@@ -155,7 +138,6 @@ def check_serve(ctx: Context, details: dict[str, Any]) -> str:
             path=where,
             field=key,
         )
-    _refuse_other_family(ctx.config, target, layout)
     # and each draft module holds what the scheme the target gives it takes (convert/schemes/)
     have = {name: (t.dtype, tuple(t.shape)) for name, t in ctx.need_headers().tensors.items()}
     served = check_draft_served(effective, plan, have, where, SERVE_MISMATCH)

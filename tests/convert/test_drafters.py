@@ -147,11 +147,10 @@ REFUSED = [
     # (checkpoint, target, the family's title, what the line says is missing)
     (
         "vision",
-        "draft",
+        "xpu",
         "DeepSeek V4-Flash-Vision-Exp DSpark",
-        "no rule keeping mtp.{s}.ffn.gate.bias_vl, which vLLM 0.33.0",
+        "its XPU DSpark router has no bias_vl; --target draft serves it",
     ),
-    ("vision", "xpu", "DeepSeek V4-Flash-Vision-Exp DSpark", "vLLM 0.33.0 serves no Vision-Exp target on XPU"),
     ("v41", "draft", "DeepSeek V4.1 DSpark", "no V4.1 table yet: a V4.1 draft keeps its 32x32 UE8M0 block scales"),
     ("v41", "xpu", "DeepSeek V4.1 DSpark", "vLLM 0.33.0 has no XPU model for DeepSeek V4.1"),
     ("pro", "draft", "DeepSeek V4-Pro-0813 DSpark", "no DSpark draft has been converted or tested at Pro's dimensions"),
@@ -165,7 +164,7 @@ def test_a_recognised_drafter_no_table_converts_yet_is_named_and_refused_in_one_
 ) -> None:
     code, out, err = run_main(monkeypatch, capsys, "plan", families[name], "--target", target)
     assert (code, out) == (35, "")
-    assert err.count("\n") == 1 and f"holds a {title}" in err and f"--target {target} does not convert yet" in err
+    assert err.count("\n") == 1 and f"holds a {title}" in err and f"--target {target} does not convert: " in err
     assert missing in err
 
 
@@ -206,18 +205,54 @@ def test_check_refuses_a_draft_beside_a_target_vllm_would_build_another_drafter_
 ) -> None:
     """A 0731 DSpark draft beside a Vision-Exp target: every field vLLM builds the draft from agrees
     but the vision tower, which gives every stage a gate.bias_vl the 0731 draft lacks."""
-    out = dspark_draft
     target = _write_config(tmp_path, {**_config(families["dspark"]), "vision_n_layers": 2}) / "config.json"
-    code, text, _ = run_main(monkeypatch, capsys, "check", out, "--fast", "--serve-with", target)
+    code, text, _ = run_main(monkeypatch, capsys, "check", dspark_draft, "--fast", "--serve-with", target)
     assert code == 86
     (line,) = [line for line in text.splitlines() if line.startswith("  FAIL serve")]
-    assert (
-        f"{target}: its config makes vLLM 0.33.0 build a DeepSeek V4-Flash-Vision-Exp DSpark (ffn.gate.bias_vl per "
-        "stage) drafter, but the draft is a DeepSeek V4-Flash-0731-style DSpark one" in line
-    )
+    assert f"{target}: vision_n_layers is 2, the draft's is '(absent)': vLLM 0.33.0 builds the draft's layers" in line
     # beside the checkpoint it was converted from, the serve check passes
-    code, text, err = run_main(monkeypatch, capsys, "check", out, "--fast", "--serve-with", families["dspark"])
+    code, text, err = run_main(monkeypatch, capsys, "check", dspark_draft, "--fast", "--serve-with", families["dspark"])
     assert code == 0, text + err
+
+
+def test_a_vision_exp_draft_keeps_every_stage_s_bias_vl_and_skips_the_vision_tower(tmp_path, monkeypatch, capsys):
+    from dsv4.convert.pipeline import convert
+    from dsv4.convert.sources.inventory import read_inventory
+
+    source = write_checkpoint(tmp_path / "vision", preset="tiny", variant="vision")
+    result = convert(source, tmp_path / "draft", target="draft")
+    out = read_inventory(result.out)
+    kept = sorted(n for n in out.tensors if n.endswith(".ffn.gate.bias_vl"))
+    assert kept == [f"mtp.{s}.ffn.gate.bias_vl" for s in range(3)]
+    src = load_file(source / read_inventory(source).tensors[kept[0]].file)[kept[0]]
+    assert load_file(result.out / out.tensors[kept[0]].file)[kept[0]].equal(src)
+    assert not [n for n in out.tensors if n.startswith(("vision.", "aligner.", "image_"))]
+    assert (result.out / "config.json").read_bytes() == (source / "config.json").read_bytes()
+    assert {result.plan.skipped[n].split(":")[0] for n in ("vision.patch_embed.weight", "aligner.proj.weight")} == {
+        "V4-Flash-Vision-Exp's vision encoder",
+        "V4-Flash-Vision-Exp's vision aligner",
+    }
+    code, text, err = run_main(monkeypatch, capsys, "check", result.out, "--fast")
+    assert code == 0, text + err
+    assert "  drafter:              DeepSeek V4-Flash-Vision-Exp DSpark (ffn.gate.bias_vl per stage)\n" in text
+    assert "    # vLLM 0.33.0 (CUDA, ROCm)\n" in text  # no XPU: the vision target is a stub there
+
+
+def test_a_vision_exp_checkpoint_without_a_stage_s_bias_vl_is_refused_naming_it(families, monkeypatch, capsys):
+    """Completeness is the converter's: vLLM would leave the parameter uninitialised, saying nothing."""
+    code, _, err = run_main(monkeypatch, capsys, "plan", families["vision"], "--target", "draft")
+    assert code == 32 and err.count("\n") == 1  # missing_source
+    assert "mtp.0.ffn.gate.bias_vl: its source tensor mtp.0.ffn.gate.bias_vl is not in the checkpoint" in err
+
+
+def test_a_bias_vl_beside_a_config_without_a_vision_tower_is_refused(tmp_path, monkeypatch, capsys):
+    source = write_checkpoint(tmp_path / "vision", preset="tiny", variant="vision")
+    config = _config(source)
+    del config["vision_n_layers"]
+    _write_config(source, config)
+    code, _, err = run_main(monkeypatch, capsys, "plan", source, "--target", "draft")
+    assert code == 33 and err.count("\n") == 1  # layout_mismatch: the conversion would drop it
+    assert "tensor mtp.0.ffn.gate.bias_vl: not a tensor of the draft layout for this config.json" in err
 
 
 def test_each_family_is_told_apart_from_its_config_and_names() -> None:
