@@ -6,8 +6,9 @@ from __future__ import annotations
 from typing import Literal
 
 from dsv4.convert.sources.inventory import Inventory
+from dsv4.mapping.drafters import NO_DRAFTER, identify_drafter
 from dsv4.mapping.table import Table, load_table
-from dsv4.mapping.targets import table_name_for
+from dsv4.mapping.targets import LAYOUT_KINDS, drafter_families, require_target, table_name_for
 from dsv4.model.checkpoint import CONFIG, is_full_native
 from dsv4.model.config import ModelConfig
 from dsv4.model.errors import CheckpointError
@@ -43,10 +44,44 @@ def drafter_of(inv: Inventory, cfg: ModelConfig, direction: Direction = "forward
     return "dspark" if cfg.is_dspark else "mtp"
 
 
-def choose_table(target: str, inv: Inventory, direction: Direction = "forward") -> Table:
+def drafter_family(inv: Inventory, target: str, direction: Direction = "forward") -> str | None:
+    """The drafter family `inv` holds (mapping/drafters.py), from its config and tensor names:
+    in native names for a forward conversion, in `target`'s for a reverse one."""
+    block = require_target(target).kind.block if direction == "reverse" else LAYOUT_KINDS["native"].block
+    return identify_drafter(inv.config, inv.tensors, block)
+
+
+def refuse_unconvertible(inv: Inventory, target: str) -> None:
+    """Refuse (35), before any tensor byte is read, a native checkpoint without draft layers or
+    holding a drafter family that `target` does not convert yet, saying what is missing."""
+    family = drafter_family(inv, target)
+    where = inv.location
+    if family == NO_DRAFTER:
+        raise CheckpointError(
+            f"{where}: holds no draft layers (no mtp.* tensor): a re-export without the drafter (a re-quantisation "
+            "drops it); a draft comes from the original DeepSeek checkpoint: convert-dsv4 ORIGINAL OUT --target "
+            f"draft --serve-with {where} makes one to serve beside this one",
+            kind="no_drafter",
+            path=where,
+        )
+    if family is None:
+        return  # not a DeepSeek V4 model: the config loader refuses it by its model_type
+    families = drafter_families()[1]
+    why = families[family].refusal(require_target(target))
+    if why is not None:
+        raise CheckpointError(
+            f"{where}: holds a {families[family].title} drafter, which --target {target} does not convert: {why}",
+            kind="unsupported_drafter",
+            path=where,
+        )
+
+
+def choose_table(target: str, inv: Inventory, direction: Direction = "forward", *, convertible: bool = False) -> Table:
     """The installed table of `target` for the draft layout `inv` holds (MTP or DSpark).
     A converted checkpoint given to a forward conversion, or a full native one given to a
-    reverse conversion, is refused naming the command that takes it (unsupported_layout)."""
+    reverse conversion, is refused naming the command that takes it (unsupported_layout);
+    `convertible`: so is a drafter family `target` does not convert (the commands; `check`
+    maps a draft directory into the xpu layout in memory, whichever family it holds)."""
     where = inv.location
     if direction == "forward" and isinstance(inv.config.get(LAYOUT_RECORD), dict):
         raise CheckpointError(
@@ -57,6 +92,8 @@ def choose_table(target: str, inv: Inventory, direction: Direction = "forward") 
             kind="unsupported_layout",
             path=str(where),
         )
+    if convertible and direction == "forward":
+        refuse_unconvertible(inv, target)
     if direction == "reverse" and is_full_native(inv.tensors):
         raise CheckpointError(
             f"{where}: is a native DeepSeek V4 checkpoint (the main model's layers.* tensors), not a converted one: "

@@ -48,6 +48,8 @@ EXIT_CODES: dict[str, int] = {
     "layout_mismatch": 33,
     "duplicate_target": 34,
     "unsupported_layout": 35,
+    "unsupported_drafter": 35,  # unsupported_layout's code: a recognised drafter had it before it was named
+    "no_drafter": 35,
     "source_changed": 36,
     "inexact_transform": 37,
     # 40-48 the output directory (OutputError)

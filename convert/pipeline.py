@@ -339,7 +339,7 @@ def plan_source(source: Source, target: str, *, reverse: bool = False) -> Plan:
     """Plan the conversion of open `source` to `target` with the table for the draft
     layout it holds (MTP or DSpark)."""
     direction: Direction = "reverse" if reverse else "forward"
-    table = choose_table(target, source.inventory, direction)
+    table = choose_table(target, source.inventory, direction, convertible=True)
     return plan_reverse(source.inventory, table) if reverse else plan_conversion(source.inventory, table)
 
 

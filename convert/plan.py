@@ -16,7 +16,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from dsv4.convert.choose import Direction
+from dsv4.convert.choose import Direction, drafter_family
 from dsv4.convert.errors import PlanError
 from dsv4.convert.planned import PlannedTensor
 from dsv4.convert.sources.inventory import Inventory
@@ -49,6 +49,7 @@ class Plan(Identified):
     revision: str | None = None
     config_kind: str = "record"  # the table's [table] config: what the output's config.json is
     config_bytes: bytes = b""  # the source's config.json as read (config_kind "source" writes it unchanged)
+    drafter_family: str | None = None  # the drafter family the source holds (mapping/drafters.py)
 
     @property
     def bytes_to_write(self) -> int:
@@ -75,6 +76,7 @@ class Plan(Identified):
             "source": self.location,
             "revision": self.revision,
             **self.identity.to_json(),
+            "drafter_family": self.drafter_family,
             "tensors_out": len(self.tensors),
             "source_keys_consumed": sum(len({p.name for p in t.pieces}) for t in self.tensors),
             "source_keys_skipped": len(self.skipped),
@@ -232,6 +234,21 @@ def _require_stages(inv: Inventory, cfg: ModelConfig, stages: set[int]) -> None:
         )
 
 
+def _refuse_unconfigured(inv: Inventory, rule: Rule, binding: dict[str, int], target: str) -> None:
+    """A rule binding for a tensor the config's layout lacks is another release's (a Vision-Exp
+    router's gate.bias_vl): refused (33) where the checkpoint holds a source of it all the same."""
+    held = [n for n in _source_names(rule, binding, inv.model_config) if n in inv.tensors]
+    if held:
+        src = inv.tensors[held[0]]
+        raise PlanError(
+            f"{src.file}: tensor {held[0]}: not a tensor of the {target} layout for this config.json (keys and config "
+            "disagree)",
+            kind="layout_mismatch",
+            path=str(src.file),
+            tensor=held[0],
+        )
+
+
 def _source_pieces(
     inv: Inventory,
     rule: Rule,
@@ -280,9 +297,7 @@ def plan_conversion(inv: Inventory, table: Table) -> Plan:
     cfg = inv.model_config
     rules = [r for r in table.rules_for(cfg.expert_dtype) if r.op != "refuse"]
     skipped = _classify(inv, rules, cfg)
-    blocks = {
-        m.group(1) for key in inv.tensors if (m := NATIVE_BLOCK.match(key))
-    }  # blocks beyond the config: _classify
+    blocks = {m.group(1) for key in inv.tensors if (m := NATIVE_BLOCK.match(key))}  # beyond the config: _classify
     if cfg.is_dspark:
         _require_stages(inv, cfg, {int(b.removeprefix("mtp.")) for b in blocks})
     else:
@@ -296,6 +311,9 @@ def plan_conversion(inv: Inventory, table: Table) -> Plan:
             continue
         for binding in rule_bindings(rule, cfg):
             target = expand(rule.target, binding)
+            if target not in layout:
+                _refuse_unconfigured(inv, rule, binding, table.target)
+                continue  # a tensor only some releases have (Vision-Exp's gate.bias_vl), not this one
             pieces, src_dtype = _source_pieces(inv, rule, binding, target, expected_src, consumed)
             shapes = [p.shape for p in pieces]
             dtype = rule.view or src_dtype
@@ -339,15 +357,14 @@ def plan_conversion(inv: Inventory, table: Table) -> Plan:
     twice = sorted(n for n, c in consumed.items() if c > 1 and n not in once)
     if twice:
         raise PlanError(f"tensor {twice[0]} is consumed by more than one rule", kind="plan_failed")
-    return _plan("forward", inv, cfg, table.identity, table.config, _write_order(list(out.values())), skipped)
+    return _plan("forward", inv, table, table.identity, _write_order(list(out.values())), skipped)
 
 
 def _plan(
     direction: Direction,
     inv: Inventory,
-    cfg: ModelConfig,
+    table: Table,
     identity: TableIdentity,
-    config_kind: str,
     tensors: tuple[PlannedTensor, ...],
     skipped: dict[str, str],
 ) -> Plan:
@@ -355,13 +372,14 @@ def _plan(
         direction,
         inv.location,
         inv.config,
-        cfg,
+        inv.model_config,
         identity,
         tensors,
         skipped,
         inv.revision,
-        config_kind,
+        table.config,
         inv.config_bytes,
+        drafter_family(inv, table.target, direction),
     )
 
 
@@ -427,4 +445,4 @@ def plan_reverse(inv: Inventory, table: Table) -> Plan:
                     tensor=target,
                 )
     reverse = dataclasses.replace(table.identity, target="native")
-    return _plan("reverse", inv, cfg, reverse, table.config, _write_order(list(out.values())), {})
+    return _plan("reverse", inv, table, reverse, _write_order(list(out.values())), {})

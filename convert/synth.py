@@ -40,6 +40,7 @@ from dsv4.model.native import (
     main_layer_layout,
     mtp_layout,
     top_level_layout,
+    vision_layout,
 )
 from dsv4.model.presets import Variant, preset_config, with_variant
 from dsv4.model.storage import DENSE_LINEAR, ExpertStorage
@@ -64,15 +65,16 @@ def pack_codes(codes: torch.Tensor, storage: ExpertStorage) -> torch.Tensor:
     return packed.view(TORCH_DTYPES[storage.weight_dtype])
 
 
-def shard_layouts(cfg: ModelConfig, variant: Variant, main_layers: int) -> list[Layout]:
+def shard_layouts(cfg: ModelConfig, main_layers: int) -> list[Layout]:
     """The tensors of each shard, in file order, as the release distributes them: embed,
-    one shard per main layer, head/norm/hc_head, then everything under mtp.* (one shard
-    per DSpark stage: 0731's shards 46-48)."""
+    a vision tower's tensors (Vision-Exp), one shard per main layer, head/norm/hc_head, then
+    everything under mtp.* (one shard per DSpark stage: 0731's shards 46-48)."""
     top = top_level_layout(cfg)
     first = {"embed.weight": top.pop("embed.weight")}
     layers = [main_layer_layout(cfg, j) for j in range(main_layers)]
-    if variant == "dspark":
-        return [first, *layers, top, *(dspark_stage_layout(cfg, s) for s in range(cfg.dspark_stages))]
+    vision = [vision_layout(cfg)] if cfg.vision_n_layers > 0 else []
+    if cfg.is_dspark:
+        return [first, *vision, *layers, top, *(dspark_stage_layout(cfg, s) for s in range(cfg.dspark_stages))]
     mtp: Layout = {}
     for i in range(cfg.num_nextn_predict_layers):
         mtp.update(mtp_layout(cfg, i, with_emb_head=expert_storage(cfg).mtp_emb_head))
@@ -213,7 +215,7 @@ def write_checkpoint(
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    shards = shard_layouts(cfg, variant, n_main)
+    shards = shard_layouts(cfg, n_main)
     weight_map: dict[str, str] = {}
     total_size = 0
     files = progress.bar(len(shards), "synth", "file", quiet)

@@ -13,11 +13,15 @@ from dsv4.model.config import ModelConfig
 from dsv4.model.presets import preset_config
 from dsv4.model.storage import expert_dtypes
 
+# the tiny releases of each drafter kind a table of that kind covers together: a DSpark table
+# also maps V4-Flash-Vision-Exp, whose routers carry a gate.bias_vl and whose main model a tower
+PROBE_RELEASES = {"mtp": ("instruct",), "dspark": ("dspark", "vision")}
 
-def probe_config(expert_dtype: str, drafter: str = "mtp") -> ModelConfig:
-    """The tiny release of `drafter` with its experts stored as `expert_dtype` (an unknown one is
-    refused by name, as the config loader refuses it)."""
-    tiny = preset_config("tiny", "dspark" if drafter == "dspark" else "instruct")
+
+def probe_config(expert_dtype: str, drafter: str = "mtp", release: str | None = None) -> ModelConfig:
+    """The tiny `release` (default: the first) of `drafter` with its experts stored as
+    `expert_dtype` (an unknown one is refused by name, as the config loader refuses it)."""
+    tiny = preset_config("tiny", release or PROBE_RELEASES[drafter][0])
     return ModelConfig.from_dict({**tiny, "expert_dtype": expert_dtype})
 
 
@@ -25,6 +29,7 @@ def native_keys(cfg: ModelConfig) -> set[str]:
     """Every name a native checkpoint with this config may hold (Base's optional MTP
     emb/head included)."""
     keys = set(native.draft_layout(cfg, with_emb_head=native.expert_storage(cfg).mtp_emb_head))
+    keys |= set(native.vision_layout(cfg))
     for j in range(cfg.num_hidden_layers):
         keys |= set(native.main_layer_layout(cfg, j))
     return keys
@@ -47,11 +52,13 @@ def draft_bindings(cfg: ModelConfig) -> list[dict[str, int]]:
 def probe_keys(
     drafter: str, target: str
 ) -> tuple[dict[str, set[str]], dict[str, set[str]], dict[str, ModelConfig], dict[str, int]]:
-    """(native names, the target layout's names) per expert dtype, the probe configuration
-    per expert dtype (what a target pattern's placeholders are bound for), and its
-    {first}/{last} stages (none for MTP: the same for every expert dtype)."""
-    cfgs = {d: probe_config(d, drafter) for d in expert_dtypes()}
-    natives = {d: native_keys(c) for d, c in cfgs.items()}
-    targets = {d: set(require_target(target).layout(c)) for d, c in cfgs.items()}
+    """(native names, the target layout's names) per expert dtype, over every probe release of
+    the drafter kind, the probe configuration per expert dtype (what a target pattern's
+    placeholders are bound for: the releases bind them alike), and its {first}/{last} stages
+    (none for MTP: the same for every expert dtype)."""
+    releases = {d: [probe_config(d, drafter, r) for r in PROBE_RELEASES[drafter]] for d in expert_dtypes()}
+    natives = {d: set().union(*map(native_keys, cs)) for d, cs in releases.items()}
+    targets = {d: set().union(*(require_target(target).layout(c) for c in cs)) for d, cs in releases.items()}
+    cfgs = {d: cs[0] for d, cs in releases.items()}
     cfg = next(iter(cfgs.values()))
     return natives, targets, cfgs, stage_binding(cfg) if cfg.is_dspark else {}

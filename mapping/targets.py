@@ -24,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
+from string import Template
 from typing import Any, NamedTuple
 
 from dsv4.mapping.errors import TableError
@@ -36,6 +37,7 @@ TABLE_DIR = Path(__file__).parent
 TARGET_DIR = TABLE_DIR / "targets"
 TARGET_KEYS = {"name", "runtimes", "layout", "default"}
 CARD_KEYS = {"body", "library_name", "serve"}
+DRAFTER_KEYS = {"name", "title", "kind", "since", "platforms", "note", "refuse"}
 DRAFTERS = ("mtp", "dspark")  # the drafter kinds: a table's `drafter`, a serve entry's commands
 
 
@@ -102,6 +104,43 @@ class Card:
 
 
 @dataclass(frozen=True)
+class Drafter:
+    """One drafter family a checkpoint may hold (a [[drafter]] entry of the target file whose
+    runtimes serve drafts: mapping/targets/draft.toml; mapping/drafters.py tells them apart)."""
+
+    name: str
+    title: str  # what plan and check call it
+    kind: str  # one of DRAFTERS: the table it converts with and the serve command it takes
+    since: tuple[tuple[str, str], ...]  # (runtime, oldest release serving it); absent: the verified one only
+    platforms: tuple[tuple[str, str], ...]  # (runtime, its platforms) where fewer than the card's
+    note: str  # what a user serving it must know ("" for none)
+    # why it does not convert yet, a Template over the runtimes: to any target, or (target, why) per target
+    refuse: str | tuple[tuple[str, str], ...]
+
+    def releases(self, target: Target, runtime: str) -> str:
+        """The releases of `runtime` serving this drafter: "vLLM 0.20.1-0.33.0" (to the version
+        `target` was verified against), or that version alone."""
+        version = dict(target.runtimes)[runtime]
+        first = dict(self.since).get(runtime, version)
+        return f"{runtime} {first}-{version}" if first != version else f"{runtime} {version}"
+
+    def refusal(self, target: Target) -> str | None:
+        """Why this drafter does not convert to `target` yet (its runtimes' versions filled in),
+        None where it converts."""
+        why = (self.refuse or None) if isinstance(self.refuse, str) else dict(self.refuse).get(target.name)
+        if why is None:
+            return None
+        try:
+            return Template(why).substitute(dict(target.runtimes))
+        except (KeyError, ValueError) as exc:  # a runtime the target has not, or a lone $
+            raise TableError(
+                f"{TARGET_DIR.name}: drafter {self.name!r}: its refusal for {target.name!r} names {exc} "
+                f"(it may name ${', $'.join(dict(target.runtimes))})",
+                kind="malformed_table",
+            ) from None
+
+
+@dataclass(frozen=True)
 class Target:
     """One installed target (mapping/targets/NAME.toml)."""
 
@@ -110,6 +149,7 @@ class Target:
     layout_kind: str  # a key of LAYOUT_KINDS
     default: bool
     card: Card
+    drafters: tuple[Drafter, ...] = ()  # the families its runtimes serve (a target that serves drafts)
 
     @property
     def runtime(self) -> str:
@@ -157,7 +197,7 @@ def _target_file(path: Path) -> Target:
     runtimes = meta.get("runtimes") if isinstance(meta, dict) else None
     if not (
         isinstance(meta, dict)
-        and set(raw) == {"target", "card"}
+        and {"target", "card"} <= set(raw) <= {"target", "card", "drafter"}
         and set(meta) <= TARGET_KEYS
         and meta.get("name") == path.stem
         and isinstance(runtimes, dict)
@@ -168,12 +208,54 @@ def _target_file(path: Path) -> Target:
     ):
         raise TableError(
             f'{where}: needs exactly [target] with name = {path.stem!r}, runtimes = {{ RUNTIME = "VERSION", ... }}, '
-            f"layout (one of {sorted(LAYOUT_KINDS)}) and optionally default = true; and [card]",
+            f"layout (one of {sorted(LAYOUT_KINDS)}) and optionally default = true; [card]; optionally [[drafter]]",
             kind="malformed_table",
             path=where,
         )
     card = _card(raw["card"], runtimes, where)
-    return Target(meta["name"], tuple(runtimes.items()), meta["layout"], meta.get("default", False), card)
+    drafters = tuple(_drafter(d, runtimes, where) for d in _entries(raw.get("drafter", []), where))
+    return Target(meta["name"], tuple(runtimes.items()), meta["layout"], meta.get("default", False), card, drafters)
+
+
+def _entries(raw: Any, where: str) -> list[dict[str, Any]]:
+    if not (isinstance(raw, list) and all(isinstance(d, dict) for d in raw)):
+        raise TableError(f"{where}: [[drafter]] entries are tables", kind="malformed_table", path=where)
+    return raw
+
+
+def _string_map(value: Any, keys: set[str] | None) -> bool:
+    return isinstance(value, dict) and all(
+        isinstance(v, str) and v and (keys is None or k in keys) for k, v in value.items()
+    )
+
+
+def _drafter(raw: dict[str, Any], runtimes: dict[str, str], where: str) -> Drafter:
+    """A [[drafter]] entry: name, title, kind (one of DRAFTERS), optionally since and platforms
+    (runtime -> text), note, and refuse (target -> why)."""
+    if not (
+        set(raw) <= DRAFTER_KEYS
+        and all(isinstance(raw.get(k), str) and raw[k] for k in ("name", "title"))
+        and raw.get("kind") in DRAFTERS
+        and isinstance(raw.get("note", ""), str)
+        and all(_string_map(raw.get(k, {}), set(runtimes)) for k in ("since", "platforms"))
+        and (isinstance(raw.get("refuse"), str) or _string_map(raw.get("refuse", {}), None))
+    ):
+        raise TableError(
+            f"{where}: a [[drafter]] entry needs name, title and kind (one of {', '.join(DRAFTERS)}), optionally "
+            f'since and platforms ({{ RUNTIME = "..." }}, RUNTIME one of {sorted(runtimes)}), note, and refuse '
+            f'("why", or {{ TARGET = "why" }}): {raw.get("name", raw)!r}',
+            kind="malformed_table",
+            path=where,
+        )
+    return Drafter(
+        raw["name"],
+        raw["title"],
+        raw["kind"],
+        tuple(raw.get("since", {}).items()),
+        tuple(raw.get("platforms", {}).items()),
+        raw.get("note", ""),
+        raw["refuse"] if isinstance(raw.get("refuse"), str) else tuple(raw.get("refuse", {}).items()),
+    )
 
 
 def _card(raw: Any, runtimes: dict[str, str], where: str) -> Card:
@@ -274,6 +356,22 @@ def default_target() -> str:
     """`--target`'s default: the target whose file says `default = true`."""
     (name,) = [t.name for t in _targets().values() if t.default]
     return name
+
+
+def drafter_families() -> tuple[Target, dict[str, Drafter]]:
+    """The target whose runtimes serve drafts (the one whose file lists [[drafter]] entries) and
+    its drafter families by name; TableError where a refusal names no installed target."""
+    (home,) = [t for t in _targets().values() if t.drafters]
+    families = {d.name: d for d in home.drafters}
+    for d in home.drafters:
+        unknown = sorted(set(() if isinstance(d.refuse, str) else dict(d.refuse)) - set(_targets()))
+        if unknown or len(families) != len(home.drafters):
+            raise TableError(
+                f"{TARGET_DIR.name}/{home.name}.toml: drafter {d.name!r}: "
+                + (f"refuse names no installed target {unknown[0]!r}" if unknown else "named twice"),
+                kind="malformed_table",
+            )
+    return home, families
 
 
 def bundled_target() -> Target:

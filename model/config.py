@@ -127,8 +127,7 @@ def _check_model_type(where: str, model_type: Any) -> None:
     if type(model_type) is not str:
         raise _malformed(where, "model_type", f"model_type is {_describe(model_type)}; expected a string")
     if model_type != SUPPORTED_MODEL_TYPE:
-        hint = (
-            # the runtime's version lives in the target registry (mapping/), which model/ may not import
+        hint = (  # the runtime's version is the target registry's (mapping/), which model/ may not import
             " (DeepSeek V4.1: the verified vLLM has no XPU draft model for it, `convert-dsv4 targets` names "
             "the version; mapping/README.md#later-drafters-dspark-and-v41)"
             if model_type == "deepseek_v41"
@@ -181,6 +180,7 @@ class ModelConfig:
     dspark_target_layer_ids: tuple[int, ...] | None = None
     dspark_markov_rank: int | None = None
     n_mtp_layers: int | None = None  # vLLM's stage count (absent in 0731): must equal dspark_stages
+    vision_n_layers: int = 0  # > 0: Vision-Exp's tower, and a gate.bias_vl per router (model/native.py)
     where: InitVar[str] = CONFIG  # the file the fields come from: it heads every refusal
 
     def __post_init__(self, where: str) -> None:
@@ -215,6 +215,7 @@ class ModelConfig:
         _int(where, "num_hash_layers", self.num_hash_layers, 0, MAX_LAYERS)
         _int(where, "index_n_heads", self.index_n_heads, 0, MAX_HEADS)
         _int(where, "index_head_dim", self.index_head_dim, 0, MAX_HEAD_DIM)
+        _int(where, "vision_n_layers", self.vision_n_layers, 0, MAX_LAYERS)
         _positive_float(where, "hc_eps", self.hc_eps, below=1)
         _positive_float(where, "rms_norm_eps", self.rms_norm_eps, below=1)
         _positive_float(where, "routed_scaling_factor", self.routed_scaling_factor)

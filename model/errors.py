@@ -67,6 +67,8 @@ class CheckpointError(DSV4Error):
         "malformed_config",  # not strict JSON, not an object, a field missing, mistyped or out of range
         "source_not_found",
         "unsupported_layout",  # well-formed, but no conversion or model for it (V4.1, unknown expert_dtype, ...)
+        "unsupported_drafter",  # a drafter family recognised, but not convertible to the target yet
+        "no_drafter",  # no draft layers at all (a re-export without mtp.*)
     )
 
 

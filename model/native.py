@@ -106,6 +106,7 @@ def dspark_stage_layout(cfg: ModelConfig, s: int) -> Layout:
     p = f"mtp.{s}."
     out = block_layout(cfg, p)
     out[f"{p}ffn.gate.bias"] = ("F32", (cfg.n_routed_experts,))
+    out.update(_vision_bias(cfg, p))
     if s == 0:
         _fp8_linear(out, f"{p}main_proj", H, T * H, cfg, fp8_scale_dtype(cfg))
         out[f"{p}main_norm.weight"] = ("BF16", (H,))
@@ -118,6 +119,27 @@ def dspark_stage_layout(cfg: ModelConfig, s: int) -> Layout:
         out[f"{p}markov_head.markov_w2.weight"] = ("BF16", (V, R))
         out[f"{p}confidence_head.proj.weight"] = ("BF16", (1, H + R))
     return out
+
+
+def _vision_bias(cfg: ModelConfig, prefix: str) -> Layout:
+    """A router's bias for image tokens, in every MoE of a model with a vision tower (vLLM
+    deepseek_v4/nvidia/model.py:311-318 creates it F32 [n_routed_experts], hash layers included)."""
+    return {f"{prefix}ffn.gate.bias_vl": ("F32", (cfg.n_routed_experts,))} if cfg.vision_n_layers > 0 else {}
+
+
+def vision_layout(cfg: ModelConfig) -> Layout:
+    """The main model's vision tensors, one under each prefix the release has (vision.* the
+    encoder, aligner.* its projection into the text model, image_* the image embeddings). No
+    draft reads them and no layout of this tool holds them, so these names and shapes only stand
+    for the release's in synthetic checkpoints (every table skips the whole prefix)."""
+    if cfg.vision_n_layers == 0:
+        return {}
+    H = cfg.hidden_size
+    return {
+        "vision.patch_embed.weight": ("BF16", (H, H)),
+        "aligner.proj.weight": ("BF16", (H, H)),
+        "image_newline": ("BF16", (H,)),
+    }
 
 
 def draft_layout(cfg: ModelConfig, *, with_emb_head: bool = False) -> Layout:
@@ -166,6 +188,7 @@ def main_layer_layout(cfg: ModelConfig, j: int) -> Layout:
     Di, nih = cfg.index_head_dim, cfg.index_n_heads
     p = f"layers.{j}."
     out = block_layout(cfg, p)
+    out.update(_vision_bias(cfg, p))
     if j < cfg.num_hash_layers:
         out[f"{p}ffn.gate.tid2eid"] = ("I64", (cfg.vocab_size, cfg.num_experts_per_tok))
     else:

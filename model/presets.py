@@ -18,6 +18,7 @@ Variant = str  # a key of EXPERT_DTYPE
 # experts, Base is "FP8 mixed"), and dspark, an instruct release (DSpark-0731).
 EXPERT_DTYPE: dict[str, str] = {s.release: s.name for s in STORAGES.values()}
 EXPERT_DTYPE["dspark"] = EXPERT_DTYPE["instruct"]
+EXPERT_DTYPE["vision"] = EXPERT_DTYPE["instruct"]  # V4-Flash-Vision-Exp: DSpark with a vision tower
 VARIANTS = tuple(EXPERT_DTYPE)  # what `synth --variant` accepts
 
 # DeepSeek-V4-Pro's config.json, verbatim.
@@ -150,8 +151,14 @@ _TINY_DSPARK: dict[str, Any] = {
     "dspark_markov_rank": 32,
 }
 
-# The DSpark release of each preset (there is no DSpark Pro)
+# The DSpark release of each preset (no preset replicates Pro-0813 yet)
 DSPARK_PRESETS: dict[str, dict[str, Any]] = {"flash": _FLASH_0731, "tiny": _TINY_DSPARK}
+
+# Tiny's V4-Flash-Vision-Exp sibling: DSpark with a vision tower, which gives every router a
+# gate.bias_vl (model/native.py); the tower's own size is no field this tool reads.
+_TINY_VISION: dict[str, Any] = {**_TINY_DSPARK, "vision_n_layers": 2}
+VISION_PRESETS: dict[str, dict[str, Any]] = {"tiny": _TINY_VISION}
+PRESETS_OF_VARIANT = {"dspark": DSPARK_PRESETS, "vision": VISION_PRESETS}  # any other variant: PRESETS
 DSPARK_FIELDS = ("dspark_block_size", "dspark_noise_token_id", "dspark_target_layer_ids", "dspark_markov_rank")
 
 
@@ -160,11 +167,13 @@ def with_variant(config: dict[str, Any], variant: Variant) -> dict[str, Any]:
     DSpark config must carry its dspark_* fields already (a DSpark preset does)."""
     if variant not in EXPERT_DTYPE:
         raise ValueError(f"unknown variant {variant!r} (expected one of {', '.join(EXPERT_DTYPE)})")
-    if variant == "dspark" and not all(f in config for f in DSPARK_FIELDS):
+    if variant in PRESETS_OF_VARIANT and not all(f in config for f in DSPARK_FIELDS):
         raise ValueError(
-            f"variant dspark needs a config with {', '.join(DSPARK_FIELDS)} "
+            f"variant {variant} needs a config with {', '.join(DSPARK_FIELDS)} "
             "(mapping/README.md#dspark-source-checkpoint)"
         )
+    if variant == "vision" and not config.get("vision_n_layers"):
+        raise ValueError("variant vision needs a config with vision_n_layers > 0 (a vision tower)")
     out = copy.deepcopy(config)
     out["expert_dtype"] = EXPERT_DTYPE[variant]
     return out
@@ -172,8 +181,9 @@ def with_variant(config: dict[str, Any], variant: Variant) -> dict[str, Any]:
 
 def preset_config(name: str, variant: Variant = "instruct") -> dict[str, Any]:
     """The full config.json of preset `name` for `variant` (a fresh copy: callers may edit it).
-    The dspark variant is the preset's DSpark release (flash: V4-Flash-0731)."""
-    presets = DSPARK_PRESETS if variant == "dspark" else PRESETS
+    The dspark variant is the preset's DSpark release (flash: V4-Flash-0731), vision its
+    V4-Flash-Vision-Exp release (tiny only)."""
+    presets = PRESETS_OF_VARIANT.get(variant, PRESETS)
     if name not in presets:
         raise ValueError(f"unknown preset {name!r} for variant {variant} (expected one of {', '.join(presets)})")
     return with_variant(presets[name], variant)

@@ -44,6 +44,8 @@ class CheckResult:
 class CheckReport:
     checkpoint: str
     results: list[CheckResult]
+    drafter_family: str | None = None  # the drafter family the checkpoint holds (mapping/drafters.py)
+    drafter: list[str] = field(default_factory=list)  # what the report says of it (convert/launch.py)
 
     @property
     def failures(self) -> list[CheckResult]:
@@ -80,6 +82,8 @@ class CheckReport:
             "ok": self.ok,
             "exit_code": self.exit_code,
             "summary": self.summary(),
+            "drafter_family": self.drafter_family,
+            "drafter": self.drafter,
             "checks": [r.to_json() for r in self.results],
         }
 

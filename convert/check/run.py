@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from dsv4.convert import progress
-from dsv4.convert.check.config import check_config
+from dsv4.convert.check.config import check_config, layout_target
 from dsv4.convert.check.context import Context, Skipped
 from dsv4.convert.check.files import check_checksums, check_index, check_readable, check_sizes
 from dsv4.convert.check.model import check_layout, check_native, check_quant, check_smoke
@@ -55,6 +55,9 @@ from dsv4.convert.check.report import CheckReport, CheckResult
 from dsv4.convert.check.serve import check_serve
 from dsv4.convert.errors import CheckError
 from dsv4.convert.exit_codes import exit_code
+from dsv4.convert.launch import drafter_lines
+from dsv4.convert.serving import OVERRIDES_FILE
+from dsv4.mapping.drafters import identify_drafter
 from dsv4.model.errors import DSV4Error
 from dsv4.model.parity import MAX_REL_DIFF, MIN_TOP1, SMOKE_TOKENS
 
@@ -81,6 +84,23 @@ def _load_config(ctx: Context) -> None:
         ctx.cfg = ctx.checkpoint.model_config
     except DSV4Error as exc:  # missing_config, malformed_config, unsupported_layout
         ctx.config_error = str(exc)
+
+
+def _drafter(ctx: Context) -> tuple[str | None, list[str]]:
+    """The drafter family the checkpoint holds (mapping/drafters.py) and what `check` says of it
+    (convert/launch.py: how each runtime serves it); none where the config or the headers could
+    not be read (their checks say why)."""
+    if ctx.config is None or ctx.headers is None:
+        return None, []
+    try:
+        _, target = layout_target(ctx)
+    except CheckError:
+        return None, []
+    family = identify_drafter(ctx.config, ctx.headers.tensors, target.kind.block)
+    recorded = (ctx.record.serve or {}).get("route") if ctx.record is not None else None
+    overrides = str(ctx.root / OVERRIDES_FILE) if (ctx.root / OVERRIDES_FILE).exists() else None
+    route = recorded if isinstance(recorded, str) else None
+    return family, drafter_lines(family, target, draft=str(ctx.root), route=route, overrides=overrides)
 
 
 def run_checks(
@@ -132,4 +152,4 @@ def run_checks(
         results.append(result)
         bar.update()
     bar.close()
-    return CheckReport(str(ctx.root), results)
+    return CheckReport(str(ctx.root), results, *_drafter(ctx))

@@ -214,6 +214,8 @@ def _print_plan(
     if quiet:
         return
     click.echo(f"  draft layout:         {DRAFTER_NAMES[s['drafter']]}: {s['runtime']} {s['runtime_class']}")
+    for line in _drafter_lines(plan, served):
+        click.echo(f"  {line}")
     click.echo(f"  tensors out:          {s['tensors_out']}")
     click.echo(f"  source keys consumed: {s['source_keys_consumed']}")
     click.echo(f"  source keys skipped:  {s['source_keys_skipped']}")
@@ -229,6 +231,20 @@ def _print_plan(
         click.echo(f"  skip x{n}: {reason}")
     if served is not None:
         _print_decisions(served)
+
+
+def _drafter_lines(plan: Plan, served: Served | None) -> list[str]:
+    """The drafter family the source holds and, for a draft directory, how each runtime serves
+    it (convert/launch.py); a reverse plan's target is the native layout, which names nothing."""
+    from dsv4.convert.launch import drafter_lines
+    from dsv4.convert.serving import OVERRIDES_FILE
+    from dsv4.mapping.targets import installed_targets, require_target
+
+    if plan.identity.target not in installed_targets():
+        return []
+    route = served.plan.route if served is not None else None
+    overrides = f"OUT/{OVERRIDES_FILE}" if served is not None and served.plan.overrides is not None else None
+    return drafter_lines(plan.drafter_family, require_target(plan.identity.target), route=route, overrides=overrides)
 
 
 def _print_decisions(served: Served) -> None:

@@ -81,6 +81,8 @@ def check_command(
             for r in report.results:
                 code = f" [{r.exit_code}]" if r.status == "fail" else ""
                 click.echo(f"  {r.status.upper():4} {r.name:9} {r.reason}{code}")
+            for line in report.drafter:
+                click.echo(f"  {line}")
         click.echo(report.summary())
     if junit is not None:  # after the report: a JUnit file that cannot be written loses nothing else
         write_junit(report, junit)
