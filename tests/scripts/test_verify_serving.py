@@ -10,6 +10,7 @@ from the cache the test command fills (never downloaded here, never skipped).
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,10 @@ from safetensors.torch import load_file, save_file
 from test_verify_runtimes import vr
 
 from dsv4.convert.pipeline import convert
+from dsv4.convert.serving import Serving
+from dsv4.convert.serving_target import read_serving_target
 from dsv4.convert.synth import write_checkpoint
+from tests.quant_configs import serving_target
 
 MTP_LOADERS = ["vllm-nvidia-mtp", "vllm-amd-mtp", "vllm-xpu-mtp"]
 LAYER = 2  # the tiny preset's num_hidden_layers: the draft is vLLM's model.layers.2
@@ -307,7 +311,7 @@ def test_the_command_prints_the_table_and_exits_by_the_result(
     assert vr.main([str(dirs["overlay"]), *common, "--overrides", str(overrides), "--loader", "vllm-xpu-mtp"]) == 0
     row = capsys.readouterr().out.splitlines()[2]
     assert row.startswith("| mxfp4-pack-quantized | overrides.json | vllm-xpu-mtp |") and row.endswith(
-        "| 0 | 0 | 39/39 | yes |"
+        "| 0 | 0 | 39/39 | - | yes |"
     )
     assert vr.main([str(dirs["instruct/draft"]), *common, "--loader", "vllm-xpu-mtp"]) == 1
     assert "KeyError" in capsys.readouterr().out
@@ -319,3 +323,65 @@ def test_the_command_prints_the_table_and_exits_by_the_result(
         == 2
     )
     assert "--serve-with takes a compressed-tensors target" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def w4a16(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The converter's match-target --allow-lossy draft of the tiny instruct checkpoint beside a W4A16
+    target (its wo_a in an FP8 block group, as a V4 target's must be): lossy linears and experts."""
+    root = tmp_path_factory.mktemp("w4a16")
+    native = write_checkpoint(root / "native", preset="tiny", variant="instruct", seed=0)
+    config = json.loads((native / "config.json").read_text())
+    target = write_json(root / "target.json", {**config, "quantization_config": serving_target("W4A16", ["lm_head"])})
+    serving = Serving(read_serving_target(target), route="match-target", allow_lossy=True)
+    convert(native, root / "draft", target="draft", serving=serving)
+    return {"native": native, "draft": root / "draft", "target": target}
+
+
+def copied(draft: Path, to: Path) -> tuple[Path, dict]:
+    shutil.copytree(draft, to)
+    return to / "model-00001-of-00001.safetensors", load_file(to / "model-00001-of-00001.safetensors")
+
+
+def test_a_lossy_match_target_draft_passes_where_its_errors_are_the_recorded_ones(w4a16: dict[str, Path], wheels: Path):
+    reports = vr.verify_serving(wheels, w4a16["draft"], w4a16["target"], None, w4a16["native"], MTP_LOADERS)[1]
+    record = json.loads((w4a16["draft"] / "conversion.json").read_text())["serve"]["tensors"]
+    worst = max(e["max_abs_error"] for e in record.values() if not e["exact"])
+    for r in reports:
+        assert r.passed, r.summary()
+        assert r.filled == r.params == 48 and not r.inexact
+        # wo_a (FP8 block) and the norms, hc_*, sink and router are held to the native values; every
+        # WNA16 leaf to its record (weight_shape written whole by each shard, the last one kept)
+        lossy = {p.rsplit(".", 1)[1] for p in r.lossy}
+        assert len(r.lossy) == 27 and lossy == {"weight_packed", "weight_scale", "weight_shape"} | {
+            f"w{n}_weight_{leaf}" for n in (13, 2) for leaf in ("packed", "scale", "shape")
+        }
+        assert f"model.layers.{LAYER}.mtp_block.attn.wo_a.weight_scale" not in {*r.lossy, *r.inexact}
+        assert max(e[0] for e in r.lossy.values()) == pytest.approx(worst, rel=1e-6)
+    lines = vr.serve_table("pack-quantized", "no overrides", reports)
+    assert lines[2].endswith(
+        f"| 21/48 | 27/27 ({worst:.4g}, {max(e[1] for e in reports[0].lossy.values()):.4g}) | yes |"
+    )
+
+
+def test_a_lossy_tensor_whose_bytes_or_dtype_changed_fails(w4a16: dict[str, Path], wheels: Path, tmp_path: Path):
+    shard, tensors = copied(w4a16["draft"], tmp_path / "changed")
+    packed = tensors["mtp.0.e_proj.weight_packed"].clone()
+    packed[0, 0] ^= 0x7
+    tensors["mtp.0.e_proj.weight_packed"] = packed  # a changed code: loads, but is not the recorded requantisation
+    tensors["mtp.0.attn.wq_b.weight_scale"] = tensors["mtp.0.attn.wq_b.weight_scale"].float()  # the loader would cast
+    rewrite(shard, tensors)
+    (r,) = vr.verify_serving(wheels, shard.parent, w4a16["target"], None, w4a16["native"], ["vllm-nvidia-mtp"])[1]
+    assert not r.passed and not r.errors and not r.unfilled
+    assert any(o.startswith("mtp.0.e_proj.weight_packed: max_abs_error measured") for o in r.off_record)
+    assert r.inexact == [f"model.layers.{LAYER}.mtp_block.attn.wq_b.weight_scale"]
+
+
+def test_without_the_record_a_lossy_draft_is_held_to_the_native_values(
+    w4a16: dict[str, Path], wheels: Path, tmp_path: Path
+):
+    shard, _ = copied(w4a16["draft"], tmp_path / "unrecorded")
+    (shard.parent / "conversion.json").unlink()
+    (r,) = vr.verify_serving(wheels, shard.parent, w4a16["target"], None, w4a16["native"], ["vllm-nvidia-mtp"])[1]
+    assert not r.passed and not r.lossy
+    assert f"model.layers.{LAYER}.e_proj.weight_packed" in r.inexact
