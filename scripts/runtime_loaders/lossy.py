@@ -65,7 +65,7 @@ def check_module(
 ) -> LossyCheck:
     """Draft module `module` (its tensors `held`, by leaf) decoded and measured against the native
     weight and scale in `native`, each of its leaves in `record` compared with that measurement."""
-    form = held_linear(_dtypes(held))
+    form = held_linear(module, _dtypes(held))
     weight, scale = native[f"{module}.weight"], native[f"{module}.scale"]
     cols = weight.shape[1] * (2 if weight.dtype == torch.int8 else 1)
     group = None if form is None else form.group_of(cols, {leaf: tuple(t.shape) for leaf, t in held.items()})

@@ -32,6 +32,9 @@ FLOAT_PARAMS = (torch.bfloat16, torch.float16, torch.float32)
 # shards write its row (routed_experts.py:633-639, 983-988) of a parameter in the model dtype
 # (compressed_tensors_moe_wna16.py:346-355), which the loader's copy casts the int64 shape into
 WHOLE = ".weight_shape"
+# NVFP4A16 experts' activation scale: registered in A16 mode, read by no A16 kernel, written 1.0 by the
+# converter (convert/schemes/ct_schemes.py); no native value is it
+UNREAD_SCALE = "input_global_scale"
 
 
 @dataclass
@@ -143,6 +146,8 @@ def native_value(fed: str, native: dict[str, torch.Tensor], dtype: torch.dtype) 
     requantised leaf)."""
     base, _, leaf = fed.rpartition(".")
     weight, scale = native.get(base + ".weight"), native.get(base + ".scale")
+    if leaf == UNREAD_SCALE:
+        return torch.ones(1, dtype=dtype)
     if leaf == "weight_scale" and scale is not None:
         return scale.float() if dtype.is_floating_point else scale.view(torch.uint8)
     if leaf == "weight_packed" and weight is not None and weight.dtype == torch.int8:

@@ -21,9 +21,12 @@ from safetensors.torch import load_file, save_file
 from test_verify_runtimes import vr
 
 from dsv4.convert.pipeline import convert
+from dsv4.convert.route_load import held_forms
 from dsv4.convert.serving import Serving
 from dsv4.convert.serving_target import read_serving_target
 from dsv4.convert.synth import write_checkpoint
+from dsv4.model.checkpoint import Checkpoint
+from dsv4.model.errors import LoadError
 from tests.quant_configs import serving_target
 
 MTP_LOADERS = ["vllm-nvidia-mtp", "vllm-amd-mtp", "vllm-xpu-mtp"]
@@ -325,17 +328,20 @@ def test_the_command_prints_the_table_and_exits_by_the_result(
     assert "--serve-with takes a compressed-tensors target" in capsys.readouterr().err
 
 
-@pytest.fixture(scope="module")
-def w4a16(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """The converter's match-target --allow-lossy draft of the tiny instruct checkpoint beside a W4A16
-    target (its wo_a in an FP8 block group, as a V4 target's must be): lossy linears and experts."""
-    root = tmp_path_factory.mktemp("w4a16")
+def match_target(root: Path, preset: str) -> dict[str, Path]:
+    """The converter's match-target --allow-lossy draft of the tiny instruct checkpoint beside a
+    `preset` target (its wo_a in an FP8 block group, as a V4 target's must be): lossy linears and experts."""
     native = write_checkpoint(root / "native", preset="tiny", variant="instruct", seed=0)
     config = json.loads((native / "config.json").read_text())
-    target = write_json(root / "target.json", {**config, "quantization_config": serving_target("W4A16", ["lm_head"])})
+    target = write_json(root / "target.json", {**config, "quantization_config": serving_target(preset, ["lm_head"])})
     serving = Serving(read_serving_target(target), route="match-target", allow_lossy=True)
     convert(native, root / "draft", target="draft", serving=serving)
     return {"native": native, "draft": root / "draft", "target": target}
+
+
+@pytest.fixture(scope="module")
+def w4a16(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return match_target(tmp_path_factory.mktemp("w4a16"), "W4A16")
 
 
 def copied(draft: Path, to: Path) -> tuple[Path, dict]:
@@ -385,3 +391,44 @@ def test_without_the_record_a_lossy_draft_is_held_to_the_native_values(
     (r,) = vr.verify_serving(wheels, shard.parent, w4a16["target"], None, w4a16["native"], ["vllm-nvidia-mtp"])[1]
     assert not r.passed and not r.lossy
     assert f"model.layers.{LAYER}.e_proj.weight_packed" in r.inexact
+
+
+@pytest.fixture(scope="module")
+def nvfp4a16(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return match_target(tmp_path_factory.mktemp("nvfp4a16"), "NVFP4A16")
+
+
+def test_nvfp4a16_experts_fill_the_input_global_scale_vllm_registers_in_a16_mode(
+    nvfp4a16: dict[str, Path], wheels: Path
+) -> None:
+    # compressed_tensors_moe_w4a4_nvfp4.py:167-185 registers w13/w2_input_global_scale whatever
+    # use_a16 says; no A16 backend reads it (oracle/nvfp4.py: Marlin and Humming drop a13_scale,
+    # B12X in w4a16 mode takes unit scales), so the converter writes 1.0, exactly
+    made = nvfp4a16
+    record = json.loads((made["draft"] / "conversion.json").read_text())["serve"]["tensors"]
+    unit = record["mtp.0.ffn.experts.0.w1.input_global_scale"]
+    assert unit["transform"] == "unit_scale" and unit["exact"] is True
+    assert load_file(made["draft"] / "model-00001-of-00001.safetensors")[
+        "mtp.0.ffn.experts.5.w2.input_global_scale"
+    ].tolist() == [1.0]
+    reports = vr.verify_serving(wheels, made["draft"], made["target"], None, made["native"], MTP_LOADERS)[1]
+    experts = f"model.layers.{LAYER}.mtp_block.ffn.experts.routed_experts"
+    for r in reports:
+        assert r.passed, r.summary()
+        assert r.filled == r.params == 50 and not r.unfilled
+        assert r.methods[f"model.layers.{LAYER}.ffn.experts"] == "CompressedTensorsW4A4Nvfp4MoEMethod"
+        # held to the unit value like an exact tensor, not to a record
+        for scale in (f"{experts}.w13_input_global_scale", f"{experts}.w2_input_global_scale"):
+            assert scale not in r.lossy and scale not in r.inexact
+        assert f"{experts}.w13_weight_packed" in r.lossy
+
+
+def test_only_a_routed_experts_linear_is_held_with_an_input_global_scale(nvfp4a16: dict[str, Path]) -> None:
+    checkpoint = Checkpoint(nvfp4a16["draft"])
+    found = {n: (t.dtype, t.shape) for n, t in checkpoint.headers.tensors.items()}
+    forms = held_forms(checkpoint.model_config, found, "draft")
+    assert forms["mtp.0.ffn.experts.0.w1"].name == "nvfp4a16-experts"
+    assert forms["mtp.0.ffn.shared_experts.w1"].name == forms["mtp.0.attn.wq_b"].name == "nvfp4a16"
+    found["mtp.0.attn.wq_b.input_global_scale"] = ("F32", (1,))
+    with pytest.raises(LoadError, match=r"unexpected tensor mtp\.0\.attn\.wq_b\.input_global_scale"):
+        held_forms(checkpoint.model_config, found, "draft")
