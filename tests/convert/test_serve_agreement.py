@@ -1,6 +1,6 @@
 """A match-target draft with lossy tensors records how it agrees with the native draft: the
 bundled model run on the written draft and on its local source before publish (top-1 agreement,
-logits error) in conversion.json's "serve" -> "agreement", printed by convert; a hub source
+logits error) in conversion.json's "serve" -> "agreement", printed by convert and by smoke --native; a hub source
 records that they were not measured and why; an exact draft records none."""
 
 from __future__ import annotations
@@ -62,6 +62,9 @@ def test_a_lossy_draft_records_and_prints_its_agreement_with_the_native_source(
     line = next(line for line in stdout.splitlines() if line.startswith("agreement with the native draft"))
     assert f"top-1 {recorded['top1_agreement']:.3f} over {recorded['rows_compared']} decisive rows of 8" in line
     assert f"rel RMS {recorded['logits_rel_rms']:.4g}" in line
+    # smoke --native on it reports the same figures, and does not hold a lossy draft to parity
+    code, smoked, _ = run_main(monkeypatch, capsys, "smoke", out, "--native", native, "--device", "cpu")
+    assert code == 0 and f"  {line}; a lossy match-target draft, not held to parity" in smoked.splitlines()
     code, stdout, _ = run_main(monkeypatch, capsys, native, out, *args, "--json")  # up to date: as recorded
     printed = json.loads(stdout)["agreement"]  # --json rounds floats
     assert code == 0 and printed.keys() == recorded.keys()
