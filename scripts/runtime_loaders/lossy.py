@@ -1,7 +1,10 @@
-"""A draft's lossy tensors (a match-target --allow-lossy requantisation) as the serving proof
-holds them: no native value equals them, so instead of equality each is held to what the draft's
-conversion.json recorded when it was made ("serve" -> "tensors" -> NAME: "exact" false, with
-"max_abs_error" and "rel_rms_error" of its module's rebuilt weight against the native one).
+"""A draft's re-expressed tensors as the serving proof holds them: a computed tensor whose weight
+was rebuilt to measure it (conversion.json "serve" -> "tensors" -> NAME with "max_abs_error" and
+"rel_rms_error" of its module's rebuilt weight against the native one) has no native bytes to equal:
+every lossy one (a match-target --allow-lossy requantisation, "exact": false) and the exact ones
+that hold a weight in another format (FP4 experts re-blocked into FP8, a weight dequantised to
+bf16, recorded 0.0). Each is held instead to what the record says: a lossy one to its error, an
+exact one to none (its module decodes to the native values).
 
 The module's leaves are decoded as the converter's own held-draft loader decodes them
 (convert/route_load.py: compressed-tensors' decompressors) and measured against the native weight
@@ -41,13 +44,14 @@ class LossyCheck:
     off_record: list[str]  # "NAME: measured X, recorded Y"
 
 
-def lossy_record(draft: Path) -> dict[str, dict[str, Any]]:
-    """The computed tensors conversion.json records as lossy (name -> its record); none without one."""
+def measured_record(draft: Path) -> dict[str, dict[str, Any]]:
+    """The computed tensors conversion.json records a measured error of (name -> its record); none
+    without one."""
     path = draft / CONVERSION_RECORD
     if not path.is_file():
         return {}
     tensors = (json.loads(path.read_text()).get("serve") or {}).get("tensors") or {}
-    return {name: entry for name, entry in tensors.items() if entry.get("exact") is False}
+    return {name: entry for name, entry in tensors.items() if all(k in entry for k in RECORDED)}
 
 
 def _native_weight(weight: torch.Tensor, scale: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
@@ -91,8 +95,8 @@ def _dtypes(held: dict[str, torch.Tensor]) -> dict[str, str]:
     return {leaf: SAFETENSORS_NAMES[t.dtype] for leaf, t in held.items()}
 
 
-def lossy_modules(names: set[str]) -> dict[str, list[str]]:
-    """The draft modules behind lossy tensor names, and their names."""
+def modules_of(names: set[str]) -> dict[str, list[str]]:
+    """The draft modules behind tensor names, and their names."""
     out: dict[str, list[str]] = {}
     for name in sorted(names):
         out.setdefault(module_of(name), []).append(name)

@@ -19,7 +19,7 @@ from dsv4.model.checkpoint import local_weight_map
 from dsv4.model.config import ModelConfig
 from dsv4.model.reference import fp4_weight, fp8_weight
 
-from .lossy import check_module, lossy_modules, lossy_record
+from .lossy import check_module, measured_record, modules_of
 from .recording import Recorder, attrs, read_tensors
 from .vllm_build import build_namespace, imports_from, quant_config_for
 from .vllm_layer import Built, build_layer
@@ -57,8 +57,8 @@ class ServeReport:
     twice: list[str] = field(default_factory=list)
     inexact: list[str] = field(default_factory=list)
     # parameters filled from tensors conversion.json records as lossy -> [max abs, rel RMS] error of
-    # their modules' decoded weights against the native ones (the worst), and the tensors whose
-    # measured error is not the recorded one (lossy.py)
+    # their modules' decoded weights against the native ones (the worst), and the tensors (lossy, or
+    # exact ones re-expressed, recorded 0.0) whose measured error is not the recorded one (lossy.py)
     lossy: dict[str, list[float]] = field(default_factory=dict)
     off_record: list[str] = field(default_factory=list)
 
@@ -163,19 +163,19 @@ def native_value(fed: str, native: dict[str, torch.Tensor], dtype: torch.dtype) 
 
 
 def _assembled(
-    param: Any, fills: list[Fill], native: dict[str, torch.Tensor], lossy: dict[str, torch.Tensor]
+    param: Any, fills: list[Fill], native: dict[str, torch.Tensor], held: dict[str, torch.Tensor]
 ) -> torch.Tensor | None:
     """The parameter as the native values would fill it at TP 1 (shards stacked in id order
-    on dim 0, w13 = w1 then w3, experts by id); a part fed from a `lossy` tensor (no native value
-    is it) holds that tensor as the draft has it, of the parameter's dtype (a loader's cast would
-    change its bits: not the format the converter wrote)."""
+    on dim 0, w13 = w1 then w3, experts by id); a part fed from a tensor held to its record (`held`: no
+    native value is it) holds that tensor as the draft has it, of the parameter's dtype (a loader's
+    cast would change its bits: not the format the converter wrote)."""
     dtype = param.data.dtype
-    if fills and all(f.tensor in lossy and f.tensor.endswith(WHOLE) for f in fills):
-        return _written_whole(param, fills, lossy)
+    if fills and all(f.tensor in held and f.tensor.endswith(WHOLE) for f in fills):
+        return _written_whole(param, fills, held)
 
     def value(fed: str) -> torch.Tensor | None:
-        if fed in lossy:
-            return lossy[fed] if lossy[fed].dtype == dtype else None
+        if fed in held:
+            return held[fed] if held[fed].dtype == dtype else None
         return native_value(fed, native, dtype)
 
     values = {(f.shard, f.expert): value(f.tensor) for f in fills}
@@ -191,11 +191,11 @@ def _assembled(
     return out
 
 
-def _written_whole(param: Any, fills: list[Fill], lossy: dict[str, torch.Tensor]) -> torch.Tensor:
+def _written_whole(param: Any, fills: list[Fill], held: dict[str, torch.Tensor]) -> torch.Tensor:
     """A WHOLE parameter after its fills, in feeding order: each one overwrites it (per expert a row)."""
     out = param.data.clone()
     for f in fills:
-        value = lossy[f.tensor].to(out.dtype)
+        value = held[f.tensor].to(out.dtype)
         if f.expert is None:
             out = value.reshape(out.shape)
         else:
@@ -258,22 +258,23 @@ def serve_run(
     reached = {f.tensor for fs in fills.values() for f in fs}
     errored = {e.split(":", 1)[0] for e in report.errors}
     report.skipped = [t for t in fed if t not in reached and t not in errored and not droppable(t)]
-    lossy = _lossy_checked(draft, native, reached, ModelConfig.from_dict(config), report)
-    _account(built, table, fills, _native(native, reached), lossy, config["n_routed_experts"], report)
+    recorded = _record_checked(draft, native, reached, ModelConfig.from_dict(config), report)
+    _account(built, table, fills, _native(native, reached), recorded, config["n_routed_experts"], report)
     return report
 
 
 @dataclass
-class _Lossy:
-    values: dict[str, torch.Tensor]  # fed tensor -> as the draft holds it
+class _Recorded:
+    values: dict[str, torch.Tensor]  # fed tensor held to its record -> as the draft holds it
     errors: dict[str, tuple[float, float]]  # draft module -> (max abs, rel RMS) measured
+    lossy: set[str]  # the fed tensors recorded as lossy
 
 
-def _lossy_checked(draft: Path, native: Path, reached: set[str], cfg: ModelConfig, report: ServeReport) -> _Lossy:
-    """The fed tensors DRAFT's conversion.json records as lossy, as the draft holds them; each
-    lossy module's error measured and compared with the record (report.off_record)."""
-    record = lossy_record(draft)
-    modules = lossy_modules(reached & set(record))
+def _record_checked(draft: Path, native: Path, reached: set[str], cfg: ModelConfig, report: ServeReport) -> _Recorded:
+    """The fed tensors DRAFT's conversion.json records a measured error of, as the draft holds them;
+    each of their modules' error measured and compared with the record (report.off_record)."""
+    record = measured_record(draft)
+    modules = modules_of(reached & set(record))
     weight_map, _ = local_weight_map(draft)
     held = _read(draft, {n for n in weight_map if module_of(n) in modules})
     natives = _read(native, {f"{m}.{leaf}" for m in modules for leaf in ("weight", "scale")})
@@ -283,7 +284,8 @@ def _lossy_checked(draft: Path, native: Path, reached: set[str], cfg: ModelConfi
         checked = check_module(m, leaves, natives, {n: record[n] for n in names}, cfg)
         report.off_record += checked.off_record
         errors[m] = (checked.max_abs_error, checked.rel_rms_error)
-    return _Lossy({n: held[n] for names in modules.values() for n in names}, errors)
+    values = {n: held[n] for names in modules.values() for n in names}
+    return _Recorded(values, errors, {n for n in values if record[n]["exact"] is False})
 
 
 def _feed(model: Any, draft: Path, rec: Recorder, report: ServeReport, completeness: list[bool]) -> list[str]:
@@ -337,7 +339,7 @@ def _account(
     table: _Table,
     fills: dict[str, list[Fill]],
     native: dict[str, torch.Tensor],
-    lossy: _Lossy,
+    recorded: _Recorded,
     n_experts: int,
     report: ServeReport,
 ) -> None:
@@ -354,12 +356,12 @@ def _account(
             continue
         report.filled += 1
         try:
-            expected = _assembled(param, fills[name], native, lossy.values)
+            expected = _assembled(param, fills[name], native, recorded.values)
             exact = expected is not None and _same(expected.reshape(param.data.shape), param.data)
         except RuntimeError:  # the native values do not even have the parameter's shape
             exact = False
         if not exact:
             report.inexact.append(name)
-        errors = [lossy.errors[module_of(f.tensor)] for f in fills[name] if f.tensor in lossy.values]
-        if errors:  # held as placed (above) and to the recorded error (_lossy_checked), not to the native value
+        errors = [recorded.errors[module_of(f.tensor)] for f in fills[name] if f.tensor in recorded.lossy]
+        if errors:  # held as placed (above) and to the recorded error (_record_checked), not to the native value
             report.lossy[name] = [max(e[0] for e in errors), max(e[1] for e in errors)]

@@ -17,6 +17,7 @@ import pytest
 
 # beside this file (pytest puts a test file's directory on sys.path)
 import serve_fixtures as sf
+import torch
 from safetensors.torch import load_file, save_file
 from test_verify_runtimes import vr
 
@@ -432,3 +433,22 @@ def test_only_a_routed_experts_linear_is_held_with_an_input_global_scale(nvfp4a1
     found["mtp.0.attn.wq_b.input_global_scale"] = ("F32", (1,))
     with pytest.raises(LoadError, match=r"unexpected tensor mtp\.0\.attn\.wq_b\.input_global_scale"):
         held_forms(checkpoint.model_config, found, "draft")
+
+
+def test_fp4_experts_reblocked_into_fp8_are_held_to_decoding_to_the_native_values(tmp_path: Path, wheels: Path):
+    # match-target beside an FP8 block target: the FP4 experts become FP8 blocks (exact, recorded
+    # 0.0), bytes no native tensor has: held to their record, so a changed code fails
+    made = match_target(tmp_path / "made", "FP8_BLOCK")
+    (r,) = vr.verify_serving(wheels, made["draft"], made["target"], None, made["native"], ["vllm-nvidia-mtp"])[1]
+    assert r.passed, r.summary()
+    assert r.filled == r.params == 39 and not r.lossy and not r.inexact
+    shard, tensors = copied(made["draft"], tmp_path / "changed")
+    weight = tensors["mtp.0.ffn.experts.2.w2.weight"].view(torch.uint8).clone()
+    weight[0, 0] ^= 0x08
+    tensors["mtp.0.ffn.experts.2.w2.weight"] = weight.view(torch.float8_e4m3fn)
+    rewrite(shard, tensors)
+    (r,) = vr.verify_serving(wheels, shard.parent, made["target"], None, made["native"], ["vllm-nvidia-mtp"])[1]
+    assert not r.passed and not r.inexact  # placed as the draft holds it, but no longer the native values
+    assert {o.split(":")[0] for o in r.off_record} == {
+        f"mtp.0.ffn.experts.2.w2.{leaf}" for leaf in ("weight", "weight_scale")
+    }
