@@ -36,7 +36,7 @@ def measured_fields(measured: Measured | None) -> dict[str, float]:
     return {"max_abs_error": measured.max_abs_error, "rel_rms_error": measured.rel_rms_error}
 
 
-def agreement(plan: Plan, draft: Path, native: Path | None) -> dict[str, Any] | None:
+def measure_agreement(plan: Plan, draft: Path, native: Path | None) -> dict[str, Any] | None:
     """The "agreement" of draft directory `draft` (written, unpublished) with `native`, the local
     source it was made from (None: a hub source), when `plan` computes a lossy tensor; else None."""
     if not any(t.transform is not None and not t.transform.exact for t in plan.tensors):
@@ -58,7 +58,7 @@ def recorded_agreement(out: Path) -> dict[str, Any] | None:
 
 def agreement_line(figures: dict[str, Any]) -> str:
     """One line of a lossy draft's agreement with its native source, as convert and smoke print it."""
-    if not figures.get("measured", True):
+    if not figures["measured"]:
         return f"agreement with the native draft: not measured ({figures['why']})"
     top1 = figures["top1_agreement"]
     said = "no row decisive" if top1 is None else f"{top1:.3f} over {figures['rows_compared']} decisive rows"

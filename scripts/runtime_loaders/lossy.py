@@ -25,13 +25,13 @@ import torch
 
 from dsv4.convert.route_load import decoded
 from dsv4.convert.schemes.base import module_of
+from dsv4.convert.served import MEASURED
 from dsv4.convert.transform_ops import measure
 from dsv4.model.config import ModelConfig
 from dsv4.model.quantized import dequant_block, dequant_packed
 from dsv4.model.record import CONVERSION_RECORD
 from dsv4.model.storage import FP4, held_linear
 
-RECORDED = ("max_abs_error", "rel_rms_error")
 REL_TOLERANCE = 1e-6  # a recomputation of the converter's own measurement: equal up to float rounding
 
 
@@ -51,7 +51,7 @@ def measured_record(draft: Path) -> dict[str, dict[str, Any]]:
     if not path.is_file():
         return {}
     tensors = (json.loads(path.read_text()).get("serve") or {}).get("tensors") or {}
-    return {name: entry for name, entry in tensors.items() if all(k in entry for k in RECORDED)}
+    return {name: entry for name, entry in tensors.items() if all(k in entry for k in MEASURED)}
 
 
 def _native_weight(weight: torch.Tensor, scale: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
@@ -82,7 +82,7 @@ def check_module(
         entry = record.get(f"{module}.{leaf}")
         if entry is None:
             continue
-        for key in RECORDED:
+        for key in MEASURED:
             now, then = getattr(measured, key), entry.get(key)
             if not isinstance(then, float | int) or not math.isclose(now, then, rel_tol=REL_TOLERANCE, abs_tol=0.0):
                 off.append(f"{module}.{leaf}: {key} measured {now:.6g}, recorded {then}")
