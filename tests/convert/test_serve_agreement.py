@@ -1,7 +1,8 @@
 """A match-target draft with lossy tensors records how it agrees with the native draft: the
 bundled model run on the written draft and on its local source before publish (top-1 agreement,
-logits error) in conversion.json's "serve" -> "agreement", printed by convert and by smoke --native; a hub source
-records that they were not measured and why; an exact draft records none."""
+logits error) in conversion.json's "serve" -> "agreement", printed by convert, and by smoke
+--native and check --native instead of their parity verdict; a hub source records that they
+were not measured and why; an exact draft records none."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from dirhub import DirHub
 from inprocess import run_main
 from quant_configs import serving_target
 
+from dsv4.convert.check.run import run_checks
 from dsv4.convert.inmemory import match_target_figures
 from dsv4.convert.pipeline import plan_served, plan_source, run_plan
 from dsv4.convert.serving import Serving
@@ -65,6 +67,8 @@ def test_a_lossy_draft_records_and_prints_its_agreement_with_the_native_source(
     # smoke --native on it reports the same figures, and does not hold a lossy draft to parity
     code, smoked, _ = run_main(monkeypatch, capsys, "smoke", out, "--native", native, "--device", "cpu")
     assert code == 0 and f"  {line}; a lossy match-target draft, not held to parity" in smoked.splitlines()
+    status = {r.name: (r.status, r.reason) for r in run_checks(out, native=native, device="cpu", quiet=True).results}
+    assert status["native"] == ("pass", f"{line}; a lossy match-target draft, not held to parity")
     code, stdout, _ = run_main(monkeypatch, capsys, native, out, *args, "--json")  # up to date: as recorded
     printed = json.loads(stdout)["agreement"]  # --json rounds floats
     assert code == 0 and printed.keys() == recorded.keys()
