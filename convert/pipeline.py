@@ -30,7 +30,7 @@ from dsv4.convert.output import OutputClaim, claim_output
 from dsv4.convert.plan import Plan, PlannedTensor, plan_conversion, plan_reverse
 from dsv4.convert.quant_config import carried_quantization
 from dsv4.convert.routes import apply_route
-from dsv4.convert.served import serve_record
+from dsv4.convert.served import measure_agreement, serve_record
 from dsv4.convert.serving import Served, Serving, decide_serving, draft_config, serving_output, write_serve_files
 from dsv4.convert.sources.location import locate, open_source
 from dsv4.convert.sources.source import HubSpec, Source, local_root
@@ -260,7 +260,9 @@ def _write_output(
         # the journal is closed: nothing writes into the partial directory once it is OUT
         _verify(partial, shards, names, journal)
         published = _published_source(plan, source, fingerprint)
-        _write_records(plan, config, partial, shards, names, journal, fingerprint, published, serving)
+        _write_records(
+            plan, config, partial, shards, names, journal, fingerprint, published, serving, source.local_root
+        )
         source.reader.verify_unchanged([CONFIG, INDEX_NAME, *plan.files_needed])
         claim.publish()
     except PlanError as exc2:
@@ -308,7 +310,10 @@ def _write_records(
     fingerprint: dict[str, Any],
     published: SourceRecord,
     serving: tuple[dict[str, bytes], dict[str, Any]] | None = None,
+    native: Path | None = None,
 ) -> None:
+    """The index, config.json, OUT/serve/'s files, then conversion.json (last: a lossy draft's
+    agreement with `native`, the local source, is measured on the files before it)."""
     weight_map = {t.name: name for tensors, name in zip(shards, names, strict=True) for t in tensors}
     write_record(partial / INDEX_NAME, {"metadata": {"total_size": plan.bytes_to_write}, "weight_map": weight_map})
     if isinstance(config, bytes):
@@ -331,7 +336,9 @@ def _write_records(
         config_fields=runtime_config_fields(
             strictjson.loads(config) if isinstance(config, bytes) else config
         ),  # as written
-        serve=serve_record(plan, journal, serving[1] if serving is not None else None),
+        serve=serve_record(
+            plan, journal, serving[1] if serving is not None else None, measure_agreement(plan, partial, native)
+        ),
     ).write(partial)
 
 

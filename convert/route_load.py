@@ -73,8 +73,8 @@ def is_held_for_a_target(cfg: ModelConfig, found: Found) -> bool:
     for name, (dtype, _) in found.items():
         if (module := module_of(name)) in linears:
             leaves.setdefault(module, {})[name.rsplit(".", 1)[1]] = dtype
-    for held in leaves.values():
-        form = held_linear(held)
+    for module, held in leaves.items():
+        form = held_linear(module, held)
         if any(leaf not in NATIVE_LEAVES for leaf in held) or (form is not None and not form.native):
             return True
     return False
@@ -86,7 +86,7 @@ def _refuse_nearest(module: str, dtypes: dict[str, str], where: str) -> None:
     if not dtypes:
         said = f"missing tensors {module}.* (the linear is held in none of the forms {', '.join(HELD_LINEARS)})"
         raise _refuse("missing_key", said, where, f"{module}.weight")
-    near = nearest_held_linears(dtypes)
+    near = nearest_held_linears(module, dtypes)
     missing = {h.name: [x.name for x in h.leaves if x.name not in dtypes] for h in near}
     if all(missing.values()):
         names = sorted({f"{module}.{leaf}" for leaves in missing.values() for leaf in leaves})
@@ -109,7 +109,7 @@ def _held_form(module: str, leaves: Found, dims: tuple[int, int], cfg: ModelConf
     every leaf present, of its dtype and shape for the linear's logical `dims`; else refused naming
     the tensor (missing_key, unexpected_key, dtype_mismatch, shape_mismatch)."""
     dtypes = {leaf: dtype for leaf, (dtype, _) in leaves.items()}
-    form = held_linear(dtypes)
+    form = held_linear(module, dtypes)
     if form is None:
         _refuse_nearest(module, dtypes, where)
     assert form is not None  # _refuse_nearest refuses every other case
@@ -202,7 +202,11 @@ def decoded(form: HeldLinear, held: Held, cfg: ModelConfig, group: int) -> torch
 
 
 # a lossy form -> (compressed-tensors' format, the preset scheme of its weights)
-LOSSY_FORMATS = {"w4a16": ("pack-quantized", "W4A16"), "nvfp4a16": ("nvfp4-pack-quantized", "NVFP4A16")}
+LOSSY_FORMATS = {
+    "w4a16": ("pack-quantized", "W4A16"),
+    "nvfp4a16": ("nvfp4-pack-quantized", "NVFP4A16"),
+    "nvfp4a16-experts": ("nvfp4-pack-quantized", "NVFP4A16"),  # its input_global_scale is not read
+}
 
 
 # --- the bundled model from a held draft --------------------------------------------------------

@@ -121,8 +121,13 @@ def _fp4_to_fp8_block(tensors: list[torch.Tensor], transform: Transform, where: 
     return Computed({"weight": weight, "weight_scale": block_scale}, measure(native, rebuilt))
 
 
+def _unit_scale(tensors: list[torch.Tensor], transform: Transform, where: str) -> Computed:
+    return Computed({"": torch.ones(1, dtype=torch.float32)}, None)
+
+
 OPS: dict[str, Callable[[list[torch.Tensor], Transform, str], Computed]] = {
     "e8m0_to_f32": _e8m0_to_f32,
+    "unit_scale": _unit_scale,
     "dequant_bf16": _dequant_bf16,
     "fp4_to_fp8_block": _fp4_to_fp8_block,
 }

@@ -20,6 +20,10 @@ and a conversion without computed tensors never import it). A transform named
   (convert/requant.py; args: the scheme's weights QuantizationArgs as pairs plus ("format", f)).
   Inputs: the weight and its scale, then for a fused pair (NVFP4's one global scale per
   fused layer) the partner's weight and scale.
+- "unit_scale": a tensor-wide F32 [1] scale of 1.0, for a parameter a scheme registers but
+  never reads (convert/schemes/ct_schemes.py says which); its one input (the part's native
+  scale, its smallest tensor) only anchors it in the plan. Exact by definition: a constant,
+  no weight is rebuilt.
 
 Every computation of a weight measures its error against the native dequantised weight: the
 max absolute difference and the RMS difference relative to the weight's RMS.
@@ -90,6 +94,12 @@ def _e8m0_makes(inputs: Sequence[Spec], args: Args, source_block: tuple[int, int
     if len(inputs) != 1 or inputs[0][0] != FP4.scale_dtype:
         raise TransformInputError(f"takes one E8M0 scale, not {[d for d, _ in inputs]}")
     return {"": ("F32", inputs[0][1])}
+
+
+def _unit_makes(inputs: Sequence[Spec], args: Args, source_block: tuple[int, int]) -> dict[str, Spec]:
+    if len(inputs) != 1:
+        raise TransformInputError(f"takes one tensor (its part's, to anchor it), not {len(inputs)}")
+    return {"": ("F32", (1,))}
 
 
 def _pair(inputs: Sequence[Spec], takes: str) -> tuple[Spec, Spec]:
@@ -185,6 +195,7 @@ def _entries() -> dict[str, Entry]:
         "copy": Entry(_copy_makes, None),
         "e8m0_to_f32": Entry(_e8m0_makes, _compute("e8m0_to_f32")),
         "dequant_bf16": Entry(_bf16_makes, _compute("dequant_bf16")),
+        "unit_scale": Entry(_unit_makes, _compute("unit_scale")),
     }
     fp8_block = Entry(_fp8_block_makes, _compute("fp4_to_fp8_block"))
     out.update((f"fp4_to_fp8_block.{leaf}", fp8_block) for leaf in ("weight", "weight_scale"))

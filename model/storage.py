@@ -20,6 +20,7 @@ but the errors and no torch: every layer reads it, so it sits at the bottom and 
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from dsv4.model.errors import CheckpointError
@@ -191,6 +192,7 @@ class HeldLinear:
     exact: bool = True
     group: int = 0
     native: bool = False  # a native pair: as the source release stores the linear
+    experts_only: bool = False  # a form only a routed expert's linear is held in
 
     def group_of(self, cols: int, held: dict[str, tuple[int, ...]]) -> int | None:
         """The group of a linear with `cols` inputs whose leaves have the shapes `held` (leaf -> shape):
@@ -263,25 +265,49 @@ HELD_LINEARS: dict[str, HeldLinear] = {
             exact=False,
             group=16,
         ),
+        # a routed expert's NVFP4A16, with the unit input_global_scale the MoE method registers in A16
+        # mode too and never reads (convert/schemes/ct_schemes.py): decoded as nvfp4a16
+        HeldLinear(
+            "nvfp4a16-experts",
+            (
+                Leaf("weight_packed", "U8", "packed", 2),
+                Leaf("weight_scale", "F8_E4M3", "group"),
+                Leaf("weight_global_scale", "F32", "one"),
+                Leaf("input_global_scale", "F32", "one"),
+            ),
+            "bf16",
+            exact=False,
+            group=16,
+            experts_only=True,
+        ),
     )
 }
+ROUTED_EXPERT = re.compile(r"\.ffn\.experts\.\d+\.w[123]\Z")  # a routed expert's native linear
 
 
-def held_linear(leaves: dict[str, str]) -> HeldLinear | None:
-    """The form whose leaves are exactly `leaves` (leaf -> safetensors dtype); None when none is."""
-    return next((h for h in HELD_LINEARS.values() if {leaf.name: leaf.dtype for leaf in h.leaves} == leaves), None)
+def forms_of(module: str) -> list[HeldLinear]:
+    """The forms native linear `module` may be held in (the experts-only ones for a routed expert's)."""
+    expert = ROUTED_EXPERT.search(module) is not None
+    return [h for h in HELD_LINEARS.values() if expert or not h.experts_only]
 
 
-def nearest_held_linears(leaves: dict[str, str]) -> list[HeldLinear]:
-    """The forms sharing the most leaf names, then (leaf, dtype) pairs, with `leaves` (an FP8 weight
-    alone is as near to the native pair as to compressed-tensors' FP8 block): what a refusal says is
-    missing, extra or of another dtype."""
+def held_linear(module: str, leaves: dict[str, str]) -> HeldLinear | None:
+    """The form of native linear `module` whose leaves are exactly `leaves` (leaf -> safetensors dtype);
+    None when none is."""
+    return next((h for h in forms_of(module) if {leaf.name: leaf.dtype for leaf in h.leaves} == leaves), None)
+
+
+def nearest_held_linears(module: str, leaves: dict[str, str]) -> list[HeldLinear]:
+    """The forms of native linear `module` sharing the most leaf names, then (leaf, dtype) pairs, with
+    `leaves` (an FP8 weight alone is as near to the native pair as to compressed-tensors' FP8 block):
+    what a refusal says is missing, extra or of another dtype."""
 
     def shared(h: HeldLinear) -> tuple[int, int]:  # leaf names first, then (name, dtype) pairs
         return sum(x.name in leaves for x in h.leaves), sum(leaves.get(x.name) == x.dtype for x in h.leaves)
 
-    best = max(shared(h) for h in HELD_LINEARS.values())
-    return [h for h in HELD_LINEARS.values() if shared(h) == best]
+    forms = forms_of(module)
+    best = max(shared(h) for h in forms)
+    return [h for h in forms if shared(h) == best]
 
 
 # the routed-expert storages by the container a held form names (the others are kept as bf16)

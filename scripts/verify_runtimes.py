@@ -78,8 +78,16 @@ Pass rule per loader there: no error, no fed tensor reaching no parameter (but t
 table's [copy] sources and mtp.* [skip] rules), every parameter part (shard, expert)
 filled exactly once, and every parameter's value what the native checkpoint gives: FP8
 bytes equal, an F32 weight_scale = 2^e of the E8M0, U8 weight_packed / weight_scale the
-native bytes, a bf16 weight the native weight dequantised (a requantised leaf with no
-native counterpart is reported not exact). What is cut out for it: VLLM_BUILD_CUTS
+native bytes, a bf16 weight the native weight dequantised. A tensor DRAFT's conversion.json
+records a measured error of ("serve" -> "tensors" -> NAME with max_abs_error and rel_rms_error:
+a weight rebuilt in another format) has no native bytes: its parameter part must hold it as DRAFT
+does, of the parameter's dtype (weight_shape: each shard writes it whole, the last stays, in the
+parameter's dtype), and its module, decoded as the converter decodes it, must differ from the
+native weight by the recorded errors to 1e-6 relative (runtime_loaders/lossy.py): a lossy one
+("exact": false, a match-target --allow-lossy requantisation) by its error, which the table
+prints with the worst of its parameters; an exact one (FP4 experts re-blocked into FP8, a bf16
+dequantisation) by none. Without a record every value is held to the native one. What is cut
+out for it: VLLM_BUILD_CUTS
 (vllm_build.py: compressed-tensors config and utils, the transform lookup, parameter
 classes, fp8_utils' parameter makers, the linear and RoutedExperts classes, the CT linear
 schemes W8A8Fp8 / WNA16 / W4A4Fp4 / W4A4Mxfp4 and MoE methods W8A8Fp8 / WNA16 / W4A4Nvfp4 /

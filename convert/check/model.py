@@ -19,6 +19,7 @@ from dsv4.convert.check.context import Context, Skipped, first_line, short
 from dsv4.convert.errors import CheckError
 from dsv4.convert.quant_config import check_draft_quantization
 from dsv4.convert.route_load import Found, held_forms, is_held_for_a_target
+from dsv4.convert.served import agreement_line, recorded_agreement
 from dsv4.mapping.targets import bundled_target
 from dsv4.model.checkpoint import INDEX_NAME
 from dsv4.model.config import ModelConfig
@@ -184,6 +185,12 @@ def check_native(ctx: Context, details: dict[str, Any]) -> str:
         raise Skipped("not requested (--native SRC)")
     if ctx.smoke_report is None:
         raise Skipped("needs the smoke run (smoke check failed or was skipped)")
+    if recorded_agreement(ctx.root) is not None:  # a lossy match-target draft: as `smoke --native` reports it
+        from dsv4.convert.inmemory import match_target_figures
+
+        figures = match_target_figures(ctx.root, ctx.native, ctx.smoke_report["device"], ctx.tokens)
+        details["agreement"] = {"measured": True, **figures}
+        return f"{agreement_line(details['agreement'])}; a lossy match-target draft, not held to parity"
     passed, said = parity_verdict(ctx.smoke_report, ctx.min_top1, ctx.max_rel_diff)  # the rule of `smoke --native`
     details.update({k: v for k, v in ctx.smoke_report.items() if k in PARITY_DETAILS})
     if not passed:

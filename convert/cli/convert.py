@@ -119,8 +119,11 @@ def convert_command(
         click.echo(f"dry run: {out} {DRY_RUN_OUTCOMES[would]}; nothing was written")
         return
     result = convert(where, out, wait=wait, quiet=quiet or as_json, **options)
+    from dsv4.convert.served import agreement_line, recorded_agreement
+
+    figures = recorded_agreement(result.out) if serving is not None else None
     if as_json:
-        echo_json(result.to_json())
+        echo_json(result.to_json() | ({"agreement": figures} if figures is not None else {}))
     elif result.status == "up-to-date":
         click.echo(
             f"{out}: already up to date (same source, table {result.plan.table} v{result.plan.table_version}); "
@@ -131,6 +134,8 @@ def convert_command(
             f"{result.status} {result.tensors} tensors into {out}: read {gb(result.bytes_read)}, wrote "
             f"{gb(result.bytes_written)} in {result.seconds:.1f} s"
         )
+    if figures is not None and not as_json:
+        click.echo(agreement_line(figures))
     if serving is not None and not as_json:
         from dsv4.convert.serving import COMMANDS_FILE
 

@@ -157,7 +157,9 @@ def _decisions(
                     path=where,
                     field=f"{found.field}.targets",
                 )
-            scheme, calibrate = scheme_for(found, _storage(layers, m, native), _pair_of(layers, m))
+            scheme, calibrate = scheme_for(
+                found, _storage(layers, m, native), _pair_of(layers, m), experts=kind == "moe"
+            )
             if calibrate is not None:
                 raise error(
                     f"{where}: {found.field} gives {name} a calibrated {calibrate} (static activation scale); "

@@ -14,7 +14,10 @@ Parameters per scheme (read in vLLM's create_weights):
   `weight_scale` bf16 [N, K/g], `weight_shape` i64 [2].
 * NVFP4A16 (schemes/compressed_tensors_w4a4_nvfp4.py:38-91): `weight_packed` u8 [N,K/2],
   `weight_scale` e4m3 [N,K/16], `weight_global_scale` f32 [1], one per fused pair (vLLM keeps the
-  max of a pair, :98-106, so the pair's parts are each other's inputs).
+  max of a pair, :98-106, so the pair's parts are each other's inputs). Its MoE method
+  (compressed_tensors_moe/compressed_tensors_moe_w4a4_nvfp4.py:167-185) registers
+  `w13_input_global_scale` / `w2_input_global_scale` in A16 mode too, which no A16 kernel reads:
+  an expert's `input_global_scale` is written 1.0 (`unit_scale`) so every parameter is filled.
 Everything that is not an FP8 block or an MXFP4 byte copy is a round-to-nearest requantisation:
 lossy, written only when asked for.
 """
@@ -75,8 +78,11 @@ def _mxfp4_copy(part: str, native: Layout) -> list[Output]:
     ] + _others(part, native)
 
 
-def _requant(group: Group, pair: Callable[[str], tuple[str, ...]]) -> Callable[[str, Layout], list[Output]]:
-    """Round-to-nearest into `group`'s scheme; `pair(part)` the parts sharing a global scale."""
+def _requant(
+    group: Group, pair: Callable[[str], tuple[str, ...]], experts: bool
+) -> Callable[[str, Layout], list[Output]]:
+    """Round-to-nearest into `group`'s scheme; `pair(part)` the parts sharing a global scale;
+    `experts`: the parts are routed experts'."""
     args = group.args()
 
     def outputs(part: str, native: Layout) -> list[Output]:
@@ -93,10 +99,20 @@ def _requant(group: Group, pair: Callable[[str], tuple[str, ...]]) -> Callable[[
             leaves.append(("weight_global_scale", "F32", (1,)))
         else:
             leaves = [("weight_packed", "U8", (n, k // 2)), ("weight_scale", "U8", (n, k // 32))]
-        return [
+        made = [
             Output(f"{part}.{leaf}", dtype, shape, f"requant.{leaf}", inputs, exact=False, args=args)
             for leaf, dtype, shape in leaves
-        ] + _others(part, native)
+        ]
+        if experts and group.scheme == NVFP4A16:
+            # vLLM 0.33.0's NVFP4 MoE method registers w13/w2_input_global_scale in A16 mode too
+            # (compressed_tensors_moe_w4a4_nvfp4.py:167-185) but picks its kernel for unquantised
+            # activations (:66), which only Marlin, Humming and a B12X asked for by name take
+            # (fused_moe/experts/*.py _supports_quant_scheme); Marlin and Humming drop the scale
+            # (fused_moe/oracle/nvfp4.py:452, :461, its W4A16 quant config :554-564), B12X in
+            # w4a16 mode takes unit ones (fused_moe/b12x.py:353-360). So its value is never read: 1.0,
+            # which also keeps the 1/x vLLM takes of it on loading (:249) finite.
+            made.append(Output(f"{part}.input_global_scale", "F32", (1,), "unit_scale", (f"{part}.scale",)))
+        return made + _others(part, native)
 
     return outputs
 
@@ -105,16 +121,18 @@ CT_FP8_BLOCK = Scheme("ct-fp8-block", _fp8_block)
 CT_MXFP4 = Scheme("ct-mxfp4", _mxfp4_copy)
 
 
-def scheme_for(group: Group, storage: str, pair: Callable[[str], tuple[str, ...]]) -> tuple[Scheme, str | None]:
+def scheme_for(
+    group: Group, storage: str, pair: Callable[[str], tuple[str, ...]], *, experts: bool
+) -> tuple[Scheme, str | None]:
     """(the scheme a module stored as `storage` (its weight dtype) takes in `group`, the
-    parameter that needs calibration or None). FP8 block is exact from either storage; MXFP4 is
-    a byte copy of FP4; the rest is requantised."""
+    parameter that needs calibration or None); `experts`: the module is routed experts. FP8
+    block is exact from either storage; MXFP4 is a byte copy of FP4; the rest is requantised."""
     if group.scheme == FP8_BLOCK:
         return CT_FP8_BLOCK, ("input_scale" if group.static_input else None)
     if group.scheme in (MXFP4, MXFP4A16) and storage == PACKED_FP4:
         return CT_MXFP4, None
     calibrate = "input_global_scale" if group.scheme == NVFP4 else None
-    return Scheme(f"requant-{group.scheme.lower()}", _requant(group, pair)), calibrate
+    return Scheme(f"requant-{group.scheme.lower()}", _requant(group, pair, experts)), calibrate
 
 
 def is_lossy(scheme: Scheme) -> bool:

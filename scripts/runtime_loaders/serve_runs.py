@@ -12,12 +12,14 @@ from typing import Any
 
 import torch
 
+from dsv4.convert.schemes.base import module_of
 from dsv4.mapping.patterns import expand
 from dsv4.mapping.table import Table, load_table, rule_bindings
 from dsv4.model.checkpoint import local_weight_map
 from dsv4.model.config import ModelConfig
 from dsv4.model.reference import fp4_weight, fp8_weight
 
+from .lossy import check_module, measured_record, modules_of
 from .recording import Recorder, attrs, read_tensors
 from .vllm_build import build_namespace, imports_from, quant_config_for
 from .vllm_layer import Built, build_layer
@@ -25,6 +27,14 @@ from .vllm_runs import VLLM_CUTS, stand_in_layer, table_facts, vllm_namespace
 from .wheels import Wheel
 
 FLOAT_PARAMS = (torch.bfloat16, torch.float16, torch.float32)
+# compressed-tensors' weight_shape, a module's logical [rows, cols]: every shard of a fused linear
+# writes the whole parameter, the last one stays (BasevLLMParameter, parameter.py:91-104); an expert's
+# shards write its row (routed_experts.py:633-639, 983-988) of a parameter in the model dtype
+# (compressed_tensors_moe_wna16.py:346-355), which the loader's copy casts the int64 shape into
+WHOLE = ".weight_shape"
+# NVFP4A16 experts' activation scale: registered in A16 mode, read by no A16 kernel, written 1.0 by the
+# converter (convert/schemes/ct_schemes.py); no native value is it
+UNREAD_SCALE = "input_global_scale"
 
 
 @dataclass
@@ -46,10 +56,15 @@ class ServeReport:
     unfilled: list[str] = field(default_factory=list)  # parameter parts no tensor filled
     twice: list[str] = field(default_factory=list)
     inexact: list[str] = field(default_factory=list)
+    # parameters filled from tensors conversion.json records as lossy -> [max abs, rel RMS] error of
+    # their modules' decoded weights against the native ones (the worst), and the tensors (lossy, or
+    # exact ones re-expressed, recorded 0.0) whose measured error is not the recorded one (lossy.py)
+    lossy: dict[str, list[float]] = field(default_factory=dict)
+    off_record: list[str] = field(default_factory=list)
 
     @property
     def passed(self) -> bool:
-        return not (self.errors or self.skipped or self.unfilled or self.twice or self.inexact)
+        return not (self.errors or self.skipped or self.unfilled or self.twice or self.inexact or self.off_record)
 
     def summary(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.__dataclass_fields__} | {"passed": self.passed}
@@ -131,6 +146,8 @@ def native_value(fed: str, native: dict[str, torch.Tensor], dtype: torch.dtype) 
     requantised leaf)."""
     base, _, leaf = fed.rpartition(".")
     weight, scale = native.get(base + ".weight"), native.get(base + ".scale")
+    if leaf == UNREAD_SCALE:
+        return torch.ones(1, dtype=dtype)
     if leaf == "weight_scale" and scale is not None:
         return scale.float() if dtype.is_floating_point else scale.view(torch.uint8)
     if leaf == "weight_packed" and weight is not None and weight.dtype == torch.int8:
@@ -145,11 +162,23 @@ def native_value(fed: str, native: dict[str, torch.Tensor], dtype: torch.dtype) 
     return same
 
 
-def _assembled(param: Any, fills: list[Fill], native: dict[str, torch.Tensor]) -> torch.Tensor | None:
+def _assembled(
+    param: Any, fills: list[Fill], native: dict[str, torch.Tensor], held: dict[str, torch.Tensor]
+) -> torch.Tensor | None:
     """The parameter as the native values would fill it at TP 1 (shards stacked in id order
-    on dim 0, w13 = w1 then w3, experts by id)."""
+    on dim 0, w13 = w1 then w3, experts by id); a part fed from a tensor held to its record (`held`: no
+    native value is it) holds that tensor as the draft has it, of the parameter's dtype (a loader's
+    cast would change its bits: not the format the converter wrote)."""
     dtype = param.data.dtype
-    values = {(f.shard, f.expert): native_value(f.tensor, native, dtype) for f in fills}
+    if fills and all(f.tensor in held and f.tensor.endswith(WHOLE) for f in fills):
+        return _written_whole(param, fills, held)
+
+    def value(fed: str) -> torch.Tensor | None:
+        if fed in held:
+            return held[fed] if held[fed].dtype == dtype else None
+        return native_value(fed, native, dtype)
+
+    values = {(f.shard, f.expert): value(f.tensor) for f in fills}
     if any(v is None for v in values.values()):
         return None
     if all(f.expert is None for f in fills):
@@ -159,6 +188,18 @@ def _assembled(param: Any, fills: list[Fill], native: dict[str, torch.Tensor]) -
     for e in sorted({f.expert for f in fills}):
         shards = [values[(s, e)] for s in ("w1", "w3", "w2") if (s, e) in values]
         out[e] = torch.cat(shards).to(dtype) if len(shards) > 1 else shards[0].to(dtype)
+    return out
+
+
+def _written_whole(param: Any, fills: list[Fill], held: dict[str, torch.Tensor]) -> torch.Tensor:
+    """A WHOLE parameter after its fills, in feeding order: each one overwrites it (per expert a row)."""
+    out = param.data.clone()
+    for f in fills:
+        value = held[f.tensor].to(out.dtype)
+        if f.expert is None:
+            out = value.reshape(out.shape)
+        else:
+            out[f.expert] = value
     return out
 
 
@@ -217,8 +258,34 @@ def serve_run(
     reached = {f.tensor for fs in fills.values() for f in fs}
     errored = {e.split(":", 1)[0] for e in report.errors}
     report.skipped = [t for t in fed if t not in reached and t not in errored and not droppable(t)]
-    _account(built, table, fills, _native(native, reached), config["n_routed_experts"], report)
+    recorded = _record_checked(draft, native, reached, ModelConfig.from_dict(config), report)
+    _account(built, table, fills, _native(native, reached), recorded, config["n_routed_experts"], report)
     return report
+
+
+@dataclass
+class _Recorded:
+    values: dict[str, torch.Tensor]  # fed tensor held to its record -> as the draft holds it
+    errors: dict[str, tuple[float, float]]  # draft module -> (max abs, rel RMS) measured
+    lossy: set[str]  # the fed tensors recorded as lossy
+
+
+def _record_checked(draft: Path, native: Path, reached: set[str], cfg: ModelConfig, report: ServeReport) -> _Recorded:
+    """The fed tensors DRAFT's conversion.json records a measured error of, as the draft holds them;
+    each of their modules' error measured and compared with the record (report.off_record)."""
+    record = measured_record(draft)
+    modules = modules_of(reached & set(record))
+    weight_map, _ = local_weight_map(draft)
+    held = _read(draft, {n for n in weight_map if module_of(n) in modules})
+    natives = _read(native, {f"{m}.{leaf}" for m in modules for leaf in ("weight", "scale")})
+    errors = {}
+    for m, names in modules.items():
+        leaves = {n.rsplit(".", 1)[1]: t for n, t in held.items() if module_of(n) == m}
+        checked = check_module(m, leaves, natives, {n: record[n] for n in names}, cfg)
+        report.off_record += checked.off_record
+        errors[m] = (checked.max_abs_error, checked.rel_rms_error)
+    values = {n: held[n] for names in modules.values() for n in names}
+    return _Recorded(values, errors, {n for n in values if record[n]["exact"] is False})
 
 
 def _feed(model: Any, draft: Path, rec: Recorder, report: ServeReport, completeness: list[bool]) -> list[str]:
@@ -252,13 +319,17 @@ def _feed(model: Any, draft: Path, rec: Recorder, report: ServeReport, completen
 
 def _native(native: Path, names: set[str]) -> dict[str, torch.Tensor]:
     """The native checkpoint's tensors behind the fed names (X.weight and X.scale for X.*)."""
+    return _read(native, {n for f in names for n in (f, module_of(f) + ".weight", module_of(f) + ".scale")})
+
+
+def _read(root: Path, names: set[str]) -> dict[str, torch.Tensor]:
+    """The tensors of checkpoint `root` among `names`."""
     from safetensors import safe_open
 
-    weight_map, _ = local_weight_map(native)
-    wanted = {n for f in names for n in (f, f.rpartition(".")[0] + ".weight", f.rpartition(".")[0] + ".scale")}
+    weight_map, _ = local_weight_map(root)
     out: dict[str, torch.Tensor] = {}
-    for name in sorted(wanted & set(weight_map)):
-        with safe_open(native / weight_map[name], framework="pt") as f:
+    for name in sorted(names & set(weight_map)):
+        with safe_open(root / weight_map[name], framework="pt") as f:
             out[name] = f.get_tensor(name)
     return out
 
@@ -268,6 +339,7 @@ def _account(
     table: _Table,
     fills: dict[str, list[Fill]],
     native: dict[str, torch.Tensor],
+    recorded: _Recorded,
     n_experts: int,
     report: ServeReport,
 ) -> None:
@@ -284,9 +356,12 @@ def _account(
             continue
         report.filled += 1
         try:
-            expected = _assembled(param, fills[name], native)
+            expected = _assembled(param, fills[name], native, recorded.values)
             exact = expected is not None and _same(expected.reshape(param.data.shape), param.data)
         except RuntimeError:  # the native values do not even have the parameter's shape
             exact = False
         if not exact:
             report.inexact.append(name)
+        errors = [recorded.errors[module_of(f.tensor)] for f in fills[name] if f.tensor in recorded.lossy]
+        if errors:  # held as placed (above) and to the recorded error (_record_checked), not to the native value
+            report.lossy[name] = [max(e[0] for e in errors), max(e[1] for e in errors)]

@@ -90,15 +90,15 @@ def sglang_report(wheel: Wheel, loader: str, draft: Path, native: Path) -> Serve
 def serve_table(target: str, route: str, reports: list[ServeReport]) -> list[str]:
     lines = [
         "| target scheme | route | loader | draft methods | tensors fed | params filled "
-        "| errors | skips | exact | pass |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| errors | skips | exact | lossy placed (max abs, rel RMS) | pass |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in reports:
         methods = ", ".join(sorted({m.split(":")[0] for m in r.methods.values()}))
-        exact = f"{r.filled - len(r.inexact)}/{r.filled}"
+        exact = f"{r.filled - len(set(r.inexact) | set(r.lossy))}/{r.filled}"
         lines.append(
             f"| {target} | {route} | {r.loader} | {methods} | {r.fed} | {r.filled}/{r.params} | "
-            f"{len(r.errors)} | {len(r.skipped)} | {exact} | {'yes' if r.passed else 'NO'} |"
+            f"{len(r.errors)} | {len(r.skipped)} | {exact} | {lossy_cell(r)} | {'yes' if r.passed else 'NO'} |"
         )
     for r in reports:
         for label, items in (
@@ -107,7 +107,18 @@ def serve_table(target: str, route: str, reports: list[ServeReport]) -> list[str
             ("unfilled", r.unfilled),
             ("filled twice", r.twice),
             ("not exact", r.inexact),
+            ("error not as recorded", r.off_record),
         ):
             if items:
                 lines.append(f"{r.loader}: {label} {len(items)}, e.g. {'; '.join(items[:3])}")
     return lines
+
+
+def lossy_cell(r: ServeReport) -> str:
+    """How many of the parameters fed lossy tensors hold them as the draft does, and their worst error."""
+    if not r.lossy:
+        return "-"
+    held = [p for p in r.lossy if p not in r.inexact]
+    worst_abs = max(e[0] for e in r.lossy.values())
+    worst_rms = max(e[1] for e in r.lossy.values())
+    return f"{len(held)}/{len(r.lossy)} ({worst_abs:.4g}, {worst_rms:.4g})"

@@ -311,6 +311,23 @@ def test_the_schemes_make_the_tensors_vllm_loads(plans: dict[str, Plan]) -> None
         "mtp.0.ffn.experts.0.w3.scale",
     )
     assert nv[f"{w1}.weight_scale"].dtype == "F8_E4M3" and nv[f"{w1}.weight_scale"].shape == (128, 16)
+    # vLLM's NVFP4 MoE method registers an input_global_scale in A16 mode too, which no A16 kernel
+    # reads: each expert part gets a unit one (exact), so every parameter is filled; a linear has none
+    unit = nv[f"{w1}.input_global_scale"]
+    assert (unit.dtype, unit.shape, unit.transform, unit.inputs, unit.exact) == (
+        "F32",
+        (1,),
+        "unit_scale",
+        (f"{w1}.scale",),
+        True,
+    )
+    assert {n.rsplit(".", 1)[1] for n in nv if n.startswith("mtp.0.ffn.experts.3.w2.")} == {
+        "weight_packed",
+        "weight_scale",
+        "weight_global_scale",
+        "input_global_scale",
+    }
+    assert f"{wq_a}.input_global_scale" not in nv and "mtp.0.ffn.shared_experts.w1.input_global_scale" not in nv
 
 
 def test_match_target_with_fp4_experts_reblocks_them_into_fp8(plans: dict[str, Plan]) -> None:

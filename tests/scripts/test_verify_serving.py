@@ -10,17 +10,25 @@ from the cache the test command fills (never downloaded here, never skipped).
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 
 # beside this file (pytest puts a test file's directory on sys.path)
 import serve_fixtures as sf
+import torch
 from safetensors.torch import load_file, save_file
 from test_verify_runtimes import vr
 
 from dsv4.convert.pipeline import convert
+from dsv4.convert.route_load import held_forms
+from dsv4.convert.serving import Serving
+from dsv4.convert.serving_target import read_serving_target
 from dsv4.convert.synth import write_checkpoint
+from dsv4.model.checkpoint import Checkpoint
+from dsv4.model.errors import LoadError
+from tests.quant_configs import serving_target
 
 MTP_LOADERS = ["vllm-nvidia-mtp", "vllm-amd-mtp", "vllm-xpu-mtp"]
 LAYER = 2  # the tiny preset's num_hidden_layers: the draft is vLLM's model.layers.2
@@ -307,7 +315,7 @@ def test_the_command_prints_the_table_and_exits_by_the_result(
     assert vr.main([str(dirs["overlay"]), *common, "--overrides", str(overrides), "--loader", "vllm-xpu-mtp"]) == 0
     row = capsys.readouterr().out.splitlines()[2]
     assert row.startswith("| mxfp4-pack-quantized | overrides.json | vllm-xpu-mtp |") and row.endswith(
-        "| 0 | 0 | 39/39 | yes |"
+        "| 0 | 0 | 39/39 | - | yes |"
     )
     assert vr.main([str(dirs["instruct/draft"]), *common, "--loader", "vllm-xpu-mtp"]) == 1
     assert "KeyError" in capsys.readouterr().out
@@ -319,3 +327,128 @@ def test_the_command_prints_the_table_and_exits_by_the_result(
         == 2
     )
     assert "--serve-with takes a compressed-tensors target" in capsys.readouterr().err
+
+
+def match_target(root: Path, preset: str) -> dict[str, Path]:
+    """The converter's match-target --allow-lossy draft of the tiny instruct checkpoint beside a
+    `preset` target (its wo_a in an FP8 block group, as a V4 target's must be): lossy linears and experts."""
+    native = write_checkpoint(root / "native", preset="tiny", variant="instruct", seed=0)
+    config = json.loads((native / "config.json").read_text())
+    target = write_json(root / "target.json", {**config, "quantization_config": serving_target(preset, ["lm_head"])})
+    serving = Serving(read_serving_target(target), route="match-target", allow_lossy=True)
+    convert(native, root / "draft", target="draft", serving=serving)
+    return {"native": native, "draft": root / "draft", "target": target}
+
+
+@pytest.fixture(scope="module")
+def w4a16(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return match_target(tmp_path_factory.mktemp("w4a16"), "W4A16")
+
+
+def copied(draft: Path, to: Path) -> tuple[Path, dict]:
+    shutil.copytree(draft, to)
+    return to / "model-00001-of-00001.safetensors", load_file(to / "model-00001-of-00001.safetensors")
+
+
+def test_a_lossy_match_target_draft_passes_where_its_errors_are_the_recorded_ones(w4a16: dict[str, Path], wheels: Path):
+    reports = vr.verify_serving(wheels, w4a16["draft"], w4a16["target"], None, w4a16["native"], MTP_LOADERS)[1]
+    record = json.loads((w4a16["draft"] / "conversion.json").read_text())["serve"]["tensors"]
+    worst = max(e["max_abs_error"] for e in record.values() if not e["exact"])
+    for r in reports:
+        assert r.passed, r.summary()
+        assert r.filled == r.params == 48 and not r.inexact
+        # wo_a (FP8 block) and the norms, hc_*, sink and router are held to the native values; every
+        # WNA16 leaf to its record (weight_shape written whole by each shard, the last one kept)
+        lossy = {p.rsplit(".", 1)[1] for p in r.lossy}
+        assert len(r.lossy) == 27 and lossy == {"weight_packed", "weight_scale", "weight_shape"} | {
+            f"w{n}_weight_{leaf}" for n in (13, 2) for leaf in ("packed", "scale", "shape")
+        }
+        assert f"model.layers.{LAYER}.mtp_block.attn.wo_a.weight_scale" not in {*r.lossy, *r.inexact}
+        assert max(e[0] for e in r.lossy.values()) == pytest.approx(worst, rel=1e-6)
+    lines = vr.serve_table("pack-quantized", "no overrides", reports)
+    assert lines[2].endswith(
+        f"| 21/48 | 27/27 ({worst:.4g}, {max(e[1] for e in reports[0].lossy.values()):.4g}) | yes |"
+    )
+
+
+def test_a_lossy_tensor_whose_bytes_or_dtype_changed_fails(w4a16: dict[str, Path], wheels: Path, tmp_path: Path):
+    shard, tensors = copied(w4a16["draft"], tmp_path / "changed")
+    packed = tensors["mtp.0.e_proj.weight_packed"].clone()
+    packed[0, 0] ^= 0x7
+    tensors["mtp.0.e_proj.weight_packed"] = packed  # a changed code: loads, but is not the recorded requantisation
+    tensors["mtp.0.attn.wq_b.weight_scale"] = tensors["mtp.0.attn.wq_b.weight_scale"].float()  # the loader would cast
+    rewrite(shard, tensors)
+    (r,) = vr.verify_serving(wheels, shard.parent, w4a16["target"], None, w4a16["native"], ["vllm-nvidia-mtp"])[1]
+    assert not r.passed and not r.errors and not r.unfilled
+    assert any(o.startswith("mtp.0.e_proj.weight_packed: max_abs_error measured") for o in r.off_record)
+    assert r.inexact == [f"model.layers.{LAYER}.mtp_block.attn.wq_b.weight_scale"]
+
+
+def test_without_the_record_a_lossy_draft_is_held_to_the_native_values(
+    w4a16: dict[str, Path], wheels: Path, tmp_path: Path
+):
+    shard, _ = copied(w4a16["draft"], tmp_path / "unrecorded")
+    (shard.parent / "conversion.json").unlink()
+    (r,) = vr.verify_serving(wheels, shard.parent, w4a16["target"], None, w4a16["native"], ["vllm-nvidia-mtp"])[1]
+    assert not r.passed and not r.lossy
+    assert f"model.layers.{LAYER}.e_proj.weight_packed" in r.inexact
+
+
+@pytest.fixture(scope="module")
+def nvfp4a16(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return match_target(tmp_path_factory.mktemp("nvfp4a16"), "NVFP4A16")
+
+
+def test_nvfp4a16_experts_fill_the_input_global_scale_vllm_registers_in_a16_mode(
+    nvfp4a16: dict[str, Path], wheels: Path
+) -> None:
+    # compressed_tensors_moe_w4a4_nvfp4.py:167-185 registers w13/w2_input_global_scale whatever
+    # use_a16 says; no A16 backend reads it (oracle/nvfp4.py: Marlin and Humming drop a13_scale,
+    # B12X in w4a16 mode takes unit scales), so the converter writes 1.0, exactly
+    made = nvfp4a16
+    record = json.loads((made["draft"] / "conversion.json").read_text())["serve"]["tensors"]
+    unit = record["mtp.0.ffn.experts.0.w1.input_global_scale"]
+    assert unit["transform"] == "unit_scale" and unit["exact"] is True
+    assert load_file(made["draft"] / "model-00001-of-00001.safetensors")[
+        "mtp.0.ffn.experts.5.w2.input_global_scale"
+    ].tolist() == [1.0]
+    reports = vr.verify_serving(wheels, made["draft"], made["target"], None, made["native"], MTP_LOADERS)[1]
+    experts = f"model.layers.{LAYER}.mtp_block.ffn.experts.routed_experts"
+    for r in reports:
+        assert r.passed, r.summary()
+        assert r.filled == r.params == 50 and not r.unfilled
+        assert r.methods[f"model.layers.{LAYER}.ffn.experts"] == "CompressedTensorsW4A4Nvfp4MoEMethod"
+        # held to the unit value like an exact tensor, not to a record
+        for scale in (f"{experts}.w13_input_global_scale", f"{experts}.w2_input_global_scale"):
+            assert scale not in r.lossy and scale not in r.inexact
+        assert f"{experts}.w13_weight_packed" in r.lossy
+
+
+def test_only_a_routed_experts_linear_is_held_with_an_input_global_scale(nvfp4a16: dict[str, Path]) -> None:
+    checkpoint = Checkpoint(nvfp4a16["draft"])
+    found = {n: (t.dtype, t.shape) for n, t in checkpoint.headers.tensors.items()}
+    forms = held_forms(checkpoint.model_config, found, "draft")
+    assert forms["mtp.0.ffn.experts.0.w1"].name == "nvfp4a16-experts"
+    assert forms["mtp.0.ffn.shared_experts.w1"].name == forms["mtp.0.attn.wq_b"].name == "nvfp4a16"
+    found["mtp.0.attn.wq_b.input_global_scale"] = ("F32", (1,))
+    with pytest.raises(LoadError, match=r"unexpected tensor mtp\.0\.attn\.wq_b\.input_global_scale"):
+        held_forms(checkpoint.model_config, found, "draft")
+
+
+def test_fp4_experts_reblocked_into_fp8_are_held_to_decoding_to_the_native_values(tmp_path: Path, wheels: Path):
+    # match-target beside an FP8 block target: the FP4 experts become FP8 blocks (exact, recorded
+    # 0.0), bytes no native tensor has: held to their record, so a changed code fails
+    made = match_target(tmp_path / "made", "FP8_BLOCK")
+    (r,) = vr.verify_serving(wheels, made["draft"], made["target"], None, made["native"], ["vllm-nvidia-mtp"])[1]
+    assert r.passed, r.summary()
+    assert r.filled == r.params == 39 and not r.lossy and not r.inexact
+    shard, tensors = copied(made["draft"], tmp_path / "changed")
+    weight = tensors["mtp.0.ffn.experts.2.w2.weight"].view(torch.uint8).clone()
+    weight[0, 0] ^= 0x08
+    tensors["mtp.0.ffn.experts.2.w2.weight"] = weight.view(torch.float8_e4m3fn)
+    rewrite(shard, tensors)
+    (r,) = vr.verify_serving(wheels, shard.parent, made["target"], None, made["native"], ["vllm-nvidia-mtp"])[1]
+    assert not r.passed and not r.inexact  # placed as the draft holds it, but no longer the native values
+    assert {o.split(":")[0] for o in r.off_record} == {
+        f"mtp.0.ffn.experts.2.w2.{leaf}" for leaf in ("weight", "weight_scale")
+    }
