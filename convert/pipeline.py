@@ -30,7 +30,7 @@ from dsv4.convert.output import OutputClaim, claim_output
 from dsv4.convert.plan import Plan, PlannedTensor, plan_conversion, plan_reverse
 from dsv4.convert.quant_config import carried_quantization
 from dsv4.convert.routes import apply_route
-from dsv4.convert.served import measure_agreement, serve_record
+from dsv4.convert.served import measure_agreement, serve_object
 from dsv4.convert.serving import Served, Serving, decide_serving, draft_config, serving_output, write_serve_files
 from dsv4.convert.sources.location import locate, open_source
 from dsv4.convert.sources.source import HubSpec, Source, local_root
@@ -336,7 +336,7 @@ def _write_records(
         config_fields=runtime_config_fields(
             strictjson.loads(config) if isinstance(config, bytes) else config
         ),  # as written
-        serve=serve_record(
+        serve=serve_object(
             plan, journal, serving[1] if serving is not None else None, measure_agreement(plan, partial, native)
         ),
     ).write(partial)

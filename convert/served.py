@@ -69,7 +69,7 @@ def agreement_line(figures: dict[str, Any]) -> str:
     )
 
 
-def serve_record(
+def serve_object(
     plan: Plan,
     journal: dict[str, dict[str, Any]],
     target: dict[str, Any] | None = None,
