@@ -19,7 +19,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from dsv4.convert.choose import choose_table
+from dsv4.convert.choose import choose_table, drafter_family
 from dsv4.convert.errors import PlanError
 from dsv4.convert.launch import serve_commands
 from dsv4.convert.plan import Plan, plan_conversion
@@ -27,7 +27,7 @@ from dsv4.convert.schemes.base import ROUTES, ServePlan, layer_map
 from dsv4.convert.schemes.registry import serve_plan
 from dsv4.convert.serving_target import QUANTIZATION, ServingTarget
 from dsv4.convert.sources.inventory import Inventory
-from dsv4.mapping.targets import bundled_target, require_target
+from dsv4.mapping.targets import Drafter, bundled_target, drafter_families, require_target
 from dsv4.model.native import Layout, standalone_draft_layout
 from dsv4.model.record import sha256_hex
 from dsv4.model.strictjson import json_bytes, write_bytes
@@ -56,6 +56,7 @@ class Served:
     layout: str  # the draft's --target (a serving target file: mapping/targets/draft.toml)
     drafter: str  # "mtp" or "dspark" (the draft table's), which launch command serves it
     native: Layout  # the native draft's layout, what the schemes derive the tensors from
+    family: str | None = None  # the drafter family (mapping/drafters.py): its releases and platforms in the commands
 
 
 def decide_serving(inventory: Inventory, plan: Plan, serving: Serving) -> Served:
@@ -74,7 +75,8 @@ def decide_serving(inventory: Inventory, plan: Plan, serving: Serving) -> Served
         route=serving.route,
         allow_lossy=serving.allow_lossy,
     )
-    return Served(serving, decided, plan.target, plan.identity.drafter, native)
+    family = drafter_family(inventory, plan.target)
+    return Served(serving, decided, plan.target, plan.identity.drafter, native, family)
 
 
 def draft_config(plan: Plan, served: Served) -> dict[str, Any] | bytes:
@@ -97,6 +99,15 @@ def quant_method(config: dict[str, Any]) -> str | None:
     return method if isinstance(method, str) else None
 
 
+def _released_family(served: Served) -> Drafter | None:
+    """The drafter family whose releases and platforms the commands name, for the native draft
+    only: a route that renames or requantises tensors was run against this tool's runtime
+    versions alone, which the commands then name (the target's card)."""
+    if served.plan.route != "native" or served.family is None:
+        return None
+    return drafter_families()[1].get(served.family)
+
+
 def serve_files(served: Served, out: Path) -> dict[str, bytes]:
     """OUT/serve/'s files (module docstring) for a draft published at `out` (absolute: the
     commands name it, and the overrides file by its path under it)."""
@@ -113,6 +124,7 @@ def serve_files(served: Served, out: Path) -> dict[str, bytes]:
         route=served.plan.route,
         overrides=overrides,
         quantization=quant_method({QUANTIZATION: served.plan.quantization_config}),
+        family=_released_family(served),
     )
     head = f"# Serve {out} beside {served.serving.target.name} ({served.plan.route}: {served.plan.why})\n\n"
     files[COMMANDS_FILE] = (head + commands + "\n").encode()

@@ -62,11 +62,13 @@ def test_a_draft_for_a_deepseek_fp8_target_is_the_native_draft_with_its_launch_c
         f"python -m sglang.launch_server --model-path {native} --speculative-algorithm NEXTN "
         f"--speculative-draft-model-path {out}"
     )
+    # the native draft's commands name its drafter's releases (mapping/targets/draft.toml's
+    # [[drafter]] entries), as `plan` does
     assert commands.splitlines()[2:] == [
-        "# vLLM 0.33.0 (XPU, CUDA, ROCm)",
+        "# vLLM 0.20.1-0.33.0 (XPU, CUDA, ROCm)",
         vllm,
         "",
-        "# SGLang 0.5.23",
+        "# SGLang 0.5.12-0.5.23",
         sglang,
         "# where the target is launched with an explicit --quantization, add "
         "--speculative-draft-model-quantization fp8",
