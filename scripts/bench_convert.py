@@ -7,6 +7,7 @@ converter's own memory on it and on the tiny checkpoint.
     .venv/bin/python scripts/bench_convert.py --target draft       # another installed target (convert --target)
     .venv/bin/python scripts/bench_convert.py --profile            # where the converter's time goes
     .venv/bin/python scripts/bench_convert.py --io-profile         # what every round waited on (scripts/io_profile.py)
+    .venv/bin/python scripts/bench_convert.py --target draft --serve-with T --draft-format overlay   # a serving route
 
 Writes (once, kept for reruns unless --clean) the real-size slice with real data (not
 sparse): embed.weight, head.weight and the MTP block of Flash, ~5.7 GB (`--variant dspark`:
@@ -17,9 +18,11 @@ as listed, even rounds reversed), each from a cold page cache (`echo 3 >
 
 * `cp+sync`: `cp -r SRC DST && sync` (the converter makes its output durable before it
   declares it complete, so `sync` belongs to the copy it is compared with);
-* `convert`: the converter as a whole command (`python -m dsv4 SRC DST --target T --json`:
-  interpreter start-up, imports, table, planning, copy, sha256 of every tensor, fsync,
-  publish); its start-up is the wall time minus the seconds it reports for the copy;
+* `convert`: the converter as a whole command (`convert-dsv4 SRC DST --target T --json`, its
+  entry point run by CONVERT_AND_REPORT below: interpreter start-up, imports, table, planning,
+  copy, sha256 of every tensor, fsync, publish; with --serve-with, --draft-format and
+  --allow-lossy passed on: a route's computed tensors too); its start-up is the wall time minus
+  the seconds it reports for the copy, and it reports its peak RSS (its own memory, below);
 * `disk`: the disk alone on the same bytes: every source file read with O_DIRECT (8 MiB
   requests, 4 in flight: no page cache, no copy), then as many bytes written with O_DIRECT
   to one file on the same disk and fsynced. Its figure is read + write seconds.
@@ -34,7 +37,8 @@ and prints where its main thread (the writer) spends the time.
 
 Memory: the converter's peak RSS minus that of a process that only imports what the
 converter imported (the same module list, taken from the converting process itself), for
-tiny and for the slice.
+tiny and for the slice before the rounds, and for every round's conversion (`own_MiB`). With
+--serve-with only the rounds': the serving target's config describes the slice, not tiny.
 """
 
 from __future__ import annotations
@@ -177,12 +181,22 @@ def report(cmd: list[str], stdin: str | None = None) -> dict:
     return json.loads(done.stdout.rsplit("REPORT", 1)[1])
 
 
+def convert_command(src: Path, dst: Path, target: str, serve: list[str], *options: str) -> list[str]:
+    """The converter's entry point on `src`, reporting its peak RSS and modules after its own output."""
+    return [sys.executable, "-c", CONVERT_AND_REPORT, str(src), str(dst), "--target", target, *serve, *options]
+
+
+def import_baseline_kib(modules: list[str]) -> int:
+    """Peak RSS of a process importing `modules` and nothing else."""
+    return report([sys.executable, "-c", IMPORT_ONLY], stdin=json.dumps(modules))["peak_kib"]
+
+
 def converter_memory(src: Path, dst: Path, target: str) -> dict[str, int]:
     """Peak RSS of a conversion of `src`, of a process importing the same modules, and
     the difference (MiB)."""
     shutil.rmtree(dst, ignore_errors=True)
-    conv = report([sys.executable, "-c", CONVERT_AND_REPORT, str(src), str(dst), "--target", target, "-q"])
-    base = report([sys.executable, "-c", IMPORT_ONLY], stdin=json.dumps(conv["modules"]))
+    conv = report(convert_command(src, dst, target, [], "-q"))
+    base = {"peak_kib": import_baseline_kib(conv["modules"])}
     shutil.rmtree(dst, ignore_errors=True)
     return {
         "peak_MiB": round(conv["peak_kib"] / 1024),
@@ -199,24 +213,43 @@ def sha256_gbps() -> float:
     return round(len(block) / (time.perf_counter() - t) / 1e9, 2)
 
 
-def profile(src: Path, dst: Path, target: str) -> None:
+def profile(src: Path, dst: Path, target: str, serve: list[str]) -> None:
+    from dsv4.convert.cli.common import serving_request
     from dsv4.convert.pipeline import convert
 
     shutil.rmtree(dst, ignore_errors=True)
+    serving = serving_request(target, *serve_values(serve), reverse=False) if serve else None
     drop_caches()
     prof = cProfile.Profile()
     t = time.perf_counter()
-    prof.runcall(convert, src, dst, target=target)
+    prof.runcall(convert, src, dst, target=target, serving=serving)
     print(f"in-process conversion, cold cache: {time.perf_counter() - t:.2f} s", file=sys.stderr)
     shutil.rmtree(dst, ignore_errors=True)
     stats = pstats.Stats(prof, stream=sys.stdout).sort_stats("cumulative")
     stats.print_stats(
         r"(pipeline|execute).py.*\((run_plan|run|_all_zero|still_valid)\)|writer.py.*\((write|start_writeback|sync)\)|"
-        r"_base.py.*\(result\)|\{method 'get' of '_queue|posix.posix_fadvise|method 'write' of '_io|posix.fsync"
+        r"_base.py.*\(result\)|\{method 'get' of '_queue|posix.posix_fadvise|method 'write' of '_io|posix.fsync|"
+        r"execute.py.*\((compute|read_whole)\)|transforms.py.*\(compute\)|transform_ops.py|requant.py.*\(requantise\)"
     )
 
 
-def measure(kind: str, src: Path, dst: Path, files: list[Path], nbytes: int, target: str, io: bool) -> dict:
+def serve_options(args: argparse.Namespace) -> list[str]:
+    """The converter's serving options as given here (empty without --serve-with)."""
+    if args.serve_with is None:
+        return []
+    return ["--serve-with", str(args.serve_with), "--draft-format", args.draft_format] + (
+        ["--allow-lossy"] if args.allow_lossy else []
+    )
+
+
+def serve_values(serve: list[str]) -> tuple[str, str, bool]:
+    """serve_options' list back as serving_request's (serve_with, draft_format, allow_lossy)."""
+    return serve[1], serve[3], "--allow-lossy" in serve
+
+
+def measure(
+    kind: str, src: Path, dst: Path, files: list[Path], nbytes: int, target: str, serve: list[str], io: bool
+) -> dict:
     shutil.rmtree(dst, ignore_errors=True)
     drop_caches()
     row: dict = {"kind": kind, "load_avg": round(os.getloadavg()[0], 2)}
@@ -232,18 +265,23 @@ def measure(kind: str, src: Path, dst: Path, files: list[Path], nbytes: int, tar
             cmd = (
                 ["sh", "-c", f"cp -r '{src}' '{dst}' && sync"]
                 if kind == "cp+sync"
-                else [sys.executable, "-m", "dsv4", str(src), str(dst), "--target", target, "--json"]
+                else convert_command(src, dst, target, serve, "--json")
             )
             seconds, user, system, out = timed(cmd, sampler)
             row |= {"seconds": round(seconds, 2), "user_s": round(user, 2), "sys_s": round(system, 2)}
     if sampler is not None:
         row["io"] = sampler.summary()
     if kind == "convert":
-        result = json.loads(out)
+        cli_out, reported = out.rsplit("REPORT", 1)
+        result, conv = json.loads(cli_out), json.loads(reported)
         row |= {
             "copy_s": round(result["seconds"], 2),
             "startup_s": round(row["seconds"] - result["seconds"], 2),
             "read_vs_plan": round(result["bytes_read"] / result["bytes_planned"], 4),
+            "bytes_written": result["bytes_written"],
+            "written_MB_per_s": round(result["bytes_written"] / row["seconds"] / 1e6),
+            "peak_kib": conv["peak_kib"],
+            "modules": conv["modules"],
         }
     return row
 
@@ -267,6 +305,9 @@ def parse_args() -> argparse.Namespace:
         help="Flash's MTP slice, or V4-Flash-0731's DSpark drafter",
     )
     ap.add_argument("--target", default="xpu", help="the converter's --target")
+    ap.add_argument("--serve-with", type=Path, help="the converter's --serve-with TARGET (a target model's directory)")
+    ap.add_argument("--draft-format", default="auto", help="the converter's --draft-format (with --serve-with)")
+    ap.add_argument("--allow-lossy", action="store_true", help="the converter's --allow-lossy (with --serve-with)")
     ap.add_argument("--skip-memory", action="store_true", help="Do not measure the converter's memory.")
     ap.add_argument(
         "--io-profile",
@@ -292,10 +333,12 @@ def source_checkpoints(work: Path, variant: str) -> tuple[Path, Path]:
     return src, tiny
 
 
-def one_round(r: int, src: Path, dst: Path, files: list[Path], nbytes: int, target: str, io: bool) -> dict:
+def one_round(
+    r: int, src: Path, dst: Path, files: list[Path], nbytes: int, target: str, serve: list[str], io: bool
+) -> dict:
     """Round `r`: the three measurements, in the listed order in odd rounds, reversed in even."""
     kinds = ("cp+sync", "disk", "convert") if r % 2 else ("convert", "disk", "cp+sync")
-    rows = {kind: measure(kind, src, dst, files, nbytes, target, io) for kind in kinds}
+    rows = {kind: measure(kind, src, dst, files, nbytes, target, serve, io) for kind in kinds}
     shutil.rmtree(dst, ignore_errors=True)
     c = rows["convert"]
     return {
@@ -313,8 +356,8 @@ def print_round_table(rounds: list[dict], vs_cp: list[float], vs_disk: list[floa
     one JSON document."""
     print(
         "\n| round | order | load avg | cp -r + sync s | convert s (start-up) | convert user/sys s "
-        "| disk read + write s | convert / cp+sync | convert / disk |\n"
-        "|---|---|---|---:|---:|---:|---:|---:|---:|",
+        "| disk read + write s | convert / cp+sync | convert / disk | written GB (MB/s) | own MiB |\n"
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
         file=sys.stderr,
     )
     for row in rounds:
@@ -323,7 +366,8 @@ def print_round_table(rounds: list[dict], vs_cp: list[float], vs_disk: list[floa
             f"| {row['round']} | {row['order']} | {', '.join(f'{x:.1f}' for x in row['load_avg'])} "
             f"| {row['cp+sync']['seconds']:.2f} | {c['seconds']:.2f} ({c['startup_s']:.2f}) "
             f"| {c['user_s']:.1f}/{c['sys_s']:.1f} | {d['read_s']:.2f} + {d['write_s']:.2f} "
-            f"| {row['convert_vs_cp_sync']:.2f}x | {row['convert_vs_disk']:.2f}x |",
+            f"| {row['convert_vs_cp_sync']:.2f}x | {row['convert_vs_disk']:.2f}x "
+            f"| {c['bytes_written'] / 1e9:.3f} ({c['written_MB_per_s']}) | {c['own_MiB']} |",
             file=sys.stderr,
         )
     if "io" in rounds[0]["convert"]:
@@ -369,8 +413,9 @@ def main() -> None:
     args = parse_args()
     src, tiny = source_checkpoints(args.work, args.variant)
     dst = args.work / "dst"
+    serve = serve_options(args)
     if args.profile:
-        profile(src, dst, args.target)
+        profile(src, dst, args.target, serve)
         return
     inv = read_inventory(src)
     plan = plan_conversion(inv, choose_table(args.target, inv))
@@ -379,14 +424,19 @@ def main() -> None:
     source_bytes = sum(p.stat().st_size for p in src.rglob("*") if p.is_file())
     memory = (
         {}
-        if args.skip_memory
+        if args.skip_memory or serve
         else {"tiny": converter_memory(tiny, dst, args.target), "slice": converter_memory(src, dst, args.target)}
     )  # also warms the layout cache
     print(json.dumps({"memory": memory}), file=sys.stderr)
     cold = drop_caches()
     rounds = []
     for r in range(1, args.rounds + 1):
-        rounds.append(one_round(r, src, dst, files, nbytes, args.target, args.io_profile))
+        rounds.append(one_round(r, src, dst, files, nbytes, args.target, serve, args.io_profile))
+        modules = rounds[-1]["convert"].pop("modules")
+        if r == 1:
+            base_kib = import_baseline_kib(modules)  # every round imports the same modules
+        c = rounds[-1]["convert"]
+        c |= {"peak_MiB": round(c["peak_kib"] / 1024), "own_MiB": round((c.pop("peak_kib") - base_kib) / 1024)}
         print(json.dumps(rounds[-1]), file=sys.stderr)
     if args.clean:
         shutil.rmtree(src)
@@ -398,6 +448,8 @@ def main() -> None:
             {
                 "source": str(src),
                 "target": args.target,
+                "serve": serve,
+                "import_baseline_MiB": round(base_kib / 1024),
                 "bytes_planned": nbytes,
                 "bytes_in_source_dir": source_bytes,
                 "cold_cache": cold,

@@ -2,6 +2,7 @@
 NATIVE` of converted directories, each in its own process, with what the CLI's JSON does not say.
 
     python3 scripts/bench_smoke_cuda.py --native SLICE OUT [OUT ...] [--device cuda] [--tokens 8]
+        [--serve-with TARGET] [--same-logits-as DRAFT]
 
 For each OUT and each command: the wall seconds of the whole command, its exit code and verdict (the
 CLI's own JSON), the process's peak GPU memory (torch.cuda.max_memory_allocated and
@@ -10,6 +11,12 @@ max_memory_reserved: the model and the reference, which run one after the other)
 are counted at model/kernels.py's `_fused_mtp_input_rmsnorm_into` and `_mtp_shared_head_rmsnorm_into`,
 which only the Triton path calls (the torch fallback never does), so a count above zero means the
 Triton kernels ran. One JSON line per command on stdout, then a markdown table on stderr.
+
+--serve-with TARGET is passed to `check` (the OUTs are drafts written for that serving target).
+--same-logits-as DRAFT: afterwards, in one more process, the logits of one MTP step on smoke's inputs
+(model/smoke.py draft_logits, the test tests/model/test_route_load.py runs on the CPU) of each OUT
+against DRAFT's (the native draft): bit for bit or not, and the max |difference|; DRAFT itself first,
+loaded a second time (whether the device repeats its own logits at all).
 """
 
 from __future__ import annotations
@@ -65,6 +72,41 @@ def run(command: list[str], device: str) -> dict:
     return {"command": " ".join(command), "wall_s": round(wall, 2), **json.loads(report), "result": json.loads(cli_out)}
 
 
+# In the child: each OUT's logits against the first directory's (the native draft), on DEVICE.
+SAME_LOGITS = """
+import json, sys, torch
+from pathlib import Path
+from dsv4.convert.inmemory import model_loader
+from dsv4.model.loader import load_converted
+from dsv4.model.smoke import draft_logits
+dev = torch.device(DEVICE)
+def logits(path):
+    load = model_loader(path) or (lambda d: load_converted(path, d))
+    out = draft_logits(load, dev, TOKENS).cpu()
+    torch.cuda.empty_cache() if dev.type == "cuda" else None
+    return out
+native, *outs = map(Path, sys.argv[1:])
+expected = logits(native)
+for out in outs:
+    got = logits(out)
+    print(json.dumps({"out": str(out), "against": str(native), "tokens": TOKENS,
+                      "bit_for_bit": torch.equal(got, expected),
+                      "logits_max_abs_diff": (got - expected).abs().max().item(),
+                      "logits_max_abs": expected.abs().max().item()}))
+"""
+
+
+def same_logits(native_draft: Path, outs: list[Path], device: str, tokens: int) -> list[dict]:
+    """Each OUT's logits against `native_draft`'s, on `device` (one process, one model at a time)."""
+    code = SAME_LOGITS.replace("DEVICE", repr(device)).replace("TOKENS", str(tokens))
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(native_draft), *map(str, outs)], capture_output=True, text=True
+    )
+    if done.returncode:
+        sys.exit(f"the logits comparison died ({done.returncode}): {done.stderr.strip()[-2000:]}")
+    return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+
+
 def verdict(row: dict) -> str:
     """The figures a reader compares, from the CLI's JSON (smoke's report, or check's smoke result)."""
     r = row["result"]
@@ -93,11 +135,15 @@ def main() -> None:
     ap.add_argument("--native", required=True, type=Path, help="the native checkpoint they were converted from")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tokens", type=int, default=8, help="smoke's --tokens")
+    ap.add_argument("--serve-with", help="check's --serve-with TARGET")
+    ap.add_argument("--same-logits-as", type=Path, help="compare each OUT's logits with this draft's")
     args = ap.parse_args()
     rows = []
+    serve = ["--serve-with", args.serve_with] if args.serve_with else []
     for out in args.outs:
         common = ["--native", str(args.native), "--device", args.device, "--json"]
-        for command in (["smoke", str(out), "--tokens", str(args.tokens), *common], ["check", str(out), *common]):
+        smoke = ["smoke", str(out), "--tokens", str(args.tokens), *common]
+        for command in (smoke, ["check", str(out), *common, *serve]):
             rows.append(run(command, args.device))
             print(json.dumps(rows[-1]), flush=True)
     print(
@@ -113,6 +159,14 @@ def main() -> None:
             f"| {row['peak_rss_MiB']} | {n['fused_input']}, {n['shared_head']} | {verdict(row)} |",
             file=sys.stderr,
         )
+    if args.same_logits_as is not None:
+        for row in same_logits(args.same_logits_as, [args.same_logits_as, *args.outs], args.device, args.tokens):
+            print(json.dumps(row), flush=True)
+            print(
+                f"{row['out']} against {row['against']}: bit for bit {row['bit_for_bit']}, logits max|diff| "
+                f"{row['logits_max_abs_diff']:g} of {row['logits_max_abs']:g}",
+                file=sys.stderr,
+            )
 
 
 if __name__ == "__main__":
