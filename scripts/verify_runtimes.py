@@ -133,7 +133,7 @@ from runtime_loaders.recording import Recorder, RecordingParam, Report, run_load
 from runtime_loaders.serve_verify import serve_table, verify_serving  # noqa: E402
 from runtime_loaders.sglang_quant import sglang_draft_quantization  # noqa: E402
 from runtime_loaders.sglang_runs import SGLANG_CUTS, verify_sglang  # noqa: E402
-from runtime_loaders.vllm_runs import VLLM_CUTS, verify_vllm  # noqa: E402
+from runtime_loaders.vllm_runs import SERVE_ONLY, VLLM_CUTS, verify_vllm  # noqa: E402
 from runtime_loaders.wheels import (  # noqa: E402
     DEFAULT_WHEELS,
     WHEELS,
@@ -178,7 +178,8 @@ def verify(draft: Path, expected: Path, native: Path, wheels: Path, loaders: lis
         if not (d / "config.json").is_file():
             raise UsageError(f"{d}: no config.json")
     is_dspark = "dspark_target_layer_ids" in json.loads((draft / "config.json").read_text())
-    chosen = loaders or [n for n in [*VLLM_CUTS, *SGLANG_CUTS] if n.endswith("dspark") == is_dspark]
+    every = [n for n in [*VLLM_CUTS, *SGLANG_CUTS] if n not in SERVE_ONLY]
+    chosen = loaders or [n for n in every if n.endswith("dspark") == is_dspark]
     reports = []
     opened: dict[str, Wheel] = {}
     for name in chosen:

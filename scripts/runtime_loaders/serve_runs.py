@@ -183,7 +183,7 @@ def serve_run(
         n = config.get("num_nextn_predict_layers", 1)
         indices = [start + i for i in range(n)]
     else:
-        n = config.get("n_mtp_layers") or 3  # xpu/dspark.py:57
+        n = config.get("n_mtp_layers") or 3  # xpu/dspark.py:57, nvidia/dspark.py:106, amd/dspark.py:73
         indices = list(range(n))
     built = [b for i in indices for b in build_layer(build_ns, qc, cfg, layout, i, platform)]
     report.methods = {b.prefix: b.method or b.error for b in built}
@@ -210,7 +210,11 @@ def serve_run(
         # nvidia/mtp.py:308-310: a compressed-tensors config has no weight_block_size
         model.pad_shared_expert = getattr(qc, "weight_block_size", None) is not None
     else:
-        model.model = types.SimpleNamespace(layers=[stand_in_layer() for _ in indices])
+        # NVIDIA's and AMD's loaders test whether the class built a confidence head
+        # (nvidia/dspark.py:584-585, amd/dspark.py:498-499)
+        head = types.SimpleNamespace() if getattr(cfg, "enable_confidence_head", True) else None
+        model.model = types.SimpleNamespace(layers=[stand_in_layer() for _ in indices], confidence_head=head)
+        model.pad_shared_expert = False  # nvidia/dspark.py:362-364: a compressed-tensors config has no weight_block_size
     with imports_from(build_ns):  # RoutedExperts.weight_loader imports inside (routed_experts.py:697-699)
         fed = _feed(model, draft, rec, report, completeness)
     droppable, _shared = table_facts(mapping, config)
