@@ -53,7 +53,10 @@ code rather than taken from an XPU_OUT (runtime_loaders/serve_verify.py, serve_r
 vllm_build.py, vllm_layer.py, sglang_quant.py). --overrides FILE is the JSON value of
 vLLM's --hf-overrides the target runs with: its quantization_config replaces the target's
 wholesale (vllm/config/model.py:555-568, 616-629, 691-692). Per vLLM loader (nvidia, amd,
-xpu DeepSeekV4MTP; xpu DSparkDeepseekV4ForCausalLM for a DSpark draft):
+xpu DeepSeekV4MTP; nvidia, amd, xpu DSparkDeepseekV4ForCausalLM for a DSpark draft, NVIDIA's
+with its context_wkv_proj, every stage's wkv stacked, nvidia/dspark.py:142-150, and NVIDIA's and
+AMD's with the confidence head, built without the quant config; these two run with --serve-with
+only, XPU_OUT holding neither):
   a. CompressedTensorsConfig.from_config on the effective quantization_config (DSpark: the
      draft's own, dspark/utils.py:115-117), then configure_quant_config with
      DeepseekV4ForCausalLM's hf_to_vllm_mapper and packed_modules_mapping (MTP only; the
@@ -61,7 +64,7 @@ xpu DeepSeekV4MTP; xpu DSparkDeepseekV4ForCausalLM for a DSpark draft):
   b. each draft module built by the wheel's ReplicatedLinear / ColumnParallelLinear /
      MergedColumnParallelLinear / RowParallelLinear / RoutedExperts __init__, with the
      constructor arguments and quant prefixes of nvidia/mtp.py, attention.py, nvidia/model.py
-     and xpu/dspark.py (vllm_layer._linear_specs says where each comes from): __init__ asks
+     and */dspark.py (vllm_layer._linear_specs says where each comes from): __init__ asks
      the config for the method (get_quant_method -> get_scheme / get_moe_method);
   c. that method's create_weights: the parameters with vLLM's classes, names, dtypes,
      shapes and weight_loaders (ModelWeightParameter & co., the layer's weight_loader(_v2),
@@ -78,8 +81,10 @@ Pass rule per loader there: no error, no fed tensor reaching no parameter (but t
 table's [copy] sources and mtp.* [skip] rules), every parameter part (shard, expert)
 filled exactly once, and every parameter's value what the native checkpoint gives: FP8
 bytes equal, an F32 weight_scale = 2^e of the E8M0, U8 weight_packed / weight_scale the
-native bytes, a bf16 weight the native weight dequantised (a requantised leaf with no
-native counterpart is reported not exact). What is cut out for it: VLLM_BUILD_CUTS
+native bytes, a bf16 weight the native weight dequantised, an FP8 block weight fed from FP4
+experts re-blocked judged with its weight_scale by value (weight x per-128x128 scale equal to
+the FP4 weight dequantised); a requantised leaf with no native counterpart is reported not
+exact. What is cut out for it: VLLM_BUILD_CUTS
 (vllm_build.py: compressed-tensors config and utils, the transform lookup, parameter
 classes, fp8_utils' parameter makers, the linear and RoutedExperts classes, the CT linear
 schemes W8A8Fp8 / WNA16 / W4A4Fp4 / W4A4Mxfp4 and MoE methods W8A8Fp8 / WNA16 / W4A4Nvfp4 /

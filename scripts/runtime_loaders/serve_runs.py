@@ -25,6 +25,9 @@ from .vllm_runs import VLLM_CUTS, stand_in_layer, table_facts, vllm_namespace
 from .wheels import Wheel
 
 FLOAT_PARAMS = (torch.bfloat16, torch.float16, torch.float32)
+# the FP8 block the converter re-blocks FP4 experts into (the FP8_BLOCK preset's block_structure,
+# compressed_tensors/quantization/quant_scheme.py:447-454)
+FP8_BLOCK = (128, 128)
 
 
 @dataclass
@@ -145,21 +148,49 @@ def native_value(fed: str, native: dict[str, torch.Tensor], dtype: torch.dtype) 
     return same
 
 
-def _assembled(param: Any, fills: list[Fill], native: dict[str, torch.Tensor]) -> torch.Tensor | None:
-    """The parameter as the native values would fill it at TP 1 (shards stacked in id order
-    on dim 0, w13 = w1 then w3, experts by id)."""
-    dtype = param.data.dtype
-    values = {(f.shard, f.expert): native_value(f.tensor, native, dtype) for f in fills}
+def _assembled(
+    param: Any, fills: list[Fill], native: dict[str, torch.Tensor], value: Any = native_value, dtype: Any = None
+) -> torch.Tensor | None:
+    """The parameter as the native values (`value` of each fed tensor, in `dtype`, default the
+    parameter's) would fill it at TP 1 (shards stacked in id order on dim 0, w13 = w1 then w3,
+    experts by id)."""
+    dtype = dtype or param.data.dtype
+    values = {(f.shard, f.expert): value(f.tensor, native, dtype) for f in fills}
     if any(v is None for v in values.values()):
         return None
     if all(f.expert is None for f in fills):
         parts = [values[k] for k in sorted(values, key=lambda k: -1 if k[0] is None else k[0])]
         return torch.cat([p.reshape(-1, *p.shape[1:]) if p.dim() else p.reshape(1) for p in parts]).to(dtype)
-    out = param.data.clone()
+    out = param.data.to(dtype, copy=True)
     for e in sorted({f.expert for f in fills}):
         shards = [values[(s, e)] for s in ("w1", "w3", "w2") if (s, e) in values]
         out[e] = torch.cat(shards).to(dtype) if len(shards) > 1 else shards[0].to(dtype)
     return out
+
+
+def _fp4_as_fp8_block(
+    name: str, table: dict[str, Any], fills: dict[str, list[Fill]], native: dict[str, torch.Tensor]
+) -> bool | None:
+    """For an FP8 block weight, or its weight_scale, fed from native FP4 weights (FP4 experts
+    re-blocked into FP8): whether weight x its per-128x128 F32 scale equals the native FP4
+    weights dequantised (e2m1 x E8M0), the two parameters judged together (their bytes have
+    no native counterpart); None for any other parameter."""
+    weight = name.removesuffix("_scale")
+    w, s, fed = table.get(weight), table.get(f"{weight}_scale"), fills.get(weight)
+    if w is None or s is None or not fed or w.data.dtype != torch.float8_e4m3fn:
+        return None
+    packed = native.get(fed[0].tensor.rpartition(".")[0] + ".weight")
+    if packed is None or packed.dtype != torch.int8:
+        return None
+
+    def fp4(tensor: str, held: dict[str, torch.Tensor], _dtype: Any) -> torch.Tensor:
+        base = tensor.rpartition(".")[0]
+        return fp4_weight(held[base + ".weight"], held[base + ".scale"])
+
+    expected = _assembled(w, fed, native, fp4, torch.float32)
+    matrices = zip(w.data.reshape(-1, *w.data.shape[-2:]), s.data.reshape(-1, *s.data.shape[-2:]), strict=True)
+    got = torch.stack([fp8_weight(m, scale, FP8_BLOCK) for m, scale in matrices]).view(w.data.shape)
+    return expected is not None and bool(fills.get(f"{weight}_scale")) and torch.equal(got, expected)
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -214,7 +245,9 @@ def serve_run(
         # (nvidia/dspark.py:584-585, amd/dspark.py:498-499)
         head = types.SimpleNamespace() if getattr(cfg, "enable_confidence_head", True) else None
         model.model = types.SimpleNamespace(layers=[stand_in_layer() for _ in indices], confidence_head=head)
-        model.pad_shared_expert = False  # nvidia/dspark.py:362-364: a compressed-tensors config has no weight_block_size
+        model.pad_shared_expert = (
+            False  # nvidia/dspark.py:362-364: a compressed-tensors config has no weight_block_size
+        )
     with imports_from(build_ns):  # RoutedExperts.weight_loader imports inside (routed_experts.py:697-699)
         fed = _feed(model, draft, rec, report, completeness)
     droppable, _shared = table_facts(mapping, config)
@@ -288,8 +321,10 @@ def _account(
             continue
         report.filled += 1
         try:
-            expected = _assembled(param, fills[name], native)
-            exact = expected is not None and _same(expected.reshape(param.data.shape), param.data)
+            exact = _fp4_as_fp8_block(name, table, fills, native)
+            if exact is None:
+                expected = _assembled(param, fills[name], native)
+                exact = expected is not None and _same(expected.reshape(param.data.shape), param.data)
         except RuntimeError:  # the native values do not even have the parameter's shape
             exact = False
         if not exact:

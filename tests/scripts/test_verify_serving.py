@@ -16,13 +16,18 @@ import pytest
 
 # beside this file (pytest puts a test file's directory on sys.path)
 import serve_fixtures as sf
+import torch
 from safetensors.torch import load_file, save_file
 from test_verify_runtimes import vr
 
 from dsv4.convert.pipeline import convert
+from dsv4.convert.serving import Serving
+from dsv4.convert.serving_target import read_serving_target
 from dsv4.convert.synth import write_checkpoint
+from tests.quant_configs import serving_target
 
 MTP_LOADERS = ["vllm-nvidia-mtp", "vllm-amd-mtp", "vllm-xpu-mtp"]
+DSPARK_LOADERS = ["vllm-nvidia-dspark", "vllm-amd-dspark", "vllm-xpu-dspark"]
 LAYER = 2  # the tiny preset's num_hidden_layers: the draft is vLLM's model.layers.2
 
 
@@ -130,7 +135,8 @@ def test_native_fp4_experts_beside_an_fp8_block_target_load_without_error_but_wr
 def edited(source: Path, draft: Path) -> tuple[Path, dict]:
     draft.mkdir()
     for f in source.iterdir():
-        (draft / f.name).write_bytes(f.read_bytes())
+        if f.is_file():  # not a conversion's serve/ folder
+            (draft / f.name).write_bytes(f.read_bytes())
     return draft / "model-00001-of-00001.safetensors", load_file(draft / "model-00001-of-00001.safetensors")
 
 
@@ -319,3 +325,64 @@ def test_the_command_prints_the_table_and_exits_by_the_result(
         == 2
     )
     assert "--serve-with takes a compressed-tensors target" in capsys.readouterr().err
+
+
+def served_conversion(native: Path, qc: dict, out: Path, route: str = "auto") -> tuple[Path, dict]:
+    """`convert-dsv4 NATIVE OUT --target draft --serve-with TARGET`, TARGET the native config
+    with `qc`: the draft directory and the target's config."""
+    target = {**json.loads((native / "config.json").read_text()), "quantization_config": qc}
+    target_dir = out.parent / f"{out.name}-target"
+    target_dir.mkdir()
+    write_json(target_dir / "config.json", target)
+    convert(native, out, target="draft", serving=Serving(read_serving_target(target_dir), route))
+    return out, target
+
+
+def test_the_converted_dspark_draft_loads_exactly_in_every_vllm_dspark_class(
+    dirs: dict[str, Path], wheels: Path, tmp_path: Path
+) -> None:
+    native = dirs["dspark/native"]
+    draft, target = served_conversion(native, serving_target("W4A16", ["lm_head"]), tmp_path / "draft")
+    reports = {r.loader: r for r in serve(wheels, draft, native, target, None, tmp_path, DSPARK_LOADERS)}
+    for r in reports.values():
+        assert r.passed, r.summary()
+    # 96 in XPU's class; NVIDIA's and AMD's add the confidence head, NVIDIA's context_wkv_proj
+    assert {k: r.filled for k, r in reports.items()} == dict(zip(DSPARK_LOADERS, (99, 97, 96), strict=True))
+    assert reports["vllm-nvidia-dspark"].methods["model.context_wkv_proj"] == "CompressedTensorsW8A8Fp8"
+
+    # the draft's config as the converter wrote it before it named context_wkv_proj: NVIDIA
+    # builds that layer bf16 and its loader indexes params_dict without a check (nvidia/dspark.py:514-518)
+    config = json.loads((draft / "config.json").read_text())
+    (targets,) = config["quantization_config"]["config_groups"]["dsv4_draft_linears"]["targets"]
+    config["quantization_config"]["config_groups"]["dsv4_draft_linears"]["targets"] = [
+        targets.replace("|context_wkv_proj", "")
+    ]
+    write_json(draft / "config.json", config)
+    nvidia, xpu = serve(wheels, draft, native, target, None, tmp_path, ["vllm-nvidia-dspark", "vllm-xpu-dspark"])
+    assert xpu.passed, xpu.summary()
+    assert nvidia.methods["model.context_wkv_proj"] == "UnquantizedLinearMethod"
+    assert nvidia.errors == [
+        f"mtp.{i}.attn.wkv.weight_scale: KeyError: 'model.context_wkv_proj.weight_scale'" for i in range(3)
+    ]
+    assert nvidia.inexact == ["model.context_wkv_proj.weight"]  # FP8 codes copied into bf16 as numbers
+
+
+def test_fp4_experts_reblocked_as_fp8_blocks_are_exact_by_value(
+    dirs: dict[str, Path], wheels: Path, tmp_path: Path
+) -> None:
+    # match-target beside an FP8_BLOCK target: the FP4 experts re-expressed as FP8 blocks,
+    # whose bytes have no native counterpart; weight x per-128x128 scale is the FP4 value
+    native = dirs["instruct/native"]
+    qc = serving_target("FP8_BLOCK", ["lm_head"], fp8_wo_a=False)
+    draft, target = served_conversion(native, qc, tmp_path / "draft", route="match-target")
+    for r in serve(wheels, draft, native, target, None, tmp_path):
+        assert r.passed, r.summary()
+        assert r.methods[f"model.layers.{LAYER}.ffn.experts"] == "CompressedTensorsW8A8Fp8MoEMethod"
+    shard, tensors = edited(draft, tmp_path / "changed")
+    weight = tensors["mtp.0.ffn.experts.3.w3.weight"].view(torch.uint8).clone()
+    weight[0, 0] ^= 1  # one e4m3 mantissa bit
+    tensors["mtp.0.ffn.experts.3.w3.weight"] = weight.view(torch.float8_e4m3fn)
+    rewrite(shard, tensors)
+    (r,) = serve(wheels, shard.parent, native, target, None, tmp_path, ["vllm-nvidia-mtp"])
+    experts = f"model.layers.{LAYER}.mtp_block.ffn.experts.routed_experts"
+    assert r.inexact == [f"{experts}.w13_weight", f"{experts}.w13_weight_scale"]
