@@ -145,10 +145,10 @@ def _outcomes(
 def _check_context_wkv(
     nvidia: Resolver, layers: LayerMap, out: Mapping[str, Group | str | None], where: str, error: ErrorFactory
 ) -> None:
-    """NVIDIA's DSpark loads the wkv tensors the draft holds for its wkv layers into
-    model.context_wkv_proj as well: it must get the same scheme (unquantised for both, or
-    the same group's), or the load raises KeyError (a weight_scale with no parameter) or
-    copies FP8 codes into bf16 as numbers."""
+    """NVIDIA's DSpark loads every stage's wkv tensors into model.context_wkv_proj as well
+    as into fused_wqa_wkv: both must get one scheme (unquantised, or the same group's), or the
+    load raises KeyError (a weight_scale with no parameter) or copies FP8 codes into bf16 as
+    numbers."""
 
     def scheme(found: Group | str | None) -> object:
         return _key(found) if isinstance(found, Group) else None  # ignored or no target: bf16 alike

@@ -238,16 +238,13 @@ def serve_run(
     if layout == "mtp":
         layers = {str(i): stand_in_layer() for i in indices}
         model.model = types.SimpleNamespace(layers=layers, mtp_start_layer_idx=start, num_mtp_layers=n)
-        # nvidia/mtp.py:308-310: a compressed-tensors config has no weight_block_size
-        model.pad_shared_expert = getattr(qc, "weight_block_size", None) is not None
     else:
         # NVIDIA's and AMD's loaders test whether the class built a confidence head
         # (nvidia/dspark.py:584-585, amd/dspark.py:498-499)
         head = types.SimpleNamespace() if getattr(cfg, "enable_confidence_head", True) else None
         model.model = types.SimpleNamespace(layers=[stand_in_layer() for _ in indices], confidence_head=head)
-        model.pad_shared_expert = (
-            False  # nvidia/dspark.py:362-364: a compressed-tensors config has no weight_block_size
-        )
+    # nvidia/mtp.py:308-310, nvidia/dspark.py:362-364: a compressed-tensors config has no weight_block_size
+    model.pad_shared_expert = getattr(qc, "weight_block_size", None) is not None
     with imports_from(build_ns):  # RoutedExperts.weight_loader imports inside (routed_experts.py:697-699)
         fed = _feed(model, draft, rec, report, completeness)
     droppable, _shared = table_facts(mapping, config)
