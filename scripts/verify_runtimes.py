@@ -53,7 +53,10 @@ code rather than taken from an XPU_OUT (runtime_loaders/serve_verify.py, serve_r
 vllm_build.py, vllm_layer.py, sglang_quant.py). --overrides FILE is the JSON value of
 vLLM's --hf-overrides the target runs with: its quantization_config replaces the target's
 wholesale (vllm/config/model.py:555-568, 616-629, 691-692). Per vLLM loader (nvidia, amd,
-xpu DeepSeekV4MTP; xpu DSparkDeepseekV4ForCausalLM for a DSpark draft):
+xpu DeepSeekV4MTP; nvidia, amd, xpu DSparkDeepseekV4ForCausalLM for a DSpark draft, NVIDIA's
+with its context_wkv_proj, every stage's wkv stacked, nvidia/dspark.py:142-150, and NVIDIA's and
+AMD's with the confidence head, built without the quant config; these two run with --serve-with
+only, XPU_OUT holding neither):
   a. CompressedTensorsConfig.from_config on the effective quantization_config (DSpark: the
      draft's own, dspark/utils.py:115-117), then configure_quant_config with
      DeepseekV4ForCausalLM's hf_to_vllm_mapper and packed_modules_mapping (MTP only; the
@@ -61,7 +64,7 @@ xpu DeepSeekV4MTP; xpu DSparkDeepseekV4ForCausalLM for a DSpark draft):
   b. each draft module built by the wheel's ReplicatedLinear / ColumnParallelLinear /
      MergedColumnParallelLinear / RowParallelLinear / RoutedExperts __init__, with the
      constructor arguments and quant prefixes of nvidia/mtp.py, attention.py, nvidia/model.py
-     and xpu/dspark.py (vllm_layer._linear_specs says where each comes from): __init__ asks
+     and */dspark.py (vllm_layer._linear_specs says where each comes from): __init__ asks
      the config for the method (get_quant_method -> get_scheme / get_moe_method);
   c. that method's create_weights: the parameters with vLLM's classes, names, dtypes,
      shapes and weight_loaders (ModelWeightParameter & co., the layer's weight_loader(_v2),
@@ -78,7 +81,9 @@ Pass rule per loader there: no error, no fed tensor reaching no parameter (but t
 table's [copy] sources and mtp.* [skip] rules), every parameter part (shard, expert)
 filled exactly once, and every parameter's value what the native checkpoint gives: FP8
 bytes equal, an F32 weight_scale = 2^e of the E8M0, U8 weight_packed / weight_scale the
-native bytes, a bf16 weight the native weight dequantised. A tensor DRAFT's conversion.json
+native bytes, a bf16 weight the native weight dequantised, an FP8 block weight fed from FP4
+experts re-blocked judged with its weight_scale by value (weight x per-128x128 scale equal to
+the FP4 weight dequantised). A tensor DRAFT's conversion.json
 records a measured error of ("serve" -> "tensors" -> NAME with max_abs_error and rel_rms_error:
 a weight rebuilt in another format) has no native bytes: its parameter part must hold it as DRAFT
 does, of the parameter's dtype (weight_shape: each shard writes it whole, the last stays, in the
@@ -141,7 +146,7 @@ from runtime_loaders.recording import Recorder, RecordingParam, Report, run_load
 from runtime_loaders.serve_verify import serve_table, verify_serving  # noqa: E402
 from runtime_loaders.sglang_quant import sglang_draft_quantization  # noqa: E402
 from runtime_loaders.sglang_runs import SGLANG_CUTS, verify_sglang  # noqa: E402
-from runtime_loaders.vllm_runs import VLLM_CUTS, verify_vllm  # noqa: E402
+from runtime_loaders.vllm_runs import SERVE_ONLY, VLLM_CUTS, verify_vllm  # noqa: E402
 from runtime_loaders.wheels import (  # noqa: E402
     DEFAULT_WHEELS,
     WHEELS,
@@ -186,7 +191,8 @@ def verify(draft: Path, expected: Path, native: Path, wheels: Path, loaders: lis
         if not (d / "config.json").is_file():
             raise UsageError(f"{d}: no config.json")
     is_dspark = "dspark_target_layer_ids" in json.loads((draft / "config.json").read_text())
-    chosen = loaders or [n for n in [*VLLM_CUTS, *SGLANG_CUTS] if n.endswith("dspark") == is_dspark]
+    every = [n for n in [*VLLM_CUTS, *SGLANG_CUTS] if n not in SERVE_ONLY]
+    chosen = loaders or [n for n in every if n.endswith("dspark") == is_dspark]
     reports = []
     opened: dict[str, Wheel] = {}
     for name in chosen:

@@ -21,7 +21,12 @@ Both overlays add the draft's layers to every transform's ignore, so no transfor
 DSpark drafts are built from the draft's OWN config under the target's method name
 (v1/worker/gpu/spec_decode/dspark/utils.py:115-117, config/speculative.py:1564-1566), with no
 name mapper or fused-module mapping (nvidia/dspark.py:348-373): the draft's config.json gets a
-config of its own whose groups name its layers, and the launch stays as it is.
+config of its own whose groups name its layers, and the launch stays as it is. vLLM's NVIDIA
+DSpark class also builds `model.context_wkv_proj` with that config (nvidia/dspark.py:142-150) and
+loads every stage's wkv tensors into it without a check (:72-86, 483, 514-518); the XPU and AMD
+classes have no such layer (they take the context KV from fused_wqa_wkv, xpu/dspark.py:134-142,
+amd/dspark.py:166-174). So the draft's config gives it the group of the wkv's layer, and a config
+that gives it another scheme is refused.
 """
 
 from __future__ import annotations
@@ -60,6 +65,17 @@ from dsv4.model.native import Layout
 METHOD = "compressed-tensors"
 LINEAR_GROUP, EXPERTS_GROUP = "dsv4_draft_linears", "dsv4_draft_experts"
 WO_A = "attn.wo_a"
+# NVIDIA's DSpark only: every stage's wkv stacked (nvidia/dspark.py:142-150)
+CONTEXT_WKV = DraftModule("model.context_wkv_proj", "linear")
+
+
+def _is_dspark(layers: LayerMap) -> bool:
+    return "model.main_proj" in layers.parts  # only DSpark builds main_proj (nvidia/dspark.py:115-121)
+
+
+def _wkv_layers(layers: LayerMap) -> list[str]:
+    """The draft modules a stage's wkv is a part of (fused_wqa_wkv)."""
+    return [m for m, parts in layers.parts.items() if any(p.endswith(".attn.wkv") for p in parts)]
 
 
 def _modules(layers: LayerMap) -> dict[str, DraftModule]:
@@ -91,7 +107,8 @@ def _outcomes(
     disagree on, one vLLM would refuse, or one an online transform would wrap is refused."""
     modules = _modules(layers)
     quantised = {m: d for m, d in modules.items() if not NEVER_QUANTISED.search(d.name)}
-    regex = regex_table(config, quantised.values(), where, error)
+    context = [CONTEXT_WKV] if _is_dspark(layers) else []
+    regex = regex_table(config, [*quantised.values(), *context], where, error)
     n = layers.num_hidden_layers
     n_mtp = len({int(m.split(".")[2]) for m in layers.parts if m.startswith("model.layers.")})
     out: dict[str, Group | str | None] = {m: None for m in modules}
@@ -120,7 +137,35 @@ def _outcomes(
                     field="quantization_config",
                 )
             out[m] = found
+    if context:
+        _check_context_wkv(Resolver(config, "nvidia", n, n_mtp, regex, target_model=False), layers, out, where, error)
     return out
+
+
+def _check_context_wkv(
+    nvidia: Resolver, layers: LayerMap, out: Mapping[str, Group | str | None], where: str, error: ErrorFactory
+) -> None:
+    """NVIDIA's DSpark loads every stage's wkv tensors into model.context_wkv_proj as well
+    as into fused_wqa_wkv: both must get one scheme (unquantised, or the same group's), or the
+    load raises KeyError (a weight_scale with no parameter) or copies FP8 codes into bf16 as
+    numbers."""
+
+    def scheme(found: Group | str | None) -> object:
+        return _key(found) if isinstance(found, Group) else None  # ignored or no target: bf16 alike
+
+    try:
+        found = nvidia.resolve(CONTEXT_WKV)
+    except Refused as exc:
+        raise error(f"{where}: {exc} (on nvidia)", path=where, field=exc.field) from None
+    for m in _wkv_layers(layers):
+        if scheme(found) != scheme(out[m]):
+            raise error(
+                f"{where}: quantization_config gives {CONTEXT_WKV.name} {_said(found)} on nvidia but the draft's "
+                f"wkv ({vllm_name(m)}) {_said(out[m])}; vLLM's NVIDIA DSpark loads the wkv tensors into both "
+                "(nvidia/dspark.py:72-86, 514-518), its XPU and AMD classes have no context_wkv_proj",
+                path=where,
+                field="quantization_config.config_groups",
+            )
 
 
 def _key(found: Group | str | None) -> object:
@@ -226,6 +271,8 @@ def draft_groups(
             experts = _storage(layers, m, native)
         elif (linear_leaves is None or leaf in linear_leaves) and leaf not in linears:
             linears.append(leaf)
+    if _is_dspark(layers) and linear_leaves is None:  # the wkv layers' group: FP8 block, above
+        linears.append(CONTEXT_WKV.name.removeprefix("model."))
     groups = {LINEAR_GROUP: _scheme_group("FP8_BLOCK", [f"re:^{anchor}{_alternation(linears)}$"], "float-quantized")}
     if experts is not None and linear_leaves is None:
         preset, fmt = (
@@ -282,7 +329,7 @@ def serve(
     allow_lossy: bool,
 ) -> ServePlan:
     config = parse(qc, where, error)  # refuses what it cannot read before any route is chosen
-    if any(m == "model.main_proj" for m in layers.parts):  # only DSpark builds main_proj (nvidia/dspark.py:115-121)
+    if _is_dspark(layers):
         return _serve_dspark(qc, layers, native, where, error, route)
     if route == "native":
         raise error(
@@ -320,7 +367,7 @@ def _serve_dspark(
             path=where,
             field="--draft-format",
         )
-    # its layers and its main projection (model.main_proj) under one anchor
+    # its layers, its main projection (model.main_proj) and NVIDIA's context_wkv_proj under one anchor
     groups = draft_groups(layers, native, anchor=rf"model\.(layers\.{_alternation(_layer_numbers(layers))}\.)?")
     own = {"quant_method": METHOD, "format": "mixed-precision", "config_groups": groups, "ignore": []}
     decisions = _decisions(

@@ -64,12 +64,13 @@ MRO = {
     "RoutedExperts": ("RoutedExperts", "PluggableLayer", "Module"),
 }
 # by the module's last name (attention.py:252-287, nvidia/mtp.py:103-118, nvidia/model.py:153-168,
-# deepseek_mtp.py:65-70, nvidia/dspark.py:115-121)
+# deepseek_mtp.py:65-70, nvidia/dspark.py:115-121, 142-150)
 CLASS_OF = {
     "e_proj": "ReplicatedLinear",
     "h_proj": "ReplicatedLinear",
     "main_proj": "ReplicatedLinear",
     "fused_wqa_wkv": "MergedColumnParallelLinear",
+    "context_wkv_proj": "MergedColumnParallelLinear",
     "gate_up_proj": "MergedColumnParallelLinear",
     "wq_b": "ColumnParallelLinear",
     "wo_a": "ColumnParallelLinear",

@@ -35,6 +35,9 @@ WHOLE = ".weight_shape"
 # NVFP4A16 experts' activation scale: registered in A16 mode, read by no A16 kernel, written 1.0 by the
 # converter (convert/schemes/ct_schemes.py); no native value is it
 UNREAD_SCALE = "input_global_scale"
+# the FP8 block the converter re-blocks FP4 experts into (the FP8_BLOCK preset's block_structure,
+# compressed_tensors/quantization/quant_scheme.py:447-454)
+FP8_BLOCK = (128, 128)
 
 
 @dataclass
@@ -163,28 +166,35 @@ def native_value(fed: str, native: dict[str, torch.Tensor], dtype: torch.dtype) 
 
 
 def _assembled(
-    param: Any, fills: list[Fill], native: dict[str, torch.Tensor], held: dict[str, torch.Tensor]
+    param: Any,
+    fills: list[Fill],
+    native: dict[str, torch.Tensor],
+    held: dict[str, torch.Tensor] | None = None,
+    value: Any = native_value,
+    dtype: Any = None,
 ) -> torch.Tensor | None:
-    """The parameter as the native values would fill it at TP 1 (shards stacked in id order
-    on dim 0, w13 = w1 then w3, experts by id); a part fed from a tensor held to its record (`held`: no
-    native value is it) holds that tensor as the draft has it, of the parameter's dtype (a loader's
-    cast would change its bits: not the format the converter wrote)."""
-    dtype = param.data.dtype
+    """The parameter as the native values (`value` of each fed tensor, in `dtype`, default the
+    parameter's) would fill it at TP 1 (shards stacked in id order on dim 0, w13 = w1 then w3,
+    experts by id); a part fed from a tensor held to its record (`held`: no native value is it)
+    holds that tensor as the draft has it, of the parameter's dtype (a loader's cast would change
+    its bits: not the format the converter wrote)."""
+    dtype = dtype or param.data.dtype
+    held = held or {}
     if fills and all(f.tensor in held and f.tensor.endswith(WHOLE) for f in fills):
         return _written_whole(param, fills, held)
 
-    def value(fed: str) -> torch.Tensor | None:
+    def one(fed: str) -> torch.Tensor | None:
         if fed in held:
             return held[fed] if held[fed].dtype == dtype else None
-        return native_value(fed, native, dtype)
+        return value(fed, native, dtype)
 
-    values = {(f.shard, f.expert): value(f.tensor) for f in fills}
+    values = {(f.shard, f.expert): one(f.tensor) for f in fills}
     if any(v is None for v in values.values()):
         return None
     if all(f.expert is None for f in fills):
         parts = [values[k] for k in sorted(values, key=lambda k: -1 if k[0] is None else k[0])]
         return torch.cat([p.reshape(-1, *p.shape[1:]) if p.dim() else p.reshape(1) for p in parts]).to(dtype)
-    out = param.data.clone()
+    out = param.data.to(dtype, copy=True)
     for e in sorted({f.expert for f in fills}):
         shards = [values[(s, e)] for s in ("w1", "w3", "w2") if (s, e) in values]
         out[e] = torch.cat(shards).to(dtype) if len(shards) > 1 else shards[0].to(dtype)
@@ -201,6 +211,31 @@ def _written_whole(param: Any, fills: list[Fill], held: dict[str, torch.Tensor])
         else:
             out[f.expert] = value
     return out
+
+
+def _fp4_as_fp8_block(
+    name: str, table: dict[str, Any], fills: dict[str, list[Fill]], native: dict[str, torch.Tensor]
+) -> bool | None:
+    """For an FP8 block weight, or its weight_scale, fed from native FP4 weights (FP4 experts
+    re-blocked into FP8): whether weight x its per-128x128 F32 scale equals the native FP4
+    weights dequantised (e2m1 x E8M0), the two parameters judged together (their bytes have
+    no native counterpart); None for any other parameter."""
+    weight = name.removesuffix("_scale")
+    w, s, fed = table.get(weight), table.get(f"{weight}_scale"), fills.get(weight)
+    if w is None or s is None or not fed or w.data.dtype != torch.float8_e4m3fn:
+        return None
+    packed = native.get(fed[0].tensor.rpartition(".")[0] + ".weight")
+    if packed is None or packed.dtype != torch.int8:
+        return None
+
+    def fp4(tensor: str, held: dict[str, torch.Tensor], _dtype: Any) -> torch.Tensor:
+        base = tensor.rpartition(".")[0]
+        return fp4_weight(held[base + ".weight"], held[base + ".scale"])
+
+    expected = _assembled(w, fed, native, value=fp4, dtype=torch.float32)
+    matrices = zip(w.data.reshape(-1, *w.data.shape[-2:]), s.data.reshape(-1, *s.data.shape[-2:]), strict=True)
+    got = torch.stack([fp8_weight(m, scale, FP8_BLOCK) for m, scale in matrices]).view(w.data.shape)
+    return expected is not None and bool(fills.get(f"{weight}_scale")) and torch.equal(got, expected)
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -224,7 +259,7 @@ def serve_run(
         n = config.get("num_nextn_predict_layers", 1)
         indices = [start + i for i in range(n)]
     else:
-        n = config.get("n_mtp_layers") or 3  # xpu/dspark.py:57
+        n = config.get("n_mtp_layers") or 3  # xpu/dspark.py:57, nvidia/dspark.py:106, amd/dspark.py:73
         indices = list(range(n))
     built = [b for i in indices for b in build_layer(build_ns, qc, cfg, layout, i, platform)]
     report.methods = {b.prefix: b.method or b.error for b in built}
@@ -248,10 +283,13 @@ def serve_run(
     if layout == "mtp":
         layers = {str(i): stand_in_layer() for i in indices}
         model.model = types.SimpleNamespace(layers=layers, mtp_start_layer_idx=start, num_mtp_layers=n)
-        # nvidia/mtp.py:308-310: a compressed-tensors config has no weight_block_size
-        model.pad_shared_expert = getattr(qc, "weight_block_size", None) is not None
     else:
-        model.model = types.SimpleNamespace(layers=[stand_in_layer() for _ in indices])
+        # NVIDIA's and AMD's loaders test whether the class built a confidence head
+        # (nvidia/dspark.py:584-585, amd/dspark.py:498-499)
+        head = types.SimpleNamespace() if getattr(cfg, "enable_confidence_head", True) else None
+        model.model = types.SimpleNamespace(layers=[stand_in_layer() for _ in indices], confidence_head=head)
+    # nvidia/mtp.py:308-310, nvidia/dspark.py:362-364: a compressed-tensors config has no weight_block_size
+    model.pad_shared_expert = getattr(qc, "weight_block_size", None) is not None
     with imports_from(build_ns):  # RoutedExperts.weight_loader imports inside (routed_experts.py:697-699)
         fed = _feed(model, draft, rec, report, completeness)
     droppable, _shared = table_facts(mapping, config)
@@ -356,8 +394,10 @@ def _account(
             continue
         report.filled += 1
         try:
-            expected = _assembled(param, fills[name], native, recorded.values)
-            exact = expected is not None and _same(expected.reshape(param.data.shape), param.data)
+            exact = _fp4_as_fp8_block(name, table, fills, native)
+            if exact is None:
+                expected = _assembled(param, fills[name], native, recorded.values)
+                exact = expected is not None and _same(expected.reshape(param.data.shape), param.data)
         except RuntimeError:  # the native values do not even have the parameter's shape
             exact = False
         if not exact:

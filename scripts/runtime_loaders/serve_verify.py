@@ -15,7 +15,7 @@ from .vllm_build import effective_quantization_config
 from .wheels import Wheel, wheel_path
 
 MTP_LOADERS = ["vllm-nvidia-mtp", "vllm-amd-mtp", "vllm-xpu-mtp"]
-DSPARK_LOADERS = ["vllm-xpu-dspark"]  # vLLM 0.33.0's one DSpark class (models/deepseek_v4/xpu/dspark.py)
+DSPARK_LOADERS = ["vllm-nvidia-dspark", "vllm-amd-dspark", "vllm-xpu-dspark"]  # models/deepseek_v4/*/dspark.py
 # the rows per draft kind: vLLM's loaders, then SGLang's (sglang_report)
 
 

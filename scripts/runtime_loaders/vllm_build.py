@@ -238,7 +238,7 @@ def quant_config_for(
     mapper and packed modules, model_loader/utils.py:93-94, 367-387; then AMD's draft
     re-keys model.mtp.{i}. entries, amd/mtp.py:301, quant_config.py:33-57). DSpark: built
     from the draft's own quantization_config (dspark/utils.py:115-117) for a draft class
-    that has neither a mapper nor packed_modules_mapping (xpu/dspark.py: none), so
+    that has neither a mapper nor packed_modules_mapping (xpu/, nvidia/, amd/dspark.py: none), so
     configure_quant_config leaves it as parsed."""
     with imports_from(ns):
         qc = ns["CompressedTensorsConfig"].from_config(quantization_config)

@@ -27,7 +27,7 @@ class Built:
     shards: tuple[Any, ...] = (None,)  # a fused linear's shard ids, as load_weights passes them
 
 
-def _linear_specs(cfg: Any, layout: str, index: int) -> list[tuple[str, str, str, dict[str, Any]]]:
+def _linear_specs(cfg: Any, layout: str, index: int, platform: str) -> list[tuple[str, str, str, dict[str, Any]]]:
     """(module path, quant prefix, class, constructor arguments) of draft layer `index` as
     the wheel builds them. MTP (layer N+i): e_proj/h_proj, nvidia/mtp.py:103-118
     (xpu/mtp.py:84-99, amd/mtp.py:83-98); the block is built with the bare layer prefix
@@ -35,7 +35,10 @@ def _linear_specs(cfg: Any, layout: str, index: int) -> list[tuple[str, str, str
     stage 0's call, xpu/dspark.py:66-73; the block is the module layers.{i} built with the
     prefix layers.{N+i} (xpu/dspark.py:77-84). The block: attention.py:252-287; shared
     experts nvidia/model.py:153-168, 323-333, unpadded (a compressed-tensors config has no
-    weight_block_size, nvidia/model.py:148-152)."""
+    weight_block_size, nvidia/model.py:148-152). NVIDIA's DSpark adds, on stage 0's call,
+    context_wkv_proj (every stage's wkv stacked, nvidia/dspark.py:142-150); NVIDIA's and AMD's
+    the confidence head, built without the quant config (nvidia/dspark.py:176-180,
+    amd/dspark.py:126-131; qwen3_dspark.py:176-183: F32)."""
     head_dim, n_heads, groups = cfg.head_dim, cfg.num_attention_heads, cfg.o_groups
     shared = cfg.moe_intermediate_size * cfg.n_shared_experts
     h = cfg.hidden_size
@@ -62,6 +65,8 @@ def _linear_specs(cfg: Any, layout: str, index: int) -> list[tuple[str, str, str
             if index == 0
             else []
         )
+        if index == 0:
+            top += _dspark_heads(cfg, platform)
     return [
         *top,
         (
@@ -101,6 +106,20 @@ def _linear_specs(cfg: Any, layout: str, index: int) -> list[tuple[str, str, str
             {"input_size": shared, "output_size": h, "bias": False},
         ),
     ]
+
+
+def _dspark_heads(cfg: Any, platform: str) -> list[tuple[str, str, str, dict[str, Any]]]:
+    h, plain = cfg.hidden_size, {"bias": False, "return_bias": False}
+    out = []
+    if platform == "nvidia":
+        stages = getattr(cfg, "n_mtp_layers", None) or 3  # nvidia/dspark.py:106
+        kwargs = {"input_size": h, "output_sizes": [cfg.head_dim] * stages, **plain, "disable_tp": True}
+        out.append(("model.context_wkv_proj", "model.context_wkv_proj", "MergedColumnParallelLinear", kwargs))
+    if platform != "xpu" and getattr(cfg, "enable_confidence_head", True):
+        kwargs = {"input_size": h + cfg.dspark_markov_rank, "output_size": 1, **plain, "params_dtype": torch.float32}
+        name = "model.confidence_head.proj"
+        out.append((name, name, "ReplicatedLinear", {**kwargs, "quant_config": None}))
+    return out
 
 
 def _moe_config(cfg: Any) -> Any:
@@ -145,13 +164,11 @@ def build_layer(ns: dict[str, Any], qc: Any, cfg: Any, layout: str, index: int, 
     with imports_from(ns):
         torch.set_default_dtype(torch.bfloat16)  # the model dtype, as vLLM sets it while building
         try:
-            specs = _linear_specs(cfg, layout, index)
+            specs = _linear_specs(cfg, layout, index, platform)
             for path, prefix, cls, kwargs in specs:
-                built.append(
-                    _build(
-                        path, prefix, "linear", lambda c=cls, k=kwargs, p=prefix: ns[c](quant_config=qc, prefix=p, **k)
-                    )
-                )
+                # a spec's own quant_config (None: built without one) wins over qc
+                make = lambda c=cls, k=kwargs, p=prefix: ns[c](**{"quant_config": qc, "prefix": p, **k})  # noqa: E731
+                built.append(_build(path, prefix, "linear", make))
             experts_cls = type("RoutedExperts", (ns["RoutedExperts"],), {"update_expert_map_info": lambda self: None})
             gate, down, up = PLATFORMS[platform]["ckpt"]
             block_path, block_prefix = specs[-1][0].rsplit(".ffn.", 1)[0], specs[-1][1].rsplit(".ffn.", 1)[0]

@@ -82,13 +82,46 @@ VLLM_CUTS: dict[str, dict[str, Any]] = {
             V4 + "xpu/model.py": ["make_deepseek_v4_expert_params_mapping"],
         },
     },
+    # the NVIDIA class also feeds every stage's wkv into model.context_wkv_proj
+    # (nvidia/dspark.py:72-86, 483, 514-518) and keeps the confidence head (:176-180, 584-585)
+    "vllm-nvidia-dspark": {
+        "class": "DSparkDeepseekV4ForCausalLM",
+        "cuts": {
+            V4 + "nvidia/dspark.py": [
+                "_EXPERT_SCALE_RE",
+                "_CONTEXT_WKV_RE",
+                "_duplicate_context_wkv_weights",
+                "DSparkDeepseekV4ForCausalLM.load_weights",
+                "DSparkDeepseekV4ForCausalLM._remap_dspark_name",
+            ],
+            V4 + "nvidia/model.py": [
+                "make_deepseek_v4_expert_params_mapping",
+                "DeepseekV4Model._pad_shared_expert_weight",
+            ],
+            "vllm/model_executor/models/utils.py": ["extract_layer_index"],
+        },
+    },
+    "vllm-amd-dspark": {
+        "class": "DSparkDeepseekV4ForCausalLM",
+        "cuts": {
+            V4 + "amd/dspark.py": [
+                "_EXPERT_SCALE_RE",
+                "DSparkDeepseekV4ForCausalLM.load_weights",
+                "DSparkDeepseekV4ForCausalLM._remap_dspark_name",
+            ],
+        },
+    },
 }
+# the loaders whose parameters only --serve-with builds (vllm_layer): XPU_OUT, the XPU
+# layout, holds no NVIDIA context_wkv_proj nor confidence head
+SERVE_ONLY = ("vllm-nvidia-dspark", "vllm-amd-dspark")
 
 
 def stand_in_layer() -> Any:
     moe = types.SimpleNamespace(
         use_mega_moe=False,
         use_native_mega_moe=False,
+        n_redundant_experts=0,  # no EPLB (nvidia/dspark.py:463)
         finalize_mega_moe_weights=lambda: None,
         experts=types.SimpleNamespace(has_fused_shared_experts=False),
     )
@@ -118,7 +151,8 @@ def vllm_namespace(
         "is_mtp_completeness_check_enabled": lambda: completeness[0],
         "get_tensor_model_parallel_world_size": lambda: 1,
     }
-    for member, names in {**VLLM_COMMON, **files}.items():
+    for member in {**VLLM_COMMON, **files}:
+        names = [*VLLM_COMMON.get(member, []), *files.get(member, [])]
         cut(wheel.source(member), f"{wheel.path.name}/{member}", names, ns)
     return ns
 

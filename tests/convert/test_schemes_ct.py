@@ -190,10 +190,49 @@ def test_a_dspark_draft_takes_a_config_of_its_own_and_no_launch_change(
     assert [g["targets"] for g in got.quantization_config["config_groups"].values()] == [
         [
             rf"re:^model\.(layers\.{numbers}\.)?(attn\.fused_wqa_wkv|attn\.wq_b|attn\.wo_a|attn\.wo_b|"
-            r"ffn\.shared_experts\.gate_up_proj|ffn\.shared_experts\.down_proj|main_proj)$"
+            r"ffn\.shared_experts\.gate_up_proj|ffn\.shared_experts\.down_proj|main_proj|context_wkv_proj)$"
         ],
         [rf"re:^model\.(layers\.{numbers}\.)?ffn\.experts\.\d+\.(w1|w2|w3|gate_proj|up_proj|down_proj)$"],
     ]
+
+
+@pytest.mark.parametrize(
+    ("edit", "said"),
+    [
+        ("drop", "no scheme"),  # the converter's config before it named the layer
+        ("ignore", "ignore"),
+    ],
+)
+def test_nvidias_dspark_context_wkv_proj_must_take_the_wkv_layers_scheme(
+    plans: dict[str, Plan], edit: str, said: str
+) -> None:
+    """vLLM's NVIDIA DSpark also builds model.context_wkv_proj from the draft's own config and
+    loads every stage's wkv tensors into it (nvidia/dspark.py:72-86, 142-150, 514-518); XPU and
+    AMD have no such layer. The config the converter writes gives it the wkv layers' FP8 block
+    group, and `decide` (what check --serve-with runs) refuses one that gives it another scheme."""
+    plan = plans["dspark"]
+    own = plan_for(plan, TARGETS["w4a16"], "auto").quantization_config
+    assert own is not None
+    native = standalone_draft_layout(plan.model_config)
+
+    def decide(qc: dict[str, Any]) -> list[Any]:
+        config = {**plan.config, "num_hidden_layers": N, "quantization_config": qc}
+        return registry.decide(config, layer_map(plan), native, "d/config.json", ERROR)
+
+    assert {d.scheme.name for d in decide(own) if d.module.endswith("fused_wqa_wkv")} == {"ct-fp8-block"}
+    edited = json.loads(json.dumps(own))
+    if edit == "drop":
+        (target,) = edited["config_groups"]["dsv4_draft_linears"]["targets"]
+        edited["config_groups"]["dsv4_draft_linears"]["targets"] = [target.replace("|context_wkv_proj", "")]
+    else:
+        edited["ignore"] = ["model.context_wkv_proj"]
+    with pytest.raises(PlanError) as refused:
+        decide(edited)
+    assert str(refused.value) == (
+        f"d/config.json: quantization_config gives model.context_wkv_proj {said} on nvidia but the draft's wkv "
+        f"({L}attn.fused_wqa_wkv) dsv4_draft_linears (FP8_BLOCK); vLLM's NVIDIA DSpark loads the wkv tensors "
+        "into both (nvidia/dspark.py:72-86, 514-518), its XPU and AMD classes have no context_wkv_proj"
+    )
 
 
 def dspark_beside_modelopt(plan: Plan, route: str) -> None:

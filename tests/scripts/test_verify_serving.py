@@ -31,6 +31,7 @@ from dsv4.model.errors import LoadError
 from tests.quant_configs import serving_target
 
 MTP_LOADERS = ["vllm-nvidia-mtp", "vllm-amd-mtp", "vllm-xpu-mtp"]
+DSPARK_LOADERS = ["vllm-nvidia-dspark", "vllm-amd-dspark", "vllm-xpu-dspark"]
 LAYER = 2  # the tiny preset's num_hidden_layers: the draft is vLLM's model.layers.2
 
 
@@ -138,7 +139,8 @@ def test_native_fp4_experts_beside_an_fp8_block_target_load_without_error_but_wr
 def edited(source: Path, draft: Path) -> tuple[Path, dict]:
     draft.mkdir()
     for f in source.iterdir():
-        (draft / f.name).write_bytes(f.read_bytes())
+        if f.is_file():  # not a conversion's serve/ folder
+            (draft / f.name).write_bytes(f.read_bytes())
     return draft / "model-00001-of-00001.safetensors", load_file(draft / "model-00001-of-00001.safetensors")
 
 
@@ -448,7 +450,50 @@ def test_fp4_experts_reblocked_into_fp8_are_held_to_decoding_to_the_native_value
     tensors["mtp.0.ffn.experts.2.w2.weight"] = weight.view(torch.float8_e4m3fn)
     rewrite(shard, tensors)
     (r,) = vr.verify_serving(wheels, shard.parent, made["target"], None, made["native"], ["vllm-nvidia-mtp"])[1]
-    assert not r.passed and not r.inexact  # placed as the draft holds it, but no longer the native values
+    # caught twice: by value (weight x its per-128x128 scale is no longer the FP4 weight decoded,
+    # the two judged together) and against the record (exact, 0.0)
+    experts = f"model.layers.{LAYER}.mtp_block.ffn.experts.routed_experts"
+    assert not r.passed and r.inexact == [f"{experts}.w2_weight", f"{experts}.w2_weight_scale"]
     assert {o.split(":")[0] for o in r.off_record} == {
         f"mtp.0.ffn.experts.2.w2.{leaf}" for leaf in ("weight", "weight_scale")
     }
+
+
+def served_conversion(native: Path, qc: dict, out: Path, route: str = "auto") -> tuple[Path, dict]:
+    """`convert-dsv4 NATIVE OUT --target draft --serve-with TARGET`, TARGET the native config
+    with `qc`: the draft directory and the target's config."""
+    target = {**json.loads((native / "config.json").read_text()), "quantization_config": qc}
+    target_dir = out.parent / f"{out.name}-target"
+    target_dir.mkdir()
+    write_json(target_dir / "config.json", target)
+    convert(native, out, target="draft", serving=Serving(read_serving_target(target_dir), route))
+    return out, target
+
+
+def test_the_converted_dspark_draft_loads_exactly_in_every_vllm_dspark_class(
+    dirs: dict[str, Path], wheels: Path, tmp_path: Path
+) -> None:
+    native = dirs["dspark/native"]
+    draft, target = served_conversion(native, serving_target("W4A16", ["lm_head"]), tmp_path / "draft")
+    reports = {r.loader: r for r in serve(wheels, draft, native, target, None, tmp_path, DSPARK_LOADERS)}
+    for r in reports.values():
+        assert r.passed, r.summary()
+    # 96 in XPU's class; NVIDIA's and AMD's add the confidence head, NVIDIA's context_wkv_proj
+    assert {k: r.filled for k, r in reports.items()} == dict(zip(DSPARK_LOADERS, (99, 97, 96), strict=True))
+    assert reports["vllm-nvidia-dspark"].methods["model.context_wkv_proj"] == "CompressedTensorsW8A8Fp8"
+
+    # the draft's config as the converter wrote it before it named context_wkv_proj: NVIDIA
+    # builds that layer bf16 and its loader indexes params_dict without a check (nvidia/dspark.py:514-518)
+    config = json.loads((draft / "config.json").read_text())
+    (targets,) = config["quantization_config"]["config_groups"]["dsv4_draft_linears"]["targets"]
+    config["quantization_config"]["config_groups"]["dsv4_draft_linears"]["targets"] = [
+        targets.replace("|context_wkv_proj", "")
+    ]
+    write_json(draft / "config.json", config)
+    nvidia, xpu = serve(wheels, draft, native, target, None, tmp_path, ["vllm-nvidia-dspark", "vllm-xpu-dspark"])
+    assert xpu.passed, xpu.summary()
+    assert nvidia.methods["model.context_wkv_proj"] == "UnquantizedLinearMethod"
+    assert nvidia.errors == [
+        f"mtp.{i}.attn.wkv.weight_scale: KeyError: 'model.context_wkv_proj.weight_scale'" for i in range(3)
+    ]
+    assert nvidia.inexact == ["model.context_wkv_proj.weight"]  # FP8 codes copied into bf16 as numbers
