@@ -29,17 +29,19 @@ import contextlib
 import importlib.util
 import io
 import json
+import re
 import shutil
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 from compressed_tensors.compressors import ModelCompressor
-from compressed_tensors.config import CompressionFormat
 from compressed_tensors.compressors.format import _flatten_formats, infer_module_format
+from compressed_tensors.config import CompressionFormat
 from compressed_tensors.quantization import QuantizationConfig, preset_name_to_scheme
 from compressed_tensors.transform import TransformArgs, TransformConfig, TransformScheme
 
@@ -163,7 +165,8 @@ def loader_figures(summary: dict[str, Any]) -> dict[str, Any]:
             "params": summary["params"],
             "errors": summary["errors"],
             "skipped": summary["skipped"],
-            "inexact": summary["inexact"] + summary["twice"] + summary["unfilled"],
+            "unfilled": summary["unfilled"] + summary["twice"],
+            "inexact": summary["inexact"],
             "passed": summary["passed"],
         }
     hit = summary["parameters_hit"]
@@ -172,7 +175,8 @@ def loader_figures(summary: dict[str, Any]) -> dict[str, Any]:
         "params": hit + len(summary["missing"]),
         "errors": summary["errors"],
         "skipped": summary["skipped"],
-        "inexact": summary["bytes_unequal"] + summary["missing"],
+        "unfilled": summary["missing"],
+        "inexact": summary["bytes_unequal"],
         "passed": summary["passed"],
     }
 
@@ -201,7 +205,7 @@ class Matrix:
         src = self.source(draft)
         if writer is None:
             return src
-        target = self.work / draft / "targets" / name.replace(" ", "_").replace("^", "").replace("*", "")
+        target = self.work / draft / "targets" / re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
         if not target.exists():
             target.mkdir(parents=True)
             shutil.copy(src / "config.json", target / "config.json")
@@ -237,6 +241,21 @@ class Matrix:
         reports = {r["loader"]: loader_figures(r) for r in json.loads(stdout.getvalue())}
         return {"exit": code, "loaders": reports}
 
+    def sglang_plain(self, draft: str, name: str) -> dict[str, Any]:
+        """SGLang beside a target: the plain `--target draft` output (no --serve-with), which
+        SGLang builds by its own config.json whatever the target (docs/serving.md)."""
+        src = self.source(draft)
+        target = self.target(draft, name, TARGETS[name])
+        plain = self.work / draft / "plain-draft"
+        argv = [plain, "--serve-with", target, "--native", src, "--loader", SGLANG[draft == "dspark"], "--json"]
+        stdout, stderr = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+            code = self.vr.main(list(map(str, argv)))
+        if code == 2:
+            return {"draft": draft, "target": name, "exit": code, "error": one_line(stderr.getvalue())}
+        (report,) = json.loads(stdout.getvalue())
+        return {"draft": draft, "target": name, "exit": code, "sglang": loader_figures(report), **report}
+
     def cell(self, draft: str, name: str, route: str) -> dict[str, Any]:
         src = self.source(draft)
         target = self.target(draft, name, TARGETS[name])
@@ -263,7 +282,7 @@ def loader_cell(figures: dict[str, Any] | None) -> str:
     if figures is None:
         return "—"
     parts = [f"{'✓' if figures['passed'] else '✗'} {figures['filled']}/{figures['params']}"]
-    for label, key in (("err", "errors"), ("skip", "skipped"), ("not exact", "inexact")):
+    for label, key in (("err", "errors"), ("skip", "skipped"), ("unfilled", "unfilled"), ("not exact", "inexact")):
         if figures[key]:
             parts.append(f"{len(figures[key])} {label}")
     return " · ".join(parts)
@@ -280,7 +299,8 @@ def md(text: str) -> str:
 
 def table(rows: list[dict[str, Any]]) -> list[str]:
     lines = [
-        "| draft | target | --draft-format | convert | check | smoke vs native | vLLM nvidia | vLLM amd | vLLM xpu | SGLang |",
+        "| draft | target | --draft-format | convert | check | smoke vs native "
+        "| vLLM nvidia | vLLM amd | vLLM xpu | SGLang |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
@@ -295,7 +315,8 @@ def table(rows: list[dict[str, Any]]) -> list[str]:
         if s["exact"]:
             smoke = "exact"
         elif "top1_agreement" in s:
-            smoke = f"top-1 {s['top1_agreement']:.3f}, logits err {s['logits_max_abs_diff']:.3g} of {s['logits_max_abs']:.3g}"
+            smoke = f"top-1 {s['top1_agreement']:.3f}, logits err {s['logits_max_abs_diff']:.3g}"
+            smoke += f" of {s['logits_max_abs']:.3g}"
             smoke += f" (exit {s['exit']})" if s["exit"] else ""
         else:
             smoke = f"exit {s['exit']}: {md(s['error'])}"
@@ -313,13 +334,27 @@ def table(rows: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def sglang_table(rows: list[dict[str, Any]]) -> list[str]:
+    lines = [
+        "| draft | target | SGLang on the plain draft | quantisation it builds the draft with |",
+        "|---|---|---|---|",
+    ]
+    for r in rows:
+        got = loader_cell(r["sglang"]) if "sglang" in r else f"not run: {md(r['error'])}"
+        lines.append(f"| {r['draft']} | {r['target']} | {got} | {r.get('methods', {}).get('draft', '')} |")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--work", type=Path, help="where the sources, targets and outputs go (default: a temporary directory)")
+    ap.add_argument(
+        "--work", type=Path, help="where the sources, targets and outputs go (default: a temporary directory)"
+    )
     ap.add_argument("--json", type=Path, help="write every row's figures here")
     ap.add_argument("--only-draft", choices=sorted(DRAFTS), action="append")
     ap.add_argument("--only-target", choices=sorted(TARGETS), action="append")
     args = ap.parse_args(argv)
+    started = time.monotonic()
     with contextlib.ExitStack() as stack:
         work = args.work or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="serve-matrix-")))
         matrix = Matrix(work)
@@ -329,9 +364,22 @@ def main(argv: list[str] | None = None) -> int:
             for name in args.only_target or TARGETS
             for route in ROUTES
         ]
-    print("\n".join(table(rows)))
+        sglang = [
+            matrix.sglang_plain(draft, name)
+            for draft in args.only_draft or DRAFTS
+            for name in args.only_target or TARGETS
+            if TARGETS[name] is not None  # beside the DeepSeek fp8 target: the rows above
+        ]
+    # the work directory's path is the same in every message: WORK stands for it
+    print("\n".join([*table(rows), "", *sglang_table(sglang)]).replace(str(work), "WORK"))
+    converted = [r for r in rows if r["convert"] == 0]
+    print(
+        f"{len(rows)} cells: {len(converted)} converted, {len(rows) - len(converted)} refused; "
+        f"{time.monotonic() - started:.0f} s",
+        file=sys.stderr,
+    )
     if args.json:
-        args.json.write_text(json.dumps(rows, indent=1, default=str) + "\n")
+        args.json.write_text(json.dumps({"rows": rows, "sglang": sglang}, indent=1, default=str) + "\n")
     return 0
 
 
