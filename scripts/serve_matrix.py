@@ -102,13 +102,17 @@ def modelopt_nvfp4(target: Path) -> None:
 
 
 def quip() -> TransformConfig:
-    """QuIP's two rotations as llm-compressor's QuIPModifier writes them: V on every Linear's
-    input (its inverse fused into the weight), U on the weight's output and undone after."""
+    """QuIP's two rotations as llm-compressor's QuIP template lays them out
+    (src/llmcompressor/modifiers/transform/template/quip.py): V on every Linear's input, its
+    inverse fused into the weight; U on the weight's output, undone on the layer's output."""
     args = {"targets": ["Linear"], "ignore": ["lm_head"]}
     v = [TransformArgs(location="input", **args), TransformArgs(location="weight_input", inverse=True, **args)]
     u = [TransformArgs(location="weight_output", **args), TransformArgs(location="output", inverse=True, **args)]
     return TransformConfig(
-        config_groups={"v": TransformScheme(type="hadamard", apply=v), "u": TransformScheme(type="hadamard", apply=u)}
+        config_groups={
+            "v": TransformScheme(type="hadamard", apply=v, randomize=True),
+            "u": TransformScheme(type="hadamard", apply=u, randomize=True),
+        }
     )
 
 
