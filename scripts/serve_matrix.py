@@ -234,16 +234,24 @@ class Matrix:
             argv = [out, "--serve-with", target, "--native", src, *(a for n in loaders for a in ("--loader", n))]
             if (out / "serve" / "vllm-hf-overrides.json").exists():
                 argv += ["--overrides", out / "serve" / "vllm-hf-overrides.json"]
+        got = self.run_verify(argv)
+        if "error" in got:
+            return got
+        return {"exit": got["exit"], "loaders": {r["loader"]: loader_figures(r) for r in got["reports"]}}
+
+    def run_verify(self, argv: list[Any]) -> dict[str, Any]:
+        """verify_runtimes.py ARGV --json in this process: its exit code and reports, or the
+        one line it refused with (exit 2); a traceback is a defect of the proof or of the
+        draft, kept as the row's error."""
         stdout, stderr = io.StringIO(), io.StringIO()
         with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
             try:
                 code = self.vr.main([*map(str, argv), "--json"])
-            except Exception as exc:  # a defect of the proof or of the draft: the row says which
+            except Exception as exc:
                 return {"exit": None, "error": f"traceback: {type(exc).__name__}: {exc}"}
         if code == 2:
             return {"exit": code, "error": one_line(stderr.getvalue())}
-        reports = {r["loader"]: loader_figures(r) for r in json.loads(stdout.getvalue())}
-        return {"exit": code, "loaders": reports}
+        return {"exit": code, "reports": json.loads(stdout.getvalue())}
 
     def sglang_plain(self, draft: str, name: str) -> dict[str, Any]:
         """SGLang beside a target: the plain `--target draft` output (no --serve-with), which
@@ -251,14 +259,12 @@ class Matrix:
         src = self.source(draft)
         target = self.target(draft, name, TARGETS[name])
         plain = self.work / draft / "plain-draft"
-        argv = [plain, "--serve-with", target, "--native", src, "--loader", SGLANG[draft == "dspark"], "--json"]
-        stdout, stderr = io.StringIO(), io.StringIO()
-        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
-            code = self.vr.main(list(map(str, argv)))
-        if code == 2:
-            return {"draft": draft, "target": name, "exit": code, "error": one_line(stderr.getvalue())}
-        (report,) = json.loads(stdout.getvalue())
-        return {"draft": draft, "target": name, "exit": code, "sglang": loader_figures(report), **report}
+        got = self.run_verify([plain, "--serve-with", target, "--native", src, "--loader", SGLANG[draft == "dspark"]])
+        row = {"draft": draft, "target": name}
+        if "error" in got:
+            return row | got
+        (report,) = got["reports"]
+        return row | {"exit": got["exit"], "sglang": loader_figures(report), **report}
 
     def cell(self, draft: str, name: str, route: str) -> dict[str, Any]:
         src = self.source(draft)
