@@ -220,22 +220,29 @@ def _decisions(
                     field=f"{found.field}.weights",
                 )
             said = f"{why}: {found.name} ({found.scheme})"
-        _check_wo_a(name, scheme, where, error)
+        _check_wo_a(name, scheme, found, where, error)
         out.append(Decision(name, kind, parts, scheme, said))
     return out
 
 
-def _check_wo_a(name: str, scheme: Scheme, where: str, error: ErrorFactory) -> None:
+def _check_wo_a(name: str, scheme: Scheme, found: Group | str | None, where: str, error: ErrorFactory) -> None:
     """V4's O-projection reads wo_a's tensors itself: FP8 or bf16 on NVIDIA
-    (nvidia/ops/o_proj.py:61-103), FP8 only on XPU (xpu/xpu_sparse.py:107-118)."""
+    (nvidia/ops/o_proj.py:61-103), FP8 only on XPU (xpu/xpu_sparse.py:107-118). The refusal
+    names what gives wo_a its scheme: the ignore list, the want of a target, or the group."""
     if not name.endswith(WO_A) or scheme is CT_FP8_BLOCK:
         return
     platforms = "xpu" if scheme is UNQUANTISED else "nvidia and xpu"
+    field = (
+        found.field
+        if isinstance(found, Group)
+        else f"quantization_config.{'ignore' if found == IGNORED else 'config_groups'}"
+    )
+    cause = "covers it" if found == IGNORED else "has no group for it" if found is None else "gives it that scheme"
     raise error(
         f"{where}: the draft's {name} would be {scheme.name}, which vLLM's V4 O-projection cannot read on {platforms} "
-        "(it runs wo_a through its FP8 kernel)",
+        f"(it runs wo_a through its FP8 kernel): {field} {cause}",
         path=where,
-        field="quantization_config",
+        field=field,
     )
 
 

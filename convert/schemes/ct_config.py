@@ -37,6 +37,9 @@ KNOWN_KEYS = frozenset(
         "version",
         "total_num_heads",
         "total_num_kv_heads",
+        # written by compressed-tensors 0.20's QuantizationConfig (quant_config.py:170),
+        # null where no experts were pruned; vLLM never reads it (parse refuses a set one)
+        "moe_sparsity_config",
     }
 )
 GROUP_KEYS = frozenset({"targets", "weights", "input_activations", "output_activations", "format"})
@@ -268,6 +271,16 @@ def parse(qc: Mapping[str, Any], where: str, error: ErrorFactory) -> CtConfig:
     extra = sorted(k for k in qc if k not in KNOWN_KEYS)
     if extra:
         raise _refuse(error, where, f"quantization_config.{extra[0]}", "is not a compressed-tensors field vLLM reads")
+    if qc.get("moe_sparsity_config") is not None:
+        # per-layer expert counts (compressed_tensors/config/expert_sparsity.py:13-40) that
+        # vLLM's CompressedTensorsConfig ignores (compressed_tensors.py:235-271): the draft's
+        # expert tensors would not be what the target's runtime builds
+        raise _refuse(
+            error,
+            where,
+            "quantization_config.moe_sparsity_config",
+            "prunes experts per layer: vLLM 0.33.0 does not read it",
+        )
     sparsity = qc.get("sparsity_config")
     if sparsity and (not isinstance(sparsity, Mapping) or sparsity.get("targets")):
         # vLLM refuses a sparsity config with targets (compressed_tensors.py:273-300)
