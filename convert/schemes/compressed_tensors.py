@@ -341,7 +341,8 @@ def serve(
     if route == "native":
         raise error(
             f"{where}: --draft-format native: vLLM builds the MTP draft with this compressed-tensors config, which "
-            "has no parameter for the native .scale tensors (take overlay, bf16 or match-target)",
+            "has no parameter for the native .scale tensors (take overlay, bf16 or match-target; for SGLang, which "
+            "builds the draft from the draft's own config.json, convert without --serve-with)",
             path=where,
             field="quantization_config.quant_method",
         )
