@@ -47,7 +47,7 @@ run as written. What is stubbed:
   config.json's `quantization_config`; SGLang's `_dequant_fp8` (it needs einops) passes
   the FP8 weight on unchanged, in both its runs, while the wo_a pairing around it runs.
 
---serve-with TARGET (a compressed-tensors target's config.json, or its directory) proves
+--serve-with TARGET (a compressed-tensors or ModelOpt target's config.json, or its directory) proves
 instead that DRAFT loads beside that target, with vLLM's parameters built by vLLM's own
 code rather than taken from an XPU_OUT (runtime_loaders/serve_verify.py, serve_runs.py,
 vllm_build.py, vllm_layer.py, sglang_quant.py). --overrides FILE is the JSON value of
@@ -57,15 +57,24 @@ xpu DeepSeekV4MTP; nvidia, amd, xpu DSparkDeepseekV4ForCausalLM for a DSpark dra
 with its context_wkv_proj, every stage's wkv stacked, nvidia/dspark.py:142-150, and NVIDIA's and
 AMD's with the confidence head, built without the quant config; these two run with --serve-with
 only, XPU_OUT holding neither):
-  a. CompressedTensorsConfig.from_config on the effective quantization_config (DSpark: the
-     draft's own, dspark/utils.py:115-117), then configure_quant_config with
+  a. the config class vLLM picks for the target's effective quantization_config: the first of
+     ModelOptFp8Config, ModelOptNvFp4Config whose override_quantization_method claims it
+     (config/model.py:1396-1435), else the registry's class for its quant_method
+     (quantization/__init__.py:163-164): CompressedTensorsConfig, ModelOptFp8Config or
+     ModelOptNvFp4Config; its from_config on that quantization_config (DSpark: on the draft's
+     own, the target's method with the draft's dict, config/speculative.py:1564-1566,
+     dspark/utils.py:115-117), then configure_quant_config with
      DeepseekV4ForCausalLM's hf_to_vllm_mapper and packed_modules_mapping (MTP only; the
      DSpark class has neither), then AMD's align_mtp_quant_config;
   b. each draft module built by the wheel's ReplicatedLinear / ColumnParallelLinear /
      MergedColumnParallelLinear / RowParallelLinear / RoutedExperts __init__, with the
      constructor arguments and quant prefixes of nvidia/mtp.py, attention.py, nvidia/model.py
      and */dspark.py (vllm_layer._linear_specs says where each comes from): __init__ asks
-     the config for the method (get_quant_method -> get_scheme / get_moe_method);
+     the config for the method (compressed-tensors: get_quant_method -> get_scheme /
+     get_moe_method; ModelOpt: get_quant_method -> is_layer_excluded, modelopt.py:191-264: an
+     excluded linear UnquantizedLinearMethod, excluded experts no method and so
+     UnquantizedFusedMoEMethod, routed_experts.py:236-240; else build_linear_method's
+     ModelOptLinearMethod or the config's FP8 / NVFP4 MoE method);
   c. that method's create_weights: the parameters with vLLM's classes, names, dtypes,
      shapes and weight_loaders (ModelWeightParameter & co., the layer's weight_loader(_v2),
      RoutedExperts.weight_loader);
@@ -97,21 +106,29 @@ out for it: VLLM_BUILD_CUTS
 classes, fp8_utils' parameter makers, the linear and RoutedExperts classes, the CT linear
 schemes W8A8Fp8 / WNA16 / W4A4Fp4 / W4A4Mxfp4 and MoE methods W8A8Fp8 / WNA16 / W4A4Nvfp4 /
 W4A4Mxfp4 / Unquantized, WeightsMapper, _make_deepseek_v4_weights_mapper,
-configure_quant_config, align_mtp_quant_config), VLLM_CUTS (the loaders, as above) and
-SGLANG_QUANT_CUTS (sglang_quant.py: _verify_quantization and the registry's
-override_quantization_method hooks). No vLLM or SGLang module is imported whole; the
-compressed-tensors library is imported (vLLM's own dependency: QuantizationArgs,
-TransformConfig, is_match). What is stubbed there:
+configure_quant_config, align_mtp_quant_config; quant_utils.is_layer_skipped; ModelOpt's
+config base and its FP8 / NVFP4 classes (from_config, overrides, is_layer_excluded,
+apply_vllm_mapper, get_quant_method), ModelOptLinearMethod with resolve, build_linear_method and
+its weight / activation key schemes, ModelOptFp8MoEMethod and ModelOptNvFp4FusedMoE), VLLM_CUTS
+(the loaders, as above) and SGLANG_QUANT_CUTS (sglang_quant.py: _verify_quantization, its
+ModelOpt config unwrapping, and the registry's override_quantization_method hooks). No vLLM
+or SGLang module is imported whole; the compressed-tensors library is imported (vLLM's own
+dependency: QuantizationArgs, TransformConfig, is_match). What is stubbed there:
 * platform and process: current_platform per loader (nvidia: capability 9.0; amd: ROCm
   9.4, not gfx950; xpu: no capability), tensor-parallel rank 0 of 1, no TPU weight-loader
   sync, the vLLM config's model dtype bf16 and linear/MoE backends "auto", no LoRA;
   torch's default dtype bf16 while the modules are built (as vLLM sets it);
 * kernels and backends: every kernel/backend selector and quant key the schemes'
   __init__/create_weights call (init_*_linear_kernel, choose_mp_linear_kernel,
-  select_*_moe_backend, ...) returns a stand-in; FusedMoEMethodBase.maybe_roundup_sizes
+  select_*_moe_backend, ModelOpt's select_linear_kernel, ...) returns a stand-in; the quant
+  keys (kNvfp4Static, ...) are stand-ins too, so ModelOpt's QuantSpec is a namespace of its
+  (weight, activation) pair; FusedMoEMethodBase.maybe_roundup_sizes
   keeps the sizes (it rounds only for all2all backends); no online quantization;
 * MoE: FusedMoEConfig as a namespace of the fields read (gated SiLU, TP/EP 1, no EPLB,
   no padding), the expert map identity, update_expert_map_info a no-op;
+* modelopt.py's module-level statements the cut leaves out are done by hand: each config's
+  FusedMoEMethodCls (modelopt.py:725, 1199) and ModelOptLinearMethod's registration as a
+  weight_loader_v2 method (its decorator, modelopt.py:2559); MLAAttention an empty class;
 * a target transform_config that applies to a draft layer is reported as that layer's
   error (TransformOnDraft) instead of building CompressedTensorsLinearTransformMethod;
 * the vLLM modules imported inside the cut-out functions (vllm_build.IMPORTED_INSIDE,
@@ -252,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--serve-with",
         type=Path,
-        help="a compressed-tensors target's config.json (or its directory): "
+        help="a compressed-tensors or modelopt target's config.json (or its directory): "
         "load DRAFT into the parameters vLLM builds beside it",
     )
     ap.add_argument(

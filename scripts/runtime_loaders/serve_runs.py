@@ -222,7 +222,8 @@ def _fp4_as_fp8_block(
     no native counterpart); None for any other parameter."""
     weight = name.removesuffix("_scale")
     w, s, fed = table.get(weight), table.get(f"{weight}_scale"), fills.get(weight)
-    if w is None or s is None or not fed or w.data.dtype != torch.float8_e4m3fn:
+    # a per-tensor scale (ModelOpt FP8's [experts, shards], modelopt.py:555-572) is no FP8 block's
+    if w is None or s is None or not fed or w.data.dtype != torch.float8_e4m3fn or s.data.dim() != w.data.dim():
         return None
     packed = native.get(fed[0].tensor.rpartition(".")[0] + ".weight")
     if packed is None or packed.dtype != torch.int8:
@@ -245,15 +246,22 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def serve_run(
-    wheel: Wheel, loader: str, draft: Path, quantization_config: dict[str, Any], native: Path, config: dict[str, Any]
+    wheel: Wheel,
+    loader: str,
+    draft: Path,
+    quantization_config: dict[str, Any],
+    native: Path,
+    config: dict[str, Any],
+    target_quantization: dict[str, Any],
 ) -> ServeReport:
     """vLLM's `loader` (VLLM_CUTS) on DRAFT, its parameters those vLLM builds under
-    `quantization_config` (MTP: the target's effective one; DSpark: the draft's own)."""
+    `quantization_config` (MTP: the target's effective one; DSpark: the draft's own) with the
+    config class `target_quantization` (the target's effective one) names."""
     platform, layout = loader.split("-")[1:]
     report = ServeReport(loader)
     cfg = attrs(config)
     build_ns = build_namespace(wheel, platform)
-    qc = quant_config_for(build_ns, quantization_config, platform, layout, cfg)
+    qc = quant_config_for(build_ns, quantization_config, target_quantization, platform, layout, cfg)
     start = config["num_hidden_layers"]
     if layout == "mtp":
         n = config.get("num_nextn_predict_layers", 1)

@@ -17,6 +17,7 @@ from .wheels import Wheel, wheel_path
 MTP_LOADERS = ["vllm-nvidia-mtp", "vllm-amd-mtp", "vllm-xpu-mtp"]
 DSPARK_LOADERS = ["vllm-nvidia-dspark", "vllm-amd-dspark", "vllm-xpu-dspark"]  # models/deepseek_v4/*/dspark.py
 # the rows per draft kind: vLLM's loaders, then SGLang's (sglang_report)
+SERVED_METHODS = ("compressed-tensors", "modelopt")  # the configs vllm_build cuts out
 
 
 def read_config(path: Path) -> dict[str, Any]:
@@ -28,7 +29,10 @@ def read_config(path: Path) -> dict[str, Any]:
 
 
 def scheme_label(qc: dict[str, Any]) -> str:
-    """The target's schemes as its config groups state them (format per group, else the config's)."""
+    """The target's schemes as its config groups state them (format per group, else the config's);
+    a ModelOpt target's algorithm."""
+    if qc.get("quant_method") == "modelopt":
+        return f"modelopt {(qc.get('quantization') or qc).get('quant_algo')}"
     formats = [g.get("format") or qc.get("format") or "?" for g in (qc.get("config_groups") or {}).values()]
     return " + ".join(sorted(set(formats))) or str(qc.get("quant_method"))
 
@@ -48,9 +52,9 @@ def verify_serving(
     target_config = read_config(target)
     extra = json.loads(overrides.read_text()) if overrides else None
     effective = effective_quantization_config(target_config, extra)
-    if effective.get("quant_method") != "compressed-tensors":
+    if effective.get("quant_method") not in SERVED_METHODS:
         raise UsageError(
-            f"{target}: --serve-with takes a compressed-tensors target (quant_method is "
+            f"{target}: --serve-with takes a compressed-tensors or modelopt target (quant_method is "
             f"{effective.get('quant_method')!r}); a DeepSeek fp8 target serves the native draft: --expected"
         )
     config = json.loads((draft / "config.json").read_text())
@@ -59,7 +63,9 @@ def verify_serving(
     quant = (config.get("quantization_config") or {}) if is_dspark else effective
     wheel = Wheel(wheel_path(wheels, "vllm"))
     reports = [
-        serve_run(wheel, loader, draft, quant, native, config) for loader in chosen if loader.startswith("vllm-")
+        serve_run(wheel, loader, draft, quant, native, config, effective)
+        for loader in chosen
+        if loader.startswith("vllm-")
     ]
     sglang = "sglang-dspark" if is_dspark else "sglang-nextn"
     # --hf-overrides is a vLLM launch: SGLang's row only without one (or asked for by name)

@@ -56,6 +56,7 @@ SGLANG_QUANT_CUTS: dict[str, list[str]] = {
     Q + "__init__.py": ["BASE_QUANTIZATION_METHODS"],
     "sglang/srt/configs/model_config.py": [
         "REQUANTIZATION_METHODS",
+        "unwrap_modelopt_quantization_config",
         "_quant_config_to_dict",
         "ModelConfig._verify_quantization",
         "ModelConfig._parse_quant_hf_config",

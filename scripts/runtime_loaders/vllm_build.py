@@ -12,6 +12,7 @@ import sys
 import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
+from fnmatch import fnmatch
 from fractions import Fraction
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,14 @@ from typing import Any
 import torch
 
 from .cut import cut
-from .vllm_build_cuts import CTM_PACKAGE, IMPORTED_INSIDE, KERNEL_STAND_INS, VLLM_BUILD_CUTS
+from .vllm_build_cuts import (
+    CTM_PACKAGE,
+    IMPORTED_INSIDE,
+    KERNEL_STAND_INS,
+    MODELOPT_OVERRIDES,
+    QUANT_CONFIG_CLASSES,
+    VLLM_BUILD_CUTS,
+)
 from .wheels import Wheel
 
 # per platform: (whether the platform is XPU, is ROCm, its device capability; None on XPU,
@@ -108,6 +116,7 @@ def _libraries() -> dict[str, Any]:
         "Module": torch.nn.Module,
         "nn": torch.nn,
         "Fraction": Fraction,
+        "fnmatch": fnmatch,
         "MappingProxyType": types.MappingProxyType,
         "WeakValueDictionary": __import__("weakref").WeakValueDictionary,
         "dataclass": dataclass,
@@ -157,6 +166,9 @@ def _stubs(platform: str) -> dict[str, Any]:
         "ParallelLMHead": type("ParallelLMHead", (), {}),
         "VocabParallelEmbedding": type("VocabParallelEmbedding", (), {}),
         "Attention": type("Attention", (), {}),
+        "MLAAttention": type("MLAAttention", (), {}),
+        # the (weight, activation) key pair resolve() returns (vllm/config/quantization.py:81-92)
+        "QuantSpec": lambda weight=None, activation=None: types.SimpleNamespace(weight=weight, activation=activation),
         "CompressedTensorsLinearTransformMethod": types.SimpleNamespace(from_schemes=from_schemes),
         "TransformTuple": lambda *a: a,
         "dispatch_unquantized_gemm": lambda _backend: None,
@@ -192,6 +204,12 @@ def _compile_namespace(wheel: Wheel, platform: str) -> dict[str, Any]:
         cut(wheel.source(member), f"{wheel.path.name}/{member}", names, ns)
         if member.endswith("fused_moe_method_base.py"):
             ns["FusedMoEMethodBase"].maybe_roundup_sizes = _no_roundup
+    # module-level statements of modelopt.py the cut leaves out: the MoE method per config
+    # (modelopt.py:725, 1199) and the v2 loader registration of the linear method's decorator
+    # (modelopt.py:2559, linear.py:67-70)
+    ns["ModelOptFp8Config"].FusedMoEMethodCls = ns["ModelOptFp8MoEMethod"]
+    ns["ModelOptNvFp4Config"].FusedMoEMethodCls = ns["ModelOptNvFp4FusedMoE"]
+    ns["WEIGHT_LOADER_V2_SUPPORTED"].append("ModelOptLinearMethod")
     return ns
 
 
@@ -231,9 +249,17 @@ def effective_quantization_config(target_config: dict[str, Any], overrides: dict
 
 
 def quant_config_for(
-    ns: dict[str, Any], quantization_config: dict[str, Any], platform: str, layout: str, draft_config: Any
+    ns: dict[str, Any],
+    quantization_config: dict[str, Any],
+    target_quantization: dict[str, Any],
+    platform: str,
+    layout: str,
+    draft_config: Any,
 ) -> Any:
-    """The CompressedTensorsConfig the draft layers are built with. MTP: the target's object
+    """The quant config the draft layers are built with: `quantization_config` parsed by the
+    class vLLM picks for the target's effective `target_quantization` (config_class; a DSpark
+    draft takes the target's method with its own dict, config/speculative.py:1564-1566).
+    MTP: the target's object
     (from_config, then the target's model init: configure_quant_config with the V4 class's
     mapper and packed modules, model_loader/utils.py:93-94, 367-387; then AMD's draft
     re-keys model.mtp.{i}. entries, amd/mtp.py:301, quant_config.py:33-57). DSpark: built
@@ -241,9 +267,20 @@ def quant_config_for(
     that has neither a mapper nor packed_modules_mapping (xpu/, nvidia/, amd/dspark.py: none), so
     configure_quant_config leaves it as parsed."""
     with imports_from(ns):
-        qc = ns["CompressedTensorsConfig"].from_config(quantization_config)
+        qc = ns[config_class(ns, target_quantization)].from_config(quantization_config)
         if layout == "mtp":
             ns["configure_quant_config"](qc, ns["DeepseekV4ForCausalLM"])
             if platform == "amd":
                 ns["align_mtp_quant_config"](qc, draft_config)
     return qc
+
+
+def config_class(ns: dict[str, Any], quantization_config: dict[str, Any]) -> str:
+    """The config class vLLM builds for `quantization_config`: the first ModelOpt class whose
+    override_quantization_method claims it (config/model.py:1396-1435; modelopt.py:453-459 FP8,
+    776-782 NVFP4), else the registry's class for its quant_method."""
+    for name in MODELOPT_OVERRIDES:
+        claimed = ns[name].override_quantization_method(quantization_config, None)
+        if claimed is not None:
+            return QUANT_CONFIG_CLASSES[claimed]
+    return QUANT_CONFIG_CLASSES[quantization_config.get("quant_method")]

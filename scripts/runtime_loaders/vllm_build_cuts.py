@@ -32,6 +32,7 @@ VLLM_BUILD_CUTS: dict[str, list[str]] = {
         "_adjust_shard_indexes_for_marlin",
         "_adjust_shard_indexes_for_packing",
     ],
+    L + "quantization/utils/quant_utils.py": ["is_layer_skipped"],
     L + "quantization/utils/config_utils.py": ["find_matching_patterns", "is_equal_or_regex_match"],
     CT + "utils.py": [
         "STRATEGY_TO_PARAMETER_TYPE",
@@ -43,6 +44,7 @@ VLLM_BUILD_CUTS: dict[str, list[str]] = {
     ],
     CT + "transform/linear.py": ["get_linear_transform_schemes", "get_schemes_args", "get_layer_partition_names"],
     L + "quantization/utils/fp8_utils.py": [
+        "FP8_SCALE_SENTINEL",
         "validate_fp8_block_shape",
         "validate_fp8_block_shape_moe",
         "create_fp8_weight_parameter",
@@ -53,6 +55,7 @@ VLLM_BUILD_CUTS: dict[str, list[str]] = {
     L + "quantization/base_config.py": [
         "QuantizationConfig.__init__",
         "QuantizationConfig.online_quantization_config",
+        "QuantizationConfig.get_from_keys",
         "resolve_quant_method",
     ],
     L + "linear.py": [
@@ -93,7 +96,10 @@ VLLM_BUILD_CUTS: dict[str, list[str]] = {
         "RoutedExperts._load_single_value",
         "RoutedExperts.weight_loader",
     ],
-    L + "fused_moe/fused_moe_method_base.py": ["FusedMoEMethodBase.__init__"],
+    L + "fused_moe/fused_moe_method_base.py": [
+        "FusedMoEMethodBase.__init__",
+        "FusedMoEMethodBase.uses_weight_scale_2_pattern",
+    ],
     L + "fused_moe/unquantized_fused_moe_method.py": [
         "UnquantizedFusedMoEMethod.__init__",
         "UnquantizedFusedMoEMethod.create_weights",
@@ -175,7 +181,68 @@ VLLM_BUILD_CUTS: dict[str, list[str]] = {
         "CompressedTensorsLinearMethod.__init__",
         "CompressedTensorsLinearMethod.create_weights",
     ],
+    # ModelOpt: the config (from_config, the override that picks modelopt / modelopt_fp4, the
+    # exclusion check, get_quant_method), the generic linear method with its weight and
+    # activation key schemes, and the FP8 / NVFP4 MoE methods' create_weights
+    L + "quantization/modelopt.py": [
+        "LINEAR_ALGOS",
+        "QUANT_ALGOS",
+        "algos_owned_by",
+        "ModelOptQuantConfigBase.FusedMoEMethodCls",
+        "ModelOptQuantConfigBase.__init__",
+        "ModelOptQuantConfigBase.is_layer_excluded",
+        "ModelOptQuantConfigBase.get_quant_method",
+        "ModelOptQuantConfigBase.apply_vllm_mapper",
+        "ModelOptQuantConfigBase._extract_modelopt_quant_algo",
+        "ModelOptQuantConfigBase.from_config",
+        "ModelOptFp8Config.__init__",
+        "ModelOptFp8Config.get_name",
+        "ModelOptFp8Config.override_quantization_method",
+        "ModelOptFp8Config._from_config",
+        "ModelOptFp8MoEMethod.__init__",
+        "ModelOptFp8MoEMethod.create_weights",
+        "ModelOptNvFp4Config.__init__",
+        "ModelOptNvFp4Config.get_name",
+        "ModelOptNvFp4Config.override_quantization_method",
+        "ModelOptNvFp4Config._from_config",
+        "ModelOptNvFp4FusedMoE.__init__",
+        "ModelOptNvFp4FusedMoE.uses_weight_scale_2_pattern",
+        "ModelOptNvFp4FusedMoE.create_weights",
+        "Role",
+        "WEIGHT",
+        "ACT",
+        "CkptCtx",
+        "RuntimeDtypes",
+        "Shapes",
+        "QuantKeyScheme",
+        "KNvfp4Static",
+        "KNvfp4Dynamic",
+        "KFp8StaticTensor",
+        "KFp8StaticChannel",
+        "KFp8Block128",
+        "KMxfp8Static",
+        "KDynamicNoParam",
+        "SCHEME_FOR",
+        "FormatScheme",
+        "_Fp8PbWoPartialBlock",
+        "_PB_WO_PARTIAL_BLOCK",
+        "_DropInputScale",
+        "_DROP_INPUT_SCALE",
+        "ModelOptLinearMethod.__init__",
+        "ModelOptLinearMethod.create_weights",
+        "resolve",
+        "LINEAR_METHOD_BUILDERS",
+        "build_linear_method",
+    ],
 }
+# the config classes vLLM's registry names (quantization/__init__.py:163-164), and the
+# ModelOpt ones in the order config/model.py:1405-1406 probes their overrides
+QUANT_CONFIG_CLASSES = {
+    "compressed-tensors": "CompressedTensorsConfig",
+    "modelopt": "ModelOptFp8Config",
+    "modelopt_fp4": "ModelOptNvFp4Config",
+}
+MODELOPT_OVERRIDES = ("ModelOptFp8Config", "ModelOptNvFp4Config")
 # the vLLM modules the cut-out functions import inside their bodies: while they run, each
 # is a stand-in module holding the cut-out namespace (so `from vllm.x import Y` gets the
 # wheel's Y cut out above, or its stub)
@@ -223,6 +290,12 @@ KERNEL_STAND_INS = (
     "ScaleDesc",
     "create_fp8_quant_key",
     "kFp8StaticTensorSym",
+    "kFp8StaticTokenSym",
+    "kMxfp8Static",
+    "kMxfp8Dynamic",
+    "kNvfp4DynamicToken",
+    "NvFp4MoeBackend",
+    "select_linear_kernel",
     "kFp8DynamicTokenSym",
     "kFp8StaticChannelSym",
     "kFp8Static128BlockSym",

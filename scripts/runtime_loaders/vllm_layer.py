@@ -142,6 +142,7 @@ def _moe_config(cfg: Any) -> Any:
         rocm_aiter_fmoe_enabled=False,
         moe_parallel_config=types.SimpleNamespace(enable_eplb=False, tp_size=1),
         tp_shard_with_padding=False,
+        tp_size=1,
         tp_rank=0,
         w13_num_shards=2,
         has_bias=False,

@@ -328,7 +328,7 @@ def test_the_command_prints_the_table_and_exits_by_the_result(
         )
         == 2
     )
-    assert "--serve-with takes a compressed-tensors target" in capsys.readouterr().err
+    assert "--serve-with takes a compressed-tensors or modelopt target" in capsys.readouterr().err
 
 
 def match_target(root: Path, preset: str) -> dict[str, Path]:
@@ -497,3 +497,56 @@ def test_the_converted_dspark_draft_loads_exactly_in_every_vllm_dspark_class(
         f"mtp.{i}.attn.wkv.weight_scale: KeyError: 'model.context_wkv_proj.weight_scale'" for i in range(3)
     ]
     assert nvidia.inexact == ["model.context_wkv_proj.weight"]  # FP8 codes copied into bf16 as numbers
+
+
+# a ModelOpt NVFP4 target as its config.json states it (modelopt.py:324-410 reads it)
+MODELOPT_NVFP4 = {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16, "exclude_modules": ["lm_head"]}
+
+
+def test_the_converted_draft_loads_exactly_beside_a_modelopt_nvfp4_target(
+    dirs: dict[str, Path], wheels: Path, tmp_path: Path
+) -> None:
+    native = dirs["instruct/native"]
+    draft, target = served_conversion(native, MODELOPT_NVFP4, tmp_path / "draft")
+    overrides = json.loads((draft / "serve" / "vllm-hf-overrides.json").read_text())
+    reports = serve(wheels, draft, native, target, overrides, tmp_path)
+    for r in reports:
+        assert r.passed, r.summary()
+        # every draft layer excluded: vLLM's unquantised methods, bf16 weights (modelopt.py:243-247;
+        # routed_experts.py:236-240 for the experts, whose excluded config returns no method)
+        assert set(r.methods.values()) == {"UnquantizedLinearMethod", "UnquantizedFusedMoEMethod"}, r.loader
+        assert r.methods[f"model.layers.{LAYER}.attn.wo_a"] == "UnquantizedLinearMethod"
+    xpu = reports[-1]
+    assert xpu.filled == xpu.params and xpu.params > 0
+
+
+def test_the_native_draft_beside_a_modelopt_nvfp4_target_without_overrides_fails(
+    dirs: dict[str, Path], wheels: Path, tmp_path: Path
+) -> None:
+    target = {
+        **json.loads((dirs["instruct/native"] / "config.json").read_text()),
+        "quantization_config": MODELOPT_NVFP4,
+    }
+    reports = serve(wheels, dirs["instruct/draft"], dirs["instruct/native"], target, None, tmp_path)
+    for r in reports:
+        assert not r.passed
+        # no draft layer excluded: NVFP4 W4A4 parameters (modelopt.py:2018-2066, 2100-2112, 914-1020)
+        assert set(r.methods.values()) == {"ModelOptLinearMethod", "ModelOptNvFp4FusedMoE"}, r.loader
+        # the loader renames .scale to .weight_scale_inv (nvidia/mtp.py:419-425), which NVFP4 has not;
+        # the FP8 weight meets a packed uint8 one half as wide (linear.py:408-411)
+        assert f"mtp.0.e_proj.scale: KeyError: 'model.layers.{LAYER}.e_proj.weight_scale_inv'" in r.errors
+        shapes = "of size torch.Size([256, 256])to a parameter of size torch.Size([256, 128])"
+        assert f"mtp.0.e_proj.weight: AssertionError: Tried to load weights {shapes}" in r.errors
+        assert f"model.layers.{LAYER}.e_proj.input_scale (1 of 1 parts)" in r.unfilled
+
+
+def test_the_converted_dspark_draft_loads_exactly_beside_a_modelopt_nvfp4_target(
+    dirs: dict[str, Path], wheels: Path, tmp_path: Path
+) -> None:
+    native = dirs["dspark/native"]
+    draft, target = served_conversion(native, MODELOPT_NVFP4, tmp_path / "draft")
+    # the DSpark draft is built by its own config (dspark/utils.py:115-117): no overrides file
+    assert not (draft / "serve" / "vllm-hf-overrides.json").exists()
+    for r in serve(wheels, draft, native, target, None, tmp_path, DSPARK_LOADERS):
+        assert r.passed, r.summary()
+        assert set(r.methods.values()) == {"UnquantizedLinearMethod", "UnquantizedFusedMoEMethod"}, r.loader
