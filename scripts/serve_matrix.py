@@ -58,6 +58,7 @@ ROUTES = {
     "match-target lossy": ["--draft-format", "match-target", "--allow-lossy"],
 }
 PLATFORMS = {"nvidia": "vllm-nvidia-mtp", "amd": "vllm-amd-mtp", "xpu": "vllm-xpu-mtp"}
+DSPARK_PLATFORMS = {p: f"vllm-{p}-dspark" for p in PLATFORMS}  # vLLM's three DSpark classes
 SGLANG = {False: "sglang-nextn", True: "sglang-dspark"}
 WO_A = r"re:.*attn\.wo_a$"  # a runnable V4 target's O-projection reads wo_a as FP8 (its own group)
 
@@ -228,7 +229,7 @@ class Matrix:
         if target == src:
             argv = [out, "--expected", self.work / draft / "plain-xpu", "--native", src]
         else:
-            loaders = ["vllm-xpu-dspark"] if dspark else list(PLATFORMS.values())
+            loaders = list((DSPARK_PLATFORMS if dspark else PLATFORMS).values())
             if "sglang" in (out / "serve" / "commands.sh").read_text():
                 loaders.append(SGLANG[dspark])
             argv = [out, "--serve-with", target, "--native", src, *(a for n in loaders for a in ("--loader", n))]
@@ -324,9 +325,12 @@ def table(rows: list[dict[str, Any]]) -> list[str]:
             check += f" (without --native: exit {c['without --native']})"
         if s["exact"]:
             smoke = "exact"
-        elif "top1_agreement" in s:
-            smoke = f"top-1 {s['top1_agreement']:.3f}, logits err {s['logits_max_abs_diff']:.3g}"
-            smoke += f" of {s['logits_max_abs']:.3g}"
+        elif "agreement" in s or "top1_agreement" in s:
+            # a lossy draft: smoke reports the agreement conversion.json records (or, without
+            # one, its own figures against the reference)
+            a = s.get("agreement", s)
+            top1 = "n/a" if a["top1_agreement"] is None else f"{a['top1_agreement']:.3f}"
+            smoke = f"top-1 {top1}, logits err {a['logits_max_abs_diff']:.3g} of {a['logits_max_abs']:.3g}"
             smoke += f" (exit {s['exit']})" if s["exit"] else ""
         else:
             smoke = f"exit {s['exit']}: {md(s['error'])}"
@@ -335,10 +339,9 @@ def table(rows: list[dict[str, Any]]) -> list[str]:
             platforms = [f"not run: {md(v['error'])}"] + [""] * 3
         else:
             loaders = v["loaders"]
-            xpu = loaders.get("vllm-xpu-dspark") or loaders.get("vllm-xpu-mtp")
             sglang = loaders.get(SGLANG[r["draft"] == "dspark"])
-            platforms = [loader_cell(loaders.get(PLATFORMS["nvidia"])), loader_cell(loaders.get(PLATFORMS["amd"]))]
-            platforms += [loader_cell(xpu), loader_cell(sglang) if sglang else "no SGLang command"]
+            platforms = [loader_cell(loaders.get(DSPARK_PLATFORMS[p]) or loaders.get(n)) for p, n in PLATFORMS.items()]
+            platforms += [loader_cell(sglang) if sglang else "no SGLang command"]
         chosen = f"exit 0 ({r['chosen']})" if r["route"] == "auto" else "exit 0"
         lines.append(head + f"| {chosen} | {check} | {smoke} | " + " | ".join(platforms) + " |")
     return lines
