@@ -4,7 +4,10 @@ from __future__ import annotations
 import __future__
 
 import ast
-from collections.abc import Iterable
+import contextlib
+import sys
+import types
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 from . import UsageError
@@ -83,3 +86,19 @@ def cut(source: str, filename: str, names: Iterable[str], namespace: dict[str, A
     # the wheels' files use `from __future__ import annotations`: their annotations stay text
     code = compile(module, filename, "exec", flags=__future__.annotations.compiler_flag, dont_inherit=True)
     exec(code, namespace)  # noqa: S102 - the pinned wheel's own code
+
+
+@contextlib.contextmanager
+def modules_in_place(modules: Mapping[str, types.ModuleType]) -> Iterator[None]:
+    """`modules` in sys.modules while the cut-out code runs (it imports them inside its
+    functions), whatever held those names before put back afterwards."""
+    saved = {k: sys.modules.get(k) for k in modules}
+    sys.modules.update(modules)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                sys.modules.pop(k, None)
+            else:
+                sys.modules[k] = v

@@ -8,7 +8,6 @@ import copy
 import json
 import logging
 import re
-import sys
 import types
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -16,7 +15,7 @@ from typing import Any
 
 import torch
 
-from .cut import cut
+from .cut import cut, modules_in_place
 from .recording import Recorder, RecordingParam, Report, assemble, attrs, run_loader
 from .wheels import Wheel
 
@@ -185,9 +184,7 @@ def sglang_run(
         "sglang.srt.layers.moe": types.ModuleType("sglang.srt.layers.moe"),
         "sglang.srt.layers.moe.fused_moe_triton": fake_fused_moe,
     }
-    saved = {k: sys.modules.get(k) for k in modules}
-    sys.modules.update(modules)  # load_weights imports FusedMoE inside (deepseek_v4_dspark.py:1026)
-    try:
+    with modules_in_place(modules):  # load_weights imports FusedMoE inside (deepseek_v4_dspark.py:1026)
         report = run_loader(
             loader,
             lambda weights, _first: model.load_weights(weights),
@@ -198,12 +195,6 @@ def sglang_run(
             set(),
             ns["_remember_fed"],
         )
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                sys.modules.pop(k, None)
-            else:
-                sys.modules[k] = v
     return report, recorder, warnings
 
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from .cut import cut
+from .cut import cut, modules_in_place
 from .vllm_build_cuts import (
     CTM_PACKAGE,
     IMPORTED_INSIDE,
@@ -222,20 +222,14 @@ def _no_roundup(_self: Any, hidden: int, intermediate: int, *_a: Any) -> tuple[i
 @contextlib.contextmanager
 def imports_from(ns: dict[str, Any], modules: list[str] = IMPORTED_INSIDE) -> Iterator[None]:
     """The `modules` (default: IMPORTED_INSIDE), each holding `ns`, while the cut-out code runs."""
-    saved = {k: sys.modules.get(k) for k in modules}
+    stand_ins = {}
     for name in modules:
         module = types.ModuleType(name)
         module.__dict__.update({k: v for k, v in ns.items() if not k.startswith("__")})
         module.__path__ = []  # a package, for the submodules
-        sys.modules[name] = module
-    try:
+        stand_ins[name] = module
+    with modules_in_place(stand_ins):
         yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                sys.modules.pop(k, None)
-            else:
-                sys.modules[k] = v
 
 
 def effective_quantization_config(target_config: dict[str, Any], overrides: dict[str, Any] | None) -> dict[str, Any]:
