@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from dsv4.convert.errors import CheckError, PlanError
 from dsv4.convert.plan import Plan
 from dsv4.convert.schemes import deepseek_fp8
-from dsv4.convert.schemes.base import LayerMap, layer_map
+from dsv4.convert.schemes.base import INSTALL_HINT, LayerMap, layer_map
 from dsv4.model.errors import CheckpointError
 from dsv4.model.layout import LayerKind, draft_layers
 from dsv4.model.record import LayoutRecord, RecordError
@@ -45,7 +45,6 @@ if TYPE_CHECKING:
     from torch import nn
 
 CT_METHOD = "compressed-tensors"
-INSTALL_HINT = "pip install 'dsv4-convert[quant]'"
 # vLLM's message when a layer's name matches no target (issue #44817: the name was "")
 NO_TARGET = "Unable to find matching target for {name} in the compressed-tensors config"
 # Parts of a compressed-tensors config that name layers but are not config groups or ignore:

@@ -20,7 +20,7 @@ import torch
 from dsv4.convert.computed import Computed
 from dsv4.convert.errors import PlanError
 from dsv4.convert.planned import Transform
-from dsv4.convert.quant_config import INSTALL_HINT
+from dsv4.convert.schemes.base import INSTALL_HINT
 from dsv4.convert.transform_ops import measure, native_dequantised
 
 TENSOR_GROUP = "tensor_group"  # NVFP4's strategy: local scales per group under one global scale

@@ -25,8 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from dsv4.convert.choose import choose_table
 from dsv4.convert.plan import Plan, plan_conversion
-from dsv4.convert.quant_config import INSTALL_HINT
-from dsv4.convert.schemes.base import layer_map, module_of
+from dsv4.convert.schemes.base import INSTALL_HINT, layer_map, module_of
 from dsv4.convert.sources.inventory import Inventory
 from dsv4.mapping.targets import bundled_target
 from dsv4.model.checkpoint import Checkpoint

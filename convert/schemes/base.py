@@ -25,6 +25,7 @@ from dsv4.model.native import Layout
 # the error a caller wants a refusal as (PlanError for a plan, CheckError for `check`): a
 # factory taking the message and the error's fields
 ErrorFactory = Callable[..., DSV4Error]
+INSTALL_HINT = "pip install 'dsv4-convert[quant]'"  # the optional extra that brings compressed-tensors
 LAYER = re.compile(r"^model\.layers\.(\d+)\.")  # a draft layer's runtime name: its number L
 PACKED_FP4 = "I8"  # a native FP4 weight: two e2m1 codes per byte (mapping/README.md#storage-dtypes)
 

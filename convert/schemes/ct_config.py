@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from dsv4.convert.schemes.base import ErrorFactory
+from dsv4.convert.schemes.base import INSTALL_HINT, ErrorFactory
 
 METHOD = "compressed-tensors"
 # what CompressedTensorsConfig reads (compressed_tensors.py:235-271) and what
@@ -268,6 +268,15 @@ def _transforms(value: object, where: str, error: ErrorFactory) -> tuple[Transfo
 def parse(qc: Mapping[str, Any], where: str, error: ErrorFactory) -> CtConfig:
     """The target's config as vLLM holds it; anything this converter cannot read exactly is
     refused naming the field."""
+    try:  # its models read the arguments below
+        import compressed_tensors.quantization  # noqa: F401
+    except ImportError:
+        raise _refuse(
+            error,
+            where,
+            "quantization_config.quant_method",
+            f"is 'compressed-tensors': reading it needs the compressed-tensors library ({INSTALL_HINT})",
+        ) from None
     extra = sorted(k for k in qc if k not in KNOWN_KEYS)
     if extra:
         raise _refuse(error, where, f"quantization_config.{extra[0]}", "is not a compressed-tensors field vLLM reads")

@@ -4,6 +4,7 @@ expression that backtracks without bound is stopped after a second, not run to i
 
 from __future__ import annotations
 
+import sys
 import time
 from functools import partial
 from typing import Any
@@ -153,3 +154,19 @@ def test_every_hostile_config_is_refused_in_one_line_naming_its_field(
             wrong.append(f"{name}: not refused")
     assert not wrong, "\n".join(wrong)
     assert len(HOSTILE) >= 15 and time.monotonic() - start < 6  # the bomb costs its one second, the rest little
+
+
+def test_a_compressed_tensors_target_without_the_library_is_refused_naming_the_extra(
+    plan: Plan, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # compressed-tensors is the optional `quant` extra: its models read the target's arguments
+    monkeypatch.setitem(sys.modules, "compressed_tensors", None)
+    config = {**plan.config, "quantization_config": W4}
+    native = standalone_draft_layout(plan.model_config)
+    with pytest.raises(PlanError) as refused:
+        registry.serve_plan(config, layer_map(plan), native, "t/config.json", FACTORIES["plan"])
+    assert refused.value.field == "quantization_config.quant_method"
+    assert str(refused.value) == (
+        "t/config.json: quantization_config.quant_method is 'compressed-tensors': reading it needs the "
+        "compressed-tensors library (pip install 'dsv4-convert[quant]')"
+    )
