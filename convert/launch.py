@@ -47,7 +47,8 @@ def serve_commands(
     a comment naming its version (and platforms) and its command serving draft `repo` beside
     `source` (repo ids or paths, quoted here); `overrides`: the path of the draft's launch
     overrides file, `quantization`: the draft's quantisation method (its note); `family`: the
-    comment names the releases and platforms serving that drafter family instead."""
+    comment names the platforms serving that drafter family instead, and for the native draft
+    (`route` None or "native") its releases."""
     where = f"{TARGET_DIR.name}/{target.name}.toml"
     blocks = []
     for serve in target.card.serve:
@@ -55,7 +56,10 @@ def serve_commands(
             continue
         on = dict(family.platforms).get(serve.runtime, serve.platforms) if family is not None else serve.platforms
         platforms = f" ({on})" if on else ""
-        releases = family.releases(target, serve.runtime) if family is not None else target.runtime_named(serve.runtime)
+        # a drafter's release range is its native draft's; a route that renames or requantises
+        # tensors was run against the target's runtime versions alone
+        ranged = family is not None and route in (None, "native")
+        releases = family.releases(target, serve.runtime) if ranged else target.runtime_named(serve.runtime)
         launch = fill(serve.launch, {"overrides": shlex.quote(overrides)}, where) if overrides is not None else ""
         fields = {
             "source": shlex.quote(source),

@@ -27,7 +27,7 @@ from dsv4.convert.schemes.base import ROUTES, ServePlan, layer_map
 from dsv4.convert.schemes.registry import serve_plan
 from dsv4.convert.serving_target import QUANTIZATION, ServingTarget
 from dsv4.convert.sources.inventory import Inventory
-from dsv4.mapping.targets import Drafter, bundled_target, drafter_families, require_target
+from dsv4.mapping.targets import bundled_target, drafter_families, require_target
 from dsv4.model.native import Layout, standalone_draft_layout
 from dsv4.model.record import sha256_hex
 from dsv4.model.strictjson import json_bytes, write_bytes
@@ -99,15 +99,6 @@ def quant_method(config: dict[str, Any]) -> str | None:
     return method if isinstance(method, str) else None
 
 
-def _released_family(served: Served) -> Drafter | None:
-    """The drafter family whose releases and platforms the commands name, for the native draft
-    only: a route that renames or requantises tensors was run against this tool's runtime
-    versions alone, which the commands then name (the target's card)."""
-    if served.plan.route != "native" or served.family is None:
-        return None
-    return drafter_families()[1].get(served.family)
-
-
 def serve_files(served: Served, out: Path) -> dict[str, bytes]:
     """OUT/serve/'s files (module docstring) for a draft published at `out` (absolute: the
     commands name it, and the overrides file by its path under it)."""
@@ -124,7 +115,7 @@ def serve_files(served: Served, out: Path) -> dict[str, bytes]:
         route=served.plan.route,
         overrides=overrides,
         quantization=quant_method({QUANTIZATION: served.plan.quantization_config}),
-        family=_released_family(served),
+        family=drafter_families()[1].get(served.family) if served.family is not None else None,
     )
     head = f"# Serve {out} beside {served.serving.target.name} ({served.plan.route}: {served.plan.why})\n\n"
     files[COMMANDS_FILE] = (head + commands + "\n").encode()
