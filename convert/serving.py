@@ -19,15 +19,16 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from dsv4.convert.choose import choose_table, drafter_family
+from dsv4.convert.choose import drafter_family
 from dsv4.convert.errors import PlanError
 from dsv4.convert.launch import serve_commands
-from dsv4.convert.plan import Plan, plan_conversion
+from dsv4.convert.plan import Plan
+from dsv4.convert.route_load import native_plan
 from dsv4.convert.schemes.base import ROUTES, ServePlan, layer_map
 from dsv4.convert.schemes.registry import serve_plan
 from dsv4.convert.serving_target import QUANTIZATION, ServingTarget
 from dsv4.convert.sources.inventory import Inventory
-from dsv4.mapping.targets import bundled_target, drafter_families, require_target
+from dsv4.mapping.targets import drafter_families, require_target
 from dsv4.model.native import Layout, standalone_draft_layout
 from dsv4.model.record import sha256_hex
 from dsv4.model.strictjson import json_bytes, write_bytes
@@ -60,15 +61,15 @@ class Served:
 
 
 def decide_serving(inventory: Inventory, plan: Plan, serving: Serving) -> Served:
-    """The serve plan of `plan`'s draft beside the serving target: the source's draft modules
-    from its plan into the bundled layout (headers only, the one open inventory), the
-    native draft layout of its config as what the schemes derive their tensors from."""
+    """The serve plan of `plan`'s draft beside the serving target: the draft's modules from the
+    xpu plan of the native layout its config describes (route_load.native_plan, as `check
+    --serve-with` takes them: no second classification of the source's every key), that
+    layout as what the schemes derive their tensors from."""
     serving.target.refuse_unless_fits(plan.config)
-    bundled = plan_conversion(inventory, choose_table(bundled_target().name, inventory))
     native = standalone_draft_layout(plan.model_config)
     decided = serve_plan(
         serving.target.config,
-        layer_map(bundled),
+        layer_map(native_plan(plan.model_config, plan.config, inventory.location)),
         native,
         serving.target.where,
         partial(PlanError, kind="quant_carry"),
