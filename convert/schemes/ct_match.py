@@ -89,6 +89,20 @@ PREFIXES = (("layers.", "model.layers."), ("embed.", "model.embed."), ("norm.", 
 PREFIXES += (("hc_head", "model.hc_head"), ("mtp.", "model.mtp."))
 SUBSTR = ((".shared_experts.w2", ".shared_experts.down_proj"),)
 SUFFIXES = ((".ffn.gate.bias", ".ffn.gate.e_score_correction_bias"),)
+
+
+def v4_renamed(entry: str) -> str:
+    """`entry` as the V4 rename mapper (above) maps one module path: substrings, then
+    prefixes, then suffixes, each once."""
+    for old, new in SUBSTR:
+        entry = entry.replace(old, new, 1) if old in entry else entry
+    for old, new in PREFIXES:
+        entry = entry.replace(old, new, 1) if entry.startswith(old) else entry
+    for old, new in SUFFIXES:
+        entry = new.join(entry.rsplit(old, 1)) if entry.endswith(old) else entry
+    return entry
+
+
 IGNORED = "ignored"
 
 
@@ -114,12 +128,7 @@ def class_of(module: str) -> str:
 def _map_path(entry: str, platform: Platform, n: int, n_mtp: int) -> str:
     if "." not in entry or entry.startswith("re:"):
         return entry
-    for old, new in SUBSTR:
-        entry = entry.replace(old, new, 1) if old in entry else entry
-    for old, new in PREFIXES:
-        entry = entry.replace(old, new, 1) if entry.startswith(old) else entry
-    for old, new in SUFFIXES:
-        entry = new.join(entry.rsplit(old, 1)) if entry.endswith(old) else entry
+    entry = v4_renamed(entry)
     if platform == "amd":
         for i in range(n_mtp):
             old = f"model.mtp.{i}."

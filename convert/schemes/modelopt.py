@@ -26,7 +26,7 @@ from fnmatch import fnmatch
 from typing import Any
 
 from dsv4.convert.schemes.base import UNQUANTISED, Decision, ErrorFactory, LayerMap, ServePlan, TargetMethod
-from dsv4.convert.schemes.ct_match import FUSED, NEVER_QUANTISED, PLATFORMS, PREFIXES, SUBSTR, SUFFIXES, vllm_name
+from dsv4.convert.schemes.ct_match import FUSED, NEVER_QUANTISED, PLATFORMS, v4_renamed, vllm_name
 
 METHOD = "modelopt"
 NVFP4_ALGOS = ("NVFP4", "W4A16_NVFP4")  # modelopt_fp4 (modelopt.py:114-131, 776-783)
@@ -70,25 +70,18 @@ def parse(qc: Mapping[str, Any], where: str, error: ErrorFactory) -> tuple[str, 
     return algo, exclude
 
 
+def _split_wildcards(entries: list[str]) -> list[str]:
+    # an entry ending in `x*` also stands for `x.*` (modelopt.py:266-285)
+    wild = [len(e) >= 2 and e[-1] == "*" and e[-2] != "." for e in entries]
+    return [y for e, w in zip(entries, wild, strict=True) for y in ((e[:-1], e[:-1] + ".*") if w else (e,))]
+
+
 def _mapped(exclude: list[str], platform: str, n: int, n_mtp: int) -> list[str]:
-    split = [
-        y for e in exclude for y in ((e[:-1], e[:-1] + ".*") if len(e) >= 2 and e[-1] == "*" and e[-2] != "." else (e,))
-    ]
-    out = []
-    for e in split:  # WeightsMapper.apply_list maps every entry (models/utils.py:166-171)
-        for old, new in SUBSTR:
-            e = e.replace(old, new, 1) if old in e else e
-        for old, new in PREFIXES:
-            e = e.replace(old, new, 1) if e.startswith(old) else e
-        for old, new in SUFFIXES:
-            e = new.join(e.rsplit(old, 1)) if e.endswith(old) else e
-        out.append(e)
+    # WeightsMapper.apply_list maps every entry (models/utils.py:166-171)
+    out = [v4_renamed(e) for e in _split_wildcards(exclude)]
     if platform == "amd":  # align_mtp_quant_config runs apply_vllm_mapper again with the re-keying
         rekey = [(f"model.mtp.{i}.", f"model.layers.{n + i}.") for i in range(n_mtp)]
-        again = [
-            y for e in out for y in ((e[:-1], e[:-1] + ".*") if len(e) >= 2 and e[-1] == "*" and e[-2] != "." else (e,))
-        ]
-        out = [next((e.replace(o, r, 1) for o, r in rekey if e.startswith(o)), e) for e in again]
+        out = [next((e.replace(o, r, 1) for o, r in rekey if e.startswith(o)), e) for e in _split_wildcards(out)]
     return out
 
 
