@@ -20,7 +20,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Literal
 
@@ -165,8 +168,23 @@ def _filler(name: str, dtype: str, cfg: ModelConfig) -> Fill:
     return _gauss(0.01)  # gate.bias, compressor ape
 
 
+def _fill_shard(writer: ShardWriter, specs: list[TensorSpec], cfg: ModelConfig, seed: int) -> None:
+    """Generate every tensor of one shard, one thread per core: each tensor draws from its own
+    generator (seeded by its name), so the bytes do not depend on which thread draws them or
+    when; torch's kernels release the GIL, and the writes take turns (one file position)."""
+    turn = threading.Lock()
+    with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+        list(pool.map(lambda s: _fill_tensor(writer, turn, s.name, s.dtype, s.shape, cfg, seed), specs))
+
+
 def _fill_tensor(
-    writer: ShardWriter, name: str, dtype: str, shape: tuple[int, ...], cfg: ModelConfig, seed: int
+    writer: ShardWriter,
+    turn: threading.Lock,
+    name: str,
+    dtype: str,
+    shape: tuple[int, ...],
+    cfg: ModelConfig,
+    seed: int,
 ) -> None:
     """Generate tensor `name` in row blocks and write each at its offset in the file."""
     fill = _filler(name, dtype, cfg)
@@ -177,7 +195,8 @@ def _fill_tensor(
     for r0 in range(0, shape[0], step):
         block = fill((min(step, shape[0] - r0), *row_shape), gen)
         assert block.dtype == TORCH_DTYPES[dtype], f"{name}: drew {block.dtype}, layout says {dtype}"
-        writer.write(name, block, at=r0 * row_bytes)
+        with turn:
+            writer.write(name, block, at=r0 * row_bytes)
 
 
 def _resolve_config(preset: str | None, config: dict[str, Any] | None, variant: Variant) -> dict[str, Any]:
@@ -224,8 +243,7 @@ def write_checkpoint(
         specs = [TensorSpec(name, dtype, shape) for name, (dtype, shape) in layout.items()]
         with ShardWriter(out / fname, specs, SHARD_METADATA) as writer:
             if not sparse:
-                for s in specs:
-                    _fill_tensor(writer, s.name, s.dtype, s.shape, cfg, seed)
+                _fill_shard(writer, specs, cfg, seed)
         weight_map.update(dict.fromkeys(layout, fname))
         total_size += sum(s.nbytes for s in specs)
         files.update()

@@ -23,11 +23,14 @@ as listed, even rounds reversed), each from a cold page cache (`echo 3 >
   copy, sha256 of every tensor, fsync, publish; with --serve-with, --draft-format and
   --allow-lossy passed on: a route's computed tensors too); its start-up is the wall time minus
   the seconds it reports for the copy, and it reports its peak RSS (its own memory, below);
+* `before` (with --before CODE, a folder holding another checkout's `dsv4` package, run
+  through PYTHONPATH): the converter as that code has it, measured as `convert` is;
 * `disk`: the disk alone on the same bytes: every source file read with O_DIRECT (8 MiB
   requests, 4 in flight: no page cache, no copy), then as many bytes written with O_DIRECT
   to one file on the same disk and fsynced. Its figure is read + write seconds.
 
-Beside every round: the 1-minute load average before it; with --io-profile, each measurement's I/O
+Each measurement starts SETTLE_S after the previous one's output was deleted and the page
+cache dropped. Beside every round: the 1-minute load average before it; with --io-profile, each measurement's I/O
 counters (scripts/io_profile.py: the converter's read/write overlap, iowait, PSI, dirty pages).
 Ratios are throughput ratios (time of the comparison / time of the converter: >= 1 means the
 converter is as fast).
@@ -95,6 +98,10 @@ for name in json.loads(sys.stdin.read()):
 print("REPORT", json.dumps({{"peak_kib": {PEAK_KIB}}}))
 """
 DISK_BLOCK = 8 << 20  # bytes per direct request
+# seconds between deleting one measurement's output and starting the next: a file system mounted
+# with `discard` (the H200 machine's ext4) trims the deleted blocks after the delete returns, so
+# without a pause one measurement's trims ran into the next's reads and writes
+SETTLE_S = 3.0
 DISK_QUEUE = 4  # direct requests in flight
 
 
@@ -181,9 +188,13 @@ def report(cmd: list[str], stdin: str | None = None) -> dict:
     return json.loads(done.stdout.rsplit("REPORT", 1)[1])
 
 
-def convert_command(src: Path, dst: Path, target: str, serve: list[str], *options: str) -> list[str]:
-    """The converter's entry point on `src`, reporting its peak RSS and modules after its own output."""
-    return [sys.executable, "-c", CONVERT_AND_REPORT, str(src), str(dst), "--target", target, *serve, *options]
+def convert_command(
+    src: Path, dst: Path, target: str, serve: list[str], *options: str, code: Path | None = None
+) -> list[str]:
+    """The converter's entry point on `src`, reporting its peak RSS and modules after its own
+    output; `code`: a folder holding the `dsv4` package to run instead of this tree's."""
+    run = [sys.executable, "-c", CONVERT_AND_REPORT, str(src), str(dst), "--target", target, *serve, *options]
+    return ["env", f"PYTHONPATH={code.resolve()}", *run] if code else run
 
 
 def import_baseline_kib(modules: list[str]) -> int:
@@ -227,7 +238,7 @@ def profile(src: Path, dst: Path, target: str, serve: list[str]) -> None:
     shutil.rmtree(dst, ignore_errors=True)
     stats = pstats.Stats(prof, stream=sys.stdout).sort_stats("cumulative")
     stats.print_stats(
-        r"(pipeline|execute).py.*\((run_plan|run|_all_zero|still_valid)\)|writer.py.*\((write|start_writeback|sync)\)|"
+        r"(pipeline|execute).py.*\((run_plan|run|_all_zero|still_valid)\)|writer.py.*\((write|sync)\)|"
         r"_base.py.*\(result\)|\{method 'get' of '_queue|posix.posix_fadvise|method 'write' of '_io|posix.fsync|"
         r"execute.py.*\((compute|read_whole)\)|transforms.py.*\(compute\)|transform_ops.py|requant.py.*\(requantise\)"
     )
@@ -248,10 +259,19 @@ def serve_values(serve: list[str]) -> tuple[str, str, bool]:
 
 
 def measure(
-    kind: str, src: Path, dst: Path, files: list[Path], nbytes: int, target: str, serve: list[str], io: bool
+    kind: str,
+    src: Path,
+    dst: Path,
+    files: list[Path],
+    nbytes: int,
+    target: str,
+    serve: list[str],
+    io: bool,
+    before: Path | None = None,
 ) -> dict:
     shutil.rmtree(dst, ignore_errors=True)
     drop_caches()
+    time.sleep(SETTLE_S)
     row: dict = {"kind": kind, "load_avg": round(os.getloadavg()[0], 2)}
     sampler = IoSampler(dst.parent) if io else None
     with sampler or contextlib.nullcontext():
@@ -265,13 +285,13 @@ def measure(
             cmd = (
                 ["sh", "-c", f"cp -r '{src}' '{dst}' && sync"]
                 if kind == "cp+sync"
-                else convert_command(src, dst, target, serve, "--json")
+                else convert_command(src, dst, target, serve, "--json", code=before if kind == "before" else None)
             )
             seconds, user, system, out = timed(cmd, sampler)
             row |= {"seconds": round(seconds, 2), "user_s": round(user, 2), "sys_s": round(system, 2)}
     if sampler is not None:
         row["io"] = sampler.summary()
-    if kind == "convert":
+    if kind in ("convert", "before"):
         cli_out, reported = out.rsplit("REPORT", 1)
         result, conv = json.loads(cli_out), json.loads(reported)
         row |= {
@@ -308,6 +328,11 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--serve-with", type=Path, help="the converter's --serve-with TARGET (a target model's directory)")
     ap.add_argument("--draft-format", default="auto", help="the converter's --draft-format (with --serve-with)")
     ap.add_argument("--allow-lossy", action="store_true", help="the converter's --allow-lossy (with --serve-with)")
+    ap.add_argument(
+        "--before",
+        type=Path,
+        help="a folder holding the dsv4 package of the code before a change: a fourth measurement",
+    )
     ap.add_argument("--skip-memory", action="store_true", help="Do not measure the converter's memory.")
     ap.add_argument(
         "--io-profile",
@@ -334,13 +359,23 @@ def source_checkpoints(work: Path, variant: str) -> tuple[Path, Path]:
 
 
 def one_round(
-    r: int, src: Path, dst: Path, files: list[Path], nbytes: int, target: str, serve: list[str], io: bool
+    r: int,
+    src: Path,
+    dst: Path,
+    files: list[Path],
+    nbytes: int,
+    target: str,
+    serve: list[str],
+    io: bool,
+    before: Path | None = None,
 ) -> dict:
-    """Round `r`: the three measurements, in the listed order in odd rounds, reversed in even."""
-    kinds = ("cp+sync", "disk", "convert") if r % 2 else ("convert", "disk", "cp+sync")
-    rows = {kind: measure(kind, src, dst, files, nbytes, target, serve, io) for kind in kinds}
+    """Round `r`: the measurements, in the listed order in odd rounds, reversed in even."""
+    kinds = ("cp+sync", "disk", "convert", *(["before"] if before else []))
+    kinds = kinds if r % 2 else kinds[::-1]
+    rows = {kind: measure(kind, src, dst, files, nbytes, target, serve, io, before) for kind in kinds}
     shutil.rmtree(dst, ignore_errors=True)
     c = rows["convert"]
+    compared = {"before_vs_cp_sync": round(rows["cp+sync"]["seconds"] / rows["before"]["seconds"], 3)} if before else {}
     return {
         "round": r,
         "order": " > ".join(kinds),
@@ -348,6 +383,7 @@ def one_round(
         **{k: rows[k] for k in kinds},
         "convert_vs_cp_sync": round(rows["cp+sync"]["seconds"] / c["seconds"], 3),
         "convert_vs_disk": round(rows["disk"]["seconds"] / c["seconds"], 3),
+        **compared,
     }
 
 
@@ -356,8 +392,9 @@ def print_round_table(rounds: list[dict], vs_cp: list[float], vs_disk: list[floa
     one JSON document."""
     print(
         "\n| round | order | load avg | cp -r + sync s | convert s (start-up) | convert user/sys s "
-        "| disk read + write s | convert / cp+sync | convert / disk | written GB (MB/s) | own MiB |\n"
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| disk read + write s | convert / cp+sync | convert / disk | written GB (MB/s) | own MiB "
+        "| before s (start-up) | before / cp+sync |\n"
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         file=sys.stderr,
     )
     for row in rounds:
@@ -367,7 +404,13 @@ def print_round_table(rounds: list[dict], vs_cp: list[float], vs_disk: list[floa
             f"| {row['cp+sync']['seconds']:.2f} | {c['seconds']:.2f} ({c['startup_s']:.2f}) "
             f"| {c['user_s']:.1f}/{c['sys_s']:.1f} | {d['read_s']:.2f} + {d['write_s']:.2f} "
             f"| {row['convert_vs_cp_sync']:.2f}x | {row['convert_vs_disk']:.2f}x "
-            f"| {c['bytes_written'] / 1e9:.3f} ({c['written_MB_per_s']}) | {c['own_MiB']} |",
+            f"| {c['bytes_written'] / 1e9:.3f} ({c['written_MB_per_s']}) | {c['own_MiB']} "
+            + (
+                f"| {row['before']['seconds']:.2f} ({row['before']['startup_s']:.2f}) "
+                f"| {row['before_vs_cp_sync']:.2f}x |"
+                if "before" in row
+                else "| - | - |"
+            ),
             file=sys.stderr,
         )
     if "io" in rounds[0]["convert"]:
@@ -377,6 +420,10 @@ def print_round_table(rounds: list[dict], vs_cp: list[float], vs_disk: list[floa
         f"convert / disk: median {statistics.median(vs_disk):.3f}, min {min(vs_disk):.3f}",
         file=sys.stderr,
     )
+
+
+def _summary(ratios: list[float]) -> dict:
+    return {"per_round": ratios, "median": statistics.median(ratios), "min": min(ratios)}
 
 
 def _io_split(x: dict) -> str:
@@ -431,12 +478,13 @@ def main() -> None:
     cold = drop_caches()
     rounds = []
     for r in range(1, args.rounds + 1):
-        rounds.append(one_round(r, src, dst, files, nbytes, args.target, serve, args.io_profile))
+        rounds.append(one_round(r, src, dst, files, nbytes, args.target, serve, args.io_profile, args.before))
         modules = rounds[-1]["convert"].pop("modules")
         if r == 1:
             base_kib = import_baseline_kib(modules)  # every round imports the same modules
-        c = rounds[-1]["convert"]
-        c |= {"peak_MiB": round(c["peak_kib"] / 1024), "own_MiB": round((c.pop("peak_kib") - base_kib) / 1024)}
+        for c in (rounds[-1][k] for k in ("convert", "before") if k in rounds[-1]):
+            c.pop("modules", None)
+            c |= {"peak_MiB": round(c["peak_kib"] / 1024), "own_MiB": round((c.pop("peak_kib") - base_kib) / 1024)}
         print(json.dumps(rounds[-1]), file=sys.stderr)
     if args.clean:
         shutil.rmtree(src)
@@ -459,6 +507,7 @@ def main() -> None:
                 "rounds": rounds,
                 "convert_vs_cp_sync": {"per_round": vs_cp, "median": statistics.median(vs_cp), "min": min(vs_cp)},
                 "convert_vs_disk": {"per_round": vs_disk, "median": statistics.median(vs_disk), "min": min(vs_disk)},
+                **({"before_vs_cp_sync": _summary([r["before_vs_cp_sync"] for r in rounds])} if args.before else {}),
                 "memory": memory,
             },
             indent=2,
