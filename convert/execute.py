@@ -222,6 +222,7 @@ class Executor:
             hashed = self.hashers.submit(c.tensor.name, c.lane, view)
             if c.n and not _all_zero(view):
                 c.writer.write(c.tensor.name, view, c.at)
+                c.writer.start_writeback(c.tensor.name, c.at, c.n)
             hashed.add_done_callback(partial(release, buf=buf))  # written and hashed
             self.written += c.n
             self.progress(c.n)

@@ -14,7 +14,6 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -256,8 +255,8 @@ def _write_output(
         with open(claim.journal, "a") as jf, ExitStack() as opened:
             jobs, writers = open_shards(claim, opened, shards, names, journal, resumed)
             run_jobs(executor, jobs, shard_of, jf, journal)
-            with ThreadPoolExecutor(max(1, len(writers))) as pool:  # the shards' writeback in one queue
-                list(pool.map(lambda writer: writer.sync(), writers))
+            for writer in writers:
+                writer.sync()
         # the journal is closed: nothing writes into the partial directory once it is OUT
         _verify(partial, shards, names, journal)
         published = _published_source(plan, source, fingerprint)

@@ -238,7 +238,7 @@ def profile(src: Path, dst: Path, target: str, serve: list[str]) -> None:
     shutil.rmtree(dst, ignore_errors=True)
     stats = pstats.Stats(prof, stream=sys.stdout).sort_stats("cumulative")
     stats.print_stats(
-        r"(pipeline|execute).py.*\((run_plan|run|_all_zero|still_valid)\)|writer.py.*\((write|sync)\)|"
+        r"(pipeline|execute).py.*\((run_plan|run|_all_zero|still_valid)\)|writer.py.*\((write|start_writeback|sync)\)|"
         r"_base.py.*\(result\)|\{method 'get' of '_queue|posix.posix_fadvise|method 'write' of '_io|posix.fsync|"
         r"execute.py.*\((compute|read_whole)\)|transforms.py.*\(compute\)|transform_ops.py|requant.py.*\(requantise\)"
     )
