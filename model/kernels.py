@@ -157,12 +157,12 @@ _TUNED: dict[tuple[str, int], tuple[tuple[int, LaunchConfig], ...]] = {
 # `untuned_launch` until the table is measured there. XPU, decided without an Intel GPU:
 # nothing in the table was timed on one (its warps and rows per program were traded against
 # an H200's SMs and vLLM's CUDA kernels; on Intel's backend a warp is a sub-group of 32
-# work-items on an Xe core), and 9 of its 13 entries win partly by cache hints that Intel's
-# backend drops: with triton-xpu 3.3.0b1 they reach Triton's IR, yet each hinted launch's
+# work-items on an Xe core), and 9 of its 13 entries carry cache hints that Intel's backend
+# drops: with triton-xpu 3.3.0b1 they reach Triton's IR, yet each hinted launch's
 # SPIR-V is byte-identical to the same launch without them (NOTES.md, "XPU: the kernels
 # compiled for an Intel GPU target"). The untuned launch, one row per program, no hints,
-# rests on no measurement. Every launch of both compiles for an Intel GPU target
-# (scripts/compile_xpu.py); none has run on one.
+# rests on no measurement. Every launch, the table's and the untuned one, compiles for an
+# Intel GPU target (scripts/compile_xpu.py); none has run on one.
 _TUNED_DEVICE_TYPES = frozenset({"cuda", "cpu"})
 
 

@@ -61,10 +61,11 @@ from triton.runtime.jit import specialize_impl  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 
 # The device the target describes: Intel Data Center GPU Max (Ponte Vecchio, "pvc"), one of
-# the XPUs SGLang 0.5.23 names (srt/utils/common.py:382). The dict stands in for
-# torch.xpu.get_device_capability(), which the backend's driver puts in GPUTarget.arch
-# (triton/backends/intel/driver.py:739-744, warp size 32); of its fields, make_ttgir reads
-# the sub-group sizes and the three feature flags (triton/backends/intel/compiler.py:257-260).
+# the three Intel GPUs SGLang 0.5.23 takes XMX support on (srt/utils/common.py:379-383).
+# The dict stands in for torch.xpu.get_device_capability(), which the backend's driver puts
+# in GPUTarget.arch (triton/backends/intel/driver.py:739-744, warp size 32); of its fields,
+# make_ttgir reads the sub-group sizes and three feature flags
+# (triton/backends/intel/compiler.py:257-260): present on this device, as assumed here.
 ARCH = "pvc"
 PROPS = {
     "name": "Intel(R) Data Center GPU Max 1550",
@@ -112,7 +113,7 @@ class Recorder:
         return lambda *args, **kwargs: self.calls.append((args, kwargs))
 
 
-def recorded_launch(kernels: ModuleType, kernel: str, dtype: torch.dtype, H: int, n_hc: int, eps: float, config):
+def recorded_launch(kernels: ModuleType, kernel: str, dtype: torch.dtype, H: int, n_hc: int, eps: float, config: Any):
     """(jit function, args, kwargs) of the one launch the project's wrapper makes for `config`."""
     T = config.rows
     e = torch.zeros(T, H, dtype=dtype)
@@ -139,7 +140,9 @@ def recorded_launch(kernels: ModuleType, kernel: str, dtype: torch.dtype, H: int
     return fn, args, kwargs
 
 
-def ast_source(fn, args: tuple[Any, ...], kwargs: dict[str, Any], backend) -> tuple[ASTSource, dict[str, Any]]:
+def ast_source(
+    fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], backend: Any
+) -> tuple[ASTSource, dict[str, Any]]:
     """The ASTSource and options Triton's JIT would compile for this launch (jit.py: JITFunction.run)."""
     # positional arguments first, the constexprs by keyword
     bound = dict(zip(fn.arg_names, args, strict=False)) | {k: v for k, v in kwargs.items() if k in fn.arg_names}
@@ -172,7 +175,7 @@ def launches(kernels: ModuleType, kernel: str, H: int) -> list[tuple[str, Any]]:
     return out
 
 
-def describe(config) -> str:
+def describe(config: Any) -> str:
     hints = "/".join(h for h in (config.load_eviction, config.store_cache, config.store_eviction) if h) or "-"
     return f"w{config.num_warps} r{config.rows} hints={hints}" + (" contiguous" if config.contiguous else "")
 
@@ -183,12 +186,12 @@ class XpuCompiler:
     def __init__(self, kernels: ModuleType, target: GPUTarget) -> None:
         self.kernels, self.target, self.backend = kernels, target, make_backend(target)
 
-    def compile(self, kernel: str, dtype: torch.dtype, model: dict[str, Any], config):
+    def compile(self, kernel: str, dtype: torch.dtype, model: dict[str, Any], config: Any) -> Any:
         H, n_hc, eps = model["hidden_size"], model["hc_mult"], model["rms_norm_eps"]
         source, options = ast_source(*recorded_launch(self.kernels, kernel, dtype, H, n_hc, eps, config), self.backend)
         return triton.compile(source, target=self.target, options=options)
 
-    def hints_verdict(self, kernel: str, dtype: torch.dtype, model: dict[str, Any], config, hinted) -> str:
+    def hints_verdict(self, kernel: str, dtype: torch.dtype, model: dict[str, Any], config: Any, hinted: Any) -> str:
         """Whether the cache hints reach TTIR, and whether the SPIR-V differs without them."""
         bare = config._replace(load_eviction="", store_cache="", store_eviction="")
         if bare == config:
