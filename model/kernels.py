@@ -8,7 +8,7 @@ torch reference that defines its meaning.
 * `mtp_shared_head_rmsnorm`: the shared head's norm, one program per rows of tokens.
 
 How many rows per program, warps each and which cache hints: `launch_config`, a table
-measured on an H200.
+measured on an H200 for CUDA, the untuned launch on any other device (XPU: not measured).
 
 Both: out of place, fp32 math, one rounding at the store (round to nearest even; a NaN
 stays a NaN), T = 0 launches nothing. Every call launches through Triton's public
@@ -151,12 +151,31 @@ _TUNED: dict[tuple[str, int], tuple[tuple[int, LaunchConfig], ...]] = {
 }
 
 
-def launch_config(kernel: str, H: int, T: int) -> LaunchConfig:
-    """The launch of `kernel` ('fused_input' or 'shared_head') for T rows of H."""
-    config = next((c for t_max, c in _TUNED.get((kernel, triton.next_power_of_2(H)), ()) if T <= t_max), None)
-    if config is None:
-        # untuned sizes: the launch from before the table, one row per program, BLOCK / 512 warps, at most 8
-        config = LaunchConfig(max(1, min(8, triton.next_power_of_2(H) // 512)), 1)
+# The device types (torch.device.type, the names torch.accelerator uses too) the table applies
+# to: CUDA, where it was measured, and the CPU, where the kernels run only in Triton's
+# interpreter (the tests), which must run the launches CUDA makes. Any other device gets
+# `untuned_launch` until the table is measured there. XPU, decided without an Intel GPU:
+# nothing in the table was timed on one (its warps and rows per program were traded against
+# an H200's SMs and vLLM's CUDA kernels; on Intel's backend a warp is a sub-group of 32
+# work-items on an Xe core), and 9 of its 13 entries carry cache hints that Intel's backend
+# drops: with triton-xpu 3.3.0b1 they reach Triton's IR, yet each hinted launch's
+# SPIR-V is byte-identical to the same launch without them (NOTES.md, "XPU: the kernels
+# compiled for an Intel GPU target"). The untuned launch, one row per program, no hints,
+# rests on no measurement. Every launch, the table's and the untuned one, compiles for an
+# Intel GPU target (scripts/compile_xpu.py); none has run on one.
+_TUNED_DEVICE_TYPES = frozenset({"cuda", "cpu"})
+
+
+def untuned_launch(H: int) -> LaunchConfig:
+    """The launch from before the table: one row per program, BLOCK / 512 warps (1 to 8), no hints."""
+    return LaunchConfig(max(1, min(8, triton.next_power_of_2(H) // 512)), 1)
+
+
+def launch_config(kernel: str, H: int, T: int, device_type: str) -> LaunchConfig:
+    """The launch of `kernel` ('fused_input' or 'shared_head') for T rows of H on a device of
+    `device_type`: the table's where it applies (`_TUNED_DEVICE_TYPES`), else `untuned_launch`."""
+    table = _TUNED.get((kernel, triton.next_power_of_2(H)), ()) if device_type in _TUNED_DEVICE_TYPES else ()
+    config = next((c for t_max, c in table if T <= t_max), None) or untuned_launch(H)
     return config if T % config.rows == 0 else config._replace(rows=1)
 
 
@@ -317,7 +336,7 @@ def fused_mtp_input_rmsnorm(
     if T == 0:
         return e_out, h_out
     _fused_mtp_input_rmsnorm_into(
-        e, positions, prev, enorm_w, hnorm_w, e_out, h_out, eps, n_hc, launch_config("fused_input", H, T)
+        e, positions, prev, enorm_w, hnorm_w, e_out, h_out, eps, n_hc, launch_config("fused_input", H, T, e.device.type)
     )
     return e_out, h_out
 
@@ -331,5 +350,5 @@ def mtp_shared_head_rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float) -> tor
     out = torch.empty_like(x)
     if T == 0:
         return out
-    _mtp_shared_head_rmsnorm_into(x, w, out, eps, launch_config("shared_head", H, T))
+    _mtp_shared_head_rmsnorm_into(x, w, out, eps, launch_config("shared_head", H, T, x.device.type))
     return out

@@ -248,7 +248,7 @@ def sweep_rows(
         fns = {f"w{c.num_warps}r{c.rows}": partial(ours_into, c) for c in configs} | {"vllm": theirs}
         us = graph_us(fns, graph_calls(T))
         best = min((k for k in us if k != "vllm"), key=us.get)
-        tuned = kernels.launch_config(name, H, T)
+        tuned = kernels.launch_config(name, H, T, e.device.type)
         rows.append({
             "kernel": name, "H": H, "T": T, "us": us, "best": best, "tuned": f"w{tuned.num_warps}r{tuned.rows}",
             "ulps_vs_vllm": ulps[name][0], "ulps_vs_ref": ulps[name][1],
@@ -283,7 +283,7 @@ def replay_rows(
         us = graph_us({"ours": ours, "vllm": theirs}, graph_calls(T))
         n = 200 if T >= 4096 else 2000
         eager = {"ours": call_us(ours, dev, n), "vllm": call_us(theirs, dev, n)}
-        cfg = kernels.launch_config(name, H, T)
+        cfg = kernels.launch_config(name, H, T, e.device.type)
         rows.append({
             "kernel": name, "H": H, "T": T, "config": describe(cfg), "ours_us": us["ours"],
             "vllm_us": us["vllm"], "ours_call_us": eager["ours"], "vllm_call_us": eager["vllm"],

@@ -14,9 +14,7 @@ import torch
 
 from dsv4.model import kernels
 
-DEVICE = torch.device(
-    "cuda" if torch.cuda.is_available() else "xpu" if hasattr(torch, "xpu") and torch.xpu.is_available() else "cpu"
-)
+DEVICE = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else torch.device("cpu")
 EPS = 1e-6
 N_HC = 4
 
@@ -252,19 +250,52 @@ TUNED = sorted(
 
 
 @pytest.mark.parametrize(("kernel", "block", "config"), TUNED)
-def test_every_tuned_launch_config_matches_the_reference(monkeypatch, kernel, block, config):
-    # each config of the table, forced for a small T (a multiple of its rows per program)
+def test_every_tuned_launch_config_matches_the_reference(kernel, block, config):
+    # each config of the table, launched through the model's wrapper for a small T (a
+    # multiple of its rows per program): on any device, whichever launch it would pick
+    if kernels.triton_usable(DEVICE) is not None:
+        pytest.skip(kernels.triton_usable(DEVICE))
     H = {4096: 4096, 8192: 7168}.get(block, block - 3)
     T = 3 * config.rows
-    monkeypatch.setattr(kernels, "_TUNED", {(kernel, block): ((1 << 62, config),)})
-    assert kernels.launch_config(kernel, H, T) == config
     e, positions, prev, ew, hw = _inputs(T, H, seed=block + config.num_warps + config.rows)
     if kernel == "fused_input":
-        got = kernels.fused_mtp_input_rmsnorm(e, positions, prev, ew, hw, EPS, N_HC)
+        got = (torch.empty_like(e), torch.empty_like(prev))
+        kernels._fused_mtp_input_rmsnorm_into(e, positions, prev, ew, hw, *got, EPS, N_HC, config)
         want = kernels.fused_mtp_input_rmsnorm_ref(e, positions, prev, ew, hw, EPS, N_HC)
     else:
-        got, want = (kernels.mtp_shared_head_rmsnorm(e, ew, EPS),), (kernels.mtp_shared_head_rmsnorm_ref(e, ew, EPS),)
+        got, want = (torch.empty_like(e),), (kernels.mtp_shared_head_rmsnorm_ref(e, ew, EPS),)
+        kernels._mtp_shared_head_rmsnorm_into(e, ew, got[0], EPS, config)
     assert all(bf16_ulps(g, w) <= 1 for g, w in zip(got, want, strict=True))
+
+
+@pytest.mark.parametrize("kernel", ["fused_input", "shared_head"])
+def test_xpu_gets_the_untuned_launch_at_every_T_and_cuda_the_table(kernel):
+    # until the table is measured on an Intel GPU (model/kernels.py, _TUNED_DEVICE_TYPES)
+    Ts = (1, 3, 64, 65, 256, 257, 512, 513, 4096, 16385)
+    for H in (4096, 7168):
+        untuned = kernels.untuned_launch(H)
+        assert untuned == kernels.LaunchConfig(8, 1), "one row per program, BLOCK / 512 warps up to 8, no hints"
+        assert {kernels.launch_config(kernel, H, T, "xpu") for T in Ts} == {untuned}
+        table = kernels._TUNED[(kernel, 4096 if H == 4096 else 8192)]
+        on_cuda = {kernels.launch_config(kernel, H, T, "cuda") for T in Ts}
+        assert on_cuda == {c for _, c in table} | {c._replace(rows=1) for _, c in table if c.rows > 1}
+        assert on_cuda == {kernels.launch_config(kernel, H, T, "cpu") for T in Ts}, "the interpreter runs CUDA's"
+
+
+def test_each_call_chooses_its_launch_by_its_tensors_device_type(monkeypatch):
+    if kernels.triton_usable(DEVICE) is not None:
+        pytest.skip(kernels.triton_usable(DEVICE))
+    asked = []
+
+    def recording(kernel, H, T, device_type):
+        asked.append((kernel, H, T, device_type))
+        return kernels.untuned_launch(H)
+
+    monkeypatch.setattr(kernels, "launch_config", recording)
+    e, positions, prev, ew, hw = _inputs(5, 96, seed=8)
+    kernels.fused_mtp_input_rmsnorm(e, positions, prev, ew, hw, EPS, N_HC)
+    kernels.mtp_shared_head_rmsnorm(e, ew, EPS)
+    assert asked == [("fused_input", 96, 5, DEVICE.type), ("shared_head", 96, 5, DEVICE.type)]
 
 
 HINTED = [
@@ -291,10 +322,10 @@ def test_cache_hints_and_programs_on_adjacent_rows_of_prev_do_not_change_the_res
 def test_launch_config_takes_the_first_bound_at_or_above_T_and_one_row_where_rows_do_not_divide_T(monkeypatch):
     Config = kernels.LaunchConfig
     monkeypatch.setattr(kernels, "_TUNED", {("shared_head", 1024): ((16, Config(2, 1)), (1 << 62, Config(8, 4)))})
-    assert kernels.launch_config("shared_head", 1000, 16) == Config(2, 1)
-    assert kernels.launch_config("shared_head", 1000, 20) == Config(8, 4)
-    assert kernels.launch_config("shared_head", 1000, 18) == Config(8, 1)
-    assert kernels.launch_config("fused_input", 1000, 20) == Config(2, 1), "untuned: 1 row, BLOCK / 512 warps"
+    assert kernels.launch_config("shared_head", 1000, 16, "cuda") == Config(2, 1)
+    assert kernels.launch_config("shared_head", 1000, 20, "cuda") == Config(8, 4)
+    assert kernels.launch_config("shared_head", 1000, 18, "cuda") == Config(8, 1)
+    assert kernels.launch_config("fused_input", 1000, 20, "cuda") == Config(2, 1), "untuned: 1 row, BLOCK / 512 warps"
 
 
 @pytest.mark.parametrize("T", [8, 6])
