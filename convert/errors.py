@@ -22,6 +22,8 @@ class PlanError(DSV4Error):
         # a served draft's tensor its scheme takes exact cannot be (an FP4 block whose scales span
         # more than FP8 e4m3 holds): refused while computing it, nothing is published
         "inexact_transform",
+        # a lossy served draft's agreement run gave logits that are not finite: nothing is published
+        "non_finite_agreement",
     )
 
 

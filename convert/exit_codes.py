@@ -41,7 +41,7 @@ EXIT_CODES: dict[str, int] = {
     "duplicate_target_rule": 23,
     "dead_rule": 24,
     "unknown_target": 25,
-    # 30-37 planning (PlanError; CheckpointError's unsupported_layout)
+    # 30-38 planning (PlanError; CheckpointError's unsupported_layout)
     "plan_failed": 30,
     "uncovered_key": 31,
     "missing_source": 32,
@@ -52,6 +52,7 @@ EXIT_CODES: dict[str, int] = {
     "no_drafter": 35,
     "source_changed": 36,
     "inexact_transform": 37,
+    "non_finite_agreement": 38,
     # 40-48 the output directory (OutputError)
     "output_exists": 41,
     "write_failed": 42,

@@ -57,7 +57,7 @@ DEFAULT_MAX_SHARD = 5 * 10**9
 # refusals mid-run after which the partial directory is dropped: a source file that changed
 # (its tensors may hold bytes of either version, a rerun starts over), and a computed tensor
 # that cannot be made exactly (the same source refuses the same block again: nothing to resume)
-DISCARDED = ("source_changed", "inexact_transform")
+DISCARDED = ("source_changed", "inexact_transform", "non_finite_agreement")
 
 
 @dataclass

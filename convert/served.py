@@ -14,15 +14,19 @@ run on the written draft and on the native source it was made from (convert/inme
 match_target_figures: top-1 agreement where the native top-2 margin is decisive, the logits'
 largest difference and relative RMS, on smoke's seeded inputs on the CPU), measured before the
 output is published; for a hub source, read by byte ranges and never whole here, "measured":
-false and why.
+false and why. Logits that are not finite (a NaN or an infinity in either run) are refused
+(kind non_finite_agreement): such a draft is not published, and a figure that is not a number
+has no place in conversion.json's strict JSON.
 """
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
 from dsv4.convert.computed import Measured
+from dsv4.convert.errors import PlanError
 from dsv4.convert.plan import Plan
 from dsv4.model.record import ConversionRecord
 
@@ -46,7 +50,17 @@ def measure_agreement(plan: Plan, draft: Path, native: Path | None) -> dict[str,
         return {"measured": False, "why": why}
     from dsv4.convert.inmemory import match_target_figures  # torch, only for a lossy draft
 
-    return {"measured": True, **match_target_figures(draft, native)}
+    figures = match_target_figures(draft, native)
+    for name in ("logits_max_abs", "logits_max_abs_diff", "logits_rel_rms"):
+        if not math.isfinite(figures[name]):
+            whose = "the native draft's" if name == "logits_max_abs" else "the lossy draft's"
+            raise PlanError(
+                f"{draft}: {whose} logits on smoke's seeded inputs are not finite ({name} {figures[name]}); "
+                f"the draft's agreement with {native} cannot be measured, so nothing is published",
+                kind="non_finite_agreement",
+                path=str(draft),
+            )
+    return {"measured": True, **figures}
 
 
 def recorded_agreement(out: Path) -> dict[str, Any] | None:

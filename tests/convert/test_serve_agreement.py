@@ -94,3 +94,32 @@ def test_a_hub_source_records_that_the_agreement_was_not_measured(hub_root: Path
         run_plan(plan, source, tmp_path / "out", served=served)
     agreement = serve_record(tmp_path / "out")["agreement"]
     assert agreement["measured"] is False and "smoke OUT --native SRC" in agreement["why"]
+
+
+@pytest.mark.parametrize(
+    ("figure", "whose"), [("logits_rel_rms", "lossy draft's"), ("logits_max_abs", "native draft's")]
+)
+def test_a_lossy_draft_whose_logits_are_not_finite_is_refused_and_not_published(
+    hub_root: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    figure: str,
+    whose: str,
+) -> None:
+    """A NaN in the agreement run (here put there by the measurement, which a broken requantisation
+    would do) is exit 38's one line naming whose logits, and OUT is not published."""
+    import dsv4.convert.inmemory as inmemory
+
+    measured = inmemory.match_target_figures
+    monkeypatch.setattr(inmemory, "match_target_figures", lambda *a, **k: {**measured(*a, **k), figure: float("nan")})
+    native, out = hub_root / REPO, tmp_path / "out"
+    w4a16 = target(native, tmp_path / "w4a16", "W4A16")
+    args = ("--target", "draft", "--serve-with", w4a16, "--draft-format", "match-target", "--allow-lossy")
+    code, _, stderr = run_main(monkeypatch, capsys, native, out, *args)
+    assert code == 38
+    (line,) = [x for x in stderr.splitlines() if x.strip()]
+    assert f"{whose} logits on smoke's seeded inputs are not finite ({figure} nan)" in line
+    assert "Traceback" not in stderr
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert left == [".out.lock", "w4a16"]  # no OUT, no partial directory to resume: only the lock file
