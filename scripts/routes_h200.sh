@@ -7,9 +7,10 @@
 #   scripts/routes_h200.sh STEP...
 #     ROUTE:ROUNDS   overlay, bf16 or match-target (with --allow-lossy): scripts/bench_convert.py's alternating
 #                    cold rounds against cp -r + sync and the disk, --io-profile, the converter's own memory
-#     smoke          the native draft, the overlay and the bf16 drafts converted, then scripts/bench_smoke_cuda.py:
-#                    smoke and check --native (--serve-with TARGET) of the two on cuda, and their logits
-#                    against the native draft's
+#     smoke[:ROUTES] the native draft and the drafts of ROUTES (comma-separated; default overlay,bf16;
+#                    match-target with --allow-lossy) converted, each conversion timed, then
+#                    scripts/bench_smoke_cuda.py: smoke and check --native (--serve-with TARGET) of each on cuda,
+#                    and their logits against the native draft's
 #
 # Needs compressed-tensors (the target's config is read through it): on the device machine carry its wheels
 # and install them first (/work/.library/device/README.md). Runs from the repository root with the machine's
@@ -39,20 +40,25 @@ Path(sys.argv[2]).mkdir(exist_ok=True)
 Path(sys.argv[2], "config.json").write_text(json.dumps(config, indent=2))
 EOF
 for step in "$@"; do
-  if [ "$step" = smoke ]; then
-    {
-      for route in native overlay bf16; do
+  if [ "${step%%:*}" = smoke ]; then
+    routes=overlay,bf16
+    [ "$step" = smoke ] || routes=${step#*:}
+    outs=()
+    for route in ${routes//,/ }; do outs+=("$work/out-$route"); done
+    {  # a pipeline's subshell: what it sets stays inside
+      for route in native ${routes//,/ }; do
         rm -rf "$work/out-$route"
         serve=()
         [ "$route" = native ] || serve=(--serve-with "$target" --draft-format "$route")
+        [ "$route" = match-target ] && serve+=(--allow-lossy)
         /usr/bin/time -f "convert --target draft $route %e s, peak RSS %M KB" \
           python3 -m dsv4 "$slice" "$work/out-$route" --target draft "${serve[@]}" --json -q
       done
     } 2>&1 | tee "$results/smoke-routes.log"
     python3 scripts/bench_smoke_cuda.py --native "$slice" --device cuda --serve-with "$target" \
-      --same-logits-as "$work/out-native" "$work/out-overlay" "$work/out-bf16" \
+      --same-logits-as "$work/out-native" "${outs[@]}" \
       >"$results/smoke-routes.jsonl" 2> >(tee -a "$results/smoke-routes.log" >&2)
-    rm -rf "$work/out-native" "$work/out-overlay" "$work/out-bf16"
+    rm -rf "$work/out-native" "${outs[@]}"
   else
     route=${step%%:*}
     lossy=()
