@@ -125,7 +125,11 @@ def _bounds(cfg: ModelConfig) -> dict[str, tuple[int, str]]:
     """placeholder -> (its limit, the config field the limit comes from)"""
     out = {
         "i": (cfg.num_nextn_predict_layers, "num_nextn_predict_layers"),
-        "e": (cfg.n_routed_experts, "n_routed_experts"),
+        # a draft block's experts: V4.1's stages have dspark_n_routed_experts (model/config_v41.py)
+        "e": (
+            cfg.draft_routed_experts,
+            "dspark_n_routed_experts" if cfg.dspark_n_routed_experts else "n_routed_experts",
+        ),
         "j": (cfg.num_hidden_layers, "num_hidden_layers"),
     }
     if cfg.is_dspark:
@@ -196,7 +200,7 @@ def _classify(inv: Inventory, rules: list[Rule], cfg: ModelConfig) -> dict[str, 
 
 def _source_names(rule: Rule, binding: dict[str, int], cfg: ModelConfig) -> list[str]:
     if rule.op == "stack":
-        return [expand(s, {**binding, "e": e}) for e in range(cfg.n_routed_experts) for s in rule.sources]
+        return [expand(s, {**binding, "e": e}) for e in range(cfg.draft_routed_experts) for s in rule.sources]
     return [expand(s, binding) for s in rule.sources]
 
 
@@ -214,7 +218,7 @@ def _combined_shape(rule: Rule, parts: list[tuple[int, ...]], cfg: ModelConfig, 
         return (sum(p[0] for p in parts), *per_row)
     k = len(rule.sources)
     rows = sum(p[0] for p in parts[:k])
-    return (cfg.n_routed_experts, rows, *per_row)
+    return (cfg.draft_routed_experts, rows, *per_row)
 
 
 def _write_order(tensors: list[PlannedTensor]) -> tuple[PlannedTensor, ...]:

@@ -176,9 +176,10 @@ def _check_experts(target: Target, cfg: ModelConfig, headers: ShardHeaders, wher
                 tensor=name,
             )
     experts = {int(m.group(1)) for name in headers.tensors if (m := EXPERT_TENSOR.match(name))}
-    if target.kind.native_names and experts != set(range(cfg.n_routed_experts)):
+    if target.kind.native_names and experts != set(range(cfg.draft_routed_experts)):
+        field = "dspark_n_routed_experts" if cfg.dspark_n_routed_experts else "n_routed_experts"
         raise CheckError(
-            f"{where}: n_routed_experts = {cfg.n_routed_experts}, but the tensors hold routed experts "
+            f"{where}: {field} = {cfg.draft_routed_experts}, but the tensors hold routed experts "
             f"{min(experts, default=None)}..{max(experts, default=None)} ({len(experts)})",
             kind="config_check",
             path=str(where),
