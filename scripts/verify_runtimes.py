@@ -163,6 +163,7 @@ from runtime_loaders.recording import Recorder, RecordingParam, Report, run_load
 from runtime_loaders.serve_verify import serve_table, verify_serving  # noqa: E402
 from runtime_loaders.sglang_quant import sglang_draft_quantization  # noqa: E402
 from runtime_loaders.sglang_runs import SGLANG_CUTS, verify_sglang  # noqa: E402
+from runtime_loaders.v41_verify import V41_LOADER_NAMES, is_v41_draft, v41_table, verify_v41  # noqa: E402
 from runtime_loaders.vllm_runs import SERVE_ONLY, VLLM_CUTS, verify_vllm  # noqa: E402
 from runtime_loaders.wheels import (  # noqa: E402
     DEFAULT_WHEELS,
@@ -263,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--loader",
         action="append",
-        choices=sorted(VLLM_CUTS) + sorted(SGLANG_CUTS),
+        choices=sorted(VLLM_CUTS) + sorted(SGLANG_CUTS) + V41_LOADER_NAMES,
         help="run only this loader (repeatable; default: every one for the drafter)",
     )
     ap.add_argument(
@@ -277,9 +278,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--json", action="store_true", help="every report as JSON, per tensor")
     args = ap.parse_args(argv)
-    needed = (args.draft, args.native) if args.serve_with else (args.draft, args.expected, args.native)
+    v41 = args.draft is not None and is_v41_draft(args.draft)  # no XPU layout: nothing for --expected
+    if v41 and (args.expected or args.serve_with):
+        ap.error(
+            "a V4.1 draft takes DRAFT --native NATIVE only (vLLM 0.33.0 has no V4.1 XPU layout for --expected; "
+            "--serve-with builds V4's draft classes)"
+        )
+    needed = (args.draft, args.native) if args.serve_with or v41 else (args.draft, args.expected, args.native)
     if not args.fetch_wheels and None in needed:
-        ap.error("DRAFT and --native, and --expected unless --serve-with, are required (unless --fetch-wheels)")
+        ap.error(
+            "DRAFT and --native, and --expected unless --serve-with or a V4.1 draft, are required (unless --fetch-wheels)"
+        )
     if args.overrides and not args.serve_with:
         ap.error("--overrides goes with --serve-with")
     try:
@@ -287,7 +296,10 @@ def main(argv: list[str] | None = None) -> int:
             for package in WHEELS:
                 print(wheel_path(args.wheels, package))
             return 0
-        if args.serve_with:
+        if v41:
+            reports = verify_v41(args.wheels, args.draft, args.native, args.loader)
+            lines = v41_table(reports)
+        elif args.serve_with:
             target, reports = verify_serving(
                 args.wheels, args.draft, args.serve_with, args.overrides, args.native, args.loader
             )

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import re
 import types
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -104,11 +104,6 @@ class _PreTrainedConfig:
             setattr(self, k, v)
 
 
-def is_v41(config: dict[str, Any]) -> bool:
-    """A DeepSeek V4.1 config.json (vllm/transformers_utils/config.py:172 registers the model type)."""
-    return config.get("model_type") == "deepseek_v41"
-
-
 def v41_namespace(wheel: Wheel, platform: str) -> dict[str, Any]:
     """vllm_build's namespace (compiled afresh: this run's vLLM config is the draft's) plus V41_BUILD_CUTS."""
     ns = _compile_namespace(wheel, platform)
@@ -148,6 +143,7 @@ def flat_config(ns: dict[str, Any], config: dict[str, Any]) -> Any:
 @dataclass
 class V41Report(ServeReport):
     runtime_loaded: int = 0  # the count load_weights logs: "DSpark draft model loaded: %d params" (dspark.py:487)
+    dropped: list[str] = field(default_factory=list)  # fed, and the runtime's draft has no place for it
 
 
 def _plain(name: str, shape: tuple[int, ...], dtype: torch.dtype, loader: Any, init: float | None = None) -> tuple[str, Any]:
@@ -287,7 +283,9 @@ def v41_run(wheel: Wheel, loader: str, draft: Path, native: Path) -> V41Report:
     reached = {f.tensor for fs in fills.values() for f in fs}
     errored = {e.split(":", 1)[0] for e in report.errors}
     # a name outside mtp.* is the target's: _remap_dspark_name gives None for it (dspark.py:495-497)
-    report.skipped = [t for t in fed if t not in reached and t not in errored and t.startswith("mtp.")]
+    unreached = [t for t in fed if t not in reached and t not in errored]
+    report.skipped = [t for t in unreached if t.startswith("mtp.")]
+    report.dropped = [t for t in unreached if not t.startswith("mtp.")]
     _account(built, table, fills, _read(native, reached), experts, report)
     return report
 
@@ -380,7 +378,8 @@ def _account(
         report.filled += 1
         try:
             expected = expected_value(name, param, fills[name], native)
+            exact = expected is not None and _same(expected.reshape(param.data.shape), param.data)
         except RuntimeError:  # the native values do not even have the parameter's shape
-            expected = None
-        if expected is None or not _same(expected.reshape(param.data.shape), param.data):
+            exact = False
+        if not exact:
             report.inexact.append(name)
