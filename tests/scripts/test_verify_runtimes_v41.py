@@ -1,0 +1,120 @@
+"""scripts/verify_runtimes.py on a DeepSeek V4.1 draft: vLLM 0.33.0's two V4.1 DSpark loaders
+(models/deepseek_v41/{nvidia,amd}/dspark.py) and SGLang 0.5.23's DSpark loader, cut out of the
+cached wheels (scripts/test.sh fetches them; without them these tests fail), on the tiny V4.1
+checkpoint converted with --target draft, and what the runtimes do with a broken draft."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from dsv4.convert.pipeline import convert
+from dsv4.convert.synth import write_checkpoint
+
+_SPEC = importlib.util.spec_from_file_location(
+    "verify_runtimes", Path(__file__).parents[2] / "scripts" / "verify_runtimes.py"
+)
+assert _SPEC and _SPEC.loader
+vr = sys.modules.get("verify_runtimes") or importlib.util.module_from_spec(_SPEC)
+if "verify_runtimes" not in sys.modules:
+    sys.modules["verify_runtimes"] = vr
+    _SPEC.loader.exec_module(vr)
+
+from runtime_loaders.recording import read_tensors  # noqa: E402 - on the path verify_runtimes puts there
+from runtime_loaders.v41_verify import verify_v41  # noqa: E402
+
+NVIDIA = "vllm-nvidia-v41-dspark"
+SGLANG = "sglang-v41-dspark"
+
+
+@pytest.fixture(scope="module")
+def v41(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("v41")
+    native = write_checkpoint(root / "native", preset="tiny", variant="v41", seed=0)
+    convert(native, root / "draft", target="draft")
+    return native, root / "draft"
+
+
+def edited(draft: Path, out: Path, edit: Callable[[dict[str, torch.Tensor]], None]) -> Path:
+    """A copy of DRAFT with its tensors changed by `edit`, in one shard."""
+    tensors = dict(read_tensors(draft))
+    edit(tensors)
+    out.mkdir()
+    save_file(tensors, out / "model.safetensors")
+    index = {"metadata": {}, "weight_map": dict.fromkeys(tensors, "model.safetensors")}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index))
+    shutil.copy(draft / "config.json", out / "config.json")
+    return out
+
+
+def test_every_v41_loader_fills_each_parameter_once_with_the_native_values(v41: tuple[Path, Path]) -> None:
+    native, draft = v41
+    reports = verify_v41(vr.wheel_cache(), draft, native)
+    assert [r.loader for r in reports] == ["vllm-nvidia-v41-dspark", "vllm-amd-v41-dspark", SGLANG]
+    for r in reports:
+        assert r.passed, r.summary()
+        assert r.filled == r.params and not r.inexact
+    stages = 3
+    for r in reports[:2]:
+        # vLLM's own count agrees: 30 parameters per stage and 7 at model level (main_proj and its
+        # scale, main_norm, norm, markov_w1/w2, the confidence head)
+        assert r.params == r.runtime_loaded == 30 * stages + 7
+        assert r.methods["model.layers.3.attn.wq_b"] == "ModelOptLinearMethod"
+        assert r.methods["model.layers.3.ffn.experts"] == "Mxfp4MoEMethod"
+        assert sorted(r.dropped) == ["embed.weight", "head.weight"]  # the target's, aliased
+    # SGLang drops the stages' bias_vl (deepseek_v4_dspark.py:1152-1153), in the native run too
+    assert [t for t in reports[2].dropped if t.startswith("mtp.")] == [f"mtp.{s}.ffn.gate.bias_vl" for s in range(3)]
+
+
+def test_a_dropped_tensor_loads_silently_in_vllm_and_fails_the_proof(v41: tuple[Path, Path], tmp_path: Path) -> None:
+    native, draft = v41
+    broken = edited(draft, tmp_path / "d", lambda t: t.pop("mtp.1.attn.wq_b.weight"))
+    vllm, sglang = verify_v41(vr.wheel_cache(), broken, native, [NVIDIA, SGLANG])
+    assert not vllm.errors and vllm.runtime_loaded == vllm.params - 1  # "loaded: 96 params", no error
+    assert vllm.unfilled == ["model.layers.1.attn.wq_b.weight (1 of 1 parts)"] and not vllm.passed
+    assert sglang.unfilled == ["stages.1.self_attn.wq_b.weight"] and not sglang.passed
+
+
+def test_an_expert_past_dspark_n_routed_experts_is_skipped_silently(v41: tuple[Path, Path], tmp_path: Path) -> None:
+    native, draft = v41
+    experts = json.loads((draft / "config.json").read_text())["text_config"]["dspark_n_routed_experts"]
+    extra = f"mtp.0.ffn.experts.{experts}.w1.weight"
+    broken = edited(draft, tmp_path / "d", lambda t: t.update({extra: t["mtp.0.ffn.experts.0.w1.weight"].clone()}))
+    (vllm,) = verify_v41(vr.wheel_cache(), broken, native, [NVIDIA])
+    assert not vllm.errors and vllm.runtime_loaded == vllm.params  # the runtime says nothing
+    assert vllm.skipped == [extra] and not vllm.passed
+
+
+def _regridded(tensors: dict[str, torch.Tensor]) -> None:
+    rows, cols = tensors["mtp.0.attn.wq_b.weight"].shape
+    tensors["mtp.0.attn.wq_b.scale"] = torch.full((-(-rows // 128), -(-cols // 128)), 127, dtype=torch.uint8).view(
+        torch.float8_e8m0fnu
+    )
+
+
+def _as_f32(tensors: dict[str, torch.Tensor]) -> None:
+    tensors["mtp.0.attn.wq_b.scale"] = tensors["mtp.0.attn.wq_b.scale"].float()
+
+
+@pytest.mark.parametrize(
+    ("edit", "raised"),
+    [
+        (_regridded, "RuntimeError"),  # the 32x-repeated 128 grid does not fit the [out, in/32] parameter
+        (_as_f32, "AssertionError"),  # get_scale_weight_loader asserts uint8 / float8_e8m0fnu (modelopt.py:2324)
+    ],
+)
+def test_a_scale_not_on_the_32_grid_in_e8m0_is_refused_by_vllm(
+    v41: tuple[Path, Path], tmp_path: Path, edit: Callable[[dict[str, torch.Tensor]], None], raised: str
+) -> None:
+    native, draft = v41
+    (vllm,) = verify_v41(vr.wheel_cache(), edited(draft, tmp_path / "d", edit), native, [NVIDIA])
+    assert [e.split(":")[:2] for e in vllm.errors] == [["mtp.0.attn.wq_b.scale", f" {raised}"]]
+    assert not vllm.passed
