@@ -287,7 +287,8 @@ def main(argv: list[str] | None = None) -> int:
     needed = (args.draft, args.native) if args.serve_with or v41 else (args.draft, args.expected, args.native)
     if not args.fetch_wheels and None in needed:
         ap.error(
-            "DRAFT and --native, and --expected unless --serve-with or a V4.1 draft, are required (unless --fetch-wheels)"
+            "DRAFT and --native, and --expected unless --serve-with or a V4.1 draft, are required "
+            "(unless --fetch-wheels)"
         )
     if args.overrides and not args.serve_with:
         ap.error("--overrides goes with --serve-with")

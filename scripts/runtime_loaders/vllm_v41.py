@@ -13,8 +13,9 @@ from typing import Any
 
 import torch
 
+from . import UsageError
 from .cut import cut
-from .recording import Recorder, attrs
+from .recording import Recorder
 from .serve_runs import Fill, ServeReport, _feed, _Named, _read, _recording, _same, expected_parts
 from .vllm_build import PLATFORMS, _compile_namespace, imports_from
 from .vllm_build_cuts import IMPORTED_INSIDE
@@ -89,7 +90,12 @@ V41_BUILD_CUTS: dict[str, list[str]] = {
     ],
     "vllm/transformers_utils/configs/deepseek_v41.py": ["DeepseekV41Config"],
 }
-V41_IMPORTED_INSIDE = [*IMPORTED_INSIDE, "vllm.config", "vllm.logger", "vllm.model_executor.layers.quantization.modelopt"]
+V41_IMPORTED_INSIDE = [
+    *IMPORTED_INSIDE,
+    "vllm.config",
+    "vllm.logger",
+    "vllm.model_executor.layers.quantization.modelopt",
+]
 # a V4.1 linear's scale: one E8M0 byte per 32x32 block, each grid row repeated over the 32
 # output rows it covers when loaded (KMxfp8Static.get_scale_weight_loader, modelopt.py:2316-2330)
 SCALE_ROWS = 32
@@ -109,7 +115,12 @@ def v41_namespace(wheel: Wheel, platform: str) -> dict[str, Any]:
     ns = _compile_namespace(wheel, platform)
     ns.update(PreTrainedConfig=_PreTrainedConfig, QuantizationMethods=str, os=__import__("os"))
     scratch = dict(ns)  # QuantizationConfig was cut by members: its get_from_keys_or added to that class
-    cut(wheel.source(Q + "base_config.py"), f"{wheel.path.name}/{Q}base_config.py", ["QuantizationConfig.get_from_keys_or"], scratch)
+    cut(
+        wheel.source(Q + "base_config.py"),
+        f"{wheel.path.name}/{Q}base_config.py",
+        ["QuantizationConfig.get_from_keys_or"],
+        scratch,
+    )
     ns["QuantizationConfig"].get_from_keys_or = scratch["QuantizationConfig"].__dict__["get_from_keys_or"]
     scratch["QuantizationConfig"] = ns["QuantizationConfig"]  # the name its body calls get_from_keys on
     for member, names in V41_BUILD_CUTS.items():
@@ -146,8 +157,12 @@ class V41Report(ServeReport):
     dropped: list[str] = field(default_factory=list)  # fed, and the runtime's draft has no place for it
 
 
-def _plain(name: str, shape: tuple[int, ...], dtype: torch.dtype, loader: Any, init: float | None = None) -> tuple[str, Any]:
-    p = torch.nn.Parameter(torch.empty(shape, dtype=dtype) if init is None else torch.full(shape, init, dtype=dtype), requires_grad=False)
+def _plain(
+    name: str, shape: tuple[int, ...], dtype: torch.dtype, loader: Any, init: float | None = None
+) -> tuple[str, Any]:
+    p = torch.nn.Parameter(
+        torch.empty(shape, dtype=dtype) if init is None else torch.full(shape, init, dtype=dtype), requires_grad=False
+    )
     p.weight_loader = loader
     return name, p
 
@@ -174,7 +189,12 @@ def unquantised(ns: dict[str, Any], cfg: Any, spec: dict[str, Any], stages: int,
         for k in ("attn", "ffn"):
             out += [_plain(f"{p}hc_{k}_fn", (mix, hc), f32, default), _plain(f"{p}hc_{k}_base", (mix,), f32, default)]
             out.append(_plain(f"{p}hc_{k}_scale", (3,), f32, default))
-        for norm, width in (("attn_norm", h), ("ffn_norm", h), ("attn.q_norm", cfg.q_lora_rank), ("attn.kv_norm", cfg.head_dim)):
+        for norm, width in (
+            ("attn_norm", h),
+            ("ffn_norm", h),
+            ("attn.q_norm", cfg.q_lora_rank),
+            ("attn.kv_norm", cfg.head_dim),
+        ):
             out.append(_plain(f"{p}{norm}.weight", (width,), bf16, default))
         out.append(_plain(f"{p}attn.attn_sink", (padded,), f32, ns["load_attention_sink"], -float("inf")))
         if getattr(cfg, "topk_method", None) == "noaux_tc":
@@ -203,23 +223,27 @@ def build_modules(ns: dict[str, Any], qc: Any, cfg: Any, platform: str, stages: 
     experts_cfg = types.SimpleNamespace(**vars(cfg))
     experts_cfg.n_routed_experts = getattr(cfg, "dspark_n_routed_experts", 0) or cfg.n_routed_experts
     experts_cfg.num_experts_per_tok = getattr(cfg, "dspark_num_experts_per_tok", 0) or cfg.num_experts_per_tok
+    unquantised = {"bias": False, "return_bias": False, "quant_config": None}
+    head = {"input_size": cfg.hidden_size + cfg.dspark_markov_rank, "output_size": 1, "params_dtype": torch.float32}
+    name = "model.confidence_head.proj"
+    specs = [(name, name, "ReplicatedLinear", {**head, **unquantised})]
+    for s in range(stages):
+        q = f"model.layers.{cfg.num_hidden_layers + s}"
+        gate = {"input_size": cfg.hidden_size, "output_size": experts_cfg.n_routed_experts, **unquantised}
+        specs += [
+            *_linear_specs(cfg, "dspark", s, "xpu"),
+            (f"model.layers.{s}.ffn.gate", f"{q}.ffn.gate", "ReplicatedLinear", gate),
+        ]
     built = []
     with imports_from(ns, V41_IMPORTED_INSIDE):
         torch.set_default_dtype(torch.bfloat16)  # the model dtype, as vLLM sets it while building
         try:
+            for path, prefix, cls, kwargs in specs:  # a spec's own quant_config (None) wins over qc
+                make = lambda c=cls, k=kwargs, p=prefix: ns[c](**{"quant_config": qc, "prefix": p, **k})  # noqa: E731
+                built.append(_build(path, prefix, "linear", make))
             for s in range(stages):
-                specs = _linear_specs(cfg, "dspark", s, "xpu")
                 q = f"model.layers.{cfg.num_hidden_layers + s}"
-                gate = {"input_size": cfg.hidden_size, "output_size": experts_cfg.n_routed_experts, "bias": False}
-                specs.append((f"model.layers.{s}.ffn.gate", f"{q}.ffn.gate", "ReplicatedLinear", {**gate, "quant_config": None}))
-                for path, prefix, cls, kwargs in specs:
-                    make = lambda c=cls, k=kwargs, p=prefix: ns[c](**{"quant_config": qc, "prefix": p, **k})  # noqa: E731
-                    built.append(_build(path, prefix, "linear", make))
                 built.append(_experts(ns, qc, experts_cfg, platform, f"model.layers.{s}", q))
-            head = {"input_size": cfg.hidden_size + cfg.dspark_markov_rank, "output_size": 1, "bias": False}
-            name = "model.confidence_head.proj"
-            make = lambda: ns["ReplicatedLinear"](**head, return_bias=False, params_dtype=torch.float32, quant_config=None, prefix=name)  # noqa: E731
-            built.append(_build(name, name, "linear", make))
         finally:
             torch.set_default_dtype(torch.float32)
     return built
@@ -264,8 +288,14 @@ def v41_run(wheel: Wheel, loader: str, draft: Path, native: Path) -> V41Report:
     cfg = flat_config(build_ns, json.loads((draft / "config.json").read_text()))
     vllm_config = build_ns["_vllm_config"]
     vllm_config.model_config.hf_config = vllm_config.model_config.hf_text_config = cfg
+    config_cls = build_ns["DeepseekV4FP8Config"]
+    # the registry's deepseek_v4_fp8 on CUDA and ROCm is V4.1's class (quantization/__init__.py:120-131), which
+    # claims a V4.1 config's fp8 quantization_config (quant_config.py:163-192); the draft's own dict is parsed
+    # (models/utils.py:985-1007)
+    if config_cls.override_quantization_method(cfg.quantization_config, None, cfg) != config_cls.get_name():
+        raise UsageError(f"{draft}: quantization_config is no DeepSeek fp8 one vLLM's V4.1 class claims")
     with imports_from(build_ns, V41_IMPORTED_INSIDE):
-        qc = build_ns["DeepseekV4FP8Config"].from_config(cfg.quantization_config)
+        qc = config_cls.from_config(cfg.quantization_config)
     vllm_config.quant_config = qc
     stages = stage_count(cfg)
     experts = getattr(cfg, "dspark_n_routed_experts", 0) or cfg.n_routed_experts
@@ -291,7 +321,14 @@ def v41_run(wheel: Wheel, loader: str, draft: Path, native: Path) -> V41Report:
 
 
 def _model(
-    wheel: Wheel, spec: dict[str, Any], rec: Recorder, table: dict[str, Any], cfg: Any, qc: Any, vllm_config: Any, stages: int
+    wheel: Wheel,
+    spec: dict[str, Any],
+    rec: Recorder,
+    table: dict[str, Any],
+    cfg: Any,
+    qc: Any,
+    vllm_config: Any,
+    stages: int,
 ) -> tuple[Any, list[int]]:
     """The cut-out class mixed with a stand-in holding what its load_weights reads: the attributes its
     __init__ sets (dspark.py:284-298), computed by the wheel's own functions where it calls one."""

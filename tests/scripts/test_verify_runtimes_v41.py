@@ -93,6 +93,18 @@ def test_an_expert_past_dspark_n_routed_experts_is_skipped_silently(v41: tuple[P
     assert vllm.skipped == [extra] and not vllm.passed
 
 
+def test_a_changed_scale_byte_is_caught_by_value(v41: tuple[Path, Path], tmp_path: Path) -> None:
+    native, draft = v41
+
+    def bump(tensors: dict[str, torch.Tensor]) -> None:
+        scale = tensors["mtp.2.attn.wkv.scale"].view(torch.uint8).clone()
+        scale[0, 0] += 1  # one 32x32 block's exponent: 32 rows of the expanded parameter
+        tensors["mtp.2.attn.wkv.scale"] = scale.view(torch.float8_e8m0fnu)
+
+    (vllm,) = verify_v41(vr.wheel_cache(), edited(draft, tmp_path / "d", bump), native, [NVIDIA])
+    assert vllm.inexact == ["model.layers.2.attn.fused_wqa_wkv.weight_scale"] and not vllm.passed
+
+
 def _regridded(tensors: dict[str, torch.Tensor]) -> None:
     rows, cols = tensors["mtp.0.attn.wq_b.weight"].shape
     tensors["mtp.0.attn.wq_b.scale"] = torch.full((-(-rows // 128), -(-cols // 128)), 127, dtype=torch.uint8).view(
