@@ -422,6 +422,7 @@ def target_rows() -> list[dict[str, str]]:
             "table_version": h.version,
             "runtime": h.runtime,
             "runtime_class": h.runtime_class,
+            "family": h.family,  # the one drafter family the table maps (null: its kind's others)
         }
         for name, h in sorted(_table_headers().items(), key=lambda item: (item[1].target, item[0]))
     ]

@@ -358,6 +358,11 @@ class ModelConfig:
         return self.dspark_n_routed_experts or self.n_routed_experts
 
     @property
+    def draft_experts_field(self) -> str:
+        """The config field draft_routed_experts comes from, as a refusal names it."""
+        return "dspark_n_routed_experts" if self.dspark_n_routed_experts else "n_routed_experts"
+
+    @property
     def dspark_stages(self) -> int:
         """S, the drafter's stages `mtp.0..S-1`: one per target feature layer
         (mapping/README.md#dspark-source-checkpoint)."""
