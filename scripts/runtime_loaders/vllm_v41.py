@@ -153,7 +153,8 @@ def flat_config(ns: dict[str, Any], config: dict[str, Any]) -> Any:
 
 @dataclass
 class V41Report(ServeReport):
-    runtime_loaded: int = 0  # the count load_weights logs: "DSpark draft model loaded: %d params" (dspark.py:487)
+    # the count load_weights logs, "DSpark draft model loaded: %d params" (dspark.py:487); -1: none (it raised)
+    runtime_loaded: int = -1
     dropped: list[str] = field(default_factory=list)  # fed, and the runtime's draft has no place for it
 
 
@@ -309,7 +310,8 @@ def v41_run(wheel: Wheel, loader: str, draft: Path, native: Path) -> V41Report:
     model, counts = _model(wheel, spec, rec, table, cfg, qc, vllm_config, stages)
     with imports_from(build_ns, V41_IMPORTED_INSIDE):  # RoutedExperts.weight_loader imports inside
         fed = _feed(model, draft, rec, report, model.completeness)
-    report.runtime_loaded = sum(counts)
+    # the runtime's count where its load_weights ran through; one that raised would stop vLLM there
+    report.runtime_loaded = counts[0] if counts and not report.errors else -1
     reached = {f.tensor for fs in fills.values() for f in fs}
     errored = {e.split(":", 1)[0] for e in report.errors}
     # a name outside mtp.* is the target's: _remap_dspark_name gives None for it (dspark.py:495-497)
