@@ -5,31 +5,26 @@ checkpoint converted with --target draft, and what the runtimes do with a broken
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import save_file
+from test_verify_runtimes import vr
 
 from dsv4.convert.pipeline import convert
+from dsv4.convert.serving import Serving
+from dsv4.convert.serving_target import read_serving_target
 from dsv4.convert.synth import write_checkpoint
+from tests.quant_configs import serving_target
 
-_SPEC = importlib.util.spec_from_file_location(
-    "verify_runtimes", Path(__file__).parents[2] / "scripts" / "verify_runtimes.py"
-)
-assert _SPEC and _SPEC.loader
-vr = sys.modules.get("verify_runtimes") or importlib.util.module_from_spec(_SPEC)
-if "verify_runtimes" not in sys.modules:
-    sys.modules["verify_runtimes"] = vr
-    _SPEC.loader.exec_module(vr)
-
-from runtime_loaders.recording import read_tensors  # noqa: E402 - on the path verify_runtimes puts there
-from runtime_loaders.v41_verify import verify_v41  # noqa: E402
+# isort: split
+# on the path test_verify_runtimes' import of verify_runtimes puts there
+from runtime_loaders.recording import read_tensors
+from runtime_loaders.v41_verify import verify_v41
 
 NVIDIA = "vllm-nvidia-v41-dspark"
 SGLANG = "sglang-v41-dspark"
@@ -130,3 +125,20 @@ def test_a_scale_not_on_the_32_grid_in_e8m0_is_refused_by_vllm(
     (vllm,) = verify_v41(vr.wheel_cache(), edited(draft, tmp_path / "d", edit), native, [NVIDIA])
     assert [e.split(":")[:2] for e in vllm.errors] == [["mtp.0.attn.wq_b.scale", f" {raised}"]]
     assert not vllm.passed
+
+
+def test_a_vision_exp_drafts_routers_bias_vl_fill_nvidias_and_amds_v4_dspark(tmp_path: Path) -> None:
+    # Vision-Exp is V4 DSpark with a vision tower: vLLM's NVIDIA and AMD V4 routers then have a
+    # gate.bias_vl each (deepseek_v4/nvidia/model.py:311-318, amd/model.py:652-656), XPU's none
+    native = write_checkpoint(tmp_path / "native", preset="tiny", variant="vision", seed=0)
+    target = tmp_path / "target"
+    target.mkdir()
+    config = {**json.loads((native / "config.json").read_text()), "quantization_config": serving_target("W4A16", [])}
+    (target / "config.json").write_text(json.dumps(config))
+    convert(native, tmp_path / "draft", target="draft", serving=Serving(read_serving_target(target), "auto"))
+    loaders = ["vllm-nvidia-dspark", "vllm-amd-dspark", "vllm-xpu-dspark"]
+    reports = vr.verify_serving(vr.wheel_cache(), tmp_path / "draft", target, None, native, loaders)[1]
+    for r in reports:
+        assert r.passed, r.summary()
+    # the text DSpark's 99, 97 and 96 parameters, and NVIDIA's and AMD's three routers' bias_vl
+    assert [r.filled for r in reports] == [102, 100, 96]
