@@ -177,8 +177,9 @@ transformers' PreTrainedConfig a class setting its keyword arguments. Pass rule:
 scale grid compared after repeating each row over its 32 output rows, the e2m1 bytes, the sink
 padded with -inf, any other tensor in the parameter's dtype; a fed tensor outside mtp.* is the
 target's (dropped, as _remap_dspark_name does). The table also shows the count vLLM's load_weights
-logs ("DSpark draft model loaded: N params", dspark.py:487): a dropped tensor or an expert id past
-dspark_n_routed_experts changes it or not, silently, where this table fails.
+logs ("DSpark draft model loaded: N params", nvidia/dspark.py:487, amd/dspark.py:516) where it ran
+through: a dropped tensor or an expert id past dspark_n_routed_experts changes it or not, silently,
+where this table fails.
 """
 
 from __future__ import annotations

@@ -153,7 +153,8 @@ def flat_config(ns: dict[str, Any], config: dict[str, Any]) -> Any:
 
 @dataclass
 class V41Report(ServeReport):
-    # the count load_weights logs, "DSpark draft model loaded: %d params" (dspark.py:487); -1: none (it raised)
+    # the count load_weights logs, "DSpark draft model loaded: %d params" (nvidia/dspark.py:487,
+    # amd/dspark.py:516); -1: none (it raised)
     runtime_loaded: int = -1
     dropped: list[str] = field(default_factory=list)  # fed, and the runtime's draft has no place for it
 
