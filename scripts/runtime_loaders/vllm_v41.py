@@ -4,6 +4,7 @@ quant config and create_weights, every value compared with the native checkpoint
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 import types
@@ -113,7 +114,7 @@ class _PreTrainedConfig:
 def v41_namespace(wheel: Wheel, platform: str) -> dict[str, Any]:
     """vllm_build's namespace (compiled afresh: this run's vLLM config is the draft's) plus V41_BUILD_CUTS."""
     ns = _compile_namespace(wheel, platform)
-    ns.update(PreTrainedConfig=_PreTrainedConfig, QuantizationMethods=str, os=__import__("os"))
+    ns["PreTrainedConfig"] = _PreTrainedConfig
     scratch = dict(ns)  # QuantizationConfig was cut by members: its get_from_keys_or added to that class
     cut(
         wheel.source(Q + "base_config.py"),
@@ -128,8 +129,9 @@ def v41_namespace(wheel: Wheel, platform: str) -> dict[str, Any]:
     # mxfp4.py:487-523: the Kimi-K3 SiTU paths (a SiTU activation; V4.1's experts are SiLU)
     ns["_use_k3_situ_aiter"] = ns["_use_k3_situ_int4_gfx942"] = lambda _moe: False
     ns["select_deepseek_v4_mxfp4_moe_backend"] = lambda _moe: (None, None)
-    # ModelOptLinearMethod's module-level registration (modelopt.py:2559), and the config V4.1's
-    # quant config resolves its expert dtype from (quant_config.py:66-87)
+    # the vLLM config the cut-out code reads: the model's hf_config (the draft's, set per run) for the
+    # quant config's expert dtype and MoE override (quant_config.py:66-108), one process for
+    # _use_sequence_parallel (nvidia/model.py:261-271), the model dtype for ModelOptLinearMethod
     vllm_config = types.SimpleNamespace(
         model_config=types.SimpleNamespace(dtype=torch.bfloat16, hf_config=None, hf_text_config=None),
         kernel_config=types.SimpleNamespace(linear_backend="auto", moe_backend="auto"),
@@ -145,10 +147,9 @@ def v41_namespace(wheel: Wheel, platform: str) -> dict[str, Any]:
 
 
 def flat_config(ns: dict[str, Any], config: dict[str, Any]) -> Any:
-    """DRAFT's config.json as vLLM's DeepseekV41Config holds it (text_config flattened, the vision
-    fields: configs/deepseek_v41.py:20-62), its sub-dicts as attributes for the loaders."""
-    flat = ns["DeepseekV41Config"](**json.loads(json.dumps(config)))
-    return types.SimpleNamespace(**{k: v for k, v in vars(flat).items()})
+    """DRAFT's config.json as vLLM's DeepseekV41Config holds it: text_config flattened onto it, the
+    vision fields from vision_config, expert_dtype from quantization_config (configs/deepseek_v41.py:20-62)."""
+    return ns["DeepseekV41Config"](**copy.deepcopy(config))
 
 
 @dataclass
@@ -179,8 +180,9 @@ def unquantised(ns: dict[str, Any], cfg: Any, spec: dict[str, Any], stages: int,
     the gate's e_score_correction_bias with topk_method noaux_tc and bias_vl with a vision tower,
     F32 [dspark experts] (deepseek_v4/nvidia/model.py:301-318, amd/model.py:644-656). Model level:
     main_norm and norm (nvidia/dspark.py:106, 137), the Markov head's markov_w1 (an nn.Embedding)
-    and markov_w2 (a ParallelLMHead built without quant config, disable_tp: at TP 1 its loader copies
-    the whole [draft_vocab, rank] weight, vocab_parallel_embedding.py:481-495), qwen3_dspark.py:71-79."""
+    and markov_w2 (a ParallelLMHead built without quant config, disable_tp: its loader copies the
+    whole [draft_vocab, rank] weight, its padding rows to a multiple of 64 zero, none at vocab 512 or
+    129280, vocab_parallel_embedding.py:481-520), qwen3_dspark.py:71-79."""
     default = ns["default_weight_loader"]
     padded = ns[spec["attention"][1]].get_padded_num_q_heads(cfg.num_attention_heads)
     h, bf16, f32 = cfg.hidden_size, torch.bfloat16, torch.float32
