@@ -50,7 +50,6 @@ V41_LOADERS: dict[str, dict[str, Any]] = {
             ],
             "vllm/model_executor/models/utils.py": ["extract_layer_index"],
         },
-        "model": V41 + "nvidia/model.py",
         # the sink's padded head count: FlashMLA's FP8 decode kernel takes 64 or 128 heads
         "attention": (V41 + "nvidia/flashmla.py", "DeepseekV4FlashMLAAttention"),
     },
@@ -69,7 +68,6 @@ V41_LOADERS: dict[str, dict[str, Any]] = {
                 "_use_sequence_parallel",
             ],
         },
-        "model": V41 + "amd/model.py",
         "attention": (V41 + "amd/rocm.py", "DeepseekV41ROCMAiterMLAAttention"),
     },
 }
