@@ -16,8 +16,11 @@ from inprocess import run_main
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from dsv4.convert.batch.card import card_body
 from dsv4.convert.pipeline import convert
 from dsv4.convert.synth import write_checkpoint
+from dsv4.mapping.table import load_table
+from dsv4.mapping.targets import require_target
 from dsv4.model.checkpoint import INDEX_NAME, Checkpoint
 from dsv4.model.storage import ceil_div
 
@@ -168,3 +171,10 @@ def test_xpu_refuses_v41_and_points_to_draft(v41: Path, monkeypatch, capsys) -> 
     code, _, err = run_main(monkeypatch, capsys, "plan", v41, "--target", "xpu")
     assert code == 35 and err.count("\n") == 1
     assert "vLLM 0.33.0 has no XPU model for DeepSeek V4.1" in err and "--target draft serves it" in err
+
+
+def test_the_model_card_of_a_v41_draft_serves_it_with_dspark_on_cuda_and_rocm() -> None:
+    body = card_body("org/v41-draft", "org/v41", "abc", load_table("draft_dspark_v41"), require_target("draft"))
+    assert "The DeepSeek V4.1 DSpark (model_type deepseek_v41, text_config nested) draft model" in body
+    assert """# vLLM 0.33.0 (CUDA, ROCm)\nvllm serve org/v41 --speculative-config '{"method":"dspark",""" in body
+    assert "--speculative-algorithm DSPARK --speculative-draft-model-path org/v41-draft" in body
