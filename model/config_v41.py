@@ -21,12 +21,9 @@ vLLM deepseek_v41/nvidia/model.py:136-144, nvidia/dspark.py:376-379).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from dsv4.model.config_fields import describe, malformed, unsupported
-
-if TYPE_CHECKING:
-    from dsv4.model.config import ModelConfig
 
 V41_MODEL_TYPE = "deepseek_v41"
 V41_BLOCK = (32, 32)  # quantization_config.weight_block_size: MXFP8's 32-input groups, 32 rows per scale row
@@ -67,7 +64,23 @@ def flatten_v41(raw: dict[str, Any], where: str) -> dict[str, Any]:
     return flat
 
 
-def check_v41(cfg: ModelConfig, where: str) -> None:
+class DrafterFields(Protocol):
+    """What check_v41 reads of a ModelConfig (model/config.py, which calls it: no import back)."""
+
+    model_type: str
+    weight_block_size: tuple[int, int]
+    expert_dtype: str
+    dspark_n_routed_experts: int
+    dspark_num_experts_per_tok: int
+
+    @property
+    def is_dspark(self) -> bool: ...
+
+    @property
+    def draft_routed_experts(self) -> int: ...
+
+
+def check_v41(cfg: DrafterFields, where: str) -> None:
     """Refuse (35) a V4.1 config whose drafter this tool has no layout for, and (18) one whose
     draft expert counts contradict each other; a V4 config may not carry V4.1's draft expert
     counts, which vLLM's V4 DSpark ignores and SGLang's reads (deepseek_v4_dspark.py:565-578)."""
