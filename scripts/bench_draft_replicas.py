@@ -1,5 +1,5 @@
-"""Benchmark: `--target draft` of the full-size sparse replicas (Flash MTP, and the 0731 DSpark
-drafter), from disk and from the test suite's fake hub, bytes read against the plan's.
+"""Benchmark: `--target draft` of the full-size sparse replicas (Flash MTP, the 0731 DSpark
+drafter and V4.1-Flash's), from disk and from the test suite's fake hub, bytes read against the plan's.
 
     .venv/bin/python scripts/bench_draft_replicas.py [--work DIR]
 
@@ -25,7 +25,11 @@ from hubserver import FakeHub, hub_env, run_cli  # noqa: E402
 
 from dsv4.convert.synth import write_checkpoint  # noqa: E402
 
-REPLICAS = {"flash": {"preset": "flash", "variant": "instruct"}, "flash-0731": {"preset": "flash", "variant": "dspark"}}
+REPLICAS = {
+    "flash": {"preset": "flash", "variant": "instruct"},
+    "flash-0731": {"preset": "flash", "variant": "dspark"},
+    "flash-v41": {"preset": "flash", "variant": "v41"},  # DeepSeek V4.1-Flash (model/presets_v41.py)
+}
 
 
 def convert(source: str, out: Path, env: dict[str, str]) -> dict[str, object]:

@@ -4,6 +4,7 @@
         [--wheels DIR] [--loader NAME ...] [--json]
     .venv/bin/python scripts/verify_runtimes.py DRAFT --serve-with TARGET [--overrides FILE] \
         --native NATIVE [--loader NAME ...] [--json]
+    .venv/bin/python scripts/verify_runtimes.py V41_DRAFT --native NATIVE [--loader NAME ...] [--json]
     .venv/bin/python scripts/verify_runtimes.py --fetch-wheels [--wheels DIR]
 
 DRAFT is the directory fed to the loaders (a `--target draft` output, or anything else to
@@ -144,6 +145,41 @@ DSpark confidence head that vLLM's XPU class drops on purpose, xpu/dspark.py:406
 SGLang: what it skips in NATIVE too); every parameter except the shared ones (vLLM: the
 table's [copy] targets) hit, holding exactly XPU_OUT's bytes (SGLang: the bytes the NATIVE
 run put there). Exit 0 when every loader passes, 1 otherwise, 2 on a usage error.
+
+A DeepSeek V4.1 draft (config.json's model_type deepseek_v41; runtime_loaders/v41_verify.py,
+vllm_v41.py, sglang_v41.py) runs vLLM's two V4.1 DSpark loaders, DSparkV41DraftModel's
+load_weights of models/deepseek_v41/nvidia/ and amd/dspark.py (vllm-nvidia-v41-dspark,
+vllm-amd-v41-dspark; V4.1 has no XPU class, hence no --expected), and SGLang's
+DeepseekV4ForCausalLMDSpark.load_weights (sglang-v41-dspark) against NATIVE as above, both configs
+through the wheel's normalize_deepseek_v41_config (configs/deepseek_v41.py:23-40). vLLM's
+parameters are built as --serve-with builds them, under V4.1's own quant config: cut out besides
+VLLM_BUILD_CUTS are DeepseekV41Config (the nested config flattened, its vision fields),
+DeepseekV4FP8Config of deepseek_v41/quant_config.py whole (override_quantization_method claims the
+draft's fp8 dict; get_quant_method gives ModelOptLinearMethod(kMxfp8Static, kMxfp8Dynamic) with a
+32x32 CkptCtx for every linear: weight F8_E4M3 [out, in] and weight_scale uint8 [out, in/32] filled
+through KMxfp8Static.get_scale_weight_loader, each grid row repeated 32 times, modelopt.py:2309-2365;
+Mxfp4MoEMethod for the routed experts, uint8 w13/w2 weights and scales, mxfp4.py:661-733), Fp8Config's
+__init__/from_config, the mxfp8_utils constants, default_weight_loader, load_attention_sink and
+make_attention_sink, each platform's get_padded_num_q_heads (NVIDIA FlashMLA: 64 or 128 heads), and
+the loaders' _linear_scale_param_name, _use_sequence_parallel and _pad_shared_expert_weight. Built by
+the wheel's classes: main_proj and each stage's fused_wqa_wkv, wq_b, wo_a, wo_b and shared experts
+(vllm_layer._linear_specs' V4 DSpark block, whose arguments V4.1's attention.py:371-410 repeats), each
+stage's gate (a ReplicatedLinear without quant config, which GateLinear is) and routed experts with
+dspark_n_routed_experts, the F32 confidence head. Taken from the wheel's module definitions instead
+(their shapes, dtypes and loaders): hc_* F32, the norms in the model dtype, the sink, the gate's
+e_score_correction_bias and (with a vision tower) bias_vl, markov_w1/w2. Stubbed in addition: the
+vLLM config (the draft's flattened config as the model's, TP/PP/DP 1, no expert parallel, moe
+backend auto), the Kimi-K3 SiTU expert paths off, the MXFP4 MoE backend selector a stand-in and
+Mxfp4MoEMethod.maybe_roundup_sizes not cut (the sizes kept: at the tiny and the released dims, hidden
+a multiple of 256 and intermediate of 128, no backend rounds them, fused_moe/oracle/mxfp4.py:837-880),
+transformers' PreTrainedConfig a class setting its keyword arguments. Pass rule: as --serve-with's
+(no error, no skip, every parameter part filled once), every value the native checkpoint's: FP8 and E8M0 bytes, a
+scale grid compared after repeating each row over its 32 output rows, the e2m1 bytes, the sink
+padded with -inf, any other tensor in the parameter's dtype; a fed tensor outside mtp.* is the
+target's (dropped, as _remap_dspark_name does). The table also shows the count vLLM's load_weights
+logs ("DSpark draft model loaded: N params", nvidia/dspark.py:487, amd/dspark.py:516) where it ran
+through: a dropped tensor or an expert id past dspark_n_routed_experts changes it or not, silently,
+where this table fails.
 """
 
 from __future__ import annotations
@@ -163,6 +199,7 @@ from runtime_loaders.recording import Recorder, RecordingParam, Report, run_load
 from runtime_loaders.serve_verify import serve_table, verify_serving  # noqa: E402
 from runtime_loaders.sglang_quant import sglang_draft_quantization  # noqa: E402
 from runtime_loaders.sglang_runs import SGLANG_CUTS, verify_sglang  # noqa: E402
+from runtime_loaders.v41_verify import V41_LOADER_NAMES, is_v41_draft, v41_table, verify_v41  # noqa: E402
 from runtime_loaders.vllm_runs import SERVE_ONLY, VLLM_CUTS, verify_vllm  # noqa: E402
 from runtime_loaders.wheels import (  # noqa: E402
     DEFAULT_WHEELS,
@@ -263,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--loader",
         action="append",
-        choices=sorted(VLLM_CUTS) + sorted(SGLANG_CUTS),
+        choices=sorted(VLLM_CUTS) + sorted(SGLANG_CUTS) + V41_LOADER_NAMES,
         help="run only this loader (repeatable; default: every one for the drafter)",
     )
     ap.add_argument(
@@ -277,9 +314,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--json", action="store_true", help="every report as JSON, per tensor")
     args = ap.parse_args(argv)
-    needed = (args.draft, args.native) if args.serve_with else (args.draft, args.expected, args.native)
+    v41 = args.draft is not None and is_v41_draft(args.draft)  # no XPU layout: nothing for --expected
+    if v41 and (args.expected or args.serve_with):
+        ap.error(
+            "a V4.1 draft takes DRAFT --native NATIVE only (vLLM 0.33.0 has no V4.1 XPU layout for --expected; "
+            "--serve-with builds V4's draft classes)"
+        )
+    needed = (args.draft, args.native) if args.serve_with or v41 else (args.draft, args.expected, args.native)
     if not args.fetch_wheels and None in needed:
-        ap.error("DRAFT and --native, and --expected unless --serve-with, are required (unless --fetch-wheels)")
+        ap.error(
+            "DRAFT and --native, and --expected unless --serve-with or a V4.1 draft, are required "
+            "(unless --fetch-wheels)"
+        )
     if args.overrides and not args.serve_with:
         ap.error("--overrides goes with --serve-with")
     try:
@@ -287,7 +333,10 @@ def main(argv: list[str] | None = None) -> int:
             for package in WHEELS:
                 print(wheel_path(args.wheels, package))
             return 0
-        if args.serve_with:
+        if v41:
+            reports = verify_v41(args.wheels, args.draft, args.native, args.loader)
+            lines = v41_table(reports)
+        elif args.serve_with:
             target, reports = verify_serving(
                 args.wheels, args.draft, args.serve_with, args.overrides, args.native, args.loader
             )

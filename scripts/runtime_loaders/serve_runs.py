@@ -274,7 +274,12 @@ def serve_run(
     report.errors += [f"{b.prefix}: {b.error}" for b in built if b.error]
     rec, fills = Recorder(), {}
     mapping = load_table("xpu" if layout == "mtp" else "xpu_dspark")
-    table = _Table(built, unquantised_names(mapping, config, built), fills, rec)
+    plain = unquantised_names(mapping, config, built)
+    if layout == "dspark" and platform != "xpu" and config.get("vision_n_layers", 0) > 0:
+        # a vision model's routers (Vision-Exp): every MoE has a bias_vl, which the xpu table skips
+        # (deepseek_v4/nvidia/model.py:311-318, amd/model.py:652-656; XPU's router has none)
+        plain += [f"model.layers.{i}.ffn.gate.bias_vl" for i in indices]
+    table = _Table(built, plain, fills, rec)
     for name, param in ((n, p) for b in built for n, p in b.params.items()):
         _recording(param, name, fills, rec)
     spec = VLLM_CUTS[loader]

@@ -198,15 +198,22 @@ def sglang_run(
     return report, recorder, warnings
 
 
-def verify_sglang(wheel: Wheel, loader: str, draft: Path, native: Path) -> Report:
+def config_json(directory: Path) -> dict[str, Any]:
+    return json.loads((directory / "config.json").read_text())
+
+
+def verify_sglang(
+    wheel: Wheel, loader: str, draft: Path, native: Path, read_config: Callable[[Path], dict[str, Any]] = config_json
+) -> Report:
     """SGLang's loader on DRAFT against the same loader on the native checkpoint (how SGLang
     serves the in-checkpoint draft today). The native run, its params_dict accepting any
     name but a per-expert one, gives SGLang's parameters; the DRAFT run has exactly those
     (so SGLang's own "not found in params_dict" warnings and its confidence-head check act
     as they would), and each must get the same bytes. DRAFT's tensors may be skipped only
-    where the native run skips them too."""
-    config = json.loads((draft / "config.json").read_text())
-    ref, ref_rec, _ = sglang_run(wheel, loader, native, json.loads((native / "config.json").read_text()), None)
+    where the native run skips them too. `read_config` gives a directory's config as SGLang's
+    model holds it (default: config.json as written)."""
+    config = read_config(draft)
+    ref, ref_rec, _ = sglang_run(wheel, loader, native, read_config(native), None)
     report, rec, warnings = sglang_run(wheel, loader, draft, config, ref_rec.records)
     ref_skipped = set(ref.skipped)
     report.dropped = [t for t in report.skipped if t in ref_skipped]
