@@ -15,6 +15,7 @@ from dsv4.convert.execute import Executor, still_valid
 from dsv4.convert.output import OutputClaim
 from dsv4.convert.plan import PlannedTensor
 from dsv4.convert.served import measured_fields
+from dsv4.convert.transforms import may_refuse, prefetch_ops
 from dsv4.convert.writer import ShardWriter, TensorSpec
 from dsv4.model import strictjson
 
@@ -73,10 +74,15 @@ def run_jobs(
     journal: dict[str, dict[str, Any]],
 ) -> None:
     """Write every job, journaling each finished tensor (a computed one with its measured
-    error): the computed tensors first, so a refused computation stops the run before the copies."""
-    computed = executor.compute([(t, w) for t, w in jobs if t.transform is not None])
+    error): the computations that may be refused first, so a refusal stops the run before the
+    copies; those that cannot (a scale decoded) after them, torch imported meanwhile."""
+    refusable = {t.name: may_refuse(t.transform) for t, _ in jobs if t.transform is not None}
+    first = [(t, w) for t, w in jobs if refusable.get(t.name)]
+    last = [(t, w) for t, w in jobs if refusable.get(t.name) is False]
+    if last and not first:
+        prefetch_ops()
     copied = ((t, sha, None) for t, sha in executor.run([(t, w) for t, w in jobs if t.transform is None]))
-    for t, sha, measured in chain(computed, copied):
+    for t, sha, measured in chain(executor.compute(first), copied, executor.compute(last)):
         entry = {"name": t.name, "file": shard_of[t.name], "nbytes": t.nbytes, "sha256": sha}
         entry.update(measured_fields(measured))
         jf.write(json.dumps(entry, sort_keys=True) + "\n")

@@ -31,7 +31,18 @@ from dsv4.convert.plan import Plan, PlannedTensor, plan_conversion, plan_reverse
 from dsv4.convert.quant_config import carried_quantization
 from dsv4.convert.routes import apply_route
 from dsv4.convert.served import measure_agreement, serve_object
-from dsv4.convert.serving import Served, Serving, decide_serving, draft_config, serving_output, write_serve_files
+from dsv4.convert.serving import (
+    Served,
+    Serving,
+    Superseded,
+    decide_serving,
+    draft_config,
+    provisional_serving,
+    serve_identity,
+    serving_output,
+    settled,
+    write_serve_files,
+)
 from dsv4.convert.sources.location import locate, open_source
 from dsv4.convert.sources.source import HubSpec, Source, local_root
 from dsv4.convert.writer import shard_name
@@ -201,23 +212,19 @@ def _up_to_date(claim: OutputClaim, fingerprint: dict[str, Any], overwrite: bool
 
 
 class _OutputLayout(NamedTuple):
-    config: dict[str, Any] | bytes  # the output's config.json
+    config: dict[str, Any] | bytes | None  # the output's config.json; a served draft's once its plan is final
     shards: list[list[PlannedTensor]]
     names: list[str]  # the shards' file names
-    serving: tuple[dict[str, bytes], dict[str, Any]] | None  # OUT/serve/'s files and their record
     fingerprint: dict[str, Any]
 
 
 def _output_layout(plan: Plan, source: Source, served: Served | None, out: Path, max_shard_size: int) -> _OutputLayout:
     """What a run of `plan` writes into OUT (at `out`), before any byte is written: a config
     that cannot be carried fails here."""
-    config = output_config(plan, served)
     shards = shard_layout(plan, max_shard_size)
-    serving = serving_output(served, out)
     names = [shard_name(k, len(shards)) for k in range(len(shards))]
-    return _OutputLayout(
-        config, shards, names, serving, _fingerprint(plan, source, shards, serving[1] if serving else None)
-    )
+    config, serve = (output_config(plan), None) if served is None else (None, serve_identity(served, out))
+    return _OutputLayout(config, shards, names, _fingerprint(plan, source, shards, serve))
 
 
 def _write_output(
@@ -234,7 +241,7 @@ def _write_output(
     partial directory (resuming its work), then publish. With `serve` (a draft plan's
     ServePlan) the draft is written as its route makes it (convert/routes.py)."""
     start = time.monotonic()
-    config, shards, names, serving, fingerprint = _output_layout(plan, source, served, claim.path, max_shard_size)
+    config, shards, names, fingerprint = _output_layout(plan, source, served, claim.path, max_shard_size)
 
     if _up_to_date(claim, fingerprint, overwrite):
         return ConversionResult(claim.out, "up-to-date", 0, 0, time.monotonic() - start, len(plan.tensors), plan)
@@ -259,7 +266,11 @@ def _write_output(
                 writer.sync()
         # the journal is closed: nothing writes into the partial directory once it is OUT
         _verify(partial, shards, names, journal)
+        if served is not None:  # its final plan: a refusal leaves no partial directory, as before writing
+            served = settled(served, claim.discard_partial)
+            config = output_config(plan, served)
         published = _published_source(plan, source, fingerprint)
+        serving = serving_output(served, claim.path)
         _write_records(
             plan, config, partial, shards, names, journal, fingerprint, published, serving, source.local_root
         )
@@ -350,13 +361,17 @@ def plan_source(source: Source, target: str, *, reverse: bool = False) -> Plan:
     return plan_reverse(source.inventory, table) if reverse else plan_conversion(source.inventory, table)
 
 
-def plan_served(source: Source, plan: Plan, serving: Serving | None) -> tuple[Plan, Served | None]:
+def plan_served(
+    source: Source, plan: Plan, serving: Serving | None, *, provisional: bool = False
+) -> tuple[Plan, Served | None]:
     """Draft plan `plan` of open `source` made to serve beside `serving`'s target: each draft
     module's scheme under the target's config (convert/serving.py), and the plan routed to
-    write what those schemes take (convert/routes.py). Without `serving`, `plan` as it is."""
+    write what those schemes take (convert/routes.py). Without `serving`, `plan` as it is.
+    `provisional`: the plan read without the library, which reads it meanwhile (convert/verdict.py)."""
     if serving is None:
         return plan, None
-    served = decide_serving(source.inventory, plan, serving)
+    early = provisional_serving(source.inventory, plan, serving) if provisional else None
+    served = early or decide_serving(source.inventory, plan, serving)
     return apply_route(plan, served.plan), served
 
 
@@ -386,10 +401,16 @@ def convert(
         claim_output(out, source=local_root(where), wait=wait, on_wait=_waiting_notice(quiet)) as claim,
         open_source(where, quiet=quiet) as source,
     ):
-        plan, served = plan_served(source, plan_source(source, target, reverse=reverse), serving)
-        return _write_output(
-            plan, source, claim, overwrite=overwrite, max_shard_size=max_shard_size, quiet=quiet, served=served
-        )
+        draft = plan_source(source, target, reverse=reverse)
+        plan, served = plan_served(source, draft, serving, provisional=True)
+        written = {"overwrite": overwrite, "max_shard_size": max_shard_size, "quiet": quiet}
+        try:
+            return _write_output(plan, source, claim, served=served, **written)
+        except Superseded as exc:
+            return _write_output(apply_route(draft, exc.served.plan), source, claim, served=exc.served, **written)
+        finally:
+            if served is not None and served.verdict is not None:
+                served.verdict.close()  # a run that ended before its verdict was wanted
 
 
 class DryRun(NamedTuple):

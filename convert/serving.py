@@ -14,8 +14,11 @@ takes them for this tool's own files.
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -24,11 +27,13 @@ from dsv4.convert.errors import PlanError
 from dsv4.convert.launch import serve_commands
 from dsv4.convert.plan import Plan
 from dsv4.convert.route_load import native_plan
-from dsv4.convert.schemes.base import ROUTES, ServePlan, layer_map
-from dsv4.convert.schemes.registry import serve_plan
+from dsv4.convert.schemes.base import ROUTES, LayerMap, ServePlan, layer_map
+from dsv4.convert.schemes.registry import provisional_serve_plan, serve_plan
 from dsv4.convert.serving_target import QUANTIZATION, ServingTarget
 from dsv4.convert.sources.inventory import Inventory
+from dsv4.convert.verdict import Verdict, same_tensors, start
 from dsv4.mapping.targets import drafter_families, require_target
+from dsv4.model.errors import DSV4Error
 from dsv4.model.native import Layout, standalone_draft_layout
 from dsv4.model.record import sha256_hex
 from dsv4.model.strictjson import json_bytes, write_bytes
@@ -36,6 +41,8 @@ from dsv4.model.strictjson import json_bytes, write_bytes
 SERVE_DIR = "serve"
 OVERRIDES_FILE = f"{SERVE_DIR}/vllm-hf-overrides.json"
 COMMANDS_FILE = f"{SERVE_DIR}/commands.sh"
+CT_DISTRIBUTION = "compressed-tensors"  # the [quant] extra's library (pyproject.toml)
+QUANT_CARRY = partial(PlanError, kind="quant_carry")  # how a serve plan's refusals are raised
 DRAFT_FORMATS = ("auto", *ROUTES)  # --draft-format: auto (the exact route the target allows), or a route
 
 
@@ -58,26 +65,77 @@ class Served:
     drafter: str  # "mtp" or "dspark" (the draft table's), which launch command serves it
     native: Layout  # the native draft's layout, what the schemes derive the tensors from
     family: str | None = None  # the drafter family (mapping/drafters.py): its releases and platforms in the commands
+    # the library's reading still running, where `plan` is the provisional one (provisional_serving)
+    verdict: Verdict | None = None
+
+
+def _serve_inputs(inventory: Inventory, plan: Plan, serving: Serving) -> tuple[LayerMap, Layout]:
+    """The draft's modules from the xpu plan of the native layout its config describes
+    (route_load.native_plan, as `check --serve-with` takes them: no second classification of
+    the source's every key), and that layout, what the schemes derive their tensors from."""
+    serving.target.refuse_unless_fits(plan.config)
+    native = standalone_draft_layout(plan.model_config)
+    return layer_map(native_plan(plan.model_config, plan.config, inventory.location)), native
 
 
 def decide_serving(inventory: Inventory, plan: Plan, serving: Serving) -> Served:
-    """The serve plan of `plan`'s draft beside the serving target: the draft's modules from the
-    xpu plan of the native layout its config describes (route_load.native_plan, as `check
-    --serve-with` takes them: no second classification of the source's every key), that
-    layout as what the schemes derive their tensors from."""
-    serving.target.refuse_unless_fits(plan.config)
-    native = standalone_draft_layout(plan.model_config)
+    """The serve plan of `plan`'s draft beside the serving target (`_serve_inputs`)."""
+    layers, native = _serve_inputs(inventory, plan, serving)
     decided = serve_plan(
         serving.target.config,
-        layer_map(native_plan(plan.model_config, plan.config, inventory.location)),
+        layers,
         native,
         serving.target.where,
-        partial(PlanError, kind="quant_carry"),
+        QUANT_CARRY,
         route=serving.route,
         allow_lossy=serving.allow_lossy,
     )
     family = drafter_family(inventory, plan.target)
     return Served(serving, decided, plan.target, plan.identity.drafter, native, family)
+
+
+def provisional_serving(inventory: Inventory, plan: Plan, serving: Serving) -> Served | None:
+    """`decide_serving`'s plan as read without the target method's library, with the library's
+    reading started in another process (`Served.verdict`; `settled` makes the plan final);
+    None where there is no such reading (`decide_serving` decides, and refuses)."""
+    target = serving.target
+    try:
+        layers, native = _serve_inputs(inventory, plan, serving)
+    except DSV4Error:
+        return None
+    asked = {"route": serving.route, "allow_lossy": serving.allow_lossy}
+    decided = provisional_serve_plan(target.config, layers, native, target.where, QUANT_CARRY, **asked)
+    if decided is None:
+        return None
+    decide = partial(serve_plan, target.config, layers, native, target.where, QUANT_CARRY, **asked)
+    verdict = start(target.config, layers, native, target.where, decide=decide, **asked)
+    family = drafter_family(inventory, plan.target)
+    return Served(serving, decided, plan.target, plan.identity.drafter, native, family, verdict)
+
+
+class Superseded(Exception):
+    """The library's serve plan gives some module another scheme than the provisional plan
+    the tensors were written by: they are to be written again by its plan (`served`)."""
+
+    def __init__(self, served: Served) -> None:
+        super().__init__(served.plan.why)
+        self.served = served
+
+
+def settled(served: Served, on_refusal: Callable[[], object]) -> Served:
+    """`served` with its final plan: the library's verdict joined where one is pending (its
+    refusal raised after `on_refusal()`; Superseded where its plan writes other tensors)."""
+    if served.verdict is None:
+        return served
+    try:
+        plan = served.verdict.final(served.plan)
+    except PlanError:
+        on_refusal()
+        raise
+    final = dataclasses.replace(served, plan=plan, verdict=None)
+    if not same_tensors(final.plan, served.plan):
+        raise Superseded(final)
+    return final
 
 
 def draft_config(plan: Plan, served: Served) -> dict[str, Any] | bytes:
@@ -127,6 +185,24 @@ def write_serve_files(files: dict[str, bytes], partial_dir: Path) -> None:
     (partial_dir / SERVE_DIR).mkdir(exist_ok=True)
     for name, data in files.items():
         write_bytes(partial_dir / name, data)
+
+
+def serve_identity(served: Served, out: Path) -> dict[str, Any]:
+    """What decides a served draft's config.json and OUT/serve/'s files besides its tensors'
+    plan, for the run's fingerprint, known before the library's reading of the target is in
+    (convert/verdict.py): the target read, the route and --allow-lossy asked, OUT (the
+    commands name it), and the release of the library the target's config is read with."""
+    try:
+        library = metadata.version(CT_DISTRIBUTION)
+    except metadata.PackageNotFoundError:
+        library = None
+    return {
+        "target": served.serving.target.to_json(),
+        "route": served.serving.route,
+        "allow_lossy": served.serving.allow_lossy,
+        "out": str(out),
+        CT_DISTRIBUTION: library,
+    }
 
 
 def serve_record(served: Served, files: dict[str, bytes]) -> dict[str, Any]:

@@ -31,6 +31,8 @@ max absolute difference and the RMS difference relative to the weight's RMS.
 
 from __future__ import annotations
 
+import importlib
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -185,6 +187,29 @@ def _compute(family: str) -> Callable[[list[torch.Tensor], Transform, str], Comp
         return transform_ops.OPS[family](tensors, transform, where)
 
     return run
+
+
+# the transforms whose computation rebuilds no weight (a scale decoded, a constant): nothing is
+# measured (Computed.measured is None), so `compute` never refuses one as inexact
+UNMEASURED = frozenset({"e8m0_to_f32", "unit_scale"})
+
+
+def may_refuse(transform: Transform) -> bool:
+    """Whether computing `transform` can refuse its tensor (an exact one measured inexact)."""
+    return transform.exact and transform.family not in UNMEASURED
+
+
+def prefetch_ops() -> None:
+    """Import torch and the ops (a second or more from a cold disk) in a thread, for computations
+    that run once the copies are done (convert/journal.py)."""
+
+    def load() -> None:
+        try:
+            importlib.import_module("dsv4.convert.transform_ops")
+        except ImportError:
+            pass  # the computation's own import raises it again, where it is reported
+
+    threading.Thread(target=load, name="prefetch-ops", daemon=True).start()
 
 
 REQUANT_LEAVES = ("weight_packed", "weight_scale", "weight_shape", "weight_global_scale", "weight_zero_point")

@@ -182,6 +182,10 @@ class TargetMethod:
     # serve(qc, layers, native, where, error, route, allow_lossy): the ServePlan of a route
     # ("auto" included); None: the registry's own rule for the entries with one route each
     serve: Callable[..., ServePlan] | None = None
+    # provisional(same arguments): `serve`'s plan read without the library the entry validates
+    # with, for the conversion to start while the library reads it (convert/verdict.py), or None
+    # where it cannot say; None: the entry reads no library (serve is the plan at once)
+    provisional: Callable[..., ServePlan | None] | None = None
 
 
 @dataclass(frozen=True)

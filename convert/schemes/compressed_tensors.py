@@ -31,23 +31,21 @@ that gives it another scheme is refused.
 
 from __future__ import annotations
 
-import copy
-import re
+import sys
 from collections.abc import Mapping
 from typing import Any
 
 from dsv4.convert.schemes.base import (
-    PACKED_FP4,
     UNQUANTISED,
     Decision,
     ErrorFactory,
     LayerMap,
+    Route,
     Scheme,
     ServePlan,
     TargetMethod,
-    part_tensors,
 )
-from dsv4.convert.schemes.ct_config import CtConfig, Group, parse
+from dsv4.convert.schemes.ct_config import UNVERIFIED, CtConfig, Group, parse, provisional
 from dsv4.convert.schemes.ct_match import (
     IGNORED,
     NEVER_QUANTISED,
@@ -59,18 +57,20 @@ from dsv4.convert.schemes.ct_match import (
     transformed,
     vllm_name,
 )
+from dsv4.convert.schemes.ct_overlay import (
+    CONTEXT_WKV,
+    WO_A,
+    dspark_config,
+    is_dspark,
+    overlaid,
+    storage,
+    unread_body,
+)
 from dsv4.convert.schemes.ct_schemes import CT_FP8_BLOCK, is_lossy, scheme_for
+from dsv4.model.errors import DSV4Error
 from dsv4.model.native import Layout
 
 METHOD = "compressed-tensors"
-LINEAR_GROUP, EXPERTS_GROUP = "dsv4_draft_linears", "dsv4_draft_experts"
-WO_A = "attn.wo_a"
-# NVIDIA's DSpark only: every stage's wkv stacked (nvidia/dspark.py:142-150)
-CONTEXT_WKV = DraftModule("model.context_wkv_proj", "linear")
-
-
-def _is_dspark(layers: LayerMap) -> bool:
-    return "model.main_proj" in layers.parts  # only DSpark builds main_proj (nvidia/dspark.py:115-121)
 
 
 def _wkv_layers(layers: LayerMap) -> list[str]:
@@ -80,11 +80,6 @@ def _wkv_layers(layers: LayerMap) -> list[str]:
 
 def _modules(layers: LayerMap) -> dict[str, DraftModule]:
     return {m: DraftModule(vllm_name(m), layers.kinds[m]) for m in layers.parts}
-
-
-def _storage(layers: LayerMap, module: str, native: Layout) -> str:
-    part = layers.parts[module][0]
-    return part_tensors(part, native)[f"{part}.weight"][0]
 
 
 def _pair_of(layers: LayerMap, module: str):
@@ -107,7 +102,7 @@ def _outcomes(
     disagree on, one vLLM would refuse, or one an online transform would wrap is refused."""
     modules = _modules(layers)
     quantised = {m: d for m, d in modules.items() if not NEVER_QUANTISED.search(d.name)}
-    context = [CONTEXT_WKV] if _is_dspark(layers) else []
+    context = [CONTEXT_WKV] if is_dspark(layers) else []
     regex = regex_table(config, [*quantised.values(), *context], where, error)
     n = layers.num_hidden_layers
     n_mtp = len({int(m.split(".")[2]) for m in layers.parts if m.startswith("model.layers.")})
@@ -172,6 +167,10 @@ def _key(found: Group | str | None) -> object:
     return (found.scheme, repr(found.weights), found.format) if isinstance(found, Group) else found
 
 
+class Unverified(Exception):
+    """A provisional reading reached a group whose scheme only compressed-tensors can say."""
+
+
 def _said(found: Group | str | None) -> str:
     return (
         f"{found.name} ({found.scheme})" if isinstance(found, Group) else "ignore" if found == IGNORED else "no scheme"
@@ -202,8 +201,10 @@ def _decisions(
                     path=where,
                     field=f"{found.field}.targets",
                 )
+            if found.scheme == UNVERIFIED:  # a provisional reading's target group: only the library can say
+                raise Unverified(found.field)
             scheme, calibrate = scheme_for(
-                found, _storage(layers, m, native), _pair_of(layers, m), experts=kind == "moe"
+                found, storage(layers, m, native), _pair_of(layers, m), experts=kind == "moe"
             )
             if calibrate is not None:
                 raise error(
@@ -246,76 +247,6 @@ def _check_wo_a(name: str, scheme: Scheme, found: Group | str | None, where: str
     )
 
 
-def _alternation(items: list[str]) -> str:
-    return "(" + "|".join(re.escape(i) for i in items) + ")" if len(items) > 1 else re.escape(items[0])
-
-
-def _layer_numbers(layers: LayerMap) -> list[str]:
-    return sorted({m.split(".")[2] for m in layers.parts if m.startswith("model.layers.")}, key=int)
-
-
-def _scheme_group(preset: str, targets: list[str], fmt: str) -> dict[str, Any]:
-    from compressed_tensors.quantization import preset_name_to_scheme  # the optional [quant] extra
-
-    group = preset_name_to_scheme(preset, targets).model_dump(mode="json", exclude_none=True)
-    return {**group, "format": fmt}
-
-
-def draft_groups(
-    layers: LayerMap, native: Layout, *, anchor: str, linear_leaves: list[str] | None = None
-) -> dict[str, Any]:
-    """Config groups naming only the draft's modules (`anchor` is the regex of their common
-    prefix): FP8 block for its quantisable linears (or those of `linear_leaves`), MXFP4 for FP4
-    routed experts, FP8 block for FP8 ones; expert targets cover the NVIDIA and the XPU/AMD
-    probe names."""
-    linears, experts = [], None
-    for m in layers.parts:
-        name = vllm_name(m)
-        if NEVER_QUANTISED.search(name) or name.endswith(".head"):
-            continue
-        leaf = re.sub(r"^model\.(layers\.\d+\.)?", "", name)
-        if layers.kinds[m] == "moe":
-            experts = _storage(layers, m, native)
-        elif (linear_leaves is None or leaf in linear_leaves) and leaf not in linears:
-            linears.append(leaf)
-    if _is_dspark(layers) and linear_leaves is None:  # the wkv layers' group: FP8 block, above
-        linears.append(CONTEXT_WKV.name.removeprefix("model."))
-    groups = {LINEAR_GROUP: _scheme_group("FP8_BLOCK", [f"re:^{anchor}{_alternation(linears)}$"], "float-quantized")}
-    if experts is not None and linear_leaves is None:
-        preset, fmt = (
-            ("MXFP4A16", "mxfp4-pack-quantized") if experts == PACKED_FP4 else ("FP8_BLOCK", "float-quantized")
-        )
-        probes = r"ffn\.experts\.\d+\.(w1|w2|w3|gate_proj|up_proj|down_proj)"
-        groups[EXPERTS_GROUP] = _scheme_group(preset, [f"re:^{anchor}{probes}$"], fmt)
-    return groups
-
-
-def overlay_config(qc: Mapping[str, Any], layers: LayerMap, native: Layout, *, bf16: bool) -> dict[str, Any]:
-    """The target's config with the draft's groups first (so they win the name match), and the
-    draft's layers in every transform's ignore; `bf16`: the draft's layers ignored instead,
-    wo_a kept in an FP8 block group."""
-    out = copy.deepcopy(dict(qc))
-    layer = rf"model\.layers\.{_alternation(_layer_numbers(layers))}\."
-    if bf16:
-        groups = draft_groups(layers, native, anchor=layer, linear_leaves=[WO_A])
-        out["ignore"] = [*(out.get("ignore") or []), f"re:^{layer}(?!{re.escape(WO_A)}$)"]
-    else:
-        groups = draft_groups(layers, native, anchor=layer)
-    taken = set(out["config_groups"])
-    out["config_groups"] = {_free(g, taken): body for g, body in groups.items()} | out["config_groups"]
-    for scheme in (out.get("transform_config") or {}).get("config_groups", {}).values():
-        for args in scheme.get("apply", []):
-            args["ignore"] = [*args.get("ignore", []), f"re:^{layer}"]
-    return out
-
-
-def _free(name: str, taken: set[str]) -> str:
-    k = 0
-    while (candidate := name if k == 0 else f"{name}_{k}") in taken:
-        k += 1
-    return candidate
-
-
 def decide(
     qc: Mapping[str, Any] | None, layers: LayerMap, native: Layout, where: str, error: ErrorFactory
 ) -> list[Decision]:
@@ -336,7 +267,7 @@ def serve(
     allow_lossy: bool,
 ) -> ServePlan:
     config = parse(qc, where, error)  # refuses what it cannot read before any route is chosen
-    if _is_dspark(layers):
+    if is_dspark(layers):
         return _serve_dspark(qc, layers, native, where, error, route)
     if route == "native":
         raise error(
@@ -351,18 +282,28 @@ def serve(
         lossy = any(is_lossy(d.scheme) for d in decisions)
         why = "the target's own schemes, no launch change" + (" (lossy requantisation allowed)" if lossy else "")
         return ServePlan("match-target", decisions, None, dict(qc), f"{route}: {why}")
-    chosen = "bf16" if route == "bf16" else "overlay"
+    chosen, why = _overlay_route(route)
     effective = overlay_config(qc, layers, native, bf16=chosen == "bf16")
     decisions = _decisions(parse(effective, where, error), layers, native, where, error, allow_lossy=False, why=chosen)
-    why = (
-        "the draft's layers ignored at launch (bf16, exact), wo_a in an FP8 block group"
-        if chosen == "bf16"
-        else "FP8 block / MXFP4 groups for the draft's layers at launch (exact)"
-    )
     # the draft's own config.json says what its layers are built with; vLLM builds them with the
     # target's object (which the overrides make the same), and only refuses a draft config whose
     # method disagrees with an explicit speculative quantization (config/model.py:1454-1462)
-    return ServePlan(chosen, decisions, {"quantization_config": effective}, effective, f"{route}: {why}")
+    return ServePlan(chosen, decisions, {"quantization_config": effective}, effective, why)
+
+
+def _overlay_route(route: str) -> tuple[Route, str]:
+    """The overlay route `route` takes (bf16, or overlay for overlay and auto) and why."""
+    if route == "bf16":
+        return "bf16", f"{route}: the draft's layers ignored at launch (bf16, exact), wo_a in an FP8 block group"
+    return "overlay", f"{route}: FP8 block / MXFP4 groups for the draft's layers at launch (exact)"
+
+
+DSPARK_WHY = "the DSpark draft's own config names its layers (exact), no launch change"
+
+
+def overlay_config(qc: Mapping[str, Any], layers: LayerMap, native: Layout, *, bf16: bool) -> dict[str, Any]:
+    """The target's config with the draft's compressed-tensors preset groups first (ct_overlay.py)."""
+    return overlaid(qc, layers, native, bf16=bf16)[0]
 
 
 def _serve_dspark(
@@ -375,21 +316,72 @@ def _serve_dspark(
             path=where,
             field="--draft-format",
         )
-    # its layers, its main projection (model.main_proj) and NVIDIA's context_wkv_proj under one anchor
-    groups = draft_groups(layers, native, anchor=rf"model\.(layers\.{_alternation(_layer_numbers(layers))}\.)?")
-    own = {"quant_method": METHOD, "format": "mixed-precision", "config_groups": groups, "ignore": []}
+    own = dspark_config(layers, native)[0]
     decisions = _decisions(
         parse(own, where, error), layers, native, where, error, allow_lossy=False, why="dspark", target_model=False
     )
-    return ServePlan(
-        "overlay",
-        decisions,
-        None,
-        own,
-        f"{route}: the DSpark draft's own config names its layers (exact), no launch change",
-    )
+    return ServePlan("overlay", decisions, None, own, f"{route}: {DSPARK_WHY}")
+
+
+def library_imported() -> bool:
+    """Whether compressed-tensors is imported in this process already (a batch, a program):
+    reading with it then costs milliseconds, nothing for a provisional reading to hide."""
+    return "compressed_tensors" in sys.modules
+
+
+def provisional_serve(
+    qc: Mapping[str, Any],
+    layers: LayerMap,
+    native: Layout,
+    where: str,
+    error: ErrorFactory,
+    route: str,
+    allow_lossy: bool,
+) -> ServePlan | None:
+    """`serve`'s decisions for the routes whose tensors need nothing of compressed-tensors (the
+    overlays: renamed bytes, widened scales, dequantised weights), read without the library
+    (ct_config.provisional), so that the conversion need not wait for its import (its package
+    imports torch and transformers: seconds). The library's `serve` runs meanwhile in another
+    process and is the authority (convert/verdict.py): its decisions must equal these and its
+    configs are the ones written, before anything is published. The plan has no configs yet
+    (None). None where the decisions depend on what only the library says (a target group's
+    scheme, a transform, a refusal) or where the library is imported: `serve` then decides
+    before anything is written."""
+    dspark = is_dspark(layers)
+    if route not in (("auto", "overlay") if dspark else ("auto", "overlay", "bf16")) or library_imported():
+        return None
+    if provisional(qc, {}) is None:
+        return None
+    if dspark:
+        effective, own = dspark_config(layers, native, unread_body)
+    else:
+        chosen, why = _overlay_route(route)
+        effective, own = overlaid(qc, layers, native, bf16=chosen == "bf16", body=unread_body)
+    config = provisional(effective, own)
+    if config is None:
+        return None
+    try:
+        decisions = _decisions(
+            config,
+            layers,
+            native,
+            where,
+            error,
+            allow_lossy=False,
+            why="dspark" if dspark else chosen,
+            target_model=not dspark,
+        )
+    except (Unverified, DSV4Error):
+        return None
+    if dspark:
+        return ServePlan("overlay", decisions, None, None, f"{route}: {DSPARK_WHY}")
+    return ServePlan(chosen, decisions, None, None, why)
 
 
 ENTRY = TargetMethod(
-    METHOD, "compressed-tensors (FP8_BLOCK, W4A16/W8A16, NVFP4A16, NVFP4, MXFP4A16, MXFP4)", decide, serve
+    METHOD,
+    "compressed-tensors (FP8_BLOCK, W4A16/W8A16, NVFP4A16, NVFP4, MXFP4A16, MXFP4)",
+    decide,
+    serve,
+    provisional_serve,
 )

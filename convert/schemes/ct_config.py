@@ -45,6 +45,7 @@ KNOWN_KEYS = frozenset(
 GROUP_KEYS = frozenset({"targets", "weights", "input_activations", "output_activations", "format"})
 # the schemes (and so the tensors) this converter knows; each is what vLLM builds for it
 FP8_BLOCK, WNA16, NVFP4A16, NVFP4, MXFP4A16, MXFP4 = "FP8_BLOCK", "WNA16", "NVFP4A16", "NVFP4", "MXFP4A16", "MXFP4"
+UNVERIFIED = "unverified"  # a group's scheme before compressed-tensors has read its arguments (`provisional`)
 # the format a scheme's tensors are written in (compressed-tensors' CompressionFormat); vLLM
 # reads FP8 only under an activation-quantisation format (utils.py:43-50) and WNA16 only
 # pack-quantized (compressed_tensors.py:865-875)
@@ -265,6 +266,12 @@ def _transforms(value: object, where: str, error: ErrorFactory) -> tuple[Transfo
     )
 
 
+def _attention_only(body: object) -> bool:
+    """A group vLLM drops: its only target ends in "Attention" (compressed_tensors.py:240-251)."""
+    t = body.get("targets") if isinstance(body, Mapping) else None
+    return isinstance(t, list) and len(t) == 1 and isinstance(t[0], str) and t[0].endswith("Attention")
+
+
 def parse(qc: Mapping[str, Any], where: str, error: ErrorFactory) -> CtConfig:
     """The target's config as vLLM holds it; anything this converter cannot read exactly is
     refused naming the field."""
@@ -308,13 +315,65 @@ def parse(qc: Mapping[str, Any], where: str, error: ErrorFactory) -> CtConfig:
     groups: dict[str, Group] = {}
     targets: dict[str, Group] = {}
     for name, body in groups_value.items():
-        if isinstance(body, Mapping) and isinstance(body.get("targets"), list):
-            t = body["targets"]
-            if len(t) == 1 and isinstance(t[0], str) and t[0].endswith("Attention"):
-                continue  # vLLM drops attention-only groups (compressed_tensors.py:240-251)
+        if _attention_only(body):
+            continue
         group = _group(str(name), body, top_fmt, where, error)
         groups[group.name] = group
         for target in group.targets:
             targets[target] = group
     ignore = _strings(qc.get("ignore", []) or [], "quantization_config.ignore", where, error, empty=True)
     return CtConfig(groups, targets, ignore, _transforms(qc.get("transform_config"), where, error))
+
+
+def _listed(value: object) -> tuple[str, ...] | None:
+    ok = isinstance(value, list) and all(isinstance(v, str) for v in value)
+    return tuple(value) if ok else None  # type: ignore[arg-type]
+
+
+def provisional(qc: Mapping[str, Any], own: Mapping[str, str]) -> CtConfig | None:
+    """What of `qc` vLLM matches names against (targets, ignore, transforms' targets and
+    ignore), read without compressed-tensors, for a plan to start while the library reads the
+    whole config in another process (convert/verdict.py). The groups named in `own` are the
+    converter's, built from the compressed-tensors preset of that name: their scheme is the
+    preset's, provisionally; every other group's scheme is UNVERIFIED and no argument is read,
+    and every transform counts as online. It is never the authority: what a QuantizationArgs
+    means (its defaults, its inferred strategy) and whether the config is valid is the
+    library's alone, and the library's reading replaces this one before anything is published.
+    None where the config's shape is not plain (the library's reading then decides at once)."""
+    groups_value, ignore = qc.get("config_groups"), _listed(qc.get("ignore", []) or [])
+    if not isinstance(groups_value, Mapping) or not groups_value or ignore is None:
+        return None
+    groups: dict[str, Group] = {}
+    targets: dict[str, Group] = {}
+    for name, body in groups_value.items():
+        if _attention_only(body):
+            continue
+        listed = _listed(body.get("targets")) if isinstance(body, Mapping) else None
+        if not listed:
+            return None
+        fmt = body.get("format") or qc.get("format")
+        fmt = fmt if isinstance(fmt, str) else ""
+        groups[name] = Group(str(name), listed, own.get(name, UNVERIFIED), {}, fmt, False)
+        targets.update(dict.fromkeys(listed, groups[name]))
+    transforms = _provisional_transforms(qc.get("transform_config"))
+    return None if transforms is None else CtConfig(groups, targets, ignore, transforms)
+
+
+def _provisional_transforms(value: object) -> tuple[Transform, ...] | None:
+    if not value:
+        return ()
+    schemes = value.get("config_groups") if isinstance(value, Mapping) else None
+    if not isinstance(schemes, Mapping):
+        return None
+    out = []
+    for name, scheme in schemes.items():
+        apply = scheme.get("apply") if isinstance(scheme, Mapping) else None
+        if not isinstance(apply, list) or not all(isinstance(a, Mapping) for a in apply):
+            return None
+        for k, a in enumerate(apply):
+            listed, ignore = _listed(a.get("targets")), _listed(a.get("ignore", []))
+            if listed is None or ignore is None:
+                return None
+            fld = f"quantization_config.transform_config.config_groups.{name}.apply.{k}"
+            out.append(Transform(fld, listed, ignore, True))
+    return tuple(out)

@@ -24,6 +24,7 @@ from dsv4.convert.schemes.base import (
     layer_map,
     module_of,
 )
+from dsv4.model.errors import DSV4Error
 from dsv4.model.native import Layout, standalone_draft_layout
 
 METHODS: dict[str | None, TargetMethod] = {
@@ -115,6 +116,30 @@ def serve_plan(
         )
     why = "a DeepSeek fp8 target serves the native draft" if method == "fp8" else "an unquantised target: bf16 draft"
     return ServePlan(chosen, decisions, None, dict(qc) if isinstance(qc, Mapping) else None, f"{route}: {why}")  # type: ignore[arg-type]
+
+
+def provisional_serve_plan(
+    target_config: Mapping[str, Any],
+    layers: LayerMap,
+    native: Layout,
+    where: str,
+    error: ErrorFactory,
+    *,
+    route: str = "auto",
+    allow_lossy: bool = False,
+) -> ServePlan | None:
+    """`serve_plan`'s decisions read without the library the target's method validates with
+    (its entry's `provisional`), its configs not yet made; None where the entry has no such
+    reading, it cannot say, or `serve_plan` refuses what is asked: `serve_plan` decides."""
+    qc = target_config.get("quantization_config")
+    try:
+        entry = target_method(qc, where, error)
+        renumbered = _renumbered(target_config, layers, where, error)
+    except DSV4Error:
+        return None
+    if entry.provisional is None or route not in ("auto", *ROUTES):
+        return None
+    return entry.provisional(qc, renumbered, native, where, error, route, allow_lossy)
 
 
 def draft_tensors(decisions: list[Decision], native: Layout) -> Layout:
