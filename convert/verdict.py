@@ -12,6 +12,9 @@ refusal, a child that failed) is decided again in this process by the library, s
 the one `serve_plan` raises, word for word. The library stays the authority; the provisional
 reading only lets the bytes move while it is imported.
 
+A reply the library gave is kept for later runs against the same target (convert/verdict_cache.py):
+with it no child is started at all.
+
 The child is a fresh interpreter (not a fork: the converter's reader and writer threads may
 be running), given the parent's sys.path and the plan's inputs as JSON on stdin; it answers one
 JSON line on stdout.
@@ -30,6 +33,7 @@ from typing import Any
 
 from dsv4.convert.errors import PlanError
 from dsv4.convert.schemes.base import LayerMap, ServePlan
+from dsv4.convert.verdict_cache import cached_reply, keep_reply
 from dsv4.model.native import Layout
 
 CHILD = """
@@ -91,8 +95,18 @@ class Verdict:
 
     process: subprocess.Popen[bytes] | None
     decide: Callable[[], ServePlan]
+    request: dict[str, Any]
+    kept: dict[str, Any] | None = None  # the library's reply to this request as an earlier run kept it
 
     def _reply(self) -> dict[str, Any] | None:
+        if self.kept is not None:
+            return self.kept
+        reply = self._child_reply()
+        if reply is not None:
+            keep_reply(self.request, reply)
+        return reply
+
+    def _child_reply(self) -> dict[str, Any] | None:
         if self.process is None:
             return None
         assert self.process.stdout is not None
@@ -143,13 +157,16 @@ def start(
         "route": route,
         "allow_lossy": allow_lossy,
     }
+    kept = cached_reply(request)
+    if kept is not None:
+        return Verdict(None, decide, request, kept)
     try:
         process = subprocess.Popen(
             [sys.executable, "-c", CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL
         )
     except OSError:
-        return Verdict(None, decide)
-    verdict = Verdict(process, decide)
+        return Verdict(None, decide, request)
+    verdict = Verdict(process, decide, request)
     assert process.stdin is not None
     try:
         with process.stdin:

@@ -146,3 +146,67 @@ def test_the_converting_process_never_imports_the_library_on_an_overlay_route(
     # the library's configs, its presets' arguments in full, are the ones written
     groups = json.loads((out / OVERRIDES_FILE).read_text())["quantization_config"]["config_groups"]
     assert groups["dsv4_draft_linears"]["weights"]["block_structure"] == [128, 128]
+
+
+def overlay_target(sources: dict[str, Path], where: Path, preset: str = "W4A16") -> Path:
+    where.mkdir()
+    config = json.loads((sources["instruct"] / "config.json").read_text())
+    (where / "config.json").write_text(json.dumps({**config, "quantization_config": serving_target(preset, [])}))
+    return where
+
+
+def outputs(out: Path) -> dict[str, bytes]:
+    """OUT's files but those naming OUT's own path (conversion.json, serve/commands.sh)."""
+    files = (p for p in out.rglob("*") if p.is_file() and p.name not in ("conversion.json", "commands.sh"))
+    return {str(p.relative_to(out)): p.read_bytes() for p in files}
+
+
+def test_a_reply_the_library_gave_is_kept_and_a_later_run_against_the_target_asks_it_no_more(
+    sources: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from dsv4.convert import verdict, verdict_cache
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    target = overlay_target(sources, tmp_path / "target")
+    serve = ("--target", "draft", "--serve-with", target, "--draft-format", "overlay", "-q")
+    monkeypatch.setattr(compressed_tensors, "library_imported", lambda: False)  # as in a fresh `convert-dsv4`
+    assert run_main(monkeypatch, capsys, sources["instruct"], tmp_path / "first", *serve)[0] == 0
+    (entry,) = (tmp_path / "cache" / "dsv4-convert").glob("verdict-*.json")
+
+    children: list[object] = []
+    popen = verdict.subprocess.Popen
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        children.append(args)
+        return popen(*args, **kwargs)
+
+    monkeypatch.setattr(verdict.subprocess, "Popen", counted)
+    assert run_main(monkeypatch, capsys, sources["instruct"], tmp_path / "again", *serve)[0] == 0
+    assert children == []  # the kept reply was the library's answer
+    assert outputs(tmp_path / "again") == outputs(tmp_path / "first")
+
+    # another release of the library is another question: asked again, and kept beside the first
+    monkeypatch.setattr(verdict_cache.metadata, "version", lambda name: "0.0.0-other")
+    assert run_main(monkeypatch, capsys, sources["instruct"], tmp_path / "other", *serve)[0] == 0
+    assert len(children) == 1
+    assert entry.exists() and len(list(entry.parent.glob("verdict-*.json"))) == 2
+
+
+def test_an_edited_kept_reply_is_not_trusted(
+    sources: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    target = overlay_target(sources, tmp_path / "target")
+    serve = ("--target", "draft", "--serve-with", target, "--draft-format", "overlay", "-q")
+    monkeypatch.setattr(compressed_tensors, "library_imported", lambda: False)
+    assert run_main(monkeypatch, capsys, sources["instruct"], tmp_path / "first", *serve)[0] == 0
+    (entry,) = (tmp_path / "cache" / "dsv4-convert").glob("verdict-*.json")
+    kept = json.loads(entry.read_text())
+    groups = kept["reply"]["quantization_config"]["config_groups"]
+    groups["dsv4_draft_linears"]["weights"]["block_structure"] = [64, 64]  # edited, its digest not
+    entry.write_text(json.dumps(kept))
+    assert run_main(monkeypatch, capsys, sources["instruct"], tmp_path / "again", *serve)[0] == 0
+    assert outputs(tmp_path / "again") == outputs(tmp_path / "first")  # the library's reply, asked again
+    assert json.loads(entry.read_text())["sha256"] == json.loads(json.dumps(kept))["sha256"]  # rewritten whole
+    written = json.loads((tmp_path / "again" / OVERRIDES_FILE).read_text())["quantization_config"]
+    assert written["config_groups"]["dsv4_draft_linears"]["weights"]["block_structure"] == [128, 128]
