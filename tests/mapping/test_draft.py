@@ -429,7 +429,9 @@ def test_the_full_size_pro_0813_replica_plans_every_stage_tensor_from_the_stage_
     xpu = plan_conversion(inv, choose_table("xpu", inv))
     assert (len(xpu.tensors), plan.bytes_to_write - xpu.bytes_to_write) == (98, 15_360)
     stacks = {t.name: (t.dtype, t.shape) for t in xpu.tensors if t.name.endswith("routed_experts.w13_weight")}
-    assert stacks == {f"model.layers.{s}.ffn.experts.routed_experts.w13_weight": ("U8", (384, 6144, 3584)) for s in range(3)}
+    assert stacks == {
+        f"model.layers.{s}.ffn.experts.routed_experts.w13_weight": ("U8", (384, 6144, 3584)) for s in range(3)
+    }
 
 
 def test_a_compressed_tensors_draft_keeps_native_names_and_check_resolves_them_through_the_xpu_table(
