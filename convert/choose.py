@@ -12,6 +12,7 @@ from dsv4.mapping.targets import LAYOUT_KINDS, drafter_families, require_target,
 from dsv4.model.checkpoint import CONFIG, is_full_native
 from dsv4.model.config import ModelConfig
 from dsv4.model.errors import CheckpointError
+from dsv4.model.layout import bundled_model_absent
 from dsv4.model.record import LAYOUT_RECORD
 
 Direction = Literal["forward", "reverse"]
@@ -94,6 +95,9 @@ def choose_table(target: str, inv: Inventory, direction: Direction = "forward", 
         )
     if convertible and direction == "forward":
         refuse_unconvertible(inv, target)
+    absent = bundled_model_absent(inv.model_config)
+    if require_target(target).layout_kind == "bundled" and absent is not None:  # `smoke`, check's in-memory plan
+        raise CheckpointError(f"{where}: {absent}", kind="unsupported_layout", path=str(where))
     if direction == "reverse" and is_full_native(inv.tensors):
         raise CheckpointError(
             f"{where}: is a native DeepSeek V4 checkpoint (the main model's layers.* tensors), not a converted one: "
@@ -101,4 +105,5 @@ def choose_table(target: str, inv: Inventory, direction: Direction = "forward", 
             kind="unsupported_layout",
             path=str(where),
         )
-    return load_table(table_name_for(target, drafter_of(inv, inv.model_config, direction)))
+    family = drafter_family(inv, target, direction)
+    return load_table(table_name_for(target, drafter_of(inv, inv.model_config, direction), family))

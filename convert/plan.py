@@ -33,6 +33,7 @@ from dsv4.model.errors import CheckpointError
 from dsv4.model.layout import TARGET_LAYER, draft_layers_present
 from dsv4.model.record import Identified, TableIdentity
 from dsv4.model.safetensors_header import TensorBytes
+from dsv4.model.storage import dense_block_scale
 
 NATIVE_BLOCK = re.compile(r"(mtp\.\d+)\.")  # a native draft block's prefix
 
@@ -125,7 +126,7 @@ def _bounds(cfg: ModelConfig) -> dict[str, tuple[int, str]]:
     """placeholder -> (its limit, the config field the limit comes from)"""
     out = {
         "i": (cfg.num_nextn_predict_layers, "num_nextn_predict_layers"),
-        "e": (cfg.n_routed_experts, "n_routed_experts"),
+        "e": (cfg.draft_routed_experts, cfg.draft_experts_field),  # V4.1: dspark_n_routed_experts
         "j": (cfg.num_hidden_layers, "num_hidden_layers"),
     }
     if cfg.is_dspark:
@@ -196,7 +197,7 @@ def _classify(inv: Inventory, rules: list[Rule], cfg: ModelConfig) -> dict[str, 
 
 def _source_names(rule: Rule, binding: dict[str, int], cfg: ModelConfig) -> list[str]:
     if rule.op == "stack":
-        return [expand(s, {**binding, "e": e}) for e in range(cfg.n_routed_experts) for s in rule.sources]
+        return [expand(s, {**binding, "e": e}) for e in range(cfg.draft_routed_experts) for s in rule.sources]
     return [expand(s, binding) for s in rule.sources]
 
 
@@ -214,7 +215,7 @@ def _combined_shape(rule: Rule, parts: list[tuple[int, ...]], cfg: ModelConfig, 
         return (sum(p[0] for p in parts), *per_row)
     k = len(rule.sources)
     rows = sum(p[0] for p in parts[:k])
-    return (cfg.n_routed_experts, rows, *per_row)
+    return (cfg.draft_routed_experts, rows, *per_row)
 
 
 def _write_order(tensors: list[PlannedTensor]) -> tuple[PlannedTensor, ...]:
@@ -223,8 +224,7 @@ def _write_order(tensors: list[PlannedTensor]) -> tuple[PlannedTensor, ...]:
 
 
 def _require_stages(inv: Inventory, cfg: ModelConfig, stages: set[int]) -> None:
-    """Refuse (35) a DSpark checkpoint that lacks one of the stages 0..S-1 (a stage beyond
-    S fails _classify or, in reverse, is a key the layout does not have)."""
+    """Refuse (35) a DSpark checkpoint lacking a stage 0..S-1 (one beyond S fails _classify)."""
     missing = sorted(set(range(cfg.dspark_stages)) - stages)
     if missing:
         raise CheckpointError(
@@ -235,8 +235,8 @@ def _require_stages(inv: Inventory, cfg: ModelConfig, stages: set[int]) -> None:
 
 
 def _refuse_unconfigured(inv: Inventory, rule: Rule, binding: dict[str, int], target: str) -> None:
-    """A rule binding for a tensor the config's layout lacks is another release's (a Vision-Exp
-    router's gate.bias_vl): refused (33) where the checkpoint holds a source of it all the same."""
+    """A rule binding for a tensor the config's layout lacks (a Vision-Exp router's gate.bias_vl
+    elsewhere): refused (33) where the checkpoint holds a source of it all the same."""
     held = [n for n in _source_names(rule, binding, inv.model_config) if n in inv.tensors]
     if held:
         src = inv.tensors[held[0]]
@@ -272,8 +272,9 @@ def _source_pieces(
             )
         want = expected_src[name]
         if (src.dtype, src.shape) != want:
+            grid = f", weight_block_size {list(inv.model_config.weight_block_size)}" if dense_block_scale(name) else ""
             raise PlanError(
-                f"{src.file}: tensor {name}: {src.dtype}{list(src.shape)} but config.json ({variant}) "
+                f"{src.file}: tensor {name}: {src.dtype}{list(src.shape)} but config.json ({variant}{grid}) "
                 f"implies {want[0]}{list(want[1])}",
                 kind="layout_mismatch",
                 path=str(src.file),

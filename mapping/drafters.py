@@ -8,7 +8,7 @@ The markers (mapping/README.md#drafter-families):
 - The other families are `deepseek_v4`. Without dspark_* fields it is an MTP drafter, Base's when
   its experts are stored as Base releases store them (model/storage.py); with them a DSpark one:
   Vision-Exp's when the model has a vision tower (`vision_n_layers` > 0, which makes vLLM create a
-  `gate.bias_vl` per MoE, deepseek_v4/nvidia/model.py:309-317) or the tensors carry one of the
+  `gate.bias_vl` per MoE, deepseek_v4/nvidia/model.py:311-318) or the tensors carry one of the
   vision tensors; Pro-0813's on Pro's main model; 0731's otherwise. Pro's main model is told from
   Flash's by its first two layers, compressed at ratio 128 where Flash's two are sliding-window
   only (compress_ratios opens [128, 128] in V4-Pro's config.json, model/presets.py, and in the

@@ -16,13 +16,17 @@ from dsv4.model.storage import expert_dtypes
 # the tiny releases of each drafter kind a table of that kind covers together: a DSpark table
 # also maps V4-Flash-Vision-Exp, whose routers carry a gate.bias_vl and whose main model a tower
 PROBE_RELEASES = {"mtp": ("instruct",), "dspark": ("dspark", "vision")}
+# a table of one drafter family ([table] family) is validated against that family's tiny release alone
+FAMILY_PROBE_RELEASES = {"v41-dspark": ("v41",)}
 
 
 def probe_config(expert_dtype: str, drafter: str = "mtp", release: str | None = None) -> ModelConfig:
     """The tiny `release` (default: the first) of `drafter` with its experts stored as
-    `expert_dtype` (an unknown one is refused by name, as the config loader refuses it)."""
-    tiny = preset_config("tiny", release or PROBE_RELEASES[drafter][0])
-    return ModelConfig.from_dict({**tiny, "expert_dtype": expert_dtype})
+    `expert_dtype` (an unknown one is refused by name, as the config loader refuses it; V4.1,
+    whose experts are FP4 only, keeps its own)."""
+    release = release or PROBE_RELEASES[drafter][0]
+    tiny = preset_config("tiny", release)
+    return ModelConfig.from_dict(tiny if release == "v41" else {**tiny, "expert_dtype": expert_dtype})
 
 
 def native_keys(cfg: ModelConfig) -> set[str]:
@@ -50,13 +54,14 @@ def draft_bindings(cfg: ModelConfig) -> list[dict[str, int]]:
 
 @cache
 def probe_keys(
-    drafter: str, target: str
+    drafter: str, target: str, family: str | None = None
 ) -> tuple[dict[str, set[str]], dict[str, set[str]], dict[str, ModelConfig], dict[str, int]]:
     """(native names, the target layout's names) per expert dtype, over every probe release of
-    the drafter kind, the probe configuration per expert dtype (what a target pattern's
-    placeholders are bound for: the releases bind them alike), and its {first}/{last} stages
-    (none for MTP: the same for every expert dtype)."""
-    releases = {d: [probe_config(d, drafter, r) for r in PROBE_RELEASES[drafter]] for d in expert_dtypes()}
+    the drafter kind (or of the one `family`), the probe configuration per expert dtype (what a
+    target pattern's placeholders are bound for: the releases bind them alike), and its
+    {first}/{last} stages (none for MTP: the same for every expert dtype)."""
+    probes = FAMILY_PROBE_RELEASES[family] if family is not None else PROBE_RELEASES[drafter]
+    releases = {d: [probe_config(d, drafter, r) for r in probes] for d in expert_dtypes()}
     natives = {d: set().union(*map(native_keys, cs)) for d, cs in releases.items()}
     targets = {d: set().union(*(require_target(target).layout(c) for c in cs)) for d, cs in releases.items()}
     cfgs = {d: cs[0] for d, cs in releases.items()}

@@ -26,7 +26,7 @@ from typing import Any
 from dsv4.mapping.errors import TableError
 from dsv4.mapping.patterns import DERIVED, PINNED, PLACEHOLDERS, compile_pattern, expand, pin, placeholders
 from dsv4.mapping.probe import draft_bindings, probe_keys, stage_binding
-from dsv4.mapping.targets import DRAFTERS, TABLE_DIR, installed_tables, require_target
+from dsv4.mapping.targets import DRAFTERS, TABLE_DIR, drafter_families, installed_tables, require_target
 from dsv4.model.config import ModelConfig
 from dsv4.model.record import TableIdentity
 from dsv4.model.storage import expert_dtypes  # what a rule's `when` may name: one storage each
@@ -83,6 +83,7 @@ class Table:
     runtime: str = ""  # its target's runtime versions (mapping/targets/TARGET.toml), e.g. "vLLM 0.33.0"
     runtime_class: str = ""  # the runtime's draft model class(es) that read it
     config: str = "record"  # CONFIG_KINDS: what the output's config.json is
+    family: str | None = None  # the one drafter family it maps (mapping/targets/draft.toml [[drafter]]), or any
 
     def rules_for(self, expert_dtype: str) -> list[Rule]:
         return [r for r in self.rules if r.applies(expert_dtype)]
@@ -122,6 +123,13 @@ def _parse(raw: dict[str, Any], where: str) -> tuple[dict[str, Any], list[Rule]]
         raise TableError(
             f"{where}: [table] runtime: the runtime versions are the target's, stated once in "
             f"mapping/targets/{meta['target']}.toml",
+            kind="malformed_table",
+            path=str(where),
+        )
+    if "family" in meta and meta["family"] not in drafter_families()[1]:
+        raise TableError(
+            f"{where}: [table] family = {meta['family']!r}; expected a drafter family of "
+            f"mapping/targets/ ({', '.join(drafter_families()[1])})",
             kind="malformed_table",
             path=str(where),
         )
@@ -299,7 +307,7 @@ def rule_bindings(rule: Rule, cfg: ModelConfig) -> list[dict[str, int]]:
     else:
         out = [{}]
     if "e" in used and rule.op != "stack":
-        out = [{**b, "e": e} for b in out for e in range(cfg.n_routed_experts)]
+        out = [{**b, "e": e} for b in out for e in range(cfg.draft_routed_experts)]
     return out
 
 
@@ -398,8 +406,9 @@ def load_table_file(path: Path) -> Table:
         runtime,
         meta.get("runtime_class", ""),
         meta.get("config", "record"),
+        meta.get("family"),
     )
-    native_keys, target_keys, cfgs, pins = probe_keys(table.drafter, table.target)
+    native_keys, target_keys, cfgs, pins = probe_keys(table.drafter, table.target, table.family)
     validate(
         table,
         native_keys,

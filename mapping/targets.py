@@ -71,6 +71,7 @@ class TableHeader(NamedTuple):
     version: str
     runtime: str  # its target's runtime versions, e.g. "vLLM 0.33.0"
     runtime_class: str  # the runtime's model class that loads it, e.g. "DeepSeekV4MTP"
+    family: str | None = None  # the one drafter family it maps ([[drafter]] name); None: the kind's others
 
 
 @dataclass(frozen=True)
@@ -327,6 +328,7 @@ def _table_headers() -> dict[str, TableHeader]:
             meta.get("version"),
             target.runtime if target is not None else "",
             meta.get("runtime_class", ""),
+            meta.get("family"),
         )
     return out
 
@@ -391,10 +393,15 @@ def tables_of_target(target: str) -> list[str]:
     return require_target(target).tables
 
 
-def table_name_for(target: str, drafter: str) -> str:
-    """The installed table that maps a `drafter` ("mtp", "dspark") checkpoint to `target`."""
+def table_name_for(target: str, drafter: str, family: str | None = None) -> str:
+    """The installed table that maps a `drafter` ("mtp", "dspark") checkpoint of drafter family
+    `family` to `target`: the table of that family where one is installed (V4.1's), else the one
+    of the kind that names no family."""
     require_target(target)
-    names = [name for name, head in _table_headers().items() if (head.target, head.drafter) == (target, drafter)]
+    of_kind = {
+        name: head for name, head in _table_headers().items() if (head.target, head.drafter) == (target, drafter)
+    }
+    names = [n for n, h in of_kind.items() if h.family == family] or [n for n, h in of_kind.items() if h.family is None]
     if len(names) != 1:
         have = ", ".join(f"{n} ({h.target}, {h.drafter})" for n, h in _table_headers().items())
         raise TableError(
@@ -415,6 +422,7 @@ def target_rows() -> list[dict[str, str]]:
             "table_version": h.version,
             "runtime": h.runtime,
             "runtime_class": h.runtime_class,
+            "family": h.family,  # the one drafter family the table maps (null: its kind's others)
         }
         for name, h in sorted(_table_headers().items(), key=lambda item: (item[1].target, item[0]))
     ]

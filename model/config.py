@@ -14,15 +14,21 @@ the field in `field`.
 
 from __future__ import annotations
 
-import json
-import math
-import reprlib
 from dataclasses import MISSING, InitVar, dataclass, fields
 from typing import Any
 
 from huggingface_hub.constants import CONFIG_NAME
 
-from dsv4.model.errors import CheckpointError
+from dsv4.model.config_fields import (
+    check_int,
+    check_int_list,
+    check_positive_float,
+    describe,
+    malformed,
+    require_object,
+    unsupported,
+)
+from dsv4.model.config_v41 import V41_MODEL_TYPE, check_v41, flatten_v41
 from dsv4.model.storage import storage_of
 from dsv4.model.strictjson import StrictJSONError, loads
 
@@ -48,95 +54,19 @@ MAX_DSPARK_STAGES = MAX_NEXTN_LAYERS  # len(dspark_target_layer_ids) [3], n_mtp_
 DSPARK_FIELDS = ("dspark_block_size", "dspark_noise_token_id", "dspark_target_layer_ids", "dspark_markov_rank")
 
 SUPPORTED_MODEL_TYPE = "deepseek_v4"
+SUPPORTED_MODEL_TYPES = (SUPPORTED_MODEL_TYPE, V41_MODEL_TYPE)  # V4 and V4.1 (model/config_v41.py)
 CONFIG = CONFIG_NAME  # the config file's name, everywhere; what a refusal names without a path (a preset)
-
-_SHORT = reprlib.Repr()  # values in messages stay short, however large the JSON value
-_SHORT.maxstring = _SHORT.maxother = _SHORT.maxlong = 40
-_SHORT.maxlist, _SHORT.maxtuple, _SHORT.maxdict, _SHORT.maxlevel = 4, 4, 3, 2
-
-
-def _malformed(where: str, field: str | None, message: str) -> CheckpointError:
-    """A field missing, of the wrong type, out of range or contradicting another (exit 18): one
-    line headed by the file, `field` kept for a program to read (DSV4Error.fields)."""
-    return CheckpointError(f"{where}: {message}", kind="malformed_config", path=where, field=field)
-
-
-def _unsupported(where: str, field: str, message: str) -> CheckpointError:
-    """A well-formed value this tool has no layout for (exit 35), headed by the file."""
-    return CheckpointError(f"{where}: {message}", kind="unsupported_layout", path=where, field=field)
-
-
-def _describe(value: Any) -> str:
-    """A value as an error message shows it: in JSON spelling, short however large it is,
-    with its JSON kind where that is the fault."""
-    kind = {
-        bool: "a boolean",
-        str: "a string",
-        list: "a list",
-        tuple: "a list",
-        dict: "an object",
-        type(None): "null",
-    }.get(type(value))
-    if value is None:
-        return "null"
-    if type(value) in (bool, str):
-        shown = json.dumps(value[:41] if type(value) is str else value)
-        shown = shown[:40] + '..."' if len(shown) > 42 else shown
-    else:
-        shown = _SHORT.repr(value)
-    return f"{shown} ({kind})" if kind else shown
-
-
-def _int(where: str, field: str, value: Any, low: int, high: int) -> None:
-    # bool is a subclass of int in Python; in config.json `true` is not a count
-    if type(value) is not int:
-        raise _malformed(where, field, f"{field} is {_describe(value)}; expected an integer in {low}..{high}")
-    if not low <= value <= high:
-        raise _malformed(where, field, f"{field} is {value}; expected an integer in {low}..{high}")
-
-
-def _positive_float(where: str, field: str, value: Any, *, zero_ok: bool = False, below: float | None = None) -> None:
-    # a JSON integer is a number too (rope_theta is 10000 in the release); one past 2^63 would
-    # overflow the float math that uses it
-    number = (type(value) is int and abs(value) < 2**63) or (type(value) is float and math.isfinite(value))
-    ok = number and (value >= 0 if zero_ok else value > 0) and (below is None or value < below)
-    if not ok:
-        want = f"a finite number {'>= 0' if zero_ok else '> 0'}" + (f" and < {below:g}" if below is not None else "")
-        raise _malformed(where, field, f"{field} is {_describe(value)}; expected {want}")
-
-
-def _int_list(where: str, field: str, value: Any, low: int, high: int, lengths: range) -> None:
-    """A JSON list of integers (held as a tuple), its length in `lengths`."""
-    if type(value) is not tuple:
-        raise _malformed(where, field, f"{field} is {_describe(value)}; expected a list of integers in {low}..{high}")
-    if len(value) not in lengths:
-        want = f"{lengths.start}..{lengths.stop - 1}" if len(lengths) > 1 else f"exactly {lengths.start}"
-        raise _malformed(
-            where, field, f"{field} has {len(value)} entr{'y' if len(value) == 1 else 'ies'}; expected {want}"
-        )
-    for k, item in enumerate(value):
-        _int(where, f"{field}[{k}]", item, low, high)
-
-
-def _require_object(where: str, value: Any) -> None:
-    if not isinstance(value, dict):
-        raise _malformed(where, None, f"the top level is {_describe(value)}; expected a JSON object")
 
 
 def _check_model_type(where: str, model_type: Any) -> None:
     if type(model_type) is not str:
-        raise _malformed(where, "model_type", f"model_type is {_describe(model_type)}; expected a string")
-    if model_type != SUPPORTED_MODEL_TYPE:
-        hint = (  # the runtime's version is the target registry's (mapping/), which model/ may not import
-            " (DeepSeek V4.1: the verified vLLM has no XPU draft model for it, `convert-dsv4 targets` names "
-            "the version; mapping/README.md#later-drafters-dspark-and-v41)"
-            if model_type == "deepseek_v41"
-            else ""
-        )
-        raise _unsupported(
+        raise malformed(where, "model_type", f"model_type is {describe(model_type)}; expected a string")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise unsupported(
             where,
             "model_type",
-            f"model_type {model_type!r}{hint}; this tool converts {SUPPORTED_MODEL_TYPE!r} checkpoints only",
+            f"model_type {model_type!r}; this tool converts {' and '.join(map(repr, SUPPORTED_MODEL_TYPES))} "
+            "checkpoints only",
         )
 
 
@@ -181,6 +111,9 @@ class ModelConfig:
     dspark_markov_rank: int | None = None
     n_mtp_layers: int | None = None  # vLLM's stage count (absent in 0731): must equal dspark_stages
     vision_n_layers: int = 0  # > 0: Vision-Exp's tower, and a gate.bias_vl per router (model/native.py)
+    # DeepSeek V4.1's stages (model/config_v41.py): their routed experts and top-k; 0 = the main model's
+    dspark_n_routed_experts: int = 0
+    dspark_num_experts_per_tok: int = 0
     where: InitVar[str] = CONFIG  # the file the fields come from: it heads every refusal
 
     def __post_init__(self, where: str) -> None:
@@ -189,6 +122,7 @@ class ModelConfig:
         self._check_dspark(where)
         self._check_relations(where)
         self._check_supported(where)
+        check_v41(self, where)
 
     def _check_ranges(self, where: str) -> None:
         for field, high in (
@@ -208,28 +142,30 @@ class ModelConfig:
             ("num_experts_per_tok", MAX_EXPERTS),
             ("moe_intermediate_size", MAX_RANK),
         ):
-            _int(where, field, getattr(self, field), 1, high)
+            check_int(where, field, getattr(self, field), 1, high)
         # 0 is well-formed (no MTP layer, no shared expert); _check_supported refuses it
-        _int(where, "num_nextn_predict_layers", self.num_nextn_predict_layers, 0, MAX_NEXTN_LAYERS)
-        _int(where, "n_shared_experts", self.n_shared_experts, 0, MAX_EXPERTS)
-        _int(where, "num_hash_layers", self.num_hash_layers, 0, MAX_LAYERS)
-        _int(where, "index_n_heads", self.index_n_heads, 0, MAX_HEADS)
-        _int(where, "index_head_dim", self.index_head_dim, 0, MAX_HEAD_DIM)
-        _int(where, "vision_n_layers", self.vision_n_layers, 0, MAX_LAYERS)
-        _positive_float(where, "hc_eps", self.hc_eps, below=1)
-        _positive_float(where, "rms_norm_eps", self.rms_norm_eps, below=1)
-        _positive_float(where, "routed_scaling_factor", self.routed_scaling_factor)
-        _positive_float(where, "swiglu_limit", self.swiglu_limit, zero_ok=True)  # 0: no clamp
-        _positive_float(where, "rope_theta", self.rope_theta)
+        check_int(where, "num_nextn_predict_layers", self.num_nextn_predict_layers, 0, MAX_NEXTN_LAYERS)
+        check_int(where, "n_shared_experts", self.n_shared_experts, 0, MAX_EXPERTS)
+        check_int(where, "num_hash_layers", self.num_hash_layers, 0, MAX_LAYERS)
+        check_int(where, "index_n_heads", self.index_n_heads, 0, MAX_HEADS)
+        check_int(where, "index_head_dim", self.index_head_dim, 0, MAX_HEAD_DIM)
+        check_int(where, "vision_n_layers", self.vision_n_layers, 0, MAX_LAYERS)
+        check_int(where, "dspark_n_routed_experts", self.dspark_n_routed_experts, 0, MAX_EXPERTS)
+        check_int(where, "dspark_num_experts_per_tok", self.dspark_num_experts_per_tok, 0, MAX_EXPERTS)
+        check_positive_float(where, "hc_eps", self.hc_eps, below=1)
+        check_positive_float(where, "rms_norm_eps", self.rms_norm_eps, below=1)
+        check_positive_float(where, "routed_scaling_factor", self.routed_scaling_factor)
+        check_positive_float(where, "swiglu_limit", self.swiglu_limit, zero_ok=True)  # 0: no clamp
+        check_positive_float(where, "rope_theta", self.rope_theta)
         if type(self.norm_topk_prob) is not bool:
-            raise _malformed(
-                where, "norm_topk_prob", f"norm_topk_prob is {_describe(self.norm_topk_prob)}; expected true or false"
+            raise malformed(
+                where, "norm_topk_prob", f"norm_topk_prob is {describe(self.norm_topk_prob)}; expected true or false"
             )
         for field in ("scoring_func", "topk_method", "expert_dtype"):
             if type(getattr(self, field)) is not str:
-                raise _malformed(where, field, f"{field} is {_describe(getattr(self, field))}; expected a string")
+                raise malformed(where, field, f"{field} is {describe(getattr(self, field))}; expected a string")
         # the length rule of compress_ratios depends on num_hidden_layers: _check_relations
-        _int_list(
+        check_int_list(
             where,
             "compress_ratios",
             self.compress_ratios,
@@ -237,36 +173,40 @@ class ModelConfig:
             MAX_COMPRESS_RATIO,
             range(MAX_LAYERS + MAX_NEXTN_LAYERS + 1),
         )
-        _int_list(where, "quantization_config.weight_block_size", self.weight_block_size, 1, MAX_BLOCK, range(2, 3))
+        check_int_list(
+            where, "quantization_config.weight_block_size", self.weight_block_size, 1, MAX_BLOCK, range(2, 3)
+        )
 
     def _check_dspark(self, where: str) -> None:
         present = [f for f in DSPARK_FIELDS if getattr(self, f) is not None]
         if present and len(present) < len(DSPARK_FIELDS):
             missing = next(f for f in DSPARK_FIELDS if getattr(self, f) is None)
-            raise _malformed(
+            raise malformed(
                 where,
                 missing,
                 f"lacks {missing}: a DSpark config has all of {', '.join(DSPARK_FIELDS)} (it has {', '.join(present)})",
             )
         if self.n_mtp_layers is not None:
-            _int(where, "n_mtp_layers", self.n_mtp_layers, 1, MAX_DSPARK_STAGES)
+            check_int(where, "n_mtp_layers", self.n_mtp_layers, 1, MAX_DSPARK_STAGES)
         if not present:
             return
-        _int(where, "dspark_block_size", self.dspark_block_size, 1, MAX_DSPARK_BLOCK)
-        _int(where, "dspark_noise_token_id", self.dspark_noise_token_id, 0, self.vocab_size - 1)
-        _int(where, "dspark_markov_rank", self.dspark_markov_rank, 1, MAX_RANK)
+        check_int(where, "dspark_block_size", self.dspark_block_size, 1, MAX_DSPARK_BLOCK)
+        check_int(where, "dspark_noise_token_id", self.dspark_noise_token_id, 0, self.vocab_size - 1)
+        check_int(where, "dspark_markov_rank", self.dspark_markov_rank, 1, MAX_RANK)
         ids = self.dspark_target_layer_ids
-        _int_list(where, "dspark_target_layer_ids", ids, 0, self.num_hidden_layers - 1, range(1, MAX_DSPARK_STAGES + 1))
+        check_int_list(
+            where, "dspark_target_layer_ids", ids, 0, self.num_hidden_layers - 1, range(1, MAX_DSPARK_STAGES + 1)
+        )
         assert ids is not None  # _int_list refused anything but a list
         repeated = sorted({i for i in ids if ids.count(i) > 1})
         if repeated:
-            raise _malformed(
+            raise malformed(
                 where,
                 "dspark_target_layer_ids",
                 f"dspark_target_layer_ids names layer {repeated[0]} twice; expected distinct main layers",
             )
         if self.n_mtp_layers is not None and self.n_mtp_layers != len(ids):
-            raise _malformed(
+            raise malformed(
                 where,
                 "n_mtp_layers",
                 f"n_mtp_layers is {self.n_mtp_layers} but dspark_target_layer_ids has {len(ids)} entries: the stage "
@@ -276,28 +216,28 @@ class ModelConfig:
     def _check_relations(self, where: str) -> None:
         rd, D = self.qk_rope_head_dim, self.head_dim
         if rd > D or rd % 2:
-            raise _malformed(
+            raise malformed(
                 where,
                 "qk_rope_head_dim",
                 f"qk_rope_head_dim is {rd}; RoPE turns pairs of the last dims of a head: expected an even number <= "
                 f"head_dim ({D})",
             )
         if self.num_attention_heads % self.o_groups:
-            raise _malformed(
+            raise malformed(
                 where,
                 "o_groups",
                 f"o_groups is {self.o_groups}; the output projection splits the heads into groups: expected a "
                 f"divisor of num_attention_heads ({self.num_attention_heads})",
             )
         if self.num_experts_per_tok > self.n_routed_experts:
-            raise _malformed(
+            raise malformed(
                 where,
                 "num_experts_per_tok",
                 f"num_experts_per_tok is {self.num_experts_per_tok}, more than n_routed_experts "
                 f"({self.n_routed_experts})",
             )
         if self.num_hash_layers > self.num_hidden_layers:
-            raise _malformed(
+            raise malformed(
                 where,
                 "num_hash_layers",
                 f"num_hash_layers is {self.num_hash_layers}, more than num_hidden_layers ({self.num_hidden_layers})",
@@ -306,7 +246,7 @@ class ModelConfig:
             # mapping/README.md#dspark-source-checkpoint: one entry per main layer, then one per drafter stage
             n, want = len(self.compress_ratios), self.num_hidden_layers + self.dspark_stages
             if n != want:
-                raise _malformed(
+                raise malformed(
                     where,
                     "compress_ratios",
                     f"compress_ratios has {n} entries; expected one per main layer (num_hidden_layers = "
@@ -320,7 +260,7 @@ class ModelConfig:
                 self.num_hidden_layers + MAX_NEXTN_LAYERS,
             )
             if not low <= n <= high:
-                raise _malformed(
+                raise malformed(
                     where,
                     "compress_ratios",
                     f"compress_ratios has {n} entries; expected one per main layer (num_hidden_layers = "
@@ -329,7 +269,7 @@ class ModelConfig:
 
     def _check_supported(self, where: str) -> None:
         if self.num_nextn_predict_layers == 0:
-            raise _unsupported(
+            raise unsupported(
                 where,
                 "num_nextn_predict_layers",
                 "num_nextn_predict_layers is 0: the checkpoint has no MTP draft layer to convert",
@@ -339,14 +279,14 @@ class ModelConfig:
         # and the draft's router is sqrtsoftplus (model/README.md#moe-routing)
         for field, want in (("topk_method", "noaux_tc"), ("scoring_func", "sqrtsoftplus")):
             if getattr(self, field) != want:
-                raise _unsupported(
+                raise unsupported(
                     where,
                     field,
                     f"topk_method {self.topk_method!r}, scoring_func {self.scoring_func!r}; the XPU MTP layout is "
                     "defined for noaux_tc routing with sqrtsoftplus scores only",
                 )
         if self.n_shared_experts != 1:
-            raise _unsupported(
+            raise unsupported(
                 where,
                 "n_shared_experts",
                 f"n_shared_experts is {self.n_shared_experts}; the layouts of this tool have exactly one shared "
@@ -354,7 +294,7 @@ class ModelConfig:
             )
         drafts = self.compress_ratios[self.num_hidden_layers :]
         if any(drafts):
-            raise _unsupported(
+            raise unsupported(
                 where,
                 "compress_ratios",
                 f"compress_ratios gives the draft layer(s) the ratio(s) {list(drafts)}; the MTP layer has no "
@@ -365,7 +305,9 @@ class ModelConfig:
     def from_dict(cls, raw: Any, where: str = CONFIG) -> ModelConfig:
         """Validate a parsed config.json read from `where`; malformed_config or
         unsupported_layout (naming `where` and the field) if it is not usable."""
-        _require_object(where, raw)
+        require_object(where, raw)
+        if raw.get("model_type") == V41_MODEL_TYPE:
+            raw = flatten_v41(raw, where)
         names = {f.name for f in fields(cls)} - {"weight_block_size"}
         values = {k: v for k, v in raw.items() if k in names}
         for field in ("compress_ratios", "dspark_target_layer_ids"):
@@ -373,15 +315,15 @@ class ModelConfig:
                 values[field] = tuple(values[field])
         for field in (*DSPARK_FIELDS, "n_mtp_layers"):
             if field in values and values[field] is None:  # None means absent in the dataclass
-                raise _malformed(
+                raise malformed(
                     where,
                     field,
                     f"{field} is null; expected an integer{' list' if field == 'dspark_target_layer_ids' else ''}",
                 )
         quant = raw.get("quantization_config")
         if quant is not None and not isinstance(quant, dict):
-            raise _malformed(
-                where, "quantization_config", f"quantization_config is {_describe(quant)}; expected an object"
+            raise malformed(
+                where, "quantization_config", f"quantization_config is {describe(quant)}; expected an object"
             )
         if quant and "weight_block_size" in quant:
             block = quant["weight_block_size"]
@@ -391,7 +333,7 @@ class ModelConfig:
         _check_model_type(where, values.get("model_type", SUPPORTED_MODEL_TYPE))
         missing = [f.name for f in fields(cls) if f.default is MISSING and f.name not in values]
         if missing:
-            raise _malformed(where, missing[0], f"lacks required field(s): {', '.join(missing)}")
+            raise malformed(where, missing[0], f"lacks required field(s): {', '.join(missing)}")
         return cls(**values, where=where)
 
     @classmethod
@@ -403,6 +345,22 @@ class ModelConfig:
         """A DSpark drafter (DeepSeek-V4-Flash-0731, mapping/README.md#dspark-v4-flash-0731): its
         dspark_* fields are set."""
         return self.dspark_target_layer_ids is not None
+
+    @property
+    def is_v41(self) -> bool:
+        """A DeepSeek V4.1 drafter (model/config_v41.py)."""
+        return self.model_type == V41_MODEL_TYPE
+
+    @property
+    def draft_routed_experts(self) -> int:
+        """The routed experts of each draft block: V4.1's dspark_n_routed_experts where it is set
+        (vLLM deepseek_v41/nvidia/dspark.py:376-379), the main model's otherwise."""
+        return self.dspark_n_routed_experts or self.n_routed_experts
+
+    @property
+    def draft_experts_field(self) -> str:
+        """The config field draft_routed_experts comes from, as a refusal names it."""
+        return "dspark_n_routed_experts" if self.dspark_n_routed_experts else "n_routed_experts"
 
     @property
     def dspark_stages(self) -> int:
@@ -425,7 +383,7 @@ class ModelConfig:
         """Refuse, naming `where` (its config.json) and the field, a config that promises more
         draft blocks than a checkpoint holds (`blocks`: the prefixes present, e.g. ["mtp.0"])."""
         if len(blocks) < self.num_nextn_predict_layers:
-            raise _unsupported(
+            raise unsupported(
                 where,
                 "num_nextn_predict_layers",
                 f"num_nextn_predict_layers = {self.num_nextn_predict_layers} but the shards hold {len(blocks)} draft "
@@ -444,6 +402,6 @@ def parse_config(raw: bytes | str, where: str = CONFIG) -> dict[str, Any]:
     try:
         value = loads(raw)
     except StrictJSONError as exc:
-        raise _malformed(where, None, str(exc)) from None
-    _require_object(where, value)
+        raise malformed(where, None, str(exc)) from None
+    require_object(where, value)
     return value

@@ -43,9 +43,10 @@ def fp8_scale_dtype(cfg: ModelConfig) -> str:
     return expert_storage(cfg).linear_scale_dtype
 
 
-def block_layout(cfg: ModelConfig, prefix: str) -> Layout:
-    """Tensors every decoder block has (main layer or MTP), names relative to `prefix`."""
-    H, I, E = cfg.hidden_size, cfg.moe_intermediate_size, cfg.n_routed_experts
+def block_layout(cfg: ModelConfig, prefix: str, experts: int | None = None) -> Layout:
+    """Tensors every decoder block has (main layer or MTP), names relative to `prefix`; its MoE
+    has `experts` routed experts (default: the main model's n_routed_experts)."""
+    H, I, E = cfg.hidden_size, cfg.moe_intermediate_size, experts or cfg.n_routed_experts
     D, nh, rq = cfg.head_dim, cfg.num_attention_heads, cfg.q_lora_rank
     g, ro = cfg.o_groups, cfg.o_lora_rank
     sdt = fp8_scale_dtype(cfg)
@@ -98,33 +99,37 @@ def mtp_layout(cfg: ModelConfig, i: int, *, with_emb_head: bool = False) -> Layo
 
 
 def dspark_stage_layout(cfg: ModelConfig, s: int) -> Layout:
-    """All tensors of DSpark stage `mtp.{s}.` (mapping/README.md#dspark-source-checkpoint): one V4 block (29 + 6E) plus,
-    in stage 0, the projection of the target features (main_proj, main_norm) and, in the last
-    stage S-1, the head (norm, hc_head_*) and the Markov and confidence heads."""
-    H, V, R = cfg.hidden_size, cfg.vocab_size, cfg.dspark_markov_rank
+    """All tensors of DSpark stage `mtp.{s}.` (mapping/README.md#dspark-source-checkpoint): one V4 block (29 + 6E,
+    E = cfg.draft_routed_experts) plus, in stage 0, the projection of the target features (main_proj,
+    main_norm) and, in the last stage S-1, the head (norm, and hc_head_* but in V4.1) and the Markov and
+    confidence heads. V4.1 names its Markov factors markov_head.embed/head (vLLM
+    deepseek_v41/nvidia/dspark.py:502-511 maps them to markov_w1/w2) and has no hc_head (:132-136)."""
+    H, V, R, E = cfg.hidden_size, cfg.vocab_size, cfg.dspark_markov_rank, cfg.draft_routed_experts
     T = len(cfg.dspark_target_layer_ids)
     p = f"mtp.{s}."
-    out = block_layout(cfg, p)
-    out[f"{p}ffn.gate.bias"] = ("F32", (cfg.n_routed_experts,))
-    out.update(_vision_bias(cfg, p))
+    out = block_layout(cfg, p, E)
+    out[f"{p}ffn.gate.bias"] = ("F32", (E,))
+    out.update(_vision_bias(cfg, p, E))
     if s == 0:
         _fp8_linear(out, f"{p}main_proj", H, T * H, cfg, fp8_scale_dtype(cfg))
         out[f"{p}main_norm.weight"] = ("BF16", (H,))
     if s == cfg.dspark_stages - 1:
         out[f"{p}norm.weight"] = ("BF16", (H,))
-        out[f"{p}hc_head_fn"] = ("F32", (cfg.hc_mult, cfg.hc_dim))
-        out[f"{p}hc_head_base"] = ("F32", (cfg.hc_mult,))
-        out[f"{p}hc_head_scale"] = ("F32", (1,))
-        out[f"{p}markov_head.markov_w1.weight"] = ("BF16", (V, R))
-        out[f"{p}markov_head.markov_w2.weight"] = ("BF16", (V, R))
+        if not cfg.is_v41:
+            out[f"{p}hc_head_fn"] = ("F32", (cfg.hc_mult, cfg.hc_dim))
+            out[f"{p}hc_head_base"] = ("F32", (cfg.hc_mult,))
+            out[f"{p}hc_head_scale"] = ("F32", (1,))
+        for factor in ("embed", "head") if cfg.is_v41 else ("markov_w1", "markov_w2"):
+            out[f"{p}markov_head.{factor}.weight"] = ("BF16", (V, R))
         out[f"{p}confidence_head.proj.weight"] = ("BF16", (1, H + R))
     return out
 
 
-def _vision_bias(cfg: ModelConfig, prefix: str) -> Layout:
+def _vision_bias(cfg: ModelConfig, prefix: str, experts: int) -> Layout:
     """A router's bias for image tokens, in every MoE of a model with a vision tower (vLLM
-    deepseek_v4/nvidia/model.py:311-318 creates it F32 [n_routed_experts], hash layers included)."""
-    return {f"{prefix}ffn.gate.bias_vl": ("F32", (cfg.n_routed_experts,))} if cfg.vision_n_layers > 0 else {}
+    deepseek_v4/nvidia/model.py:311-318 creates it F32 [n_routed_experts of that MoE], hash layers
+    included)."""
+    return {f"{prefix}ffn.gate.bias_vl": ("F32", (experts,))} if cfg.vision_n_layers > 0 else {}
 
 
 def vision_layout(cfg: ModelConfig) -> Layout:
@@ -170,15 +175,15 @@ def standalone_draft_layout(cfg: ModelConfig) -> Layout:
 
 
 def top_level_layout(cfg: ModelConfig) -> Layout:
+    """The main model's tensors outside its layers; V4.1's has no learned hc_head (vLLM
+    deepseek_v41/nvidia/model.py:1146 collapses the copies with the last layer's pre-mix)."""
     V, H = cfg.vocab_size, cfg.hidden_size
-    return {
-        "embed.weight": ("BF16", (V, H)),
-        "head.weight": ("BF16", (V, H)),
-        "norm.weight": ("BF16", (H,)),
-        "hc_head_fn": ("F32", (cfg.hc_mult, cfg.hc_dim)),
-        "hc_head_base": ("F32", (cfg.hc_mult,)),
-        "hc_head_scale": ("F32", (1,)),
-    }
+    out: Layout = {"embed.weight": ("BF16", (V, H)), "head.weight": ("BF16", (V, H)), "norm.weight": ("BF16", (H,))}
+    if not cfg.is_v41:
+        out["hc_head_fn"] = ("F32", (cfg.hc_mult, cfg.hc_dim))
+        out["hc_head_base"] = ("F32", (cfg.hc_mult,))
+        out["hc_head_scale"] = ("F32", (1,))
+    return out
 
 
 def main_layer_layout(cfg: ModelConfig, j: int) -> Layout:
@@ -188,7 +193,7 @@ def main_layer_layout(cfg: ModelConfig, j: int) -> Layout:
     Di, nih = cfg.index_head_dim, cfg.index_n_heads
     p = f"layers.{j}."
     out = block_layout(cfg, p)
-    out.update(_vision_bias(cfg, p))
+    out.update(_vision_bias(cfg, p, cfg.n_routed_experts))
     if j < cfg.num_hash_layers:
         out[f"{p}ffn.gate.tid2eid"] = ("I64", (cfg.vocab_size, cfg.num_experts_per_tok))
     else:

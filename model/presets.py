@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from dsv4.model.presets_v41 import V41_PRESETS
 from dsv4.model.storage import STORAGES
 
 Variant = str  # a key of EXPERT_DTYPE
@@ -19,6 +20,7 @@ Variant = str  # a key of EXPERT_DTYPE
 EXPERT_DTYPE: dict[str, str] = {s.release: s.name for s in STORAGES.values()}
 EXPERT_DTYPE["dspark"] = EXPERT_DTYPE["instruct"]
 EXPERT_DTYPE["vision"] = EXPERT_DTYPE["instruct"]  # V4-Flash-Vision-Exp: DSpark with a vision tower
+EXPERT_DTYPE["v41"] = EXPERT_DTYPE["instruct"]  # DeepSeek V4.1 (model/presets_v41.py): FP4 experts
 VARIANTS = tuple(EXPERT_DTYPE)  # what `synth --variant` accepts
 
 # DeepSeek-V4-Pro's config.json, verbatim.
@@ -198,7 +200,7 @@ DSPARK_PRESETS: dict[str, dict[str, Any]] = {
 # gate.bias_vl (model/native.py); the tower's own size is no field this tool reads.
 _TINY_VISION: dict[str, Any] = {**_TINY_DSPARK, "vision_n_layers": 2}
 VISION_PRESETS: dict[str, dict[str, Any]] = {"tiny": _TINY_VISION}
-PRESETS_OF_VARIANT = {"dspark": DSPARK_PRESETS, "vision": VISION_PRESETS}  # any other variant: PRESETS
+PRESETS_OF_VARIANT = {"dspark": DSPARK_PRESETS, "vision": VISION_PRESETS, "v41": V41_PRESETS}  # else: PRESETS
 DSPARK_FIELDS = ("dspark_block_size", "dspark_noise_token_id", "dspark_target_layer_ids", "dspark_markov_rank")
 # every preset name some variant has (what `synth --preset` accepts)
 PRESET_NAMES = tuple(sorted({name for presets in (PRESETS, *PRESETS_OF_VARIANT.values()) for name in presets}))
@@ -209,7 +211,8 @@ def with_variant(config: dict[str, Any], variant: Variant) -> dict[str, Any]:
     DSpark config must carry its dspark_* fields already (a DSpark preset does)."""
     if variant not in EXPERT_DTYPE:
         raise ValueError(f"unknown variant {variant!r} (expected one of {', '.join(EXPERT_DTYPE)})")
-    if variant in PRESETS_OF_VARIANT and not all(f in config for f in DSPARK_FIELDS):
+    fields = {**config.get("text_config", {}), **config}  # V4.1 nests them (model/config_v41.py)
+    if variant in PRESETS_OF_VARIANT and not all(f in fields for f in DSPARK_FIELDS):
         raise ValueError(
             f"variant {variant} needs a config with {', '.join(DSPARK_FIELDS)} "
             "(mapping/README.md#dspark-source-checkpoint)"
@@ -217,7 +220,9 @@ def with_variant(config: dict[str, Any], variant: Variant) -> dict[str, Any]:
     if variant == "vision" and not config.get("vision_n_layers"):
         raise ValueError("variant vision needs a config with vision_n_layers > 0 (a vision tower)")
     out = copy.deepcopy(config)
-    out["expert_dtype"] = EXPERT_DTYPE[variant]
+    # V4.1 states the experts' dtype in quantization_config (vLLM configs/deepseek_v41.py:46-50)
+    quant = out.get("quantization_config") if variant == "v41" else None
+    (quant if isinstance(quant, dict) else out)["expert_dtype"] = EXPERT_DTYPE[variant]
     return out
 
 
@@ -225,7 +230,7 @@ def preset_config(name: str, variant: Variant = "instruct") -> dict[str, Any]:
     """The full config.json of preset `name` for `variant` (a fresh copy: callers may edit it).
     The dspark variant is the preset's DSpark release (flash: V4-Flash-0731, pro: V4-Pro-0813;
     tiny-pro is tiny's Pro-0813 sibling and has no other variant), vision its
-    V4-Flash-Vision-Exp release (tiny only)."""
+    V4-Flash-Vision-Exp release (tiny only), v41 its DeepSeek V4.1 release (model/presets_v41.py)."""
     presets = PRESETS_OF_VARIANT.get(variant, PRESETS)
     if name not in presets:
         raise ValueError(f"unknown preset {name!r} for variant {variant} (expected one of {', '.join(presets)})")

@@ -285,6 +285,13 @@ HELD_LINEARS: dict[str, HeldLinear] = {
 ROUTED_EXPERT = re.compile(r"\.ffn\.experts\.\d+\.w[123]\Z")  # a routed expert's native linear
 
 
+def dense_block_scale(name: str) -> bool:
+    """`name` is a dense FP8 linear's native block scale (a `.scale` of no routed expert): its grid is
+    [ceil(rows/br), ceil(cols/bc)] for quantization_config's weight_block_size [br, bc] (V4: 128x128;
+    V4.1: 32x32, model/config_v41.py), E8M0 bytes beside FP4 experts."""
+    return name.endswith(".scale") and ROUTED_EXPERT.search(name.removesuffix(".scale")) is None
+
+
 def forms_of(module: str) -> list[HeldLinear]:
     """The forms native linear `module` may be held in (the experts-only ones for a routed expert's)."""
     expert = ROUTED_EXPERT.search(module) is not None

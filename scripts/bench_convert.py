@@ -4,6 +4,7 @@ converter's own memory on it and on the tiny checkpoint.
 
     .venv/bin/python scripts/bench_convert.py [--work DIR] [--rounds N] [--clean]
     .venv/bin/python scripts/bench_convert.py --variant dspark     # V4-Flash-0731's DSpark drafter (~13 GB)
+    .venv/bin/python scripts/bench_convert.py --variant v41 --target draft   # V4.1-Flash's drafter (~10.6 GB)
     .venv/bin/python scripts/bench_convert.py --target draft       # another installed target (convert --target)
     .venv/bin/python scripts/bench_convert.py --profile            # where the converter's time goes
     .venv/bin/python scripts/bench_convert.py --io-profile         # what every round waited on (scripts/io_profile.py)
@@ -300,9 +301,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--profile", action="store_true", help="Profile one cold in-process conversion instead.")
     ap.add_argument(
         "--variant",
-        choices=["instruct", "dspark"],
+        choices=["instruct", "dspark", "v41"],
         default="instruct",
-        help="Flash's MTP slice, or V4-Flash-0731's DSpark drafter",
+        help="Flash's MTP slice, V4-Flash-0731's DSpark drafter, or DeepSeek V4.1-Flash's (--target draft only)",
     )
     ap.add_argument("--target", default="xpu", help="the converter's --target")
     ap.add_argument("--serve-with", type=Path, help="the converter's --serve-with TARGET (a target model's directory)")
@@ -321,7 +322,10 @@ def parse_args() -> argparse.Namespace:
 def source_checkpoints(work: Path, variant: str) -> tuple[Path, Path]:
     """The real-size slice and the tiny checkpoint under `work`, written where missing."""
     src, tiny = (
-        work / ("flash-mtp-slice" if variant == "instruct" else "flash-0731-dspark-slice"),
+        work
+        / {"instruct": "flash-mtp-slice", "dspark": "flash-0731-dspark-slice", "v41": "flash-v41-dspark-slice"}[
+            variant
+        ],
         work / "tiny-real",
     )
     if not (src / "config.json").exists():

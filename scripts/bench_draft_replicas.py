@@ -1,6 +1,6 @@
 """Benchmark: `--target draft` of the full-size sparse replicas (Flash MTP, the 0731 DSpark
-drafter and V4-Pro-0813's), from disk and from the test suite's fake hub, bytes read against
-the plan's.
+drafter, V4-Pro-0813's and V4.1-Flash's), from disk and from the test suite's fake hub, bytes
+read against the plan's.
 
     .venv/bin/python scripts/bench_draft_replicas.py [--work DIR] [--replica NAME ...]
 
@@ -30,6 +30,7 @@ REPLICAS = {
     "flash": {"preset": "flash", "variant": "instruct"},
     "flash-0731": {"preset": "flash", "variant": "dspark"},
     "pro-0813": {"preset": "pro", "variant": "dspark"},
+    "flash-v41": {"preset": "flash", "variant": "v41"},  # DeepSeek V4.1-Flash (model/presets_v41.py)
 }
 
 

@@ -29,7 +29,7 @@ from dsv4.convert.serving import OVERRIDES_FILE, quant_method
 from dsv4.convert.sources.hub import default_backend
 from dsv4.convert.sources.hub_protocol import HubBackend
 from dsv4.mapping.table import Table
-from dsv4.mapping.targets import TARGET_DIR, Target, require_target
+from dsv4.mapping.targets import TARGET_DIR, Target, drafter_families, require_target
 from dsv4.model.checkpoint import CONFIG
 from dsv4.model.record import ConversionRecord
 from dsv4.model.strictjson import loads
@@ -49,16 +49,18 @@ def _provenance(source: str, commit: str, table: Table) -> str:
 
 
 def _serve_block(
-    target: Target, source: str, commit: str, repo: str, drafter: str, out: Path | None
+    target: Target, source: str, commit: str, repo: str, table: Table, out: Path | None
 ) -> tuple[str, str]:
     """($beside, $serve): what the draft serves beside and the commands; for a draft made for
     a serving target (conversion.json's "serve", OUT/serve/), that target, its route and
-    launch overrides."""
+    launch overrides. A table of one drafter family (V4.1's) names that family's platforms."""
+    drafter = table.drafter
+    family = drafter_families()[1][table.family] if table.family is not None else None
     record = ConversionRecord.find(out) if out is not None else None
     serve = record.serve if record is not None else None
     if serve is None:
         beside = f"the target model it was converted from ({source}, commit `{commit}`)"
-        return beside, serve_commands(target, source, repo, drafter)
+        return beside, serve_commands(target, source, repo, drafter, family=family)
     assert out is not None  # a record was read from it
     at = serve["target"]
     name = at.get("repo") or at.get("path")
@@ -66,7 +68,14 @@ def _serve_block(
     overrides = f"{CHECKOUT}/{OVERRIDES_FILE}" if OVERRIDES_FILE in serve.get("files", {}) else None
     config = loads((out / CONFIG).read_bytes())
     commands = serve_commands(
-        target, name, repo, drafter, route=serve["route"], overrides=overrides, quantization=quant_method(config)
+        target,
+        name,
+        repo,
+        drafter,
+        route=serve["route"],
+        overrides=overrides,
+        quantization=quant_method(config),
+        family=family,
     )
     return f"{name}{pinned}, the target it was made for (route {serve['route']}: {serve['why']})", commands
 
@@ -74,10 +83,10 @@ def _serve_block(
 def card_body(repo: str, source: str, commit: str, table: Table, target: Target, out: Path | None = None) -> str:
     """`target`'s card template filled in for `repo`, the conversion of `source` at `commit`
     (in `out`, whose records say what it serves beside)."""
-    beside, serve = _serve_block(target, source, commit, repo, table.drafter, out)
+    beside, serve = _serve_block(target, source, commit, repo, table, out)
     fields = {
         "name": repo.split("/")[1],
-        "drafter": DRAFTER_NAMES[table.drafter],
+        "drafter": drafter_families()[1][table.family].title if table.family else DRAFTER_NAMES[table.drafter],
         "source": source,
         "repo": repo,
         "commit": commit,
@@ -96,7 +105,7 @@ def model_card(
     """README.md for `repo` on `backend` (default: the Hugging Face Hub), holding the
     conversion of `source` at `commit` with `table` (in `out`)."""
     tags = [
-        "deepseek_v4",
+        "deepseek_v41" if table.family == "v41-dspark" else "deepseek_v4",
         table.drafter,
         "speculative-decoding",
         "draft-model",

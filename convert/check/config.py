@@ -18,9 +18,17 @@ from dsv4.convert.errors import CheckError
 from dsv4.convert.route_load import is_held_for_a_target
 from dsv4.mapping.errors import TableError
 from dsv4.mapping.table import Table, load_table
-from dsv4.mapping.targets import Target, bundled_target, installed_tables, installed_targets, require_target
+from dsv4.mapping.targets import (
+    Target,
+    bundled_target,
+    installed_tables,
+    installed_targets,
+    require_target,
+    serving_targets,
+)
 from dsv4.model.checkpoint import ShardHeaders
 from dsv4.model.config import ModelConfig
+from dsv4.model.layout import bundled_model_absent
 from dsv4.model.record import (
     ABSENT,
     CONVERSION_RECORD,
@@ -85,8 +93,17 @@ def layout_target(ctx: Context) -> tuple[str, Target]:
         except CheckError as exc:
             if exc.kind != "config_check":
                 raise
-            name = ctx.record.target if ctx.record is not None else bundled_target().name
-    return name, require_target(name) if name in installed_targets() else bundled_target()
+            name = ctx.record.target if ctx.record is not None else _unrecorded_target(ctx).name
+    return name, require_target(name) if name in installed_targets() else _unrecorded_target(ctx)
+
+
+def _unrecorded_target(ctx: Context) -> Target:
+    """The layout of a directory whose records name none: the bundled model's, or for a drafter it
+    has no model of (DeepSeek V4.1) the one serving target, which holds the native names."""
+    if ctx.cfg is not None and bundled_model_absent(ctx.cfg) is not None:
+        (serving,) = serving_targets()
+        return require_target(serving)
+    return bundled_target()
 
 
 def _recorded_table(ctx: Context, cfg: ModelConfig, where: str) -> tuple[Table, str]:
@@ -176,9 +193,9 @@ def _check_experts(target: Target, cfg: ModelConfig, headers: ShardHeaders, wher
                 tensor=name,
             )
     experts = {int(m.group(1)) for name in headers.tensors if (m := EXPERT_TENSOR.match(name))}
-    if target.kind.native_names and experts != set(range(cfg.n_routed_experts)):
+    if target.kind.native_names and experts != set(range(cfg.draft_routed_experts)):
         raise CheckError(
-            f"{where}: n_routed_experts = {cfg.n_routed_experts}, but the tensors hold routed experts "
+            f"{where}: {cfg.draft_experts_field} = {cfg.draft_routed_experts}, but the tensors hold routed experts "
             f"{min(experts, default=None)}..{max(experts, default=None)} ({len(experts)})",
             kind="config_check",
             path=str(where),

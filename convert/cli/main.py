@@ -76,10 +76,12 @@ def targets_command(quiet: bool, as_json: bool) -> None:
     if as_json:
         echo_json(rows)
         return
+    width = max(len(r["table"]) for r in rows)
     for r in rows:
+        family = f" (family {r['family']})" if r["family"] else ""
         click.echo(
-            f"{r['target']:8} {r['table']:12} drafter {r['drafter']:7} v{r['table_version']:4} {r['runtime']} "
-            f"({r['runtime_class']})"
+            f"{r['target']:8} {r['table']:{width}} drafter {r['drafter']:7} v{r['table_version']:4} {r['runtime']} "
+            f"({r['runtime_class']}){family}"
         )
 
 

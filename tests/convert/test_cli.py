@@ -178,6 +178,7 @@ EXPECTED = [
         "table_version": "1",
         "runtime": "vLLM 0.33.0, SGLang 0.5.23",
         "runtime_class": "vLLM DeepSeekV4MTP (xpu, nvidia, amd); SGLang DeepseekV4ForCausalLMNextN",
+        "family": None,
     },
     {
         "target": "draft",
@@ -186,6 +187,16 @@ EXPECTED = [
         "table_version": "1",
         "runtime": "vLLM 0.33.0, SGLang 0.5.23",
         "runtime_class": "vLLM DSparkDeepseekV4ForCausalLM; SGLang DeepseekV4ForCausalLMDSpark",
+        "family": None,
+    },
+    {
+        "target": "draft",
+        "table": "draft_dspark_v41",
+        "drafter": "dspark",
+        "table_version": "1",
+        "runtime": "vLLM 0.33.0, SGLang 0.5.23",
+        "runtime_class": "vLLM DSparkDeepseekV4ForCausalLM (models/deepseek_v41); SGLang DeepseekV4ForCausalLMDSpark",
+        "family": "v41-dspark",
     },
     {
         "target": "xpu",
@@ -194,6 +205,7 @@ EXPECTED = [
         "table_version": "1",
         "runtime": "vLLM 0.33.0",
         "runtime_class": "DeepSeekV4MTP",
+        "family": None,
     },
     {
         "target": "xpu",
@@ -202,6 +214,7 @@ EXPECTED = [
         "table_version": "1",
         "runtime": "vLLM 0.33.0",
         "runtime_class": "DSparkDeepseekV4ForCausalLM",
+        "family": None,
     },
 ]
 
@@ -212,12 +225,14 @@ def test_targets_lists_each_table_with_its_drafter_version_and_runtime(monkeypat
     assert json.loads(out) == EXPECTED
     code, out, _ = run_main(monkeypatch, capsys, "targets")
     assert code == 0 and out.splitlines() == [
-        "draft    draft        drafter mtp     v1    vLLM 0.33.0, SGLang 0.5.23 (vLLM DeepSeekV4MTP (xpu, nvidia, "
+        "draft    draft            drafter mtp     v1    vLLM 0.33.0, SGLang 0.5.23 (vLLM DeepSeekV4MTP (xpu, nvidia, "
         "amd); SGLang DeepseekV4ForCausalLMNextN)",
-        "draft    draft_dspark drafter dspark  v1    vLLM 0.33.0, SGLang 0.5.23 (vLLM DSparkDeepseekV4ForCausalLM; "
+        "draft    draft_dspark     drafter dspark  v1    vLLM 0.33.0, SGLang 0.5.23 (vLLM DSparkDeepseekV4ForCausalLM; "
         "SGLang DeepseekV4ForCausalLMDSpark)",
-        "xpu      xpu          drafter mtp     v1    vLLM 0.33.0 (DeepSeekV4MTP)",
-        "xpu      xpu_dspark   drafter dspark  v1    vLLM 0.33.0 (DSparkDeepseekV4ForCausalLM)",
+        "draft    draft_dspark_v41 drafter dspark  v1    vLLM 0.33.0, SGLang 0.5.23 (vLLM DSparkDeepseekV4ForCausalLM "
+        "(models/deepseek_v41); SGLang DeepseekV4ForCausalLMDSpark) (family v41-dspark)",
+        "xpu      xpu              drafter mtp     v1    vLLM 0.33.0 (DeepSeekV4MTP)",
+        "xpu      xpu_dspark       drafter dspark  v1    vLLM 0.33.0 (DSparkDeepseekV4ForCausalLM)",
     ]
 
 

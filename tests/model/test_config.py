@@ -121,7 +121,8 @@ PATHOLOGIES = {
         18,
         "num_nextn_predict_layers is 10000000; expected an integer in 0..16",
     ),
-    "v4.1": (tiny_json(model_type="deepseek_v41"), 35, "model_type 'deepseek_v41' (DeepSeek V4.1"),
+    # V4's MTP fields under V4.1's model_type: V4.1's only drafter is DSpark
+    "v4.1": (tiny_json(model_type="deepseek_v41"), 35, "a DeepSeek V4.1 config without dspark_* fields"),
 }
 
 
@@ -328,7 +329,7 @@ REFUSALS = [
         set_field("model_type", "llama"),
         "unsupported_layout",
         "model_type",
-        "model_type 'llama'; this tool converts 'deepseek_v4' checkpoints only",
+        "model_type 'llama'; this tool converts 'deepseek_v4' and 'deepseek_v41' checkpoints only",
     ),
     (
         set_field("num_nextn_predict_layers", 0),

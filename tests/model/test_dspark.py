@@ -147,17 +147,6 @@ def test_an_n_mtp_layers_that_agrees_is_accepted():
     assert ModelConfig.from_dict(raw).dspark_stages == 3
 
 
-def test_v41_is_refused_with_its_own_message():
-    raw = config_0731()
-    raw["model_type"] = "deepseek_v41"
-    with pytest.raises(
-        CheckpointError,
-        match=r"model_type 'deepseek_v41' \(DeepSeek V4\.1: the verified vLLM has no XPU draft model for it",
-    ) as raised:
-        ModelConfig.from_dict(raw)
-    assert raised.value.kind == "unsupported_layout"
-
-
 # --- layout (mapping/README.md#xpu-dspark-layout) -----------------------------------------
 def test_the_0731_layout_is_exactly_the_98_parameters_of_spec_04():
     cfg = ModelConfig.from_dict(config_0731())

@@ -1,0 +1,180 @@
+"""DeepSeek V4.1's DSpark drafter to `--target draft` (mapping/draft_dspark_v41.toml): config.json
+nested and kept byte for byte, the 32x32 UE8M0 block scales kept as they are, and every way a
+source can differ from the drafter vLLM builds refused in one line naming the tensor (vLLM's
+loader would skip it, or leave a parameter uninitialised, without a word)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from inprocess import run_main
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from dsv4.convert.batch.card import card_body
+from dsv4.convert.pipeline import convert
+from dsv4.convert.synth import write_checkpoint
+from dsv4.mapping.table import load_table
+from dsv4.mapping.targets import require_target
+from dsv4.model.checkpoint import INDEX_NAME, Checkpoint
+from dsv4.model.storage import ceil_div
+
+Tensors = dict[str, torch.Tensor]
+
+
+@pytest.fixture(scope="module")
+def v41(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_checkpoint(tmp_path_factory.mktemp("v41") / "src", preset="tiny", variant="v41")
+
+
+@pytest.fixture(scope="module")
+def converted(v41: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("v41-out") / "draft"
+    convert(v41, out, target="draft")
+    return out
+
+
+def _raw(root: Path, name: str) -> bytes:
+    """Tensor `name`'s stored bytes in checkpoint `root`."""
+    with safe_open(root / Checkpoint(root).headers.tensors[name].file, framework="pt") as f:
+        return f.get_tensor(name).view(torch.uint8).numpy().tobytes()
+
+
+def _edited(v41: Path, out: Path, edit: Callable[[Tensors], None]) -> Path:
+    """A copy of `v41` whose stage-0 shard is rewritten after `edit` changed its tensors."""
+    shutil.copytree(v41, out)
+    index = json.loads((out / INDEX_NAME).read_text())
+    shard = index["weight_map"]["mtp.0.main_proj.weight"]
+    tensors = load_file(out / shard)
+    edit(tensors)
+    save_file(tensors, out / shard, metadata={"format": "pt"})
+    others = {n: f for n, f in index["weight_map"].items() if f != shard}
+    index["weight_map"] = {**others, **dict.fromkeys(tensors, shard)}
+    (out / INDEX_NAME).write_text(json.dumps(index))
+    return out
+
+
+def test_a_v41_draft_keeps_config_json_and_its_32x32_e8m0_scales_byte_for_byte(v41: Path, converted: Path) -> None:
+    assert (converted / "config.json").read_bytes() == (v41 / "config.json").read_bytes()
+    held = Checkpoint(converted).headers.tensors
+    scales = [n for n in held if n.endswith(".scale") and ".experts." not in n]
+    assert len(scales) == 3 * 8 + 1  # per stage wq_a, wq_b, wkv, wo_a, wo_b, shared w1-w3; main_proj
+    for name in scales:
+        weight = held[name.removesuffix(".scale") + ".weight"]
+        rows, cols = weight.shape
+        assert (held[name].dtype, held[name].shape) == ("F8_E8M0", (ceil_div(rows, 32), ceil_div(cols, 32)))
+        assert _raw(converted, name) == _raw(v41, name)
+
+
+def test_a_v41_draft_is_the_drafter_vllm_builds(converted: Path) -> None:
+    held = Checkpoint(converted).headers.tensors
+    for s in range(3):  # 4 experts per stage (dspark_n_routed_experts), not the main model's 8
+        assert {n.split(".")[4] for n in held if n.startswith(f"mtp.{s}.ffn.experts.")} == {"0", "1", "2", "3"}
+        assert held[f"mtp.{s}.ffn.gate.bias_vl"].shape == held[f"mtp.{s}.ffn.gate.bias"].shape == (4,)
+    assert {"mtp.2.markov_head.embed.weight", "mtp.2.markov_head.head.weight"} <= held.keys()
+    assert not [n for n in held if "hc_head" in n or "markov_w" in n]
+
+
+def test_check_verifies_a_v41_draft_and_says_it_has_no_smoke(converted: Path, monkeypatch, capsys) -> None:
+    code, out, _ = run_main(monkeypatch, capsys, "check", converted, "--smoke")
+    assert code == 0
+    assert "PASS layout    all 171 tensors of the draft layout present with their shapes and dtypes" in out
+    assert "SKIP smoke     DeepSeek V4.1 has no bundled draft model yet" in out
+
+
+def test_check_names_what_a_v41_draft_lacks_adds_or_reshapes(
+    converted: Path, tmp_path: Path, monkeypatch, capsys
+) -> None:
+    broken = tmp_path / "broken"
+    shutil.copytree(converted, broken)
+    shard = broken / "model-00001-of-00001.safetensors"
+    tensors = load_file(shard)
+    del tensors["mtp.1.ffn.gate.bias_vl"]
+    tensors["mtp.0.ffn.experts.4.w1.weight"] = tensors["mtp.0.ffn.experts.3.w1.weight"].clone()
+    tensors["mtp.2.attn.wkv.scale"] = tensors["mtp.2.attn.wkv.scale"][:1].clone()  # a 128-row grid
+    save_file(tensors, shard, metadata={"format": "pt"})
+    index = {"weight_map": dict.fromkeys(tensors, shard.name)}
+    (broken / INDEX_NAME).write_text(json.dumps(index))
+    code, out, _ = run_main(monkeypatch, capsys, "check", broken)
+    (layout,) = [line for line in out.splitlines() if line.startswith("  FAIL layout")]
+    assert code != 0 and "1 missing: mtp.1.ffn.gate.bias_vl" in layout
+    assert "mtp.0.ffn.experts.4.w1.weight" in layout and "mtp.2.attn.wkv.scale is [1, 8]" in layout
+
+
+def test_plan_names_the_v41_drafter_its_method_and_releases(v41: Path, monkeypatch, capsys) -> None:
+    code, out, _ = run_main(monkeypatch, capsys, "plan", v41, "--target", "draft")
+    assert code == 0
+    assert "(table draft_dspark_v41 v1)" in out and "drafter:              DeepSeek V4.1 DSpark" in out
+    assert (
+        """# vLLM 0.33.0 (CUDA, ROCm)\n    vllm serve TARGET --speculative-config '{"method":"dspark","model":"OUT"}'"""
+        in out
+    )
+    assert (
+        "# SGLang 0.5.23\n    python -m sglang.launch_server --model-path TARGET --speculative-algorithm DSPARK" in out
+    )
+
+
+def _drop(name: str) -> Callable[[Tensors], None]:
+    return lambda tensors: tensors.pop(name)
+
+
+def _extra_expert(tensors: Tensors) -> None:  # a fifth expert in stage 0: past dspark_n_routed_experts = 4
+    for leaf in ("w1.weight", "w1.scale", "w2.weight", "w2.scale", "w3.weight", "w3.scale"):
+        tensors[f"mtp.0.ffn.experts.4.{leaf}"] = tensors[f"mtp.0.ffn.experts.3.{leaf}"].clone()
+
+
+def _regridded(tensors: Tensors) -> None:  # wq_a [128, 256] on a 128x128 grid: [1, 2]
+    tensors["mtp.0.attn.wq_a.scale"] = tensors["mtp.0.attn.wq_a.scale"][:1, :2].clone()
+
+
+def _f32(tensors: Tensors) -> None:  # the same grid as F32 values, as V4 Base stores its scales
+    tensors["mtp.0.attn.wq_a.scale"] = tensors["mtp.0.attn.wq_a.scale"].float()
+
+
+REFUSALS = {
+    "dropped": (
+        _drop("mtp.0.ffn.gate.bias_vl"),
+        32,
+        "its source tensor mtp.0.ffn.gate.bias_vl is not in the checkpoint",
+    ),
+    "expert-past-bound": (
+        _extra_expert,
+        35,
+        "tensor mtp.0.ffn.experts.4.w1.scale: index 4 but config.json has dspark_n_routed_experts = 4",
+    ),
+    "regridded": (
+        _regridded,
+        33,
+        "tensor mtp.0.attn.wq_a.scale: F8_E8M0[1, 2] but config.json (instruct, weight_block_size [32, 32]) implies "
+        "F8_E8M0[4, 8]",
+    ),
+    "f32-scale": (_f32, 33, "tensor mtp.0.attn.wq_a.scale: F32[4, 8] but config.json (instruct, weight_block_size"),
+}
+
+
+@pytest.mark.parametrize("case", REFUSALS)
+def test_a_v41_source_unlike_its_drafter_is_refused_in_one_line(
+    v41: Path, tmp_path: Path, case: str, monkeypatch, capsys
+) -> None:
+    edit, code, said = REFUSALS[case]
+    source = _edited(v41, tmp_path / "src", edit)
+    got, out, err = run_main(monkeypatch, capsys, "plan", source, "--target", "draft")
+    assert (got, out, err.count("\n")) == (code, "", 1) and said in err
+
+
+def test_xpu_refuses_v41_and_points_to_draft(v41: Path, monkeypatch, capsys) -> None:
+    code, _, err = run_main(monkeypatch, capsys, "plan", v41, "--target", "xpu")
+    assert code == 35 and err.count("\n") == 1
+    assert "vLLM 0.33.0 has no XPU model for DeepSeek V4.1" in err and "--target draft serves it" in err
+
+
+def test_the_model_card_of_a_v41_draft_serves_it_with_dspark_on_cuda_and_rocm() -> None:
+    body = card_body("org/v41-draft", "org/v41", "abc", load_table("draft_dspark_v41"), require_target("draft"))
+    assert "The DeepSeek V4.1 DSpark (model_type deepseek_v41, text_config nested) draft model" in body
+    assert """# vLLM 0.33.0 (CUDA, ROCm)\nvllm serve org/v41 --speculative-config '{"method":"dspark",""" in body
+    assert "--speculative-algorithm DSPARK --speculative-draft-model-path org/v41-draft" in body
