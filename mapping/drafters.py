@@ -12,9 +12,10 @@ The markers (mapping/README.md#drafter-families):
   vision tensors; Pro-0813's on Pro's main model; 0731's otherwise. Pro's main model is told from
   Flash's by its first two layers, compressed at ratio 128 where Flash's two are sliding-window
   only (compress_ratios opens [128, 128] in V4-Pro's config.json, model/presets.py, and in the
-  third-party copies of Pro-0813's; [0, 0] in V4-Flash's and Flash-0731's). That mark holds at
-  any size, so a tiny Pro-0813 is told apart as the release is; the stage placement would not do:
-  both releases put their stages on their last three layers (40-42 of 43, 58-60 of 61).
+  one third-party copy of Pro-0813's that lists them; [0, 0] in V4-Flash's and Flash-0731's).
+  That mark holds at any size, so a tiny Pro-0813 is told apart as the release is; the stage
+  placement would not do: both releases put their stages on their last three layers (40-42 of
+  43, 58-60 of 61).
 """
 
 from __future__ import annotations
