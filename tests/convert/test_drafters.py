@@ -320,6 +320,7 @@ def test_a_tiny_pro_0813_converts_to_each_target_and_checks_against_the_referenc
     code, text, err = run_main(monkeypatch, capsys, "check", xpu, "--fast")
     assert code == 0, text + err
     assert "  PASS layout " in text and "DSpark stage layer(s) [0, 1, 2]" in text
+    assert "  drafter:              DeepSeek V4-Pro-0813 DSpark (on V4-Pro's main model)\n" in text
 
 
 @pytest.mark.parametrize(
