@@ -49,7 +49,7 @@ from dsv4.model.presets import Variant, preset_config, with_variant
 from dsv4.model.storage import DENSE_LINEAR, ExpertStorage
 
 # what `synth` writes without --preset: tiny, except for the dspark variant, which is the
-# V4-Flash-0731 release (there is no other DSpark release)
+# V4-Flash-0731 release (the first DSpark release; `--preset pro` is V4-Pro-0813)
 DEFAULT_PRESET, DSPARK_DEFAULT_PRESET = "tiny", "flash"
 CHUNK_BYTES = 1 << 20  # output bytes generated per write; temporaries stay within ~32x this
 SHARD_METADATA = {"format": "pt"}  # what the released shards carry

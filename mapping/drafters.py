@@ -8,8 +8,14 @@ The markers (mapping/README.md#drafter-families):
 - The other families are `deepseek_v4`. Without dspark_* fields it is an MTP drafter, Base's when
   its experts are stored as Base releases store them (model/storage.py); with them a DSpark one:
   Vision-Exp's when the model has a vision tower (`vision_n_layers` > 0, which makes vLLM create a
-  `gate.bias_vl` per MoE, deepseek_v4/nvidia/model.py:309-317) or the tensors carry one of the
-  vision tensors; Pro-0813's at Pro's dimensions (model/presets.py); 0731's otherwise.
+  `gate.bias_vl` per MoE, deepseek_v4/nvidia/model.py:311-318) or the tensors carry one of the
+  vision tensors; Pro-0813's on Pro's main model; 0731's otherwise. Pro's main model is told from
+  Flash's by its first two layers, compressed at ratio 128 where Flash's two are sliding-window
+  only (compress_ratios opens [128, 128] in V4-Pro's config.json, model/presets.py, and in the
+  one third-party copy of Pro-0813's that lists them; [0, 0] in V4-Flash's and Flash-0731's).
+  That mark holds at any size, so a tiny Pro-0813 is told apart as the release is; the stage
+  placement would not do: both releases put their stages on their last three layers (40-42 of
+  43, 58-60 of 61).
 """
 
 from __future__ import annotations
@@ -31,12 +37,17 @@ BASE_RELEASE = "base"  # model/storage.py's release kind of Base's expert storag
 # router bias for image tokens each draft stage carries (model/README.md has no vision model)
 VISION_TENSOR = re.compile(r"(vision\.|aligner\.|image_|mtp\.\d+\.ffn\.gate\.bias_vl$)")
 DEFAULT_EXPERT_DTYPE = next(f.default for f in fields(ModelConfig) if f.name == FIELD)  # absent or null
-PRO_DIMS = ("hidden_size", "num_hidden_layers")  # what sets Pro apart from Flash in its release config
+PRO_LEADING_RATIOS = PRESETS["pro"]["compress_ratios"][:2]  # [128, 128]; Flash's [0, 0]
 
 
 def _has_vision(config: Mapping[str, Any], names: Iterable[str]) -> bool:
     layers = config.get("vision_n_layers")
     return (type(layers) is int and layers > 0) or any(VISION_TENSOR.match(n) for n in names)
+
+
+def _on_pro(config: Mapping[str, Any]) -> bool:
+    ratios = config.get("compress_ratios")
+    return isinstance(ratios, list) and ratios[: len(PRO_LEADING_RATIOS)] == PRO_LEADING_RATIOS
 
 
 def identify_drafter(config: Mapping[str, Any], names: Iterable[str], block: re.Pattern[str]) -> str | None:
@@ -61,6 +72,6 @@ def _family(config: Mapping[str, Any], names: list[str]) -> str | None:
         return "base-mtp" if storage is not None and storage.release == BASE_RELEASE else "v4-mtp"
     if _has_vision(config, names):
         return "vision-exp"
-    if all(config.get(f) == PRESETS["pro"][f] for f in PRO_DIMS):
+    if _on_pro(config):
         return "pro-0813"
     return "dspark-0731"

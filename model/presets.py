@@ -153,8 +153,48 @@ _TINY_DSPARK: dict[str, Any] = {
     "dspark_markov_rank": 32,
 }
 
-# The DSpark release of each preset (no preset replicates Pro-0813 yet)
-DSPARK_PRESETS: dict[str, dict[str, Any]] = {"flash": _FLASH_0731, "tiny": _TINY_DSPARK}
+# DeepSeek-V4-Pro-0813: V4-Pro's main model with a three-stage DSpark drafter on its last three
+# layers. No release config.json was read here; its DSpark fields are those third-party copies
+# give (vLLM's and mlx-vlm's test fixtures, an SGLang write-up quoting the release file):
+# num_hidden_layers 61, dspark_target_layer_ids [58, 59, 60], dspark_markov_rank 512,
+# dspark_noise_token_id 128799, dspark_block_size 5, num_nextn_predict_layers 1, and V4-Pro's
+# hidden_size, heads, q_lora_rank, o_groups, experts and moe_intermediate_size. compress_ratios
+# as one third-party copy gives it: V4-Pro's, but layers 58-60 all at ratio 4, then one 0 per
+# stage (64 entries). Every other field is V4-Pro's.
+_PRO_0813: dict[str, Any] = {
+    **_PRO,
+    "compress_ratios": [128, 128] + [4, 128] * 28 + [4, 4, 4] + [0, 0, 0],
+    "dspark_block_size": 5,
+    "dspark_noise_token_id": 128799,
+    "dspark_target_layer_ids": [58, 59, 60],
+    "dspark_markov_rank": 512,
+}
+
+# Tiny's Pro-0813 sibling: tiny dims in Pro-0813's shape. Its main model opens with V4-Pro's two
+# layers compressed at ratio 128 (what tells Pro's main model from Flash's, mapping/drafters.py);
+# its three stages sit on the last three of five main layers, not on every layer as tiny 0731's
+# do; its Markov rank is twice tiny 0731's, as 512 is 256's; and where Pro is wider than Flash
+# (heads, output groups, experts, expert width) it is wider than tiny, so no Flash-sized count
+# can hide in a table.
+_TINY_PRO_0813: dict[str, Any] = {
+    **_TINY_DSPARK,
+    "num_hidden_layers": 5,
+    "compress_ratios": [128, 128, 4, 4, 4, 0, 0, 0],
+    "dspark_target_layer_ids": [2, 3, 4],
+    "dspark_markov_rank": 64,
+    "num_attention_heads": 8,
+    "o_groups": 4,
+    "n_routed_experts": 12,
+    "moe_intermediate_size": 256,
+}
+
+# The DSpark release of each preset: flash V4-Flash-0731, pro V4-Pro-0813, and their tiny siblings
+DSPARK_PRESETS: dict[str, dict[str, Any]] = {
+    "flash": _FLASH_0731,
+    "pro": _PRO_0813,
+    "tiny": _TINY_DSPARK,
+    "tiny-pro": _TINY_PRO_0813,
+}
 
 # Tiny's V4-Flash-Vision-Exp sibling: DSpark with a vision tower, which gives every router a
 # gate.bias_vl (model/native.py); the tower's own size is no field this tool reads.
@@ -162,6 +202,8 @@ _TINY_VISION: dict[str, Any] = {**_TINY_DSPARK, "vision_n_layers": 2}
 VISION_PRESETS: dict[str, dict[str, Any]] = {"tiny": _TINY_VISION}
 PRESETS_OF_VARIANT = {"dspark": DSPARK_PRESETS, "vision": VISION_PRESETS, "v41": V41_PRESETS}  # else: PRESETS
 DSPARK_FIELDS = ("dspark_block_size", "dspark_noise_token_id", "dspark_target_layer_ids", "dspark_markov_rank")
+# every preset name some variant has (what `synth --preset` accepts)
+PRESET_NAMES = tuple(sorted({name for presets in (PRESETS, *PRESETS_OF_VARIANT.values()) for name in presets}))
 
 
 def with_variant(config: dict[str, Any], variant: Variant) -> dict[str, Any]:
@@ -186,7 +228,8 @@ def with_variant(config: dict[str, Any], variant: Variant) -> dict[str, Any]:
 
 def preset_config(name: str, variant: Variant = "instruct") -> dict[str, Any]:
     """The full config.json of preset `name` for `variant` (a fresh copy: callers may edit it).
-    The dspark variant is the preset's DSpark release (flash: V4-Flash-0731), vision its
+    The dspark variant is the preset's DSpark release (flash: V4-Flash-0731, pro: V4-Pro-0813;
+    tiny-pro is tiny's Pro-0813 sibling and has no other variant), vision its
     V4-Flash-Vision-Exp release (tiny only), v41 its DeepSeek V4.1 release (model/presets_v41.py)."""
     presets = PRESETS_OF_VARIANT.get(variant, PRESETS)
     if name not in presets:

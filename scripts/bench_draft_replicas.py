@@ -1,7 +1,8 @@
 """Benchmark: `--target draft` of the full-size sparse replicas (Flash MTP, the 0731 DSpark
-drafter and V4.1-Flash's), from disk and from the test suite's fake hub, bytes read against the plan's.
+drafter, V4-Pro-0813's and V4.1-Flash's), from disk and from the test suite's fake hub, bytes
+read against the plan's.
 
-    .venv/bin/python scripts/bench_draft_replicas.py [--work DIR]
+    .venv/bin/python scripts/bench_draft_replicas.py [--work DIR] [--replica NAME ...]
 
 Each replica is `synth --sparse --main-layers all` (headers real, tensor data file holes
 that read as zeros: 160 GB logical for Flash, written once into DIR). The conversion reads
@@ -28,6 +29,7 @@ from dsv4.convert.synth import write_checkpoint  # noqa: E402
 REPLICAS = {
     "flash": {"preset": "flash", "variant": "instruct"},
     "flash-0731": {"preset": "flash", "variant": "dspark"},
+    "pro-0813": {"preset": "pro", "variant": "dspark"},
     "flash-v41": {"preset": "flash", "variant": "v41"},  # DeepSeek V4.1-Flash (model/presets_v41.py)
 }
 
@@ -45,8 +47,10 @@ def convert(source: str, out: Path, env: dict[str, str]) -> dict[str, object]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--work", type=Path, default=Path("out/bench"))
+    ap.add_argument("--replica", choices=REPLICAS, action="append", help="only this replica (repeatable; default all)")
     args = ap.parse_args()
-    for name, how in REPLICAS.items():
+    for name in args.replica or REPLICAS:
+        how = REPLICAS[name]
         src = args.work / f"{name}-sparse-all"
         if not (src / "config.json").exists():
             write_checkpoint(src, preset=how["preset"], variant=how["variant"], main_layers="all", sparse=True)

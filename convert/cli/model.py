@@ -17,7 +17,7 @@ from dsv4.convert.cli.common import (
 )
 from dsv4.model.memory import refuse_unless_torch_fits
 from dsv4.model.parity import MIN_TOP1, SMOKE_TOKENS
-from dsv4.model.presets import PRESETS, VARIANTS
+from dsv4.model.presets import PRESET_NAMES, VARIANTS
 
 
 @click.command("check")
@@ -250,8 +250,9 @@ def _main_layers_arg(ctx: click.Context, param: click.Parameter, value: str) -> 
 @click.argument("out", type=click.Path(file_okay=False, path_type=Path))
 @click.option(
     "--preset",
-    type=click.Choice(sorted(PRESETS)),
-    help="Released config to replicate (default tiny; with --variant dspark: flash, i.e. V4-Flash-0731).",
+    type=click.Choice(PRESET_NAMES),
+    help="Released config to replicate (default tiny; with --variant dspark: flash, i.e. V4-Flash-0731; "
+    "pro with it is V4-Pro-0813, tiny-pro its tiny sibling).",
 )
 @click.option(
     "--config",

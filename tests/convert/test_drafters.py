@@ -56,19 +56,14 @@ def _reexport(native: Path, out: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def families(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """One tiny checkpoint per family (the refused ones differ from tiny DSpark in config.json
-    or a few tensor names alone: identification reads nothing else)."""
+    """One tiny checkpoint per family (Vision-Exp's and V4.1's differ from tiny DSpark in config.json
+    alone: identification reads nothing else; Pro-0813's is the tiny-pro preset's)."""
     root = tmp_path_factory.mktemp("families")
     out = {v: write_checkpoint(root / v, preset="tiny", variant=v) for v in ("instruct", "base", "dspark")}
     dspark = _config(out["dspark"])
     out["vision"] = _sibling(out["dspark"], root / "vision", {**dspark, "vision_n_layers": 2})
     out["v41"] = write_checkpoint(root / "v41", preset="tiny", variant="v41")
-    pro_0813 = {
-        **preset_config("pro"),
-        **{k: v for k, v in dspark.items() if k.startswith("dspark_")},
-        "dspark_target_layer_ids": [58, 59, 60],
-    }
-    out["pro"] = _sibling(out["dspark"], root / "pro", pro_0813)
+    out["pro"] = write_checkpoint(root / "pro", preset="tiny-pro", variant="dspark")
     out["reexport"] = _reexport(out["instruct"], root / "reexport")
     return out
 
@@ -108,6 +103,16 @@ SERVED = [
         "vLLM 0.26.0-0.33.0 (XPU, CUDA, ROCm)",
         '"method":"dspark"',
         "SGLang 0.5.16-0.5.23",
+        "DSPARK",
+    ),
+    # no release range: only the versions this tool's loaders ran against (mapping/targets/draft.toml)
+    (
+        "pro",
+        "pro-0813",
+        "DeepSeek V4-Pro-0813 DSpark (on V4-Pro's main model)",
+        "vLLM 0.33.0 (XPU, CUDA, ROCm)",
+        '"method":"dspark"',
+        "SGLang 0.5.23",
         "DSPARK",
     ),
 ]
@@ -152,8 +157,6 @@ REFUSED = [
         "vLLM 0.33.0 has no XPU model for DeepSeek V4.1 (models/deepseek_v41/ has nvidia/ and amd/ only); --target "
         "draft serves it",
     ),
-    ("pro", "draft", "DeepSeek V4-Pro-0813 DSpark", "no DSpark draft has been converted or tested at Pro's dimensions"),
-    ("pro", "xpu", "DeepSeek V4-Pro-0813 DSpark", "no DSpark draft has been converted or tested at Pro's dimensions"),
 ]
 
 
@@ -267,6 +270,20 @@ def test_each_family_is_told_apart_from_its_config_and_names() -> None:
     assert identify_drafter(dspark, [*names, "aligner.proj.weight"], NATIVE_BLOCK) == "vision-exp"
     assert identify_drafter({**dspark, "vision_n_layers": 0}, names, NATIVE_BLOCK) == "dspark-0731"
     assert identify_drafter({"model_type": "deepseek_v41", "text_config": {}}, names, NATIVE_BLOCK) == "v41-dspark"
+    # Pro-0813 by its main model, V4-Pro's (its first two layers compressed at 128), at any size
+    assert identify_drafter(preset_config("pro", "dspark"), names, NATIVE_BLOCK) == "pro-0813"
+    assert identify_drafter(preset_config("tiny-pro", "dspark"), names, NATIVE_BLOCK) == "pro-0813"
+    assert identify_drafter(preset_config("flash", "dspark"), names, NATIVE_BLOCK) == "dspark-0731"
+    assert identify_drafter(preset_config("pro"), names, NATIVE_BLOCK) == "v4-mtp"  # V4-Pro's own MTP drafter
+    # neither Pro-0813's stage placement nor its Markov rank makes a drafter on Flash's main model Pro's
+    flash_0731 = preset_config("flash", "dspark")
+    on_flash = {**flash_0731, "dspark_markov_rank": 512, "dspark_target_layer_ids": [40, 41, 42]}
+    assert identify_drafter(on_flash, names, NATIVE_BLOCK) == "dspark-0731"
+    assert identify_drafter({**preset_config("tiny-pro", "dspark"), "vision_n_layers": 2}, names, NATIVE_BLOCK) == (
+        "vision-exp"
+    )
+    for ratios in ("128, 128", None, [128]):  # malformed or short: the config loader judges it, after
+        assert identify_drafter({**dspark, "compress_ratios": ratios}, names, NATIVE_BLOCK) == "dspark-0731"
     # no draft block under the layout's names: none, whatever the config says
     assert identify_drafter(dspark, ["layers.0.attn.wkv.weight", "embed.weight"], NATIVE_BLOCK) == NO_DRAFTER
     assert identify_drafter({"model_type": "llama"}, names, NATIVE_BLOCK) is None
@@ -274,6 +291,36 @@ def test_each_family_is_told_apart_from_its_config_and_names() -> None:
     assert identify_drafter(dspark, ["model.layers.0.attn.wkv.weight"], LAYOUT_KINDS["bundled"].block) == "dspark-0731"
     # every family identification names is in the registry, with its serve commands' kind
     assert set(drafter_families()[1]) == {"v4-mtp", "base-mtp", "dspark-0731", "pro-0813", "vision-exp", "v41-dspark"}
+
+
+def test_a_tiny_pro_0813_converts_to_each_target_and_checks_against_the_reference(
+    families, tmp_path, monkeypatch, capsys
+) -> None:
+    """Pro-0813 in Pro-0813's shape (stages on the last three of more layers, its own Markov rank,
+    more heads, groups and experts than tiny): the draft keeps every mtp.* tensor and runs in the
+    bundled model as the independent reference does; the xpu output is the DSpark XPU model's 98
+    parameters, each of the shape its layout gives at these dimensions."""
+    from dsv4.convert.pipeline import convert
+    from dsv4.convert.sources.inventory import read_inventory
+
+    source = families["pro"]
+    draft = convert(source, tmp_path / "draft", target="draft").out
+    native = read_inventory(source).tensors
+    assert set(read_inventory(draft).tensors) == {n for n in native if n.startswith("mtp.")} | {
+        "embed.weight",
+        "head.weight",
+    }
+    assert (draft / "config.json").read_bytes() == (source / "config.json").read_bytes()
+    code, text, err = run_main(monkeypatch, capsys, "check", draft, "--native", source)
+    assert code == 0, text + err
+    assert "  drafter:              DeepSeek V4-Pro-0813 DSpark (on V4-Pro's main model)\n" in text
+    assert "  PASS native " in text and "top-1 agreement 1.000" in text
+    xpu = convert(source, tmp_path / "xpu", target="xpu").out
+    assert len(read_inventory(xpu).tensors) == 98
+    code, text, err = run_main(monkeypatch, capsys, "check", xpu, "--fast")
+    assert code == 0, text + err
+    assert "  PASS layout " in text and "DSpark stage layer(s) [0, 1, 2]" in text
+    assert "  drafter:              DeepSeek V4-Pro-0813 DSpark (on V4-Pro's main model)\n" in text
 
 
 @pytest.mark.parametrize(

@@ -250,13 +250,18 @@ def test_dspark_variant_of_each_preset(tmp_path: Path) -> None:
     )
     # 6 top-level + 3 stages x (29 + 6 x 8 experts) + 3 (stage 0) + 7 (last stage); embed, top, one file per stage
     assert result.exit_code == 0 and result.output.startswith("synth: 247 tensors in 5 files,"), result.output
+    # pro's DSpark release is V4-Pro-0813: 6 top-level + 3 x (29 + 6 x 384) + 3 + 7
     result = CliRunner().invoke(
         cli, ["synth", str(tmp_path / "p"), "--preset", "pro", "--variant", "dspark", "--sparse"]
     )
+    assert result.exit_code == 0 and result.output.startswith("synth: 7015 tensors in 5 files,"), result.output
+    assert json.loads((tmp_path / "p" / "config.json").read_text())["dspark_target_layer_ids"] == [58, 59, 60]
+    # tiny-pro is tiny's Pro-0813 sibling, a DSpark release only
+    result = CliRunner().invoke(cli, ["synth", str(tmp_path / "i"), "--preset", "tiny-pro", "--sparse"])
     assert (
         result.exit_code == 2
-        and "unknown preset 'pro' for variant dspark" in result.output
-        and not (tmp_path / "p").exists()
+        and "unknown preset 'tiny-pro' for variant instruct" in result.output
+        and not (tmp_path / "i").exists()
     )
 
 

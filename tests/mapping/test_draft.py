@@ -414,6 +414,26 @@ def test_the_full_size_0731_replica_plans_its_stages_with_the_confidence_head(tm
     assert plan.files_needed == [f"model-000{k:02d}-of-00048.safetensors" for k in (1, 45, 46, 47, 48)]
 
 
+def test_the_full_size_pro_0813_replica_plans_every_stage_tensor_from_the_stage_shards(tmp_path: Path) -> None:
+    """V4-Pro-0813 at release size (its main layers left out: planning skips them by name): 7,009
+    mtp.* tensors of 41,979,375,900 bytes, with embed and head 3,706,716,160 more; the xpu layout
+    is the same bytes less the 15,360-byte confidence head it skips (bf16 [1, 7168 + 512]), among
+    them one [384, 6144, 3584] uint8 w13 stack of 8,455,716,864 bytes per stage."""
+    ckpt = write_checkpoint(tmp_path / "0813", preset="pro", variant="dspark", sparse=True)
+    inv = read_inventory(ckpt)
+    plan = plan_conversion(inv, choose_table("draft", inv))
+    mtp = [t for t in plan.tensors if t.name.startswith("mtp.")]
+    assert (plan.table, len(mtp), sum(t.nbytes for t in mtp)) == ("draft_dspark", 7_009, 41_979_375_900)
+    assert plan.bytes_to_write - sum(t.nbytes for t in mtp) == 3_706_716_160
+    assert plan.files_needed == [f"model-0000{k}-of-00005.safetensors" for k in range(1, 6)]
+    xpu = plan_conversion(inv, choose_table("xpu", inv))
+    assert (len(xpu.tensors), plan.bytes_to_write - xpu.bytes_to_write) == (98, 15_360)
+    stacks = {t.name: (t.dtype, t.shape) for t in xpu.tensors if t.name.endswith("routed_experts.w13_weight")}
+    assert stacks == {
+        f"model.layers.{s}.ffn.experts.routed_experts.w13_weight": ("U8", (384, 6144, 3584)) for s in range(3)
+    }
+
+
 def test_a_compressed_tensors_draft_keeps_native_names_and_check_resolves_them_through_the_xpu_table(
     tmp_path: Path,
 ) -> None:
