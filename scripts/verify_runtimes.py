@@ -166,6 +166,7 @@ from runtime_loaders.sglang_runs import SGLANG_CUTS, verify_sglang  # noqa: E402
 from runtime_loaders.vllm_runs import SERVE_ONLY, VLLM_CUTS, verify_vllm  # noqa: E402
 from runtime_loaders.wheels import (  # noqa: E402
     DEFAULT_WHEELS,
+    PINNED,
     WHEELS,
     WHEELS_ENV,
     Wheel,
@@ -181,6 +182,7 @@ from dsv4.model.errors import DSV4Error  # noqa: E402
 # download calls) are imported here only for it.
 __all__ = [
     "DEFAULT_WHEELS",
+    "PINNED",
     "WHEELS",
     "WHEELS_ENV",
     "Recorder",
@@ -201,9 +203,18 @@ __all__ = [
 ]
 
 
-def verify(draft: Path, expected: Path, native: Path, wheels: Path, loaders: list[str] | None = None) -> list[Report]:
+def verify(
+    draft: Path,
+    expected: Path,
+    native: Path,
+    wheels: Path,
+    loaders: list[str] | None = None,
+    versions: dict[str, str] | None = None,
+) -> list[Report]:
     """Every applicable loader's report on `draft` (MTP loaders for an MTP config, the DSpark
-    loaders for a config with dspark_* fields)."""
+    loaders for a config with dspark_* fields), each cut from the wheel of its package's
+    release in `versions` (package -> release; default PINNED): a loader that release has
+    not is reported as not in the release (runtime_loaders/releases.py)."""
     for d in (draft, expected, native):
         if not (d / "config.json").is_file():
             raise UsageError(f"{d}: no config.json")
@@ -214,7 +225,7 @@ def verify(draft: Path, expected: Path, native: Path, wheels: Path, loaders: lis
     opened: dict[str, Wheel] = {}
     for name in chosen:
         package = "vllm" if name in VLLM_CUTS else "sglang"
-        wheel = opened.setdefault(package, Wheel(wheel_path(wheels, package)))
+        wheel = opened.setdefault(package, Wheel(wheel_path(wheels, package, (versions or PINNED)[package])))
         verify_one = verify_vllm if package == "vllm" else verify_sglang
         reports.append(verify_one(wheel, name, draft, expected if package == "vllm" else native))
     return reports
@@ -227,6 +238,9 @@ def table_lines(reports: list[Report]) -> list[str]:
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in reports:
+        if r.absent:
+            lines.append(f"| {r.loader} | not in {r.absent} |" + " |" * 7)
+            continue
         lines.append(
             f"| {r.loader} | {r.fed} | {len(r.hit)} | {len(r.dropped)} | {len(r.skipped)} | "
             f"{len(r.errors)} | {len(r.missing)} | {len(r.unequal)} | {'yes' if r.passed else 'NO'} |"
@@ -260,6 +274,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--fetch-wheels", action="store_true", help="only download the wheels missing from the cache, and stop"
     )
+    for package, runtime in (("vllm", "vLLM"), ("sglang", "SGLang")):
+        ap.add_argument(
+            f"--{package}-version",
+            default=PINNED[package],
+            metavar="X.Y.Z",
+            help=f"the {runtime} release whose wheel's loaders run (default {PINNED[package]}, the verified one)",
+        )
     ap.add_argument(
         "--loader",
         action="append",
@@ -282,10 +303,13 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("DRAFT and --native, and --expected unless --serve-with, are required (unless --fetch-wheels)")
     if args.overrides and not args.serve_with:
         ap.error("--overrides goes with --serve-with")
+    versions = {"vllm": args.vllm_version, "sglang": args.sglang_version}
+    if args.serve_with and versions != PINNED:
+        ap.error(f"--serve-with runs the verified releases only (vLLM {PINNED['vllm']}, SGLang {PINNED['sglang']})")
     try:
         if args.fetch_wheels:
-            for package in WHEELS:
-                print(wheel_path(args.wheels, package))
+            for package, version in versions.items():
+                print(wheel_path(args.wheels, package, version))
             return 0
         if args.serve_with:
             target, reports = verify_serving(
@@ -293,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             lines = serve_table(target, args.overrides.name if args.overrides else "no overrides", reports)
         else:
-            reports = verify(args.draft, args.expected, args.native, args.wheels, args.loader)
+            reports = verify(args.draft, args.expected, args.native, args.wheels, args.loader, versions)
             lines = table_lines(reports)
     except (UsageError, DSV4Error) as exc:  # a missing wheel or directory, an unreadable checkpoint
         print(f"error: {exc}", file=sys.stderr)
