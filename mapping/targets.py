@@ -37,7 +37,7 @@ TABLE_DIR = Path(__file__).parent
 TARGET_DIR = TABLE_DIR / "targets"
 TARGET_KEYS = {"name", "runtimes", "layout", "default"}
 CARD_KEYS = {"body", "library_name", "serve"}
-DRAFTER_KEYS = {"name", "title", "kind", "since", "platforms", "note", "refuse"}
+DRAFTER_KEYS = {"name", "title", "kind", "since", "until", "platforms", "note", "refuse"}
 DRAFTERS = ("mtp", "dspark")  # the drafter kinds: a table's `drafter`, a serve entry's commands
 
 
@@ -116,13 +116,15 @@ class Drafter:
     note: str  # what a user serving it must know ("" for none)
     # why it does not convert yet, a Template over the runtimes: to any target, or (target, why) per target
     refuse: str | tuple[tuple[str, str], ...]
+    # (runtime, newest release serving it) where newer than the verified one
+    until: tuple[tuple[str, str], ...] = ()
 
     def releases(self, target: Target, runtime: str) -> str:
-        """The releases of `runtime` serving this drafter: "vLLM 0.20.1-0.33.0" (to the version
-        `target` was verified against), or that version alone."""
+        """The releases of `runtime` serving this drafter: "vLLM 0.20.1-0.34.0" (`until`, else
+        the version `target` was verified against), or one version alone."""
         version = dict(target.runtimes)[runtime]
-        first = dict(self.since).get(runtime, version)
-        return f"{runtime} {first}-{version}" if first != version else f"{runtime} {version}"
+        first, last = dict(self.since).get(runtime, version), dict(self.until).get(runtime, version)
+        return f"{runtime} {first}-{last}" if first != last else f"{runtime} {last}"
 
     def refusal(self, target: Target) -> str | None:
         """Why this drafter does not convert to `target` yet (its runtimes' versions filled in),
@@ -230,19 +232,19 @@ def _string_map(value: Any, keys: set[str] | None) -> bool:
 
 
 def _drafter(raw: dict[str, Any], runtimes: dict[str, str], where: str) -> Drafter:
-    """A [[drafter]] entry: name, title, kind (one of DRAFTERS), optionally since and platforms
-    (runtime -> text), note, and refuse (target -> why)."""
+    """A [[drafter]] entry: name, title, kind (one of DRAFTERS), optionally since, until and
+    platforms (runtime -> text), note, and refuse (target -> why)."""
     if not (
         set(raw) <= DRAFTER_KEYS
         and all(isinstance(raw.get(k), str) and raw[k] for k in ("name", "title"))
         and raw.get("kind") in DRAFTERS
         and isinstance(raw.get("note", ""), str)
-        and all(_string_map(raw.get(k, {}), set(runtimes)) for k in ("since", "platforms"))
+        and all(_string_map(raw.get(k, {}), set(runtimes)) for k in ("since", "until", "platforms"))
         and (isinstance(raw.get("refuse"), str) or _string_map(raw.get("refuse", {}), None))
     ):
         raise TableError(
             f"{where}: a [[drafter]] entry needs name, title and kind (one of {', '.join(DRAFTERS)}), optionally "
-            f'since and platforms ({{ RUNTIME = "..." }}, RUNTIME one of {sorted(runtimes)}), note, and refuse '
+            f'since, until and platforms ({{ RUNTIME = "..." }}, RUNTIME one of {sorted(runtimes)}), note, and refuse '
             f'("why", or {{ TARGET = "why" }}): {raw.get("name", raw)!r}',
             kind="malformed_table",
             path=where,
@@ -255,6 +257,7 @@ def _drafter(raw: dict[str, Any], runtimes: dict[str, str], where: str) -> Draft
         tuple(raw.get("platforms", {}).items()),
         raw.get("note", ""),
         raw["refuse"] if isinstance(raw.get("refuse"), str) else tuple(raw.get("refuse", {}).items()),
+        tuple(raw.get("until", {}).items()),
     )
 
 
@@ -405,8 +408,19 @@ def table_name_for(target: str, drafter: str) -> str:
     return names[0]
 
 
-def target_rows() -> list[dict[str, str]]:
-    """`convert-dsv4 targets`: one row per installed table, by target then table name."""
+def family_releases(target: Target, kind: str) -> dict[str, str]:
+    """Each drafter family of `kind` that `target` serves and converts, with the runtime releases
+    serving its draft ("vLLM 0.20.0-0.34.0, SGLang 0.5.12-0.5.23": Drafter.releases)."""
+    return {
+        d.name: ", ".join(d.releases(target, runtime) for runtime, _ in target.runtimes)
+        for d in target.drafters
+        if d.kind == kind and d.refusal(target) is None
+    }
+
+
+def target_rows() -> list[dict[str, Any]]:
+    """`convert-dsv4 targets`: one row per installed table, by target then table name; a
+    target serving drafters names, per table, the families it converts and their releases."""
     return [
         {
             "target": h.target,
@@ -415,6 +429,7 @@ def target_rows() -> list[dict[str, str]]:
             "table_version": h.version,
             "runtime": h.runtime,
             "runtime_class": h.runtime_class,
+            **({"families": fams} if (fams := family_releases(require_target(h.target), h.drafter)) else {}),
         }
         for name, h in sorted(_table_headers().items(), key=lambda item: (item[1].target, item[0]))
     ]

@@ -1,19 +1,24 @@
-"""Run vLLM 0.33.0's and SGLang 0.5.23's own draft loaders, cut out of their wheels, on CPU.
+"""Run vLLM's and SGLang's own draft loaders, cut out of their wheels, on CPU: by default the
+releases the layouts were verified against (vLLM 0.33.0, SGLang 0.5.23), or any other release.
 
     .venv/bin/python scripts/verify_runtimes.py DRAFT --expected XPU_OUT --native NATIVE \
-        [--wheels DIR] [--loader NAME ...] [--json]
+        [--wheels DIR] [--vllm-version X.Y.Z] [--sglang-version X.Y.Z] [--loader NAME ...] [--json]
     .venv/bin/python scripts/verify_runtimes.py DRAFT --serve-with TARGET [--overrides FILE] \
         --native NATIVE [--loader NAME ...] [--json]
-    .venv/bin/python scripts/verify_runtimes.py --fetch-wheels [--wheels DIR]
+    .venv/bin/python scripts/verify_runtimes.py --fetch-wheels [--wheels DIR] [--vllm-version X.Y.Z] ...
 
 DRAFT is the directory fed to the loaders (a `--target draft` output, or anything else to
 see what the runtimes make of it); XPU_OUT is the `--target xpu` output of NATIVE, the
-native checkpoint DRAFT comes from. The wheels (`pip download --no-deps vllm==0.33.0`,
-`sglang==0.5.23`) are cached in --wheels (default: $DSV4_WHEELS, else
+native checkpoint DRAFT comes from. The wheels (`pip download --no-deps vllm==X.Y.Z`,
+`sglang==X.Y.Z`) are cached in --wheels (default: $DSV4_WHEELS, else
 ~/.cache/dsv4-convert/wheels) and downloaded on first use, or by --fetch-wheels alone (the
-test command's install step, scripts/test.sh); only the few .py files named in VLLM_COMMON, VLLM_CUTS,
-SGLANG_COMMON and SGLANG_CUTS (runtime_loaders/vllm_runs.py and sglang_runs.py, beside this
-file) are read from them, never imported as packages. The loaders
+test command's install step, scripts/test.sh: the pinned releases and the newest one the
+drafter families' ranges claim, mapping/targets/draft.toml); only the few .py files that
+runtime_loaders/releases.py names for the release (VLLM_COMMON, VLLM_LOADERS, SGLANG_COMMON,
+SGLANG_LOADERS: per range of releases, the files, the names cut from them and the parameter
+names that release's model gives where they are not the pinned one's) are read from them,
+never imported as packages; a loader the release has not is reported as not in the release.
+scripts/verify_releases.py runs every release and prints the release table. The loaders
 run: vLLM DeepSeekV4MTP.load_weights of xpu/, nvidia/ and amd/ mtp.py for an MTP config,
 vLLM xpu DSparkDeepseekV4ForCausalLM.load_weights for a config with dspark_* fields;
 SGLang DeepseekV4ForCausalLMNextN.load_weights (which is DeepseekV4ForCausalLM.load_weights
@@ -166,6 +171,7 @@ from runtime_loaders.sglang_runs import SGLANG_CUTS, verify_sglang  # noqa: E402
 from runtime_loaders.vllm_runs import SERVE_ONLY, VLLM_CUTS, verify_vllm  # noqa: E402
 from runtime_loaders.wheels import (  # noqa: E402
     DEFAULT_WHEELS,
+    NEWEST,
     PINNED,
     WHEELS,
     WHEELS_ENV,
@@ -182,6 +188,7 @@ from dsv4.model.errors import DSV4Error  # noqa: E402
 # download calls) are imported here only for it.
 __all__ = [
     "DEFAULT_WHEELS",
+    "NEWEST",
     "PINNED",
     "WHEELS",
     "WHEELS_ENV",
@@ -272,7 +279,10 @@ def main(argv: list[str] | None = None) -> int:
         "--wheels", type=Path, default=wheel_cache(), help=f"wheel cache (default ${WHEELS_ENV}, else {DEFAULT_WHEELS})"
     )
     ap.add_argument(
-        "--fetch-wheels", action="store_true", help="only download the wheels missing from the cache, and stop"
+        "--fetch-wheels",
+        action="store_true",
+        help="only download the wheels missing from the cache (the releases named, else the pinned and the "
+        "newest proven ones), and stop",
     )
     for package, runtime in (("vllm", "vLLM"), ("sglang", "SGLang")):
         ap.add_argument(
@@ -308,7 +318,9 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--serve-with runs the verified releases only (vLLM {PINNED['vllm']}, SGLang {PINNED['sglang']})")
     try:
         if args.fetch_wheels:
-            for package, version in versions.items():
+            # the releases named, else the pinned ones and the newest the drafters' ranges claim
+            fetch = [versions] if versions != PINNED else [PINNED, NEWEST]
+            for package, version in sorted({(p, v) for vs in fetch for p, v in vs.items()}):
                 print(wheel_path(args.wheels, package, version))
             return 0
         if args.serve_with:

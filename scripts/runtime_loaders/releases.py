@@ -52,7 +52,7 @@ def pick(ranges: list[tuple[str, Any]], version: str) -> Any:
     return held
 
 
-def cuts_for(table: dict[str, list[tuple[str, Cuts | None]]], loader: str, version: str) -> Cuts | None:
+def cuts_for(table: dict[str, list[tuple[str, Cuts]]], loader: str, version: str) -> Cuts | None:
     """`loader`'s cuts in `version` (None: that release has no such loader)."""
     return pick(table[loader], version)
 
@@ -196,7 +196,7 @@ _AMD_DSPARK = _dspark(V4 + "amd/dspark.py", "DSparkDeepseekV4ForCausalLM._remap_
 # loader -> (first release, its cuts there), oldest first: each holds until the next entry;
 # a release older than the first has no such loader. The NVIDIA and AMD DSpark loaders run
 # with --serve-with only, on the pinned release: their one entry is its cuts.
-VLLM_LOADERS: dict[str, list[tuple[str, Cuts | None]]] = {
+VLLM_LOADERS: dict[str, list[tuple[str, Cuts]]] = {
     "vllm-xpu-mtp": [
         ("0.23.0", _XPU_MTP_023),
         ("0.24.0", _XPU_MTP),
@@ -278,6 +278,8 @@ SGLANG_COMMON: list[tuple[str, dict[str, list[str]]]] = [
 _NEXTN = Cuts(
     "DeepseekV4ForCausalLMNextN", {SRT + "models/deepseek_v4_nextn.py": ["DeepseekV4ForCausalLMNextN.load_weights"]}
 )
+
+
 def _sglang_dspark(*names: str) -> Cuts:
     return Cuts(
         "DeepseekV4ForCausalLMDSpark",
@@ -297,7 +299,7 @@ def _sglang_dspark(*names: str) -> Cuts:
 _SGLANG_DSPARK_016 = _with(_sglang_dspark(), _SGLANG_MODEL, "_dequant_fp8_wo_a")
 
 
-SGLANG_LOADERS: dict[str, list[tuple[str, Cuts | None]]] = {
+SGLANG_LOADERS: dict[str, list[tuple[str, Cuts]]] = {
     "sglang-nextn": [("0.5.12", _NEXTN)],  # DeepseekV4ForCausalLMNextN is in every release from 0.5.12
     "sglang-dspark": [
         ("0.5.16", _SGLANG_DSPARK_016),

@@ -13,13 +13,24 @@ from pathlib import Path
 from dsv4.mapping.targets import require_target, serving_targets
 
 from . import UsageError
+from .releases import release
 
 # the runtime releases the draft target says its layouts were verified against: the wheels
 # this script runs unless told another release (one statement of each version:
 # mapping/targets/draft.toml)
-_VERIFIED = dict(require_target(serving_targets()[0]).runtimes)
+_DRAFT = require_target(serving_targets()[0])
+_VERIFIED = dict(_DRAFT.runtimes)
 PINNED = {"vllm": _VERIFIED["vLLM"], "sglang": _VERIFIED["SGLang"]}
 WHEELS = {package: f"{package}=={version}" for package, version in PINNED.items()}
+# the newest release of each runtime a drafter family's range claims (its `until`, else the
+# pinned one): the test command fetches it too, and the tests run its loaders beside the pinned
+_PACKAGES = {"vLLM": "vllm", "SGLang": "sglang"}
+NEWEST = {
+    _PACKAGES[runtime]: max(
+        (version, *(dict(d.until)[runtime] for d in _DRAFT.drafters if runtime in dict(d.until))), key=release
+    )
+    for runtime, version in _DRAFT.runtimes
+}
 WHEELS_ENV = "DSV4_WHEELS"  # the wheel cache, where it is not the default one
 DEFAULT_WHEELS = Path.home() / ".cache" / "dsv4-convert" / "wheels"
 
