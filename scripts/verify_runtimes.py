@@ -20,7 +20,8 @@ names that release's model gives where they are not the pinned one's) are read f
 never imported as packages; a loader the release has not is reported as not in the release.
 scripts/verify_releases.py runs every release and prints the release table. The loaders
 run: vLLM DeepSeekV4MTP.load_weights of xpu/, nvidia/ and amd/ mtp.py for an MTP config,
-vLLM xpu DSparkDeepseekV4ForCausalLM.load_weights for a config with dspark_* fields;
+vLLM xpu and amd DSparkDeepseekV4ForCausalLM.load_weights for a config with dspark_* fields
+(AMD's confidence head, where it keeps one, the draft's own: releases.py);
 SGLang DeepseekV4ForCausalLMNextN.load_weights (which is DeepseekV4ForCausalLM.load_weights
 with is_nextn=True) and DeepseekV4ForCausalLMDSpark.load_weights.
 
@@ -60,8 +61,8 @@ vLLM's --hf-overrides the target runs with: its quantization_config replaces the
 wholesale (vllm/config/model.py:555-568, 616-629, 691-692). Per vLLM loader (nvidia, amd,
 xpu DeepSeekV4MTP; nvidia, amd, xpu DSparkDeepseekV4ForCausalLM for a DSpark draft, NVIDIA's
 with its context_wkv_proj, every stage's wkv stacked, nvidia/dspark.py:142-150, and NVIDIA's and
-AMD's with the confidence head, built without the quant config; these two run with --serve-with
-only, XPU_OUT holding neither):
+AMD's with the confidence head, built without the quant config; NVIDIA's runs with --serve-with
+only, XPU_OUT holding no context_wkv_proj):
   a. the config class vLLM picks for the target's effective quantization_config: the first of
      ModelOptFp8Config, ModelOptNvFp4Config whose override_quantization_method claims it
      (config/model.py:1396-1435), else the registry's class for its quant_method

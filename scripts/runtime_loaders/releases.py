@@ -175,24 +175,23 @@ _XPU_DSPARK = _with(
     V4 + "xpu/model.py",
     "make_deepseek_v4_expert_params_mapping",
 )
-# the NVIDIA class also feeds every stage's wkv into model.context_wkv_proj
-# (nvidia/dspark.py:72-86, 483, 514-518) and keeps the confidence head (:176-180, 584-585)
-_NVIDIA_DSPARK = _with(
+_NVIDIA_DSPARK_025 = _with(
     _with(
-        _dspark(
-            V4 + "nvidia/dspark.py",
-            "_CONTEXT_WKV_RE",
-            "_duplicate_context_wkv_weights",
-            "DSparkDeepseekV4ForCausalLM._remap_dspark_name",
-        ),
+        _dspark(V4 + "nvidia/dspark.py", "DSparkDeepseekV4ForCausalLM._remap_dspark_name"),
         _NVIDIA_MODEL,
         "make_deepseek_v4_expert_params_mapping",
-        "DeepseekV4Model._pad_shared_expert_weight",
+        _PAD,
     ),
     VLLM_UTILS,
     "extract_layer_index",
 )
+# from 0.31.0 the NVIDIA class also feeds every stage's wkv into model.context_wkv_proj
+# (nvidia/dspark.py:72-86, 483, 514-518 in 0.33.0); it keeps the confidence head (:176-180, 584-585)
+_NVIDIA_DSPARK = _with(_NVIDIA_DSPARK_025, V4 + "nvidia/dspark.py", "_CONTEXT_WKV_RE", "_duplicate_context_wkv_weights")
 _AMD_DSPARK = _dspark(V4 + "amd/dspark.py", "DSparkDeepseekV4ForCausalLM._remap_dspark_name")
+# a DSpark class that keeps the confidence head loads the draft's into model.confidence_head.*,
+# a parameter the pinned XPU layout (XPU_OUT) has not
+_CONFIDENCE_HEAD = ((r"mtp\.\d+\.(confidence_head\..*)", r"model.\1"),)
 # loader -> (first release, its cuts there), oldest first: each holds until the next entry;
 # a release older than the first has no such loader. The NVIDIA and AMD DSpark loaders run
 # with --serve-with only, on the pinned release: their one entry is its cuts.
@@ -218,11 +217,19 @@ VLLM_LOADERS: dict[str, list[tuple[str, Cuts]]] = {
     "vllm-xpu-dspark": [
         ("0.26.0", _with(_XPU_DSPARK, V4 + "xpu/dspark.py", "DSparkDeepseekV4ForCausalLM._finalize_moe")),
         # 0.34.0's XPU class keeps the confidence head (xpu/dspark.py:112-117, 337-345, 427-435),
-        # which 0.33.0's dropped (the pinned layout, XPU_OUT, has none)
-        ("0.34.0", Cuts(_XPU_DSPARK.cls, _XPU_DSPARK.cuts, added=((r"mtp\.\d+\.(confidence_head\..*)", r"model.\1"),))),
+        # which 0.33.0's dropped
+        ("0.34.0", Cuts(_XPU_DSPARK.cls, _XPU_DSPARK.cuts, added=_CONFIDENCE_HEAD)),
     ],
-    "vllm-nvidia-dspark": [("0.31.0", _NVIDIA_DSPARK)],
-    "vllm-amd-dspark": [("0.26.0", _AMD_DSPARK)],
+    # NVIDIA's DSpark class is in 0.25.0 and later; its context_wkv_proj from 0.31.0
+    "vllm-nvidia-dspark": [
+        ("0.25.0", _NVIDIA_DSPARK_025),
+        ("0.31.0", _NVIDIA_DSPARK),
+    ],
+    # AMD's keeps the confidence head from 0.31.0 (amd/dspark.py:126-130, 410-418, 480-481, 498 in 0.33.0)
+    "vllm-amd-dspark": [
+        ("0.26.0", _AMD_DSPARK),
+        ("0.31.0", Cuts(_AMD_DSPARK.cls, _AMD_DSPARK.cuts, added=_CONFIDENCE_HEAD)),
+    ],
 }
 
 SRT = "sglang/srt/"

@@ -22,9 +22,9 @@ from .wheels import PINNED, Wheel
 VLLM_CUTS: dict[str, Cuts] = {
     name: cuts for name in VLLM_LOADERS if (cuts := cuts_for(VLLM_LOADERS, name, PINNED["vllm"])) is not None
 }
-# the loaders whose parameters only --serve-with builds (vllm_layer): XPU_OUT, the XPU
-# layout, holds no NVIDIA context_wkv_proj nor confidence head
-SERVE_ONLY = ("vllm-nvidia-dspark", "vllm-amd-dspark")
+# the loader whose parameters only --serve-with builds (vllm_layer): XPU_OUT, the XPU layout,
+# holds no NVIDIA context_wkv_proj (AMD's confidence head is releases.py's `added`)
+SERVE_ONLY = ("vllm-nvidia-dspark",)
 
 
 def stand_in_layer() -> Any:
