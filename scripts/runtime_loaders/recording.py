@@ -53,7 +53,7 @@ class RecordingParam:
 
     def __getitem__(self, rows: slice) -> types.SimpleNamespace:
         # `param[:n].copy_(w)`: vLLM before 0.22.0 copies the attention sink's heads of this
-        # rank so (model_executor/models/deepseek_v4_mtp.py:421-426 in 0.21.0); at one rank
+        # rank so (model_executor/models/deepseek_v4_mtp.py:426-429 in 0.21.0); at one rank
         # the rows are all of them, so the copy is the whole parameter's load
         return types.SimpleNamespace(copy_=lambda tensor: self.weight_loader(self, tensor))
 

@@ -114,7 +114,7 @@ VLLM_COMMON: list[tuple[str, dict[str, list[str]]]] = [
 ]
 # Before 0.24.0 the routed experts' parameters were the FusedMoE's own, ffn.experts.w13_* (its
 # expert mapping, FusedMoE.make_expert_params_mapping, names them so: 0.23.0
-# fused_moe/layer.py:1337-1392); 0.24.0 moved them under ffn.experts.routed_experts.
+# fused_moe/layer.py:1367-1370); 0.24.0 moved them under ffn.experts.routed_experts.
 _EXPERTS_BEFORE_024 = ((r"\.experts\.routed_experts\.", ".experts."),)
 
 

@@ -312,3 +312,11 @@ def test_every_loader_of_the_newest_releases_loads_a_draft_directory_whole(
     assert len(reports) == (4 if variant == "instruct" else 3)
     for r in reports:
         assert r.passed, r.summary()
+
+
+def test_serve_with_runs_the_pinned_releases_only(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # the --serve-with builds (vllm_build.py's cuts) are the pinned wheels' alone
+    with pytest.raises(SystemExit) as exited:
+        vr.main([str(tmp_path), "--serve-with", str(tmp_path), "--native", str(tmp_path), "--vllm-version", "0.34.0"])
+    assert exited.value.code == 2
+    assert "--serve-with runs the verified releases only (vLLM 0.33.0, SGLang 0.5.23)" in capsys.readouterr().err
