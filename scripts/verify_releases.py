@@ -14,8 +14,7 @@ to `--target draft` (WORK/D/draft) and `--target xpu` (WORK/D/xpu). Every cell i
 "-" where release X has no such loader (runtime_loaders/releases.py). The releases run are
 every wheel in DIR (default: verify_runtimes' cache) unless --vllm/--sglang name some. A
 drafter's proven range, per runtime, runs from the oldest release from which every newer
-release run passes every loader it has to the newest release run. vLLM's NVIDIA DSpark loader
-runs with --serve-with only, on the pinned release (verify_runtimes.py).
+release run passes every loader it has to the newest release run.
 """
 
 from __future__ import annotations
@@ -46,7 +45,10 @@ DRAFTERS = {
         "base",
         {"vllm": ["vllm-xpu-mtp", "vllm-nvidia-mtp", "vllm-amd-mtp"], "sglang": ["sglang-nextn"]},
     ),
-    "dspark-0731": ("dspark", {"vllm": ["vllm-xpu-dspark", "vllm-amd-dspark"], "sglang": ["sglang-dspark"]}),
+    "dspark-0731": (
+        "dspark",
+        {"vllm": ["vllm-xpu-dspark", "vllm-nvidia-dspark", "vllm-amd-dspark"], "sglang": ["sglang-dspark"]},
+    ),
 }
 RUNTIMES = {"vllm": "vLLM", "sglang": "SGLang"}
 

@@ -20,8 +20,9 @@ names that release's model gives where they are not the pinned one's) are read f
 never imported as packages; a loader the release has not is reported as not in the release.
 scripts/verify_releases.py runs every release and prints the release table. The loaders
 run: vLLM DeepSeekV4MTP.load_weights of xpu/, nvidia/ and amd/ mtp.py for an MTP config,
-vLLM xpu and amd DSparkDeepseekV4ForCausalLM.load_weights for a config with dspark_* fields
-(AMD's confidence head, where it keeps one, the draft's own: releases.py);
+vLLM xpu, nvidia and amd DSparkDeepseekV4ForCausalLM.load_weights for a config with dspark_*
+fields (where a class keeps the confidence head, or NVIDIA's its context_wkv_proj, parameters
+XPU_OUT has not, they hold the draft's own tensors: releases.py's `added`);
 SGLang DeepseekV4ForCausalLMNextN.load_weights (which is DeepseekV4ForCausalLM.load_weights
 with is_nextn=True) and DeepseekV4ForCausalLMDSpark.load_weights.
 
@@ -61,8 +62,7 @@ vLLM's --hf-overrides the target runs with: its quantization_config replaces the
 wholesale (vllm/config/model.py:555-568, 616-629, 691-692). Per vLLM loader (nvidia, amd,
 xpu DeepSeekV4MTP; nvidia, amd, xpu DSparkDeepseekV4ForCausalLM for a DSpark draft, NVIDIA's
 with its context_wkv_proj, every stage's wkv stacked, nvidia/dspark.py:142-150, and NVIDIA's and
-AMD's with the confidence head, built without the quant config; NVIDIA's runs with --serve-with
-only, XPU_OUT holding no context_wkv_proj):
+AMD's with the confidence head, built without the quant config):
   a. the config class vLLM picks for the target's effective quantization_config: the first of
      ModelOptFp8Config, ModelOptNvFp4Config whose override_quantization_method claims it
      (config/model.py:1396-1435), else the registry's class for its quant_method
@@ -169,7 +169,7 @@ from runtime_loaders.recording import Recorder, RecordingParam, Report, run_load
 from runtime_loaders.serve_verify import serve_table, verify_serving  # noqa: E402
 from runtime_loaders.sglang_quant import sglang_draft_quantization  # noqa: E402
 from runtime_loaders.sglang_runs import SGLANG_CUTS, verify_sglang  # noqa: E402
-from runtime_loaders.vllm_runs import SERVE_ONLY, VLLM_CUTS, verify_vllm  # noqa: E402
+from runtime_loaders.vllm_runs import VLLM_CUTS, verify_vllm  # noqa: E402
 from runtime_loaders.wheels import (  # noqa: E402
     DEFAULT_WHEELS,
     NEWEST,
@@ -227,8 +227,7 @@ def verify(
         if not (d / "config.json").is_file():
             raise UsageError(f"{d}: no config.json")
     is_dspark = "dspark_target_layer_ids" in json.loads((draft / "config.json").read_text())
-    every = [n for n in [*VLLM_CUTS, *SGLANG_CUTS] if n not in SERVE_ONLY]
-    chosen = loaders or [n for n in every if n.endswith("dspark") == is_dspark]
+    chosen = loaders or [n for n in [*VLLM_CUTS, *SGLANG_CUTS] if n.endswith("dspark") == is_dspark]
     reports = []
     opened: dict[str, Wheel] = {}
     for name in chosen:

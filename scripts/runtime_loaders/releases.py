@@ -20,7 +20,9 @@ class Cuts:
     cut out of each wheel file (cut.cut's syntax); `renames`: (regex, replacement) turning the
     parameter names of the pinned release's model (XPU_OUT's) into this release's; `added`:
     (regex over DRAFT's tensor names, replacement) the parameters this release's model has
-    beyond the pinned one's, holding those tensors as they are."""
+    beyond XPU_OUT's, holding those tensors as they are (several matching one parameter: one
+    after the other along dim 0, in the draft's stage order, as MergedColumnParallelLinear
+    stacks its shards)."""
 
     cls: str
     cuts: dict[str, list[str]]
@@ -32,14 +34,19 @@ class Cuts:
             name = re.sub(pattern, replacement, name)
         return name
 
-    def added_params(self, draft_names: Iterable[str]) -> dict[str, str]:
-        """parameter -> the DRAFT tensor it holds, for the parameters `added` names."""
-        return {
-            re.sub(pattern, replacement, name): name
-            for name in draft_names
-            for pattern, replacement in self.added
-            if re.fullmatch(pattern, name)
-        }
+    def added_params(self, draft_names: Iterable[str]) -> dict[str, list[str]]:
+        """parameter -> the DRAFT tensors it holds, in stage order, for the parameters `added` names."""
+        held: dict[str, list[str]] = {}
+        for name in sorted(draft_names, key=_stage_order):
+            for pattern, replacement in self.added:
+                if re.fullmatch(pattern, name):
+                    held.setdefault(re.sub(pattern, replacement, name), []).append(name)
+        return held
+
+
+def _stage_order(name: str) -> list[tuple[int, int | str]]:
+    # mtp.10.* after mtp.9.*
+    return [(0, int(part)) if part.isdigit() else (1, part) for part in name.split(".")]
 
 
 def pick(ranges: list[tuple[str, Any]], version: str) -> Any:
@@ -163,6 +170,14 @@ _XPU_MTP_023 = _mtp(
 )
 
 
+def _added(cuts: Cuts, added: tuple[tuple[str, str], ...]) -> Cuts:
+    return Cuts(cuts.cls, cuts.cuts, cuts.renames, added)
+
+
+_DSPARK_FINALIZE = "DSparkDeepseekV4ForCausalLM._finalize_moe"
+_DSPARK_AFTER = (_DSPARK_FINALIZE, "DSparkDeepseekV4ForCausalLM.process_weights_after_loading")
+
+
 def _dspark(file: str, *names: str) -> Cuts:
     return Cuts(
         "DSparkDeepseekV4ForCausalLM",
@@ -175,6 +190,9 @@ _XPU_DSPARK = _with(
     V4 + "xpu/model.py",
     "make_deepseek_v4_expert_params_mapping",
 )
+# a DSpark class that keeps the confidence head loads the draft's into model.confidence_head.*,
+# a parameter the pinned XPU layout (XPU_OUT) has not
+_CONFIDENCE_HEAD = ((r"mtp\.\d+\.(confidence_head\..*)", r"model.\1"),)
 _NVIDIA_DSPARK_025 = _with(
     _with(
         _dspark(V4 + "nvidia/dspark.py", "DSparkDeepseekV4ForCausalLM._remap_dspark_name"),
@@ -185,13 +203,14 @@ _NVIDIA_DSPARK_025 = _with(
     VLLM_UTILS,
     "extract_layer_index",
 )
-# from 0.31.0 the NVIDIA class also feeds every stage's wkv into model.context_wkv_proj
-# (nvidia/dspark.py:72-86, 483, 514-518 in 0.33.0); it keeps the confidence head (:176-180, 584-585)
+# from 0.31.0 the NVIDIA class also feeds every stage's wkv into model.context_wkv_proj, one
+# shard per stage (nvidia/dspark.py:72-86, 142-150, 483, 514-518 in 0.33.0)
 _NVIDIA_DSPARK = _with(_NVIDIA_DSPARK_025, V4 + "nvidia/dspark.py", "_CONTEXT_WKV_RE", "_duplicate_context_wkv_weights")
+_CONTEXT_WKV = (
+    (r"mtp\.\d+\.attn\.wkv\.weight", "model.context_wkv_proj.weight"),
+    (r"mtp\.\d+\.attn\.wkv\.scale", "model.context_wkv_proj.weight_scale_inv"),
+)
 _AMD_DSPARK = _dspark(V4 + "amd/dspark.py", "DSparkDeepseekV4ForCausalLM._remap_dspark_name")
-# a DSpark class that keeps the confidence head loads the draft's into model.confidence_head.*,
-# a parameter the pinned XPU layout (XPU_OUT) has not
-_CONFIDENCE_HEAD = ((r"mtp\.\d+\.(confidence_head\..*)", r"model.\1"),)
 # loader -> (first release, its cuts there), oldest first: each holds until the next entry;
 # a release older than the first has no such loader. The NVIDIA and AMD DSpark loaders run
 # with --serve-with only, on the pinned release: their one entry is its cuts.
@@ -215,20 +234,28 @@ VLLM_LOADERS: dict[str, list[tuple[str, Cuts]]] = {
         ("0.24.0", _AMD_MTP),
     ],
     "vllm-xpu-dspark": [
-        ("0.26.0", _with(_XPU_DSPARK, V4 + "xpu/dspark.py", "DSparkDeepseekV4ForCausalLM._finalize_moe")),
+        ("0.26.0", _with(_XPU_DSPARK, V4 + "xpu/dspark.py", _DSPARK_FINALIZE)),
         # 0.34.0's XPU class keeps the confidence head (xpu/dspark.py:112-117, 337-345, 427-435),
         # which 0.33.0's dropped
-        ("0.34.0", Cuts(_XPU_DSPARK.cls, _XPU_DSPARK.cuts, added=_CONFIDENCE_HEAD)),
+        ("0.34.0", _added(_XPU_DSPARK, _CONFIDENCE_HEAD)),
     ],
-    # NVIDIA's DSpark class is in 0.25.0 and later; its context_wkv_proj from 0.31.0
+    # NVIDIA's DSpark class is in 0.25.0 and later; its load_weights ends by _finalize_moe
+    # until 0.33.0 (through process_weights_after_loading in 0.29.0-0.32.0, nvidia/dspark.py:569-570
+    # in 0.31.0); it keeps the confidence head from 0.28.0 (:140-144 there)
     "vllm-nvidia-dspark": [
-        ("0.25.0", _NVIDIA_DSPARK_025),
-        ("0.31.0", _NVIDIA_DSPARK),
+        ("0.25.0", _with(_NVIDIA_DSPARK_025, V4 + "nvidia/dspark.py", _DSPARK_FINALIZE)),
+        ("0.28.0", _added(_with(_NVIDIA_DSPARK_025, V4 + "nvidia/dspark.py", _DSPARK_FINALIZE), _CONFIDENCE_HEAD)),
+        ("0.29.0", _added(_with(_NVIDIA_DSPARK_025, V4 + "nvidia/dspark.py", *_DSPARK_AFTER), _CONFIDENCE_HEAD)),
+        (
+            "0.31.0",
+            _added(_with(_NVIDIA_DSPARK, V4 + "nvidia/dspark.py", *_DSPARK_AFTER), _CONFIDENCE_HEAD + _CONTEXT_WKV),
+        ),
+        ("0.33.0", _added(_NVIDIA_DSPARK, _CONFIDENCE_HEAD + _CONTEXT_WKV)),
     ],
     # AMD's keeps the confidence head from 0.31.0 (amd/dspark.py:126-130, 410-418, 480-481, 498 in 0.33.0)
     "vllm-amd-dspark": [
         ("0.26.0", _AMD_DSPARK),
-        ("0.31.0", Cuts(_AMD_DSPARK.cls, _AMD_DSPARK.cuts, added=_CONFIDENCE_HEAD)),
+        ("0.31.0", _added(_AMD_DSPARK, _CONFIDENCE_HEAD)),
     ],
 }
 

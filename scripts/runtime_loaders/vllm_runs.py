@@ -22,9 +22,6 @@ from .wheels import PINNED, Wheel
 VLLM_CUTS: dict[str, Cuts] = {
     name: cuts for name in VLLM_LOADERS if (cuts := cuts_for(VLLM_LOADERS, name, PINNED["vllm"])) is not None
 }
-# the loader whose parameters only --serve-with builds (vllm_layer): XPU_OUT, the XPU layout,
-# holds no NVIDIA context_wkv_proj (AMD's confidence head is releases.py's `added`)
-SERVE_ONLY = ("vllm-nvidia-dspark",)
 
 
 def stand_in_layer() -> Any:
@@ -99,8 +96,8 @@ def vllm_model(
         model.model = types.SimpleNamespace(
             layers={str(start + i): stand_in_layer() for i in range(n)}, mtp_start_layer_idx=start, num_mtp_layers=n
         )
-        # nvidia/mtp.py:308-310, with sequence parallelism off (one GPU)
-        model.pad_shared_expert = getattr(quant, "weight_block_size", None) is not None
+    # nvidia/mtp.py:308-310, nvidia/dspark.py:362-364, with sequence parallelism off (one GPU)
+    model.pad_shared_expert = getattr(quant, "weight_block_size", None) is not None
     return model
 
 
@@ -113,7 +110,7 @@ def verify_vllm(wheel: Wheel, loader: str, draft: Path, expected_dir: Path) -> R
     expected = {spec.param_name(n): t for n, t in read_tensors(expected_dir)}
     if spec.added:
         fed = dict(read_tensors(draft))
-        expected.update({param: fed[name] for param, name in spec.added_params(fed).items()})
+        expected.update({p: torch.cat([fed[n] for n in names]) for p, names in spec.added_params(fed).items()})
     droppable, shared = table_facts(load_table("xpu_dspark" if loader.endswith("dspark") else "xpu"), config)
     shared_params = {spec.param_name(n) for n in shared}
     recorder = Recorder()

@@ -111,7 +111,7 @@ SERVED = [
         "dspark",
         "dspark-0731",
         "DeepSeek V4-Flash-0731-style DSpark",
-        "vLLM 0.26.0-0.34.0 (XPU, CUDA, ROCm)",
+        "vLLM 0.25.0-0.34.0 (XPU from 0.26.0, CUDA, ROCm from 0.26.0)",
         '"method":"dspark"',
         "SGLang 0.5.16-0.5.23",
         "DSPARK",

@@ -153,7 +153,7 @@ def test_targets_names_the_releases_serving_each_drafter_family_it_converts(
     assert said == {
         ("v4-mtp",): "vLLM 0.20.0-0.34.0, SGLang 0.5.12-0.5.23",
         ("base-mtp",): "vLLM 0.20.1-0.34.0, SGLang 0.5.12-0.5.23",
-        ("dspark-0731",): "vLLM 0.26.0-0.34.0, SGLang 0.5.16-0.5.23",
+        ("dspark-0731",): "vLLM 0.25.0-0.34.0, SGLang 0.5.16-0.5.23",
         ("vision-exp",): "vLLM 0.33.0, SGLang 0.5.23",  # no range: the verified releases alone
     }
     rows = {r["table"]: r for r in target_rows()}
