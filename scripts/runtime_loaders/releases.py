@@ -212,8 +212,7 @@ _CONTEXT_WKV = (
 )
 _AMD_DSPARK = _dspark(V4 + "amd/dspark.py", "DSparkDeepseekV4ForCausalLM._remap_dspark_name")
 # loader -> (first release, its cuts there), oldest first: each holds until the next entry;
-# a release older than the first has no such loader. The NVIDIA and AMD DSpark loaders run
-# with --serve-with only, on the pinned release: their one entry is its cuts.
+# a release older than the first has no such loader. --serve-with runs the pinned release's.
 VLLM_LOADERS: dict[str, list[tuple[str, Cuts]]] = {
     "vllm-xpu-mtp": [
         ("0.23.0", _XPU_MTP_023),
