@@ -177,6 +177,7 @@ from runtime_loaders.wheels import (  # noqa: E402
     WHEELS,
     WHEELS_ENV,
     Wheel,
+    fetch_wheels,
     wheel_cache,
     wheel_path,
     wheels_cached,
@@ -318,10 +319,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--serve-with runs the verified releases only (vLLM {PINNED['vllm']}, SGLang {PINNED['sglang']})")
     try:
         if args.fetch_wheels:
-            # the releases named, else the pinned ones and the newest the drafters' ranges claim
-            fetch = [versions] if versions != PINNED else [PINNED, NEWEST]
-            for package, version in sorted({(p, v) for vs in fetch for p, v in vs.items()}):
-                print(wheel_path(args.wheels, package, version))
+            print("\n".join(map(str, fetch_wheels(args.wheels, versions))))
             return 0
         if args.serve_with:
             target, reports = verify_serving(

@@ -68,6 +68,13 @@ def wheel_path(cache: Path, package: str, version: str | None = None) -> Path:
     return found[0]
 
 
+def fetch_wheels(cache: Path, versions: dict[str, str]) -> list[Path]:
+    """`--fetch-wheels`: the wheels of `versions` (package -> release) where they differ from
+    PINNED, else the pinned ones and NEWEST's, in `cache` (downloaded where missing)."""
+    wanted = [versions] if versions != PINNED else [PINNED, NEWEST]
+    return [wheel_path(cache, p, v) for p, v in sorted({(p, v) for vs in wanted for p, v in vs.items()})]
+
+
 @dataclass
 class Wheel:
     path: Path
