@@ -140,24 +140,3 @@ def test_the_cli_can_take_its_targets_listing_and_version_from_the_registry(
     code, out, _ = run_main(monkeypatch, capsys, "--version")
     assert code == 0
     assert "; ".join(f"target {t}: {r}" for t, r in runtimes_by_target().items()) in out
-
-
-def test_targets_names_the_releases_serving_each_drafter_family_it_converts(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
-    # mapping/targets/draft.toml's since/until, as scripts/verify_releases.py proved them
-    # (NOTES.md, "Runtime releases"): a range past the verified release ends at its `until`
-    code, out, _ = run_main(monkeypatch, capsys, "targets")
-    assert code == 0
-    said = {tuple(line.split()[:1]): " ".join(line.split()[1:]) for line in out.splitlines() if line.startswith(" ")}
-    assert said == {
-        ("v4-mtp",): "vLLM 0.20.0-0.34.0, SGLang 0.5.12-0.5.23",
-        ("base-mtp",): "vLLM 0.20.1-0.34.0, SGLang 0.5.12-0.5.23",
-        ("dspark-0731",): "vLLM 0.25.0-0.34.0, SGLang 0.5.16-0.5.23",
-        ("vision-exp",): "vLLM 0.33.0, SGLang 0.5.23",  # no range: the verified releases alone
-    }
-    rows = {r["table"]: r for r in target_rows()}
-    assert rows["draft_dspark"]["families"]["dspark-0731"] == said[("dspark-0731",)]
-    # Pro-0813 and V4.1 are refused (exit 35), and the xpu target serves no drafter family
-    assert set(rows["draft_dspark"]["families"]) == {"dspark-0731", "vision-exp"}
-    assert "families" not in rows["xpu"] and "families" not in rows["xpu_dspark"]
