@@ -284,14 +284,14 @@ def serve_run(
         _recording(param, name, fills, rec)
     spec = VLLM_CUTS[loader]
     completeness = [True]
-    ns = vllm_namespace(wheel, spec["cuts"], rec, completeness)
+    ns = vllm_namespace(wheel, spec.cuts, rec, completeness)
     ns["dict"] = lambda x=(), **k: x.table if isinstance(x, _Named) else dict(x, **k)
 
     class StandIn:
         def named_parameters(self) -> _Named:
             return _Named(table)
 
-    model = type(spec["class"], (ns[spec["class"]], StandIn), {})()
+    model = type(spec.cls, (ns[spec.cls], StandIn), {})()
     model.config, model.quant_config = cfg, qc
     if layout == "mtp":
         layers = {str(i): stand_in_layer() for i in indices}
