@@ -362,10 +362,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--overrides goes with --serve-with")
     versions = {"vllm": args.vllm_version, "sglang": args.sglang_version}
     if (args.serve_with or v41) and versions != PINNED:
-        ap.error(
-            f"--serve-with and a V4.1 draft run the verified releases only (vLLM {PINNED['vllm']}, "
-            f"SGLang {PINNED['sglang']})"
-        )
+        what = "--serve-with runs" if args.serve_with else "a V4.1 draft runs"
+        ap.error(f"{what} the verified releases only (vLLM {PINNED['vllm']}, SGLang {PINNED['sglang']})")
     try:
         if args.fetch_wheels:
             print("\n".join(map(str, fetch_wheels(args.wheels, versions))))

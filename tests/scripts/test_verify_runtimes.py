@@ -217,22 +217,19 @@ def test_fetch_wheels_of_a_release_named_fetches_that_release(monkeypatch: pytes
     assert sorted(fetched) == ["sglang==0.5.15", "vllm==0.25.1"]
 
 
+PRO_0813 = ("pro-0813", "dspark", "tiny-pro")  # (directory, variant, preset)
+
+
 @pytest.fixture(scope="module")
 def tiny_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Per drafter: the tiny native checkpoint, its --target draft and --target xpu outputs."""
     root = tmp_path_factory.mktemp("runtimes")
     dirs = {}
-    for variant, preset in (("instruct", "tiny"), ("dspark", "tiny")):
-        native = write_checkpoint(root / variant / "native", preset=preset, variant=variant, seed=0)
-        convert(native, root / variant / "draft", target="draft")
-        convert(native, root / variant / "xpu", target="xpu")
-        dirs.update(
-            {
-                f"{variant}/native": native,
-                f"{variant}/draft": root / variant / "draft",
-                f"{variant}/xpu": root / variant / "xpu",
-            }
-        )
+    for key, variant, preset in (("instruct", "instruct", "tiny"), ("dspark", "dspark", "tiny"), PRO_0813):
+        native = write_checkpoint(root / key / "native", preset=preset, variant=variant, seed=0)
+        convert(native, root / key / "draft", target="draft")
+        convert(native, root / key / "xpu", target="xpu")
+        dirs.update({f"{key}/native": native, f"{key}/draft": root / key / "draft", f"{key}/xpu": root / key / "xpu"})
     return dirs
 
 
@@ -246,6 +243,8 @@ def tiny_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         ),  # 41 less embedding and head
         # 98 less embedding and head
         ("dspark", ["vllm-xpu-dspark", "vllm-nvidia-dspark", "vllm-amd-dspark", "sglang-dspark"], 96),
+        # a V4-Pro-0813-shaped DSpark drafter (stages at its last three layers, Pro's wider dims) as 0731's
+        ("pro-0813", ["vllm-xpu-dspark", "vllm-nvidia-dspark", "vllm-amd-dspark", "sglang-dspark"], 96),
     ],
 )
 def test_every_runtime_loads_a_draft_directory_whole(
