@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dsv4.convert import transforms
-from dsv4.convert.computed import Measured
+from dsv4.convert.computed import Computed, Measured
 from dsv4.convert.plan import PlannedTensor
 from dsv4.convert.sources.local import DIRECT_ALIGN
 from dsv4.convert.sources.source import ByteReader
@@ -238,23 +238,31 @@ class Executor:
     ) -> Iterator[tuple[PlannedTensor, str, Measured | None]]:
         """Compute each transformed tensor into its shard's writer; yields it with its sha256
         and its computation's measured error. A computation (a weight and its scale) runs
-        once for all of its tensors in `jobs`, its inputs read whole and let go after."""
+        once for all of its tensors in `jobs`, its inputs read whole and let go after; the
+        next one is read and computed in a thread (torch lets go of the GIL) while this one
+        is written and hashed: two at most in memory."""
         computations: dict[object, list[tuple[PlannedTensor, ShardWriter]]] = {}
         for t, writer in jobs:
             assert t.transform is not None
             computations.setdefault(t.transform.computation, []).append((t, writer))
-        for members in computations.values():
-            transform = members[0][0].transform
-            assert transform is not None
-            inputs = [read_whole(self.reader, t) for t in transform.inputs]
-            result = transforms.compute(transform, inputs, members[0][0].name)
-            del inputs
-            for t, writer in members:
-                view = _as_planned(t, result.tensors[t.transform.leaf if t.transform else ""])
-                writer.write(t.name, view)
-                self.written += len(view)
-                self.progress(len(view))
-                yield t, hashlib.sha256(view).hexdigest(), result.measured
+        pending = list(computations.values())
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute") as pool:
+            ahead = pool.submit(self._computed, pending[0]) if pending else None
+            for k, members in enumerate(pending):
+                assert ahead is not None
+                result = ahead.result()
+                ahead = pool.submit(self._computed, pending[k + 1]) if k + 1 < len(pending) else None
+                for t, writer in members:
+                    view = _as_planned(t, result.tensors[t.transform.leaf if t.transform else ""])
+                    writer.write(t.name, view)
+                    self.written += len(view)
+                    self.progress(len(view))
+                    yield t, hashlib.sha256(view).hexdigest(), result.measured
+
+    def _computed(self, members: list[tuple[PlannedTensor, ShardWriter]]) -> Computed:
+        transform = members[0][0].transform
+        assert transform is not None
+        return transforms.compute(transform, [read_whole(self.reader, t) for t in transform.inputs], members[0][0].name)
 
     def close(self) -> None:
         self.reads.shutdown()
