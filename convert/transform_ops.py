@@ -9,6 +9,7 @@ significant bits; bf16 has 8 and fp32's exponent range), and exact in fp32 alway
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -37,17 +38,53 @@ def native_dequantised(
     return dequant_packed(weight, scale, FP4, dtype)
 
 
+# values per block of a weight's error measurement and of its bf16 dequantisation: a few MiB
+# of F32 temporaries at a time, whatever the weight's size
+BLOCK_VALUES = 1 << 20
+
+
+class Errors:
+    """The error of a rebuilt weight against the native one, summed over row blocks in one
+    pass: max |difference| and the RMS of the difference over the RMS of the weight, each block
+    in fp32, its sums in fp64 (`measured`: the same quantities as over the whole weight at
+    once, to rounding). NaN where both hold NaN agrees; NaN against a number is an infinite
+    error."""
+
+    def __init__(self) -> None:
+        self.max_abs, self.diff_sq, self.native_sq, self.count = 0.0, 0.0, 0.0, 0
+
+    def add(self, native: torch.Tensor, rebuilt: torch.Tensor) -> None:
+        a, b = native.float(), rebuilt.float()
+        diff = torch.sub(a, b).abs_()
+        nan = diff.isnan()
+        if nan.any():  # rare: only then the masks
+            diff = torch.where(a.isnan() & b.isnan(), 0.0, diff.masked_fill_(nan, torch.inf))
+        if diff.numel():
+            self.max_abs = max(self.max_abs, diff.max().item())
+        self.diff_sq += diff.square_().sum(dtype=torch.float64).item()
+        self.native_sq += a.square().nansum(dtype=torch.float64).item()  # a NaN of the weight counts 0
+        self.count += a.numel()
+
+    def measured(self) -> Measured:
+        if not self.count:
+            return Measured(0.0, math.nan)
+        rms, size = math.sqrt(self.diff_sq / self.count), math.sqrt(self.native_sq / self.count)
+        return Measured(self.max_abs, rms / size if size else rms)
+
+
+def row_step(rows: int, cols: int, multiple: int = 1) -> int:
+    """Rows per block of a [rows, cols] weight: about BLOCK_VALUES values, a multiple of `multiple`."""
+    return max(multiple, BLOCK_VALUES // max(cols, 1) // multiple * multiple)
+
+
 def measure(native: torch.Tensor, rebuilt: torch.Tensor) -> Measured:
-    """The rebuilt weight against the native one, in fp32: max |difference| and the RMS of the
-    difference over the RMS of the weight. NaN where both hold NaN agrees; NaN against a
-    number is an infinite error."""
-    a, b = native.float(), rebuilt.float()
-    both_nan = a.isnan() & b.isnan()
-    diff = torch.where(both_nan, 0.0, (a - b).abs())
-    diff = torch.where(diff.isnan(), torch.inf, diff)
-    size = torch.where(a.isnan(), 0.0, a).pow(2).mean().sqrt().item()
-    rms = diff.pow(2).mean().sqrt().item()
-    return Measured(diff.max().item() if diff.numel() else 0.0, rms / size if size else rms)
+    """The rebuilt weight against the native one (`Errors`), a block of rows at a time."""
+    errors = Errors()
+    flat_a, flat_b = native.reshape(-1, native.shape[-1]), rebuilt.reshape(-1, rebuilt.shape[-1])
+    step = row_step(*flat_a.shape)
+    for r in range(0, max(flat_a.shape[0], 1), step):
+        errors.add(flat_a[r : r + step], flat_b[r : r + step])
+    return errors.measured()
 
 
 def _e8m0_to_f32(tensors: list[torch.Tensor], transform: Transform, where: str) -> Computed:
@@ -55,9 +92,21 @@ def _e8m0_to_f32(tensors: list[torch.Tensor], transform: Transform, where: str) 
 
 
 def _dequant_bf16(tensors: list[torch.Tensor], transform: Transform, where: str) -> Computed:
+    """The native weight in bf16, dequantised and measured a block of rows at a time (whole
+    scale blocks of an FP8 weight): its fp32 values cast as `native_dequantised` casts them."""
     weight, scale = tensors
-    out = native_dequantised(weight, scale, transform, torch.bfloat16)
-    return Computed({"": out}, measure(native_dequantised(weight, scale, transform, torch.float32), out))
+    fp8 = weight.dtype == FP8
+    rows, k = weight.shape[0], weight.shape[1] * (1 if fp8 else FP4.codes_per_byte)
+    block = transform.source_block[0] if fp8 else 1  # rows per scale row
+    out, errors = torch.empty((rows, k), dtype=torch.bfloat16), Errors()
+    step = row_step(rows, k, block)
+    for r in range(0, rows, step):
+        native = native_dequantised(
+            weight[r : r + step], scale[r // block : -(-(r + step) // block)], transform, torch.float32
+        )
+        out[r : r + step] = native  # round to nearest even, as Tensor.to(torch.bfloat16)
+        errors.add(native, out[r : r + step])
+    return Computed({"": out}, errors.measured())
 
 
 def _blocks(x: torch.Tensor, per_block: int) -> torch.Tensor:

@@ -83,7 +83,7 @@ def answer(request: Mapping[str, Any]) -> None:
             allow_lossy=request["allow_lossy"],
         )
         reply = {**summary(plan), "overrides": plan.overrides, "quantization_config": plan.quantization_config}
-    except Exception:  # noqa: BLE001 - whatever it is, the parent's own reading raises it again
+    except Exception:  # whatever it is, the parent's own reading raises it again
         reply = None
     sys.stdout.write("\n" + json.dumps({"plan": reply}) + "\n")
 
