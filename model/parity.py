@@ -148,6 +148,9 @@ def parity_verdict(
     )
     if "draft_tokens" in report:
         said += f", draft tokens {report['draft_tokens']} vs the reference's {report['reference_draft_tokens']}"
+    confidence = report.get("confidence_max_abs_diff", 0.0)  # V4.1's: probabilities, so an absolute difference
+    if "confidence_max_abs_diff" in report:
+        said += f", confidence max|diff| {confidence:.2%}"
     if decisive:
         d = max(decisive, key=lambda d: d["margin"])
         said += (
@@ -165,6 +168,8 @@ def parity_verdict(
         and math.isfinite(logits)
         and hidden <= max_rel_diff
         and logits <= max_rel_diff
+        and math.isfinite(confidence)
+        and confidence <= max_rel_diff
         and top1 >= min_top1
         and not decisive
     )
