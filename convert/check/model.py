@@ -163,7 +163,9 @@ def check_smoke(ctx: Context, details: dict[str, Any]) -> str:
                     "load_ms",
                     "hidden_warm_ms",
                     "logits_warm_ms",
+                    "confidence",
                 )
+                if k in report  # confidence: V4.1's drafter only
             }
         )
         return (
