@@ -223,11 +223,16 @@ class DSparkDraft(nn.Module):
         (`target_features`); context_positions [T_ctx]; anchor: the last sampled token, at
         position context_positions[-1] + 1."""
         positions = self.block_positions(context_positions)
-        h = self.hidden_states(features, context_positions, self.block_ids(anchor), positions)
-        base = self.base_logits(h)
+        return self.heads(self.hidden_states(features, context_positions, self.block_ids(anchor), positions), anchor)
+
+    @torch.no_grad()
+    def heads(self, hidden_states: torch.Tensor, anchor: int | torch.Tensor) -> DraftBlock:
+        """The block from its hidden states: base logits, the greedy Markov chain from `anchor` and
+        (V4.1) each drafted token's confidence, given the token the chain put before it."""
+        base = self.base_logits(hidden_states)
         logits, tokens = self.markov_decode(base, anchor)
         prev = torch.cat((torch.as_tensor(anchor, device=tokens.device).view(1), tokens[:-1]))
-        return DraftBlock(h, base, logits, tokens, self.confidence(h, prev))
+        return DraftBlock(hidden_states, base, logits, tokens, self.confidence(hidden_states, prev))
 
 
 def target_features(per_layer: list[torch.Tensor]) -> torch.Tensor:

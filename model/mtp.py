@@ -331,7 +331,7 @@ class Block(nn.Module):
         """Sublayer `sub`'s input [T, H], post, comb and its own pre-mix. V4 collapses the streams with
         that pre-mix; V4.1 (SGLang configs/deepseek_v41.py:47 hc_pre_from_prev_sublayer) with the
         PREVIOUS sublayer's, `carried`, and takes stream 0 where none came before (the first stage:
-        vLLM deepseek_v41/nvidia/model.py:516-518, kernels/mhc/torch.py:40-44)."""
+        vLLM deepseek_v41/nvidia/model.py:522-524, 564, 649; kernels/mhc/torch.py:40-44)."""
         mixes = (getattr(self, f"hc_{sub}_{part}") for part in ("fn", "scale", "base"))
         pre, post, comb = hc_mixes(x, *mixes, self.cfg)
         if not self.cfg.is_v41:

@@ -295,17 +295,11 @@ def run_dspark_smoke(
         context_tokens=feats.shape[0], anchor=anchor, block_positions=positions.tolist(), stages=cfg.dspark_stages
     )
 
-    def heads(h: torch.Tensor) -> DraftBlock:
-        base = model.base_logits(h)
-        logits, tokens = model.markov_decode(base, anchor)
-        prev = torch.cat((torch.tensor([anchor], device=dev), tokens[:-1]))
-        return DraftBlock(h, base, logits, tokens, model.confidence(h, prev))
-
     model_routing = RoutingLog()  # the warm run's, compared with the reference's
     for run in ("first", "warm"):
         with logging_routing(_moe_layers(model), model_routing if run == "warm" else RoutingLog()):
             h, report[f"hidden_{run}_ms"] = _timed(dev, lambda: model.hidden_states(feats, ctx, ids, positions))
-        block, report[f"logits_{run}_ms"] = _timed(dev, lambda h=h: heads(h))
+        block, report[f"logits_{run}_ms"] = _timed(dev, lambda h=h: model.heads(h, anchor))
     B = cfg.dspark_block_size
     report["hidden_shape"], report["logits_shape"] = list(h.shape), list(block.logits.shape)
     report["draft_tokens"] = block.draft_tokens.tolist()
