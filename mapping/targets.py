@@ -12,8 +12,7 @@ layout runtimes load, the serve commands per runtime and drafter kind. So a runt
 line of a target file, and a new target with a known layout kind, or a new runtime serving one,
 is data: a target file, its card template and its tables, no code.
 
-Reading it costs the small TOML files alone (no validation, no torch): the command line
-lists the targets at start-up.
+Reading it costs the small TOML files alone (no validation, no torch: `--help` lists them).
 """
 
 from __future__ import annotations
@@ -37,7 +36,7 @@ TABLE_DIR = Path(__file__).parent
 TARGET_DIR = TABLE_DIR / "targets"
 TARGET_KEYS = {"name", "runtimes", "layout", "default"}
 CARD_KEYS = {"body", "library_name", "serve"}
-DRAFTER_KEYS = {"name", "title", "kind", "since", "platforms", "note", "refuse"}
+DRAFTER_KEYS = {"name", "title", "kind", "since", "until", "platforms", "note", "refuse"}
 DRAFTERS = ("mtp", "dspark")  # the drafter kinds: a table's `drafter`, a serve entry's commands
 
 
@@ -117,13 +116,15 @@ class Drafter:
     note: str  # what a user serving it must know ("" for none)
     # why it does not convert yet, a Template over the runtimes: to any target, or (target, why) per target
     refuse: str | tuple[tuple[str, str], ...]
+    # (runtime, newest release serving it) where newer than the verified one
+    until: tuple[tuple[str, str], ...] = ()
 
     def releases(self, target: Target, runtime: str) -> str:
-        """The releases of `runtime` serving this drafter: "vLLM 0.20.1-0.33.0" (to the version
-        `target` was verified against), or that version alone."""
+        """The releases of `runtime` serving this drafter: "vLLM 0.20.1-0.34.0" (`until`, else
+        the version `target` was verified against), or one version alone."""
         version = dict(target.runtimes)[runtime]
-        first = dict(self.since).get(runtime, version)
-        return f"{runtime} {first}-{version}" if first != version else f"{runtime} {version}"
+        first, last = dict(self.since).get(runtime, version), dict(self.until).get(runtime, version)
+        return f"{runtime} {first}-{last}" if first != last else f"{runtime} {last}"
 
     def refusal(self, target: Target) -> str | None:
         """Why this drafter does not convert to `target` yet (its runtimes' versions filled in),
@@ -231,19 +232,19 @@ def _string_map(value: Any, keys: set[str] | None) -> bool:
 
 
 def _drafter(raw: dict[str, Any], runtimes: dict[str, str], where: str) -> Drafter:
-    """A [[drafter]] entry: name, title, kind (one of DRAFTERS), optionally since and platforms
-    (runtime -> text), note, and refuse (target -> why)."""
+    """A [[drafter]] entry: name, title, kind (one of DRAFTERS), optionally since, until and
+    platforms (runtime -> text), note, and refuse (target -> why)."""
     if not (
         set(raw) <= DRAFTER_KEYS
         and all(isinstance(raw.get(k), str) and raw[k] for k in ("name", "title"))
         and raw.get("kind") in DRAFTERS
         and isinstance(raw.get("note", ""), str)
-        and all(_string_map(raw.get(k, {}), set(runtimes)) for k in ("since", "platforms"))
+        and all(_string_map(raw.get(k, {}), set(runtimes)) for k in ("since", "until", "platforms"))
         and (isinstance(raw.get("refuse"), str) or _string_map(raw.get("refuse", {}), None))
     ):
         raise TableError(
             f"{where}: a [[drafter]] entry needs name, title and kind (one of {', '.join(DRAFTERS)}), optionally "
-            f'since and platforms ({{ RUNTIME = "..." }}, RUNTIME one of {sorted(runtimes)}), note, and refuse '
+            f'since, until and platforms ({{ RUNTIME = "..." }}, RUNTIME one of {sorted(runtimes)}), note, and refuse '
             f'("why", or {{ TARGET = "why" }}): {raw.get("name", raw)!r}',
             kind="malformed_table",
             path=where,
@@ -256,6 +257,7 @@ def _drafter(raw: dict[str, Any], runtimes: dict[str, str], where: str) -> Draft
         tuple(raw.get("platforms", {}).items()),
         raw.get("note", ""),
         raw["refuse"] if isinstance(raw.get("refuse"), str) else tuple(raw.get("refuse", {}).items()),
+        tuple(raw.get("until", {}).items()),
     )
 
 
@@ -398,9 +400,7 @@ def table_name_for(target: str, drafter: str, family: str | None = None) -> str:
     `family` to `target`: the table of that family where one is installed (V4.1's), else the one
     of the kind that names no family."""
     require_target(target)
-    of_kind = {
-        name: head for name, head in _table_headers().items() if (head.target, head.drafter) == (target, drafter)
-    }
+    of_kind = {n: head for n, head in _table_headers().items() if (head.target, head.drafter) == (target, drafter)}
     names = [n for n, h in of_kind.items() if h.family == family] or [n for n, h in of_kind.items() if h.family is None]
     if len(names) != 1:
         have = ", ".join(f"{n} ({h.target}, {h.drafter})" for n, h in _table_headers().items())
@@ -412,8 +412,10 @@ def table_name_for(target: str, drafter: str, family: str | None = None) -> str:
     return names[0]
 
 
-def target_rows() -> list[dict[str, str]]:
-    """`convert-dsv4 targets`: one row per installed table, by target then table name."""
+def target_rows() -> list[dict[str, Any]]:
+    """`convert-dsv4 targets`: one row per installed table, by target then table name; a
+    target serving drafters names, per table, the families it converts and their releases."""
+    headers = _table_headers()
     return [
         {
             "target": h.target,
@@ -423,9 +425,23 @@ def target_rows() -> list[dict[str, str]]:
             "runtime": h.runtime,
             "runtime_class": h.runtime_class,
             "family": h.family,  # the one drafter family the table maps (null: its kind's others)
+            **({"families": fams} if (fams := _table_families(h, headers)) else {}),
         }
-        for name, h in sorted(_table_headers().items(), key=lambda item: (item[1].target, item[0]))
+        for name, h in sorted(headers.items(), key=lambda item: (item[1].target, item[0]))
     ]
+
+
+def _table_families(h: TableHeader, headers: dict[str, TableHeader]) -> dict[str, str]:
+    """The drafter families table `h` converts (its own family where it names one, else those of its kind
+    no table of their own maps) that its target serves, with the runtime releases serving each one's
+    draft ("vLLM 0.20.0-0.34.0, SGLang 0.5.12-0.5.23": Drafter.releases)."""
+    own = {o.family for o in headers.values() if (o.target, o.drafter) == (h.target, h.drafter) and o.family}
+    target = require_target(h.target)
+    return {
+        d.name: ", ".join(d.releases(target, runtime) for runtime, _ in target.runtimes)
+        for d in target.drafters
+        if d.kind == h.drafter and d.refusal(target) is None and (d.name == h.family if h.family else d.name not in own)
+    }
 
 
 def runtimes_by_target() -> dict[str, str]:

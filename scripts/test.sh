@@ -5,6 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/bootstrap.sh test,quant
 # the vLLM and SGLang wheels the runtime verification reads (tests/scripts/test_verify_runtimes.py):
+# the pinned releases and the newest one a drafter family's range claims (mapping/targets/draft.toml),
 # pip download --no-deps into the wheel cache, once, an install step like the one above
 .venv/bin/python scripts/verify_runtimes.py --fetch-wheels >/dev/null
 .venv/bin/lint-imports --no-logo  # the contracts and their verdicts, without the ASCII-art banner

@@ -1,22 +1,29 @@
-"""Run vLLM 0.33.0's and SGLang 0.5.23's own draft loaders, cut out of their wheels, on CPU.
+"""Run vLLM's and SGLang's own draft loaders, cut out of their wheels, on CPU: by default the
+releases the layouts were verified against (vLLM 0.33.0, SGLang 0.5.23), or any other release.
 
     .venv/bin/python scripts/verify_runtimes.py DRAFT --expected XPU_OUT --native NATIVE \
-        [--wheels DIR] [--loader NAME ...] [--json]
+        [--wheels DIR] [--vllm-version X.Y.Z] [--sglang-version X.Y.Z] [--loader NAME ...] [--json]
     .venv/bin/python scripts/verify_runtimes.py DRAFT --serve-with TARGET [--overrides FILE] \
         --native NATIVE [--loader NAME ...] [--json]
     .venv/bin/python scripts/verify_runtimes.py V41_DRAFT --native NATIVE [--loader NAME ...] [--json]
-    .venv/bin/python scripts/verify_runtimes.py --fetch-wheels [--wheels DIR]
+    .venv/bin/python scripts/verify_runtimes.py --fetch-wheels [--wheels DIR] [--vllm-version X.Y.Z] ...
 
 DRAFT is the directory fed to the loaders (a `--target draft` output, or anything else to
 see what the runtimes make of it); XPU_OUT is the `--target xpu` output of NATIVE, the
-native checkpoint DRAFT comes from. The wheels (`pip download --no-deps vllm==0.33.0`,
-`sglang==0.5.23`) are cached in --wheels (default: $DSV4_WHEELS, else
+native checkpoint DRAFT comes from. The wheels (`pip download --no-deps vllm==X.Y.Z`,
+`sglang==X.Y.Z`) are cached in --wheels (default: $DSV4_WHEELS, else
 ~/.cache/dsv4-convert/wheels) and downloaded on first use, or by --fetch-wheels alone (the
-test command's install step, scripts/test.sh); only the few .py files named in VLLM_COMMON, VLLM_CUTS,
-SGLANG_COMMON and SGLANG_CUTS (runtime_loaders/vllm_runs.py and sglang_runs.py, beside this
-file) are read from them, never imported as packages. The loaders
+test command's install step, scripts/test.sh: the pinned releases and the newest one the
+drafter families' ranges claim, mapping/targets/draft.toml); only the few .py files that
+runtime_loaders/releases.py names for the release (VLLM_COMMON, VLLM_LOADERS, SGLANG_COMMON,
+SGLANG_LOADERS: per range of releases, the files, the names cut from them and the parameter
+names that release's model gives where they are not the pinned one's) are read from them,
+never imported as packages; a loader the release has not is reported as not in the release.
+scripts/verify_releases.py runs every release and prints the release table. The loaders
 run: vLLM DeepSeekV4MTP.load_weights of xpu/, nvidia/ and amd/ mtp.py for an MTP config,
-vLLM xpu DSparkDeepseekV4ForCausalLM.load_weights for a config with dspark_* fields;
+vLLM xpu, nvidia and amd DSparkDeepseekV4ForCausalLM.load_weights for a config with dspark_*
+fields (where a class keeps the confidence head, or NVIDIA's its context_wkv_proj, parameters
+XPU_OUT has not, they hold the draft's own tensors: releases.py's `added`);
 SGLang DeepseekV4ForCausalLMNextN.load_weights (which is DeepseekV4ForCausalLM.load_weights
 with is_nextn=True) and DeepseekV4ForCausalLMDSpark.load_weights.
 
@@ -56,8 +63,7 @@ vLLM's --hf-overrides the target runs with: its quantization_config replaces the
 wholesale (vllm/config/model.py:555-568, 616-629, 691-692). Per vLLM loader (nvidia, amd,
 xpu DeepSeekV4MTP; nvidia, amd, xpu DSparkDeepseekV4ForCausalLM for a DSpark draft, NVIDIA's
 with its context_wkv_proj, every stage's wkv stacked, nvidia/dspark.py:142-150, and NVIDIA's and
-AMD's with the confidence head, built without the quant config; these two run with --serve-with
-only, XPU_OUT holding neither):
+AMD's with the confidence head, built without the quant config):
   a. the config class vLLM picks for the target's effective quantization_config: the first of
      ModelOptFp8Config, ModelOptNvFp4Config whose override_quantization_method claims it
      (config/model.py:1396-1435), else the registry's class for its quant_method
@@ -200,12 +206,15 @@ from runtime_loaders.serve_verify import serve_table, verify_serving  # noqa: E4
 from runtime_loaders.sglang_quant import sglang_draft_quantization  # noqa: E402
 from runtime_loaders.sglang_runs import SGLANG_CUTS, verify_sglang  # noqa: E402
 from runtime_loaders.v41_verify import V41_LOADER_NAMES, is_v41_draft, v41_table, verify_v41  # noqa: E402
-from runtime_loaders.vllm_runs import SERVE_ONLY, VLLM_CUTS, verify_vllm  # noqa: E402
+from runtime_loaders.vllm_runs import VLLM_CUTS, verify_vllm  # noqa: E402
 from runtime_loaders.wheels import (  # noqa: E402
     DEFAULT_WHEELS,
+    NEWEST,
+    PINNED,
     WHEELS,
     WHEELS_ENV,
     Wheel,
+    fetch_wheels,
     wheel_cache,
     wheel_path,
     wheels_cached,
@@ -218,6 +227,8 @@ from dsv4.model.errors import DSV4Error  # noqa: E402
 # download calls) are imported here only for it.
 __all__ = [
     "DEFAULT_WHEELS",
+    "NEWEST",
+    "PINNED",
     "WHEELS",
     "WHEELS_ENV",
     "Recorder",
@@ -238,20 +249,28 @@ __all__ = [
 ]
 
 
-def verify(draft: Path, expected: Path, native: Path, wheels: Path, loaders: list[str] | None = None) -> list[Report]:
+def verify(
+    draft: Path,
+    expected: Path,
+    native: Path,
+    wheels: Path,
+    loaders: list[str] | None = None,
+    versions: dict[str, str] | None = None,
+) -> list[Report]:
     """Every applicable loader's report on `draft` (MTP loaders for an MTP config, the DSpark
-    loaders for a config with dspark_* fields)."""
+    loaders for a config with dspark_* fields), each cut from the wheel of its package's
+    release in `versions` (package -> release; default PINNED): a loader that release has
+    not is reported as not in the release (runtime_loaders/releases.py)."""
     for d in (draft, expected, native):
         if not (d / "config.json").is_file():
             raise UsageError(f"{d}: no config.json")
     is_dspark = "dspark_target_layer_ids" in json.loads((draft / "config.json").read_text())
-    every = [n for n in [*VLLM_CUTS, *SGLANG_CUTS] if n not in SERVE_ONLY]
-    chosen = loaders or [n for n in every if n.endswith("dspark") == is_dspark]
+    chosen = loaders or [n for n in [*VLLM_CUTS, *SGLANG_CUTS] if n.endswith("dspark") == is_dspark]
     reports = []
     opened: dict[str, Wheel] = {}
     for name in chosen:
         package = "vllm" if name in VLLM_CUTS else "sglang"
-        wheel = opened.setdefault(package, Wheel(wheel_path(wheels, package)))
+        wheel = opened.setdefault(package, Wheel(wheel_path(wheels, package, (versions or PINNED)[package])))
         verify_one = verify_vllm if package == "vllm" else verify_sglang
         reports.append(verify_one(wheel, name, draft, expected if package == "vllm" else native))
     return reports
@@ -264,6 +283,9 @@ def table_lines(reports: list[Report]) -> list[str]:
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in reports:
+        if r.absent:
+            lines.append(f"| {r.loader} | not in {r.absent} |" + " |" * 7)
+            continue
         lines.append(
             f"| {r.loader} | {r.fed} | {len(r.hit)} | {len(r.dropped)} | {len(r.skipped)} | "
             f"{len(r.errors)} | {len(r.missing)} | {len(r.unequal)} | {'yes' if r.passed else 'NO'} |"
@@ -295,8 +317,18 @@ def main(argv: list[str] | None = None) -> int:
         "--wheels", type=Path, default=wheel_cache(), help=f"wheel cache (default ${WHEELS_ENV}, else {DEFAULT_WHEELS})"
     )
     ap.add_argument(
-        "--fetch-wheels", action="store_true", help="only download the wheels missing from the cache, and stop"
+        "--fetch-wheels",
+        action="store_true",
+        help="only download the wheels missing from the cache (the releases named, else the pinned and the "
+        "newest proven ones), and stop",
     )
+    for package, runtime in (("vllm", "vLLM"), ("sglang", "SGLang")):
+        ap.add_argument(
+            f"--{package}-version",
+            default=PINNED[package],
+            metavar="X.Y.Z",
+            help=f"the {runtime} release whose wheel's loaders run (default {PINNED[package]}, the verified one)",
+        )
     ap.add_argument(
         "--loader",
         action="append",
@@ -328,10 +360,13 @@ def main(argv: list[str] | None = None) -> int:
         )
     if args.overrides and not args.serve_with:
         ap.error("--overrides goes with --serve-with")
+    versions = {"vllm": args.vllm_version, "sglang": args.sglang_version}
+    if (args.serve_with or v41) and versions != PINNED:
+        what = "--serve-with runs" if args.serve_with else "a V4.1 draft runs"
+        ap.error(f"{what} the verified releases only (vLLM {PINNED['vllm']}, SGLang {PINNED['sglang']})")
     try:
         if args.fetch_wheels:
-            for package in WHEELS:
-                print(wheel_path(args.wheels, package))
+            print("\n".join(map(str, fetch_wheels(args.wheels, versions))))
             return 0
         if v41:
             reports = verify_v41(args.wheels, args.draft, args.native, args.loader)
@@ -342,7 +377,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             lines = serve_table(target, args.overrides.name if args.overrides else "no overrides", reports)
         else:
-            reports = verify(args.draft, args.expected, args.native, args.wheels, args.loader)
+            reports = verify(args.draft, args.expected, args.native, args.wheels, args.loader, versions)
             lines = table_lines(reports)
     except (UsageError, DSV4Error) as exc:  # a missing wheel or directory, an unreadable checkpoint
         print(f"error: {exc}", file=sys.stderr)

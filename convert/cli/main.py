@@ -83,6 +83,8 @@ def targets_command(quiet: bool, as_json: bool) -> None:
             f"{r['target']:8} {r['table']:{width}} drafter {r['drafter']:7} v{r['table_version']:4} {r['runtime']} "
             f"({r['runtime_class']}){family}"
         )
+        for family, releases in r.get("families", {}).items():  # the releases serving each family's draft
+            click.echo(f"{'':8} {'':12} {family:15} {releases}")
 
 
 for command in (convert_command, plan_command, check_command, smoke_command, synth_command, batch_command):

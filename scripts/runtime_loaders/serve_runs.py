@@ -284,14 +284,14 @@ def serve_run(
         _recording(param, name, fills, rec)
     spec = VLLM_CUTS[loader]
     completeness = [True]
-    ns = vllm_namespace(wheel, spec["cuts"], rec, completeness)
+    ns = vllm_namespace(wheel, spec.cuts, rec, completeness)
     ns["dict"] = lambda x=(), **k: x.table if isinstance(x, _Named) else dict(x, **k)
 
     class StandIn:
         def named_parameters(self) -> _Named:
             return _Named(table)
 
-    model = type(spec["class"], (ns[spec["class"]], StandIn), {})()
+    model = type(spec.cls, (ns[spec.cls], StandIn), {})()
     model.config, model.quant_config = cfg, qc
     if layout == "mtp":
         layers = {str(i): stand_in_layer() for i in indices}
@@ -385,15 +385,12 @@ def _read(root: Path, names: set[str]) -> dict[str, torch.Tensor]:
     return out
 
 
-def _account(
-    built: list[Built],
-    table: _Table,
-    fills: dict[str, list[Fill]],
-    native: dict[str, torch.Tensor],
-    recorded: _Recorded,
-    n_experts: int,
-    report: ServeReport,
-) -> None:
+def filled_parameters(
+    built: list[Built], table: dict[str, Any], fills: dict[str, list[Fill]], n_experts: int, report: Any
+) -> Iterator[tuple[str, Any]]:
+    """Each parameter of `table` every part of which (shard, expert) was filled, with the count of
+    parameters, those filled, filled twice or not whole recorded in `report` (a ServeReport or a
+    V4.1 report: the same fields)."""
     owner = {n: b for b in built for n in b.params}
     report.params = len(table)
     for name, param in sorted(table.items()):
@@ -406,6 +403,19 @@ def _account(
             report.unfilled.append(f"{name} ({len(missing)} of {len(want)} parts)")
             continue
         report.filled += 1
+        yield name, param
+
+
+def _account(
+    built: list[Built],
+    table: _Table,
+    fills: dict[str, list[Fill]],
+    native: dict[str, torch.Tensor],
+    recorded: _Recorded,
+    n_experts: int,
+    report: ServeReport,
+) -> None:
+    for name, param in filled_parameters(built, table, fills, n_experts, report):
         try:
             exact = _fp4_as_fp8_block(name, table, fills, native)
             if exact is None:

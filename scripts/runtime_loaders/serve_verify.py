@@ -106,16 +106,17 @@ def serve_table(target: str, route: str, reports: list[ServeReport]) -> list[str
             f"| {target} | {route} | {r.loader} | {methods} | {r.fed} | {r.filled}/{r.params} | "
             f"{len(r.errors)} | {len(r.skipped)} | {exact} | {lossy_cell(r)} | {'yes' if r.passed else 'NO'} |"
         )
+    return lines + detail_lines(reports, ("error not as recorded", "off_record"))
+
+
+def detail_lines(reports: list[Any], last: tuple[str, str]) -> list[str]:
+    """Below a table: per report, what went wrong, a few names of each (`last`: one more
+    (label, field) of the report's own)."""
+    fields = (("error", "errors"), ("skipped", "skipped"), ("unfilled", "unfilled"), ("filled twice", "twice"))
+    lines = []
     for r in reports:
-        for label, items in (
-            ("error", r.errors),
-            ("skipped", r.skipped),
-            ("unfilled", r.unfilled),
-            ("filled twice", r.twice),
-            ("not exact", r.inexact),
-            ("error not as recorded", r.off_record),
-        ):
-            if items:
+        for label, name in (*fields, ("not exact", "inexact"), last):
+            if items := getattr(r, name):
                 lines.append(f"{r.loader}: {label} {len(items)}, e.g. {'; '.join(items[:3])}")
     return lines
 

@@ -3,6 +3,7 @@ and on DRAFT against them."""
 
 from __future__ import annotations
 
+import ast
 import concurrent.futures
 import copy
 import json
@@ -17,40 +18,12 @@ import torch
 
 from .cut import cut, modules_in_place
 from .recording import Recorder, RecordingParam, Report, assemble, attrs, run_loader
-from .wheels import Wheel
+from .releases import SGLANG_COMMON, SGLANG_LOADERS, SRT, Cuts, cuts_for, pick
+from .wheels import PINNED, Wheel
 
-SRT = "sglang/srt/"
-SGLANG_COMMON = {
-    SRT + "models/deepseek_v4.py": [
-        "DEEPSEEK_V4_STACKED_PARAMS_MAPPING",
-        "_dequant_fp8_wo_a_streaming",
-        "_prepare_deepseek_v4_weights",
-        "_rename_quark_fp8_block_scales",
-        "_fuse_deepseek_v4_wqkv_a_pair",
-        "_clone_if_runai_streamed_tensor",
-        "DeepseekV4ForCausalLM.load_weights",
-        "DeepseekV4ForCausalLM.remap_weight_name_to_dpsk_hf_format",
-    ],
-    SRT + "layers/moe/fused_moe_triton/layer.py": ["FusedMoE.make_expert_params_mapping"],
-    SRT + "layers/utils/common.py": ["get_layer_id"],
-    SRT + "model_loader/utils.py": ["maybe_executor_submit"],
-}
-SGLANG_CUTS: dict[str, dict[str, Any]] = {
-    "sglang-nextn": {
-        "class": "DeepseekV4ForCausalLMNextN",
-        "cuts": {SRT + "models/deepseek_v4_nextn.py": ["DeepseekV4ForCausalLMNextN.load_weights"]},
-    },
-    "sglang-dspark": {
-        "class": "DeepseekV4ForCausalLMDSpark",
-        "cuts": {
-            SRT + "models/deepseek_v4_dspark.py": [
-                "_dspark_stage_config",
-                "DeepseekV4ForCausalLMDSpark.load_weights",
-                "DeepseekV4ForCausalLMDSpark._assert_confidence_head_loaded",
-                "DeepseekV4ForCausalLMDSpark._remap_dspark_weight_name",
-            ]
-        },
-    },
+# the pinned release's cuts per loader (releases.py has every release's)
+SGLANG_CUTS: dict[str, Cuts] = {
+    name: cuts for name in SGLANG_LOADERS if (cuts := cuts_for(SGLANG_LOADERS, name, PINNED["sglang"])) is not None
 }
 # SGLang's FusedMoE registers only the fused experts.w13_* / experts.w2_* parameters
 # (fused_moe_triton/layer.py:1804-1821), never a per-expert one.
@@ -88,6 +61,22 @@ class _Warnings:
         return lambda *a, **k: None
 
 
+def env_defaults(wheel: Wheel) -> types.SimpleNamespace:
+    """SGLang's `envs` with every flag at the default the wheel's environ.py gives it
+    (`class Envs:` ... `SGLANG_OPT_FUSE_WQA_WKV = EnvBool(True)`, environ.py:1885 in 0.5.23):
+    the flags a release's loader reads differ from release to release."""
+    member = SRT + "environ.py"
+    tree = ast.parse(wheel.source(member), member)
+    envs = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Envs")
+    flags = {}
+    for node in envs.body:
+        value = node.value if isinstance(node, ast.Assign) else None
+        if isinstance(value, ast.Call) and value.args and isinstance(value.args[0], ast.Constant):
+            default = value.args[0].value
+            flags.update({t.id: types.SimpleNamespace(get=lambda d=default: d) for t in node.targets})
+    return types.SimpleNamespace(**flags)
+
+
 def sglang_namespace(
     wheel: Wheel, files: dict[str, list[str]], recorder: Recorder, params: dict[str, Any], warnings: _Warnings
 ) -> dict[str, Any]:
@@ -104,9 +93,7 @@ def sglang_namespace(
         "concurrent": concurrent,
         "logging": logging,
         "logger": warnings,
-        "envs": types.SimpleNamespace(
-            SGLANG_OPT_FUSE_WQA_WKV=types.SimpleNamespace(get=lambda: True)
-        ),  # its default, environ.py:1885
+        "envs": env_defaults(wheel),
         "should_async_load": lambda _w: False,
         "use_npu_arch35_mxfp8_wo_a": lambda _q: False,
         "is_wint4afp8_or_wint4a16_config": lambda _q: False,
@@ -116,9 +103,11 @@ def sglang_namespace(
         "RUNAI_STREAMER_TENSOR_ATTR": "_sglang_runai_streamer_tensor",
         "dict": params_dict,
     }
-    for member, names in {**SGLANG_COMMON, **files}.items():
+    common = pick(SGLANG_COMMON, wheel.version)
+    for member in {**common, **files}:
+        names = [*common.get(member, []), *files.get(member, [])]
         cut(wheel.source(member), f"{wheel.path.name}/{member}", names, ns)
-    fuse = ns["_fuse_deepseek_v4_wqkv_a_pair"]
+    fuse = ns.get("_fuse_deepseek_v4_wqkv_a_pair")
     fed_names: dict[int, str] = {}
 
     def fuse_and_remember(param_name: str, bucket: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -139,7 +128,8 @@ def sglang_namespace(
         ]
         return kept
 
-    ns["_fuse_deepseek_v4_wqkv_a_pair"] = fuse_and_remember  # the wheel's function, its inputs noted
+    if fuse is not None:  # before 0.5.19 load_weights fuses the pair inline (torch.cat)
+        ns["_fuse_deepseek_v4_wqkv_a_pair"] = fuse_and_remember  # the wheel's function, its inputs noted
     ns["_dequant_fp8"] = dequant_stand_in
     ns["_remember_fed"] = remember
     return ns
@@ -149,13 +139,18 @@ _NAMED = object()  # what the stand-in's named_parameters() returns
 
 
 def sglang_run(
-    wheel: Wheel, loader: str, directory: Path, config: dict[str, Any], parameters: Iterable[str] | None
+    wheel: Wheel,
+    loader: str,
+    spec: Cuts,
+    directory: Path,
+    config: dict[str, Any],
+    parameters: Iterable[str] | None,
 ) -> tuple[Report, Recorder, _Warnings]:
-    """SGLang's loader on `directory`, its params_dict holding `parameters` (None: AnyParams)."""
-    spec = SGLANG_CUTS[loader]
+    """SGLang's `loader` (cut as `spec` says) on `directory`, its params_dict holding
+    `parameters` (None: AnyParams)."""
     recorder, warnings = Recorder(), _Warnings()
     params = AnyParams(recorder) if parameters is None else {n: RecordingParam(n, recorder) for n in parameters}
-    ns = sglang_namespace(wheel, spec["cuts"], recorder, params, warnings)
+    ns = sglang_namespace(wheel, spec.cuts, recorder, params, warnings)
     quant = config.get("quantization_config") or {}
     fake_fused_moe = types.ModuleType("sglang.srt.layers.moe.fused_moe_triton")
     fake_fused_moe.FusedMoE = ns["FusedMoE"]
@@ -167,7 +162,7 @@ def sglang_run(
         def post_load_weights(self, *a: Any, **k: Any) -> None:
             return None
 
-    model = type(spec["class"], (ns[spec["class"]], StandIn), {})()
+    model = type(spec.cls, (ns[spec.cls], StandIn), {})()
     model.config = attrs(config)
     model.quant_config = types.SimpleNamespace(get_name=lambda: quant.get("quant_method"), **quant)
     # deepseek_v4.py:280-287 with SGLANG_OPT_FP8_WO_A_GEMM at its default (environ.py:1871)
@@ -212,9 +207,12 @@ def verify_sglang(
     as they would), and each must get the same bytes. DRAFT's tensors may be skipped only
     where the native run skips them too. `read_config` gives a directory's config as SGLang's
     model holds it (default: config.json as written)."""
+    spec = cuts_for(SGLANG_LOADERS, loader, wheel.version)
+    if spec is None:
+        return Report(loader, absent=f"SGLang {wheel.version}")
     config = read_config(draft)
-    ref, ref_rec, _ = sglang_run(wheel, loader, native, read_config(native), None)
-    report, rec, warnings = sglang_run(wheel, loader, draft, config, ref_rec.records)
+    ref, ref_rec, _ = sglang_run(wheel, loader, spec, native, read_config(native), None)
+    report, rec, warnings = sglang_run(wheel, loader, spec, draft, config, ref_rec.records)
     ref_skipped = set(ref.skipped)
     report.dropped = [t for t in report.skipped if t in ref_skipped]
     report.skipped = [t for t in report.skipped if t not in ref_skipped]

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from . import UsageError
 from .recording import Report
+from .serve_verify import detail_lines
 from .sglang_v41 import SGLANG_V41_LOADER, verify_sglang_v41
 from .vllm_v41 import V41_LOADERS, V41Report, v41_run
 from .wheels import Wheel, wheel_path
@@ -68,15 +69,4 @@ def v41_table(reports: list[V41Report]) -> list[str]:
             f"| {r.loader} | {r.fed} | {r.filled}/{r.params} | {own} | {len(r.dropped)} | {len(r.errors)} "
             f"| {len(r.skipped)} | {exact} | {'yes' if r.passed else 'NO'} |"
         )
-    for r in reports:
-        for label, items in (
-            ("error", r.errors),
-            ("skipped", r.skipped),
-            ("unfilled", r.unfilled),
-            ("filled twice", r.twice),
-            ("not exact", r.inexact),
-            ("dropped", r.dropped),
-        ):
-            if items:
-                lines.append(f"{r.loader}: {label} {len(items)}, e.g. {'; '.join(items[:3])}")
-    return lines
+    return lines + detail_lines(reports, ("dropped", "dropped"))

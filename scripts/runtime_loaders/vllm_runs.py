@@ -15,106 +15,13 @@ from dsv4.mapping.table import Table, expand, load_table
 
 from .cut import cut
 from .recording import Recorder, RecordingParam, Report, attrs, read_tensors, run_loader
-from .wheels import Wheel
+from .releases import VLLM_COMMON, VLLM_LOADERS, Cuts, cuts_for, pick
+from .wheels import PINNED, Wheel
 
-V4 = "vllm/models/deepseek_v4/"
-# What every vLLM loader run below needs besides its own class, each the wheel's own code:
-# the expert mapping and the spec-layer test.
-VLLM_COMMON = {
-    "vllm/model_executor/models/utils.py": ["get_spec_layer_idx_from_weight_name"],
-    "vllm/model_executor/layers/fused_moe/layer.py": ["fused_moe_make_expert_params_mapping"],
-    "vllm/model_executor/layers/fused_moe/routed_experts.py": [
-        "RoutedExperts.make_expert_params_mapping",
-        "RoutedExperts.build_expert_params_mapping",
-    ],
-    "vllm/distributed/eplb/eplb_state.py": ["EplbState.build_initial_global_physical_to_logical_map"],
-    "vllm/utils/math_utils.py": ["cdiv"],
+# the pinned release's cuts per loader (what --serve-with runs; releases.py has every release's)
+VLLM_CUTS: dict[str, Cuts] = {
+    name: cuts for name in VLLM_LOADERS if (cuts := cuts_for(VLLM_LOADERS, name, PINNED["vllm"])) is not None
 }
-# platform -> (file, the names cut out of it) for the draft model class; the entry's class
-# is the one whose load_weights runs.
-VLLM_CUTS: dict[str, dict[str, Any]] = {
-    "vllm-xpu-mtp": {
-        "class": "DeepSeekV4MTP",
-        "cuts": {
-            V4 + "xpu/mtp.py": [
-                "_EXPERT_SCALE_RE",
-                "DeepSeekV4MTP.load_weights",
-                "DeepSeekV4MTP.finalize_mega_moe_weights",
-                "DeepSeekV4MTP._rewrite_spec_layer_name",
-            ],
-            V4 + "xpu/model.py": ["make_deepseek_v4_expert_params_mapping"],
-        },
-    },
-    "vllm-nvidia-mtp": {
-        "class": "DeepSeekV4MTP",
-        "cuts": {
-            V4 + "nvidia/mtp.py": [
-                "_EXPERT_SCALE_RE",
-                "DeepSeekV4MTP.load_weights",
-                "DeepSeekV4MTP._to_spec_layer_name",
-                "DeepSeekV4MTP._rewrite_spec_layer_name",
-            ],
-            V4 + "nvidia/model.py": [
-                "make_deepseek_v4_expert_params_mapping",
-                "DeepseekV4Model._pad_shared_expert_weight",
-            ],
-        },
-    },
-    "vllm-amd-mtp": {
-        "class": "DeepSeekV4MTP",
-        "cuts": {
-            V4 + "amd/mtp.py": [
-                "_EXPERT_SCALE_RE",
-                "DeepSeekV4MTP.load_weights",
-                "DeepSeekV4MTP._rewrite_spec_layer_name",
-            ],
-        },
-    },
-    "vllm-xpu-dspark": {
-        "class": "DSparkDeepseekV4ForCausalLM",
-        "cuts": {
-            V4 + "xpu/dspark.py": [
-                "_EXPERT_SCALE_RE",
-                "DSparkDeepseekV4ForCausalLM.load_weights",
-                "DSparkDeepseekV4ForCausalLM._finalize_moe",
-                "DSparkDeepseekV4ForCausalLM._remap_dspark_name",
-            ],
-            V4 + "xpu/model.py": ["make_deepseek_v4_expert_params_mapping"],
-        },
-    },
-    # the NVIDIA class also feeds every stage's wkv into model.context_wkv_proj
-    # (nvidia/dspark.py:72-86, 483, 514-518) and keeps the confidence head (:176-180, 584-585)
-    "vllm-nvidia-dspark": {
-        "class": "DSparkDeepseekV4ForCausalLM",
-        "cuts": {
-            V4 + "nvidia/dspark.py": [
-                "_EXPERT_SCALE_RE",
-                "_CONTEXT_WKV_RE",
-                "_duplicate_context_wkv_weights",
-                "DSparkDeepseekV4ForCausalLM.load_weights",
-                "DSparkDeepseekV4ForCausalLM._remap_dspark_name",
-            ],
-            V4 + "nvidia/model.py": [
-                "make_deepseek_v4_expert_params_mapping",
-                "DeepseekV4Model._pad_shared_expert_weight",
-            ],
-            "vllm/model_executor/models/utils.py": ["extract_layer_index"],
-        },
-    },
-    "vllm-amd-dspark": {
-        "class": "DSparkDeepseekV4ForCausalLM",
-        "cuts": {
-            V4 + "amd/dspark.py": [
-                "_EXPERT_SCALE_RE",
-                "DSparkDeepseekV4ForCausalLM.load_weights",
-                "DSparkDeepseekV4ForCausalLM._remap_dspark_name",
-            ],
-        },
-    },
-}
-# the loaders whose parameters only --serve-with builds (vllm_layer): XPU_OUT, the XPU
-# layout, holds no NVIDIA context_wkv_proj nor confidence head
-SERVE_ONLY = ("vllm-nvidia-dspark", "vllm-amd-dspark")
 
 
 def stand_in_layer() -> Any:
@@ -150,9 +57,11 @@ def vllm_namespace(
         "default_weight_loader": recorder.load,
         "is_mtp_completeness_check_enabled": lambda: completeness[0],
         "get_tensor_model_parallel_world_size": lambda: 1,
+        "get_tensor_model_parallel_rank": lambda: 0,
     }
-    for member in {**VLLM_COMMON, **files}:
-        names = [*VLLM_COMMON.get(member, []), *files.get(member, [])]
+    common = pick(VLLM_COMMON, wheel.version)
+    for member in {**common, **files}:
+        names = [*common.get(member, []), *files.get(member, [])]
         cut(wheel.source(member), f"{wheel.path.name}/{member}", names, ns)
     return ns
 
@@ -169,31 +78,45 @@ def vllm_model(
             for p in params:
                 yield p, RecordingParam(p, recorder)
 
+        def modules(self) -> Iterator[Any]:
+            # no RoutedExperts with a fused-shared-expert loader to redirect the expert
+            # mapping to (vLLM 0.34.0 fused_moe/routed_experts.py:1184-1188)
+            return iter(())
+
     model = type(cls_name, (ns[cls_name], StandIn), {})()
     model.config = cfg
     model.quant_config = quant
     if cls_name == "DSparkDeepseekV4ForCausalLM":
         stages = len(config["dspark_target_layer_ids"])
-        model.model = types.SimpleNamespace(layers=[stand_in_layer() for _ in range(stages)])
+        # vLLM 0.34.0's XPU class builds a confidence head unless the config turns it off (xpu/dspark.py:112-117)
+        head = types.SimpleNamespace() if config.get("enable_confidence_head", True) else None
+        model.model = types.SimpleNamespace(layers=[stand_in_layer() for _ in range(stages)], confidence_head=head)
     else:
         start, n = config["num_hidden_layers"], config["num_nextn_predict_layers"]
         model.model = types.SimpleNamespace(
             layers={str(start + i): stand_in_layer() for i in range(n)}, mtp_start_layer_idx=start, num_mtp_layers=n
         )
-        # nvidia/mtp.py:308-310, with sequence parallelism off (one GPU)
-        model.pad_shared_expert = getattr(quant, "weight_block_size", None) is not None
+    # nvidia/mtp.py:308-310, nvidia/dspark.py:362-364, with sequence parallelism off (one GPU)
+    model.pad_shared_expert = getattr(quant, "weight_block_size", None) is not None
     return model
 
 
 def verify_vllm(wheel: Wheel, loader: str, draft: Path, expected_dir: Path) -> Report:
-    spec = VLLM_CUTS[loader]
+    spec = cuts_for(VLLM_LOADERS, loader, wheel.version)
+    if spec is None:
+        return Report(loader, absent=f"vLLM {wheel.version}")
     config = json.loads((draft / "config.json").read_text())
-    expected = dict(read_tensors(expected_dir))
-    droppable, shared_params = table_facts(load_table("xpu_dspark" if loader.endswith("dspark") else "xpu"), config)
+    # XPU_OUT's names are the pinned release's parameters; this release's may differ (spec.renames)
+    expected = {spec.param_name(n): t for n, t in read_tensors(expected_dir)}
+    if spec.added:
+        fed = dict(read_tensors(draft))
+        expected.update({p: torch.cat([fed[n] for n in names]) for p, names in spec.added_params(fed).items()})
+    droppable, shared = table_facts(load_table("xpu_dspark" if loader.endswith("dspark") else "xpu"), config)
+    shared_params = {spec.param_name(n) for n in shared}
     recorder = Recorder()
     completeness = [True]
-    ns = vllm_namespace(wheel, spec["cuts"], recorder, completeness)
-    model = vllm_model(ns, spec["class"], config, expected, recorder)
+    ns = vllm_namespace(wheel, spec.cuts, recorder, completeness)
+    model = vllm_model(ns, spec.cls, config, expected, recorder)
 
     def load(weights: Iterable[tuple[str, torch.Tensor]], first: bool) -> Any:
         completeness[0] = first

@@ -17,7 +17,7 @@ import torch
 from . import UsageError
 from .cut import cut
 from .recording import Recorder
-from .serve_runs import Fill, ServeReport, _feed, _Named, _read, _recording, _same, expected_parts
+from .serve_runs import Fill, ServeReport, _feed, _Named, _read, _recording, _same, filled_parameters
 from .vllm_build import PLATFORMS, _compile_namespace, imports_from
 from .vllm_build_cuts import IMPORTED_INSIDE
 from .vllm_layer import Built, _build, _expert_map, _linear_specs, _moe_config
@@ -404,18 +404,7 @@ def _account(
     n_experts: int,
     report: V41Report,
 ) -> None:
-    owner = {n: b for b in built for n in b.params}
-    report.params = len(table)
-    for name, param in sorted(table.items()):
-        got = [(f.shard, f.expert) for f in fills.get(name, [])]
-        want = expected_parts(owner[name], name, n_experts) if name in owner else {(None, None)}
-        if len(got) != len(set(got)):
-            report.twice.append(name)
-        missing = want - set(got)
-        if missing:
-            report.unfilled.append(f"{name} ({len(missing)} of {len(want)} parts)")
-            continue
-        report.filled += 1
+    for name, param in filled_parameters(built, table, fills, n_experts, report):
         try:
             expected = expected_value(name, param, fills[name], native)
             exact = expected is not None and _same(expected.reshape(param.data.shape), param.data)

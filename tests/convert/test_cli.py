@@ -179,6 +179,11 @@ EXPECTED = [
         "runtime": "vLLM 0.33.0, SGLang 0.5.23",
         "runtime_class": "vLLM DeepSeekV4MTP (xpu, nvidia, amd); SGLang DeepseekV4ForCausalLMNextN",
         "family": None,
+        # the families of its kind the target converts, with the releases serving each one's draft
+        "families": {
+            "v4-mtp": "vLLM 0.20.0-0.34.0, SGLang 0.5.12-0.5.23",
+            "base-mtp": "vLLM 0.20.1-0.34.0, SGLang 0.5.12-0.5.23",
+        },
     },
     {
         "target": "draft",
@@ -188,6 +193,12 @@ EXPECTED = [
         "runtime": "vLLM 0.33.0, SGLang 0.5.23",
         "runtime_class": "vLLM DSparkDeepseekV4ForCausalLM; SGLang DeepseekV4ForCausalLMDSpark",
         "family": None,
+        # the families of its kind that no table of their own maps (V4.1 has one)
+        "families": {
+            "dspark-0731": "vLLM 0.25.0-0.34.0, SGLang 0.5.16-0.5.23",
+            "pro-0813": "vLLM 0.33.0, SGLang 0.5.23",
+            "vision-exp": "vLLM 0.33.0, SGLang 0.5.23",
+        },
     },
     {
         "target": "draft",
@@ -197,6 +208,7 @@ EXPECTED = [
         "runtime": "vLLM 0.33.0, SGLang 0.5.23",
         "runtime_class": "vLLM DSparkDeepseekV4ForCausalLM (models/deepseek_v41); SGLang DeepseekV4ForCausalLMDSpark",
         "family": "v41-dspark",
+        "families": {"v41-dspark": "vLLM 0.33.0, SGLang 0.5.23"},
     },
     {
         "target": "xpu",
@@ -236,10 +248,16 @@ def test_targets_lists_each_table_with_its_drafter_version_and_runtime(monkeypat
     assert code == 0 and out.splitlines() == [
         "draft    draft            drafter mtp     v1    vLLM 0.33.0, SGLang 0.5.23 (vLLM DeepSeekV4MTP (xpu, nvidia, "
         "amd); SGLang DeepseekV4ForCausalLMNextN)",
+        "                      v4-mtp          vLLM 0.20.0-0.34.0, SGLang 0.5.12-0.5.23",
+        "                      base-mtp        vLLM 0.20.1-0.34.0, SGLang 0.5.12-0.5.23",
         "draft    draft_dspark     drafter dspark  v1    vLLM 0.33.0, SGLang 0.5.23 (vLLM DSparkDeepseekV4ForCausalLM; "
         "SGLang DeepseekV4ForCausalLMDSpark)",
+        "                      dspark-0731     vLLM 0.25.0-0.34.0, SGLang 0.5.16-0.5.23",
+        "                      pro-0813        vLLM 0.33.0, SGLang 0.5.23",
+        "                      vision-exp      vLLM 0.33.0, SGLang 0.5.23",
         "draft    draft_dspark_v41 drafter dspark  v1    vLLM 0.33.0, SGLang 0.5.23 (vLLM DSparkDeepseekV4ForCausalLM "
         "(models/deepseek_v41); SGLang DeepseekV4ForCausalLMDSpark) (family v41-dspark)",
+        "                      v41-dspark      vLLM 0.33.0, SGLang 0.5.23",
         "xpu      xpu              drafter mtp     v1    vLLM 0.33.0 (DeepSeekV4MTP)",
         "xpu      xpu_dspark       drafter dspark  v1    vLLM 0.33.0 (DSparkDeepseekV4ForCausalLM)",
         "xpu      xpu_dspark_v41   drafter dspark  v1    vLLM 0.33.0 (the bundled model only: vLLM has no XPU "

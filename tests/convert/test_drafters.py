@@ -82,7 +82,7 @@ SERVED = [
         "instruct",
         "v4-mtp",
         "DeepSeek V4 MTP (FP4 experts)",
-        "vLLM 0.20.1-0.33.0 (XPU, CUDA, ROCm)",
+        "vLLM 0.20.0-0.34.0 (XPU from 0.23.0, CUDA, ROCm)",
         '"method":"mtp"',
         "SGLang 0.5.12-0.5.23",
         "NEXTN",
@@ -91,7 +91,7 @@ SERVED = [
         "base",
         "base-mtp",
         "DeepSeek V4 Base MTP (FP8 experts)",
-        "vLLM 0.20.1-0.33.0 (XPU, CUDA, ROCm)",
+        "vLLM 0.20.1-0.34.0 (XPU from 0.23.0, CUDA, ROCm)",
         '"method":"mtp"',
         "SGLang 0.5.12-0.5.23",
         "NEXTN",
@@ -100,7 +100,7 @@ SERVED = [
         "dspark",
         "dspark-0731",
         "DeepSeek V4-Flash-0731-style DSpark",
-        "vLLM 0.26.0-0.33.0 (XPU, CUDA, ROCm)",
+        "vLLM 0.25.0-0.34.0 (XPU from 0.26.0, CUDA, ROCm from 0.26.0)",
         '"method":"dspark"',
         "SGLang 0.5.16-0.5.23",
         "DSPARK",
@@ -328,6 +328,7 @@ def test_a_tiny_pro_0813_converts_to_each_target_and_checks_against_the_referenc
     [
         'name = "x"\ntitle = "X"\nkind = "eagle"',  # a kind with no table or serve command
         'name = "x"\ntitle = "X"\nkind = "mtp"\nsince = { TensorRT = "1.0" }',  # a runtime the target has not
+        'name = "x"\ntitle = "X"\nkind = "mtp"\nuntil = { vLLM = 34 }',  # a release that is no string
         'name = "x"\nkind = "mtp"',  # no title
     ],
 )

@@ -65,7 +65,7 @@ def test_a_draft_for_a_deepseek_fp8_target_is_the_native_draft_with_its_launch_c
     # the native draft's commands name its drafter's releases (mapping/targets/draft.toml's
     # [[drafter]] entries), as `plan` does
     assert commands.splitlines()[2:] == [
-        "# vLLM 0.20.1-0.33.0 (XPU, CUDA, ROCm)",
+        "# vLLM 0.20.0-0.34.0 (XPU from 0.23.0, CUDA, ROCm)",
         vllm,
         "",
         "# SGLang 0.5.12-0.5.23",
@@ -340,13 +340,13 @@ def test_a_dspark_draft_beside_a_compressed_tensors_target_carries_its_own_confi
 def test_a_route_that_rewrites_the_draft_names_only_the_runtime_versions_it_was_run_against(
     native: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    # the drafter's release range (vLLM 0.20.1-0.33.0) is its native draft's; the overlay was
+    # the drafter's release range (vLLM 0.20.0-0.34.0) is its native draft's; the overlay was
     # verified with vLLM 0.33.0's own loaders only
     target = target_like(native, tmp_path / "w4a16", quantization_config=serving_target("W4A16", ["lm_head"]))
     code, stdout, _ = run_main(monkeypatch, capsys, "plan", native, "--target", "draft", "--serve-with", target)
     assert code == 0
-    assert "    # vLLM 0.33.0 (XPU, CUDA, ROCm)" in stdout.splitlines() and "0.20.1" not in stdout
+    assert "    # vLLM 0.33.0 (XPU from 0.23.0, CUDA, ROCm)" in stdout.splitlines() and "0.20.0" not in stdout
     assert convert_beside(monkeypatch, capsys, native, tmp_path / "out", target, "-q")[0] == 0
-    assert "# vLLM 0.33.0 (XPU, CUDA, ROCm)" in (tmp_path / "out" / COMMANDS_FILE).read_text().splitlines()
+    assert "# vLLM 0.33.0 (XPU from 0.23.0, CUDA, ROCm)" in (tmp_path / "out" / COMMANDS_FILE).read_text().splitlines()
     code, stdout, _ = run_main(monkeypatch, capsys, "plan", native, "--target", "draft")
-    assert "    # vLLM 0.20.1-0.33.0 (XPU, CUDA, ROCm)" in stdout.splitlines()
+    assert "    # vLLM 0.20.0-0.34.0 (XPU from 0.23.0, CUDA, ROCm)" in stdout.splitlines()

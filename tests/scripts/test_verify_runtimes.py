@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import sys
+import zipfile
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -117,6 +118,23 @@ def test_the_loading_goes_on_after_an_error(tmp_path: Path) -> None:
     assert report.hit["B"] == "b"
 
 
+def test_a_loader_failing_before_its_first_tensor_is_one_error_and_every_tensor_skipped(tmp_path: Path) -> None:
+    # an older release's loader can fail on the stand-in model before it takes a tensor: a
+    # fresh call would fail the same way, so the run stops there
+    recorder = vr.Recorder()
+    calls = []
+
+    def load(_weights: Iterable[tuple[str, torch.Tensor]], _first: bool) -> None:
+        calls.append(1)
+        raise AttributeError("no such attribute")
+
+    report = vr.run_loader(
+        "stand-in", load, recorder, write_dir(tmp_path / "d", GOOD), EXPECTED, lambda _n: False, set()
+    )
+    assert len(calls) == 1 and report.errors == ["(before the first tensor): AttributeError: no such attribute"]
+    assert sorted(report.skipped) == sorted(GOOD) and not report.passed
+
+
 def test_cut_runs_the_source_under_its_own_file_and_line() -> None:
     source = (
         "import nothing_of_this_runs\n\nclass M:\n    def other(self):\n        pass\n\n"
@@ -143,10 +161,12 @@ def test_cut_refuses_a_name_the_file_does_not_have() -> None:
 
 @pytest.fixture(scope="module")
 def wheels() -> Path:
-    """The cache holding the pinned wheels; without them the runtime tests fail (never skip)."""
-    if not vr.wheels_cached(WHEELS):
+    """The cache holding the pinned wheels and the newest proven ones; without them the runtime
+    tests fail (never skip)."""
+    wanted = sorted({f"{p}=={v}" for versions in (vr.PINNED, vr.NEWEST) for p, v in versions.items()})
+    if not (vr.wheels_cached(WHEELS) and vr.wheels_cached(WHEELS, vr.NEWEST)):
         pytest.fail(
-            f"{' and '.join(vr.WHEELS.values())} wheels not in {WHEELS}: scripts/test.sh fetches them "
+            f"{' and '.join(wanted)} wheels not in {WHEELS}: scripts/test.sh fetches them "
             "(.venv/bin/python scripts/verify_runtimes.py --fetch-wheels)"
         )
     return WHEELS
@@ -166,11 +186,38 @@ def test_the_wheels_verified_are_the_releases_the_draft_target_names() -> None:
 
 
 def test_fetch_wheels_takes_cached_wheels_without_pip(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    for package, pin in vr.WHEELS.items():
-        (tmp_path / f"{package}-{pin.split('==')[1]}-py3-none-any.whl").touch()
+    for versions in (vr.PINNED, vr.NEWEST):
+        for package, version in versions.items():
+            (tmp_path / f"{package}-{version}-py3-none-any.whl").touch()
     monkeypatch.setattr(vr.subprocess, "run", lambda *a, **k: pytest.fail(f"pip ran: {a}"))
     assert vr.main(["--fetch-wheels", "--wheels", str(tmp_path)]) == 0
-    assert vr.wheels_cached(tmp_path)
+    assert vr.wheels_cached(tmp_path) and vr.wheels_cached(tmp_path, vr.NEWEST)
+
+
+def test_the_newest_release_fetched_is_the_newest_a_drafter_range_claims() -> None:
+    # scripts/test.sh's --fetch-wheels fetches it, and the tests below run its loaders
+    draft = require_target("draft")
+    for package, runtime in (("vllm", "vLLM"), ("sglang", "SGLang")):
+        claimed = [dict(d.until).get(runtime, dict(draft.runtimes)[runtime]) for d in draft.drafters]
+        assert vr.NEWEST[package] == max(claimed, key=lambda v: tuple(map(int, v.split("."))))
+
+
+def test_fetch_wheels_of_a_release_named_fetches_that_release(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    fetched = []
+
+    def pip(cmd: list[str], check: bool) -> object:
+        fetched.append(cmd[cmd.index("--quiet") + 1])
+        name, version = fetched[-1].split("==")
+        (tmp_path / f"{name}-{version}-py3-none-any.whl").touch()
+        return type("Done", (), {"returncode": 0})()
+
+    monkeypatch.setattr(vr.subprocess, "run", pip)
+    argv = ["--fetch-wheels", "--wheels", str(tmp_path), "--vllm-version", "0.25.1", "--sglang-version", "0.5.15"]
+    assert vr.main(argv) == 0
+    assert sorted(fetched) == ["sglang==0.5.15", "vllm==0.25.1"]
+
+
+PRO_0813 = ("pro-0813", "dspark", "tiny-pro")  # (directory, variant, preset)
 
 
 @pytest.fixture(scope="module")
@@ -178,17 +225,11 @@ def tiny_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Per drafter: the tiny native checkpoint, its --target draft and --target xpu outputs."""
     root = tmp_path_factory.mktemp("runtimes")
     dirs = {}
-    for variant, preset in (("instruct", "tiny"), ("dspark", "tiny")):
-        native = write_checkpoint(root / variant / "native", preset=preset, variant=variant, seed=0)
-        convert(native, root / variant / "draft", target="draft")
-        convert(native, root / variant / "xpu", target="xpu")
-        dirs.update(
-            {
-                f"{variant}/native": native,
-                f"{variant}/draft": root / variant / "draft",
-                f"{variant}/xpu": root / variant / "xpu",
-            }
-        )
+    for key, variant, preset in (("instruct", "instruct", "tiny"), ("dspark", "dspark", "tiny"), PRO_0813):
+        native = write_checkpoint(root / key / "native", preset=preset, variant=variant, seed=0)
+        convert(native, root / key / "draft", target="draft")
+        convert(native, root / key / "xpu", target="xpu")
+        dirs.update({f"{key}/native": native, f"{key}/draft": root / key / "draft", f"{key}/xpu": root / key / "xpu"})
     return dirs
 
 
@@ -200,7 +241,10 @@ def tiny_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
             ["vllm-xpu-mtp", "vllm-nvidia-mtp", "vllm-amd-mtp", "sglang-nextn"],
             39,
         ),  # 41 less embedding and head
-        ("dspark", ["vllm-xpu-dspark", "sglang-dspark"], 96),  # 98 less embedding and head
+        # 98 less embedding and head
+        ("dspark", ["vllm-xpu-dspark", "vllm-nvidia-dspark", "vllm-amd-dspark", "sglang-dspark"], 96),
+        # a V4-Pro-0813-shaped DSpark drafter (stages at its last three layers, Pro's wider dims) as 0731's
+        ("pro-0813", ["vllm-xpu-dspark", "vllm-nvidia-dspark", "vllm-amd-dspark", "sglang-dspark"], 96),
     ],
 )
 def test_every_runtime_loads_a_draft_directory_whole(
@@ -226,3 +270,53 @@ def test_no_runtime_loads_the_xpu_layout(tiny_dirs: dict[str, Path], wheels: Pat
         assert any("KeyError: 'model.layers.2.mtp_block.mtp_block." in e for e in reports[0].errors)
     else:  # vLLM's DSpark loader takes only mtp.* names, silently (xpu/dspark.py:401-403)
         assert len(reports[0].hit) == 0 and len(reports[0].skipped) == 98
+
+
+def test_a_release_without_the_loader_says_so(
+    tiny_dirs: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # vLLM's XPU DSpark class is in 0.26.0 and later (runtime_loaders/releases.py): asked for
+    # 0.25.1, the harness opens that release's wheel (a stand-in here, with no file in it) and
+    # reports the loader not in the release, a failure, without reading any file of it
+    zipfile.ZipFile(tmp_path / "vllm-0.25.1-py3-none-any.whl", "w").close()
+    d = {k.split("/")[1]: str(v) for k, v in tiny_dirs.items() if k.startswith("dspark/")}
+    argv = [d["draft"], "--expected", d["xpu"], "--native", d["native"], "--wheels", str(tmp_path)]
+    assert vr.main([*argv, "--vllm-version", "0.25.1", "--loader", "vllm-xpu-dspark"]) == 1
+    assert "| vllm-xpu-dspark | not in vLLM 0.25.1 |" in capsys.readouterr().out
+    assert vr.main([*argv, "--vllm-version", "0.25.1", "--loader", "vllm-xpu-dspark", "--json"]) == 1
+    (report,) = json.loads(capsys.readouterr().out)
+    assert (report["not_in_release"], report["passed"]) == ("vLLM 0.25.1", False)
+
+
+def test_the_newest_release_runs_its_own_loaders(tiny_dirs: dict[str, Path], wheels: Path) -> None:
+    # vLLM 0.34.0's XPU DSpark class keeps the confidence head that 0.33.0's drops
+    # (xpu/dspark.py:112-117, 337-345 in 0.34.0; :406-407 in 0.33.0): one parameter more, fed
+    # from the draft's own confidence head, where the pinned release drops it as its table says
+    assert vr.NEWEST["vllm"] == "0.34.0"
+    dirs = [tiny_dirs[f"dspark/{k}"] for k in ("draft", "xpu", "native")]
+    pinned, newest = (
+        vr.verify(*dirs, wheels, ["vllm-xpu-dspark"], {**vr.PINNED, "vllm": version})[0]
+        for version in (vr.PINNED["vllm"], "0.34.0")
+    )
+    assert pinned.passed and newest.passed, (pinned.summary(), newest.summary())
+    assert set(newest.hit) - set(pinned.hit) == {"model.confidence_head.proj.weight"}
+    assert newest.hit["model.confidence_head.proj.weight"] == "mtp.2.confidence_head.proj.weight"
+    assert "mtp.2.confidence_head.proj.weight" in pinned.dropped
+
+
+@pytest.mark.parametrize("variant", ["instruct", "dspark"])
+def test_every_loader_of_the_newest_releases_loads_a_draft_directory_whole(
+    tiny_dirs: dict[str, Path], wheels: Path, variant: str
+) -> None:
+    reports = vr.verify(*(tiny_dirs[f"{variant}/{k}"] for k in ("draft", "xpu", "native")), wheels, None, vr.NEWEST)
+    assert len(reports) == 4
+    for r in reports:
+        assert r.passed, r.summary()
+
+
+def test_serve_with_runs_the_pinned_releases_only(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # the --serve-with builds (vllm_build.py's cuts) are the pinned wheels' alone
+    with pytest.raises(SystemExit) as exited:
+        vr.main([str(tmp_path), "--serve-with", str(tmp_path), "--native", str(tmp_path), "--vllm-version", "0.34.0"])
+    assert exited.value.code == 2
+    assert "--serve-with runs the verified releases only (vLLM 0.33.0, SGLang 0.5.23)" in capsys.readouterr().err
