@@ -19,7 +19,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from dsv4.convert.batch.card import card_body
-from dsv4.convert.inmemory import bundled_plan, model_loader, read_planned
+from dsv4.convert.inmemory import bundled_plan, read_planned
 from dsv4.convert.pipeline import convert
 from dsv4.convert.sources.location import open_source
 from dsv4.convert.synth import write_checkpoint
@@ -28,7 +28,6 @@ from dsv4.mapping.targets import require_target
 from dsv4.model.checkpoint import INDEX_NAME, Checkpoint
 from dsv4.model.errors import LoadError
 from dsv4.model.loader import load_state
-from dsv4.model.smoke import run_dspark_smoke
 from dsv4.model.storage import ceil_div
 
 Tensors = dict[str, torch.Tensor]
@@ -97,8 +96,12 @@ def test_check_runs_a_v41_draft_in_the_bundled_model_and_it_agrees_with_its_sour
     assert f"PASS native    agrees with the reference on {v41}" in out and "confidence max|diff|" in out
 
 
-def test_smoke_drafts_a_v41_block_collapsed_to_one_stream_with_finite_confidences(converted: Path) -> None:
-    report = run_dspark_smoke(converted, "cpu", load=model_loader(converted))
+def test_smoke_drafts_a_v41_block_collapsed_to_one_stream_with_finite_confidences(
+    converted: Path, monkeypatch, capsys
+) -> None:
+    code, out, err = run_main(monkeypatch, capsys, "smoke", converted, "--device", "cpu", "--json")
+    assert (code, err) == (0, "")
+    report = json.loads(out)
     # no hc_head: the hidden states leave the stages collapsed, [B, H] (vLLM deepseek_v41/nvidia/dspark.py:238-247)
     assert report["hidden_shape"] == [5, 256] and report["logits_shape"] == [5, 512]
     assert len(report["draft_tokens"]) == 5 and all(0 <= t < 512 for t in report["draft_tokens"])
