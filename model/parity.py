@@ -135,8 +135,9 @@ def parity_verdict(
 ) -> tuple[bool, str]:
     """(passed, one line saying why) for a smoke report with the reference's figures
     (model/smoke.py): hidden states and logits within max_rel_diff of the reference's
-    largest value, top-1 agreement up to near-ties at least min_top1, and every routing
-    disagreement a near-tie."""
+    largest value, top-1 agreement up to near-ties at least min_top1, every routing
+    disagreement a near-tie, and (V4.1's drafter) every confidence within max_rel_diff of the
+    reference's (an absolute difference: they are probabilities)."""
     hidden = report["hidden_max_abs_diff"] / max(report["hidden_max_abs"], 1e-30)
     logits = report["logits_max_abs_diff"] / max(report["logits_max_abs"], 1e-30)
     top1 = report["top1_agreement_up_to_ties"]
