@@ -12,7 +12,6 @@ from dsv4.mapping.targets import LAYOUT_KINDS, drafter_families, require_target,
 from dsv4.model.checkpoint import CONFIG, is_full_native
 from dsv4.model.config import ModelConfig
 from dsv4.model.errors import CheckpointError
-from dsv4.model.layout import bundled_model_absent
 from dsv4.model.record import LAYOUT_RECORD
 
 Direction = Literal["forward", "reverse"]
@@ -95,9 +94,6 @@ def choose_table(target: str, inv: Inventory, direction: Direction = "forward", 
         )
     if convertible and direction == "forward":
         refuse_unconvertible(inv, target)
-    absent = bundled_model_absent(inv.model_config)
-    if require_target(target).layout_kind == "bundled" and absent is not None:  # `smoke`, check's in-memory plan
-        raise CheckpointError(f"{where}: {absent}", kind="unsupported_layout", path=str(where))
     if direction == "reverse" and is_full_native(inv.tensors):
         raise CheckpointError(
             f"{where}: is a native DeepSeek V4 checkpoint (the main model's layers.* tensors), not a converted one: "

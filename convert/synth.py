@@ -132,7 +132,7 @@ def _quantized(storage: ExpertStorage, leaf: str, dtype: str) -> Fill:
 
 
 def _hc_fn(shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
-    # hc_pre computes (X @ fn.T) / rms(X) over n_hc*H inputs: std 1/sqrt(n_hc*H) keeps the
+    # hc_mixes computes (X @ fn.T) / rms(X) over n_hc*H inputs: std 1/sqrt(n_hc*H) keeps the
     # mixing logits ~N(0, 1) at any hidden size, away from sigmoid/softmax saturation
     return torch.randn(shape, generator=gen) * shape[-1] ** -0.5
 

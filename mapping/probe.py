@@ -59,9 +59,11 @@ def probe_keys(
     """(native names, the target layout's names) per expert dtype, over every probe release of
     the drafter kind (or of the one `family`), the probe configuration per expert dtype (what a
     target pattern's placeholders are bound for: the releases bind them alike), and its
-    {first}/{last} stages (none for MTP: the same for every expert dtype)."""
+    {first}/{last} stages (none for MTP: the same for every expert dtype). Only the expert dtypes
+    the releases store experts in are probed (V4.1's FP4 alone: its table's FP8 rules never apply)."""
     probes = FAMILY_PROBE_RELEASES[family] if family is not None else PROBE_RELEASES[drafter]
     releases = {d: [probe_config(d, drafter, r) for r in probes] for d in expert_dtypes()}
+    releases = {d: cs for d, cs in releases.items() if all(c.expert_dtype == d for c in cs)}
     natives = {d: set().union(*map(native_keys, cs)) for d, cs in releases.items()}
     targets = {d: set().union(*(require_target(target).layout(c) for c in cs)) for d, cs in releases.items()}
     cfgs = {d: cs[0] for d, cs in releases.items()}

@@ -336,8 +336,9 @@ def validate(
                 kind="unbound_placeholder",
                 path=str(where),
             )
-        if rule.op != "refuse":  # refuse rules describe other formats by design
-            allowed = set().union(*(keys for d, keys in native_keys.items() if rule.applies(d)))
+        applies = [d for d in native_keys if rule.applies(d)]
+        if rule.op != "refuse" and applies:  # refuse rules describe other formats by design
+            allowed = set().union(*(native_keys[d] for d in applies))
             for src in rule.sources:
                 rx = compile_pattern(pin(src, pins))
                 if not any(rx.match(k) for k in allowed):

@@ -358,6 +358,12 @@ class ModelConfig:
         return self.dspark_n_routed_experts or self.n_routed_experts
 
     @property
+    def draft_experts_per_tok(self) -> int:
+        """The experts each token of a draft block routes to: V4.1's dspark_num_experts_per_tok where it
+        is set (vLLM deepseek_v41/nvidia/model.py:136-144), the main model's otherwise."""
+        return self.dspark_num_experts_per_tok or self.num_experts_per_tok
+
+    @property
     def draft_experts_field(self) -> str:
         """The config field draft_routed_experts comes from, as a refusal names it."""
         return "dspark_n_routed_experts" if self.dspark_n_routed_experts else "n_routed_experts"

@@ -9,6 +9,12 @@ uses no Triton kernel, no mapping table and no code of the bundled model (mtp.py
 The block math (mHC, MoE, quantised formats) is reference.py's; the attention is written
 out here for DSpark: the query block attends to the context window and to all its own
 positions over the full score matrix, with no mask at all.
+
+DeepSeek V4.1's drafter (vLLM deepseek_v41/nvidia/dspark.py) is read in its own native names:
+each sublayer's streams are weighed by the previous sublayer's pre-mix (the first by its first
+stream; reference.py `_sublayer`), the last stage's streams are collapsed by its FFN's pre-mix
+instead of an hc_head, the Markov factors are markov_head.embed/head, and the confidence head
+scores each drafted token.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ class ReferenceBlock(NamedTuple):
     base_logits: torch.Tensor  # [B, V] fp32
     logits: torch.Tensor  # [B, V] fp32, with the Markov bias
     draft_tokens: torch.Tensor  # [B]
+    confidence: torch.Tensor | None = None  # [B] fp32 (V4.1)
 
 
 class _StageReference(NativeReference):
@@ -66,11 +73,14 @@ class _StageReference(NativeReference):
     def _fp8(self, name: str) -> torch.Tensor:
         return fp8_weight(self.w(f"{name}.weight"), self.w(f"{name}.scale"), self.cfg.weight_block_size)
 
-    def run(self, X: torch.Tensor, positions: torch.Tensor, context_kv: torch.Tensor) -> torch.Tensor:
-        """Streams [B, n, H] -> streams after this stage's attention and FFN sublayers."""
+    def run(
+        self, X: torch.Tensor, positions: torch.Tensor, context_kv: torch.Tensor, carried: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Streams [B, n, H] -> (streams after this stage's attention and FFN sublayers, the FFN's
+        pre-mix); `carried`: the pre-mix of the sublayer before (V4.1)."""
         self.context_kv = context_kv
-        X = self._sublayer(X, "attn", positions)
-        return self._sublayer(X, "ffn", positions)
+        X, pre = self._sublayer(X, "attn", positions, carried)
+        return self._sublayer(X, "ffn", positions, pre)
 
 
 class DSparkReference:
@@ -101,18 +111,24 @@ class DSparkReference:
         main_x = first._linear(features[window].to(torch.bfloat16), "main_proj")
         main_x = _norm(main_x, first.w("main_norm.weight"), cfg.rms_norm_eps)
         X = self.t["embed.weight"][ids][:, None, :].repeat(1, n, 1)
+        pre = None
         for stage in self.stages:
-            X = stage.run(X, positions, stage.latent(main_x, context_positions[window]))
+            X, pre = stage.run(X, positions, stage.latent(main_x, context_positions[window]), pre)
+        if cfg.is_v41:  # no hc_head: the last FFN's pre-mix weighs the streams
+            return (X.float() * pre[..., None]).sum(1).to(X.dtype)
         return X.reshape(B, -1)
 
     @torch.no_grad()
     def base_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         cfg, last = self.cfg, self.stages[-1]
-        X = hidden_states.view(hidden_states.shape[0], cfg.hc_mult, cfg.hidden_size)
-        flat = X.reshape(X.shape[0], -1).float()
-        mix = flat @ last.w("hc_head_fn").T / torch.sqrt(flat.pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps)
-        pre = torch.sigmoid(mix * last.w("hc_head_scale")[0] + last.w("hc_head_base")) + cfg.hc_eps
-        y = _norm((X.float() * pre[..., None]).sum(1).to(X.dtype), last.w("norm.weight"), cfg.rms_norm_eps).float()
+        y = hidden_states
+        if not cfg.is_v41:
+            X = hidden_states.view(hidden_states.shape[0], cfg.hc_mult, cfg.hidden_size)
+            flat = X.reshape(X.shape[0], -1).float()
+            mix = flat @ last.w("hc_head_fn").T / torch.sqrt(flat.pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps)
+            pre = torch.sigmoid(mix * last.w("hc_head_scale")[0] + last.w("hc_head_base")) + cfg.hc_eps
+            y = (X.float() * pre[..., None]).sum(1).to(X.dtype)
+        y = _norm(y, last.w("norm.weight"), cfg.rms_norm_eps).float()
         head = self.t["head.weight"]
         logits = torch.empty(y.shape[0], head.shape[0], dtype=torch.float32, device=y.device)
         for a in range(0, head.shape[0], VOCAB_SLICE):  # bf16 -> fp32 is exact: the full fp32 product
@@ -128,10 +144,19 @@ class DSparkReference:
         positions = int(context_positions[-1]) + 1 + torch.arange(B, device=self.device)
         h = self.hidden_states(features, context_positions, ids, positions)
         U = self.base_logits(h)
-        w1, w2 = last.w("markov_head.markov_w1.weight").float(), last.w("markov_head.markov_w2.weight").float()
+        factors = ("embed", "head") if cfg.is_v41 else ("markov_w1", "markov_w2")
+        w1, w2 = (last.w(f"markov_head.{f}.weight").float() for f in factors)
         L, tokens, prev = torch.empty_like(U), [], anchor
         for k in range(B):
             L[k] = U[k] + w2 @ w1[prev]
             prev = int(L[k].argmax())
             tokens.append(prev)
-        return ReferenceBlock(h, U, L, torch.tensor(tokens, device=self.device))
+        drafted = torch.tensor(tokens, device=self.device)
+        return ReferenceBlock(h, U, L, drafted, self.confidence(h, [anchor, *tokens[:-1]]) if cfg.is_v41 else None)
+
+    def confidence(self, hidden_states: torch.Tensor, prev: list[int]) -> torch.Tensor:
+        """V4.1: sigmoid of the confidence head over [h_k, embed[prev_k]] in fp32, for each position k."""
+        last = self.stages[-1]
+        markov = last.w("markov_head.embed.weight")[torch.tensor(prev, device=self.device)]
+        x = torch.cat((hidden_states, markov), dim=-1).float()
+        return torch.sigmoid(x @ last.w("confidence_head.proj.weight").float().T)[:, 0]

@@ -39,8 +39,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypeVar, get_args
 
 from dsv4 import __version__
-from dsv4.model.config import CONFIG, ModelConfig
-from dsv4.model.errors import CheckpointError
+from dsv4.model.config import ModelConfig
 from dsv4.model.memory import refuse_unless_torch_fits
 from dsv4.model.native import Layout
 from dsv4.model.strictjson import StrictJSONError, json_bytes, loads, read_record_bytes, write_record
@@ -76,26 +75,11 @@ def build_target_layout(cfg: ModelConfig) -> Layout:
     return {name: (SAFETENSORS_NAMES[t.dtype], tuple(t.shape)) for name, t in model.state_dict().items()}
 
 
-def bundled_model_absent(cfg: ModelConfig) -> str | None:
-    """Why the bundled model has no draft model for `cfg`'s drafter (None: it has one). DeepSeek
-    V4.1's stages are not the DSpark stages model/dspark.py builds (no hc_head, markov_head.embed/head,
-    dspark_n_routed_experts experts, 32x32 block scales), so nothing loads a V4.1 draft into it."""
-    if cfg.is_v41:
-        return (
-            "DeepSeek V4.1 has no bundled draft model yet (docs/check.md#deepseek-v41): no strict load into it and "
-            "no smoke forward; its layout is checked against the draft_dspark_v41 table"
-        )
-    return None
-
-
 def build_draft_model(cfg: ModelConfig) -> nn.Module:
     """The bundled draft model `cfg` describes, on the meta device (names, shapes, dtypes and
     module classes; no memory): the DSpark drafter (mapping/README.md#dspark-v4-flash-0731)
-    for a DSpark config, else the MTP draft (mapping/README.md#xpu-mtp-layout). The layout,
-    the strict loader and the quantisation names all read this one model."""
-    absent = bundled_model_absent(cfg)
-    if absent is not None:
-        raise CheckpointError(f"{CONFIG}: {absent}", kind="unsupported_layout", path=CONFIG)
+    for a DSpark config (DeepSeek V4.1's too), else the MTP draft (mapping/README.md#xpu-mtp-layout). The
+    layout, the strict loader and the quantisation names all read this one model."""
     refuse_unless_torch_fits("building the draft model's layout")
     import torch  # start-up time: only what builds the model pays for torch
 

@@ -56,10 +56,11 @@ class RMSNorm(nn.Module):
 
 
 # --- mHC (model/README.md#hyper-connections) ---------------------------------------------
-def hc_pre(
+def hc_mixes(
     x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, cfg: ModelConfig
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Streams [T, n, H] -> (sublayer input [T, H], post [T, n], comb [T, n, n])."""
+    """Streams [T, n, H] -> (pre [T, n], post [T, n], comb [T, n, n]), fp32 (vLLM
+    model_executor/kernels/mhc/torch.py:20-39)."""
     n, eps_hc = cfg.hc_mult, cfg.hc_eps
     xf = x.flatten(-2).float()
     r = torch.rsqrt(xf.square().mean(-1, keepdim=True) + cfg.rms_norm_eps)
@@ -72,8 +73,12 @@ def hc_pre(
     for _ in range(cfg.hc_sinkhorn_iters - 1):
         comb = comb / (comb.sum(dim=-1, keepdim=True) + eps_hc)
         comb = comb / (comb.sum(dim=-2, keepdim=True) + eps_hc)
-    u = (pre.unsqueeze(-1) * x.float()).sum(dim=1)
-    return u.to(x.dtype), post, comb
+    return pre, post, comb
+
+
+def hc_collapse(x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    """Streams [T, n, H] weighed by pre [T, n] -> [T, H]: sum_k pre_k X_k in fp32, cast back."""
+    return (pre.unsqueeze(-1) * x.float()).sum(dim=1).to(x.dtype)
 
 
 def hc_post(f: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
@@ -89,7 +94,7 @@ def hc_head(
     xf = x.flatten(-2).float()
     r = torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
     pre = torch.sigmoid((xf @ fn.T) * r * scale[0] + base) + hc_eps
-    return (pre.unsqueeze(-1) * x.float()).sum(dim=1).to(x.dtype)
+    return hc_collapse(x, pre)
 
 
 # --- attention (model/README.md#attention) -----------------------------------------------
@@ -200,8 +205,14 @@ class Attention(nn.Module):
 class Gate(QuantLayer):
     def __init__(self, cfg: ModelConfig, quant_name: str) -> None:
         super().__init__(quant_name)
-        self.weight = weight_param((cfg.n_routed_experts, cfg.hidden_size), torch.bfloat16)
-        self.e_score_correction_bias = weight_param((cfg.n_routed_experts,), torch.float32)
+        E = cfg.draft_routed_experts
+        self.weight = weight_param((E, cfg.hidden_size), torch.bfloat16)
+        self.e_score_correction_bias = weight_param((E,), torch.float32)
+        if cfg.is_v41 and cfg.vision_n_layers > 0:
+            # V4.1's router (vLLM deepseek_v4/nvidia/model.py:311-318, which deepseek_v41/nvidia/model.py:129
+            # derives from) holds a bias for image tokens beside a tower; a text draft never reads it. The
+            # 0731-family layout is vLLM's XPU router, which has none (mapping/xpu_dspark.toml skips it).
+            self.bias_vl = weight_param((E,), torch.float32)
 
 
 class SharedExperts(nn.Module):
@@ -227,7 +238,7 @@ class Experts(QuantLayer):
 
     def __init__(self, cfg: ModelConfig, quant_name: str) -> None:
         super().__init__(quant_name)
-        E, H, I = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        E, H, I = cfg.draft_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
         self.routed_experts = RoutedExperts(expert_storage(cfg), E, H, I, cfg.weight_block_size)
 
 
@@ -250,7 +261,7 @@ class MoE(nn.Module):
         cfg = self.cfg
         scores = torch.sqrt(F.softplus(x.float() @ self.gate.weight.float().T))
         selection = scores + self.gate.e_score_correction_bias
-        idx = torch.topk(selection, cfg.num_experts_per_tok, dim=-1).indices
+        idx = torch.topk(selection, cfg.draft_experts_per_tok, dim=-1).indices
         if self.routing_log is not None:  # a comparison with the reference (model/parity.py)
             idx = self.routing_log(selection, idx)
         w = scores.gather(1, idx)
@@ -300,14 +311,32 @@ class Block(nn.Module):
         self.ffn = MoE(cfg, layer_prefix)
 
     def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, attend: Attend | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Streams [T, n, H] -> (ffn output [T, H], streams before the ffn mix, post, comb).
-        Like vLLM's block it leaves the LAST hc_post to the caller. `attend`: Attention's."""
-        u, post, comb = hc_pre(x, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base, self.cfg)
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        attend: Attend | None = None,
+        carried: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Streams [T, n, H] -> (ffn output [T, H], streams before the ffn mix, post, comb, the ffn
+        sublayer's pre-mix [T, n]). Like vLLM's block it leaves the LAST hc_post to the caller.
+        `attend`: Attention's. `carried`: V4.1's pre-mix of the sublayer before this block (_input)."""
+        u, post, comb, pre = self._input(x, "attn", carried)
         x = hc_post(self.attn(self.attn_norm(u), positions, attend), x, post, comb)
-        u, post, comb = hc_pre(x, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base, self.cfg)
-        return self.ffn(self.ffn_norm(u)), x, post, comb
+        u, post, comb, pre = self._input(x, "ffn", pre)
+        return self.ffn(self.ffn_norm(u)), x, post, comb, pre
+
+    def _input(
+        self, x: torch.Tensor, sub: str, carried: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Sublayer `sub`'s input [T, H], post, comb and its own pre-mix. V4 collapses the streams with
+        that pre-mix; V4.1 (SGLang configs/deepseek_v41.py:47 hc_pre_from_prev_sublayer) with the
+        PREVIOUS sublayer's, `carried`, and takes stream 0 where none came before (the first stage:
+        vLLM deepseek_v41/nvidia/model.py:522-524, 564, 649; kernels/mhc/torch.py:40-44)."""
+        mixes = (getattr(self, f"hc_{sub}_{part}") for part in ("fn", "scale", "base"))
+        pre, post, comb = hc_mixes(x, *mixes, self.cfg)
+        if not self.cfg.is_v41:
+            return hc_collapse(x, pre), post, comb, pre
+        return (x[:, 0] if carried is None else hc_collapse(x, carried)), post, comb, pre
 
 
 class SharedHead(nn.Module):
@@ -340,7 +369,7 @@ class MTPLayer(nn.Module):
             e, positions, prev.reshape(T, n, H), self.enorm.weight, self.hnorm.weight, cfg.rms_norm_eps, n
         )
         x = self.h_proj(h_n) + self.e_proj(e_n).unsqueeze(-2)
-        f, x, post, comb = self.mtp_block(x, positions)
+        f, x, post, comb, _ = self.mtp_block(x, positions)
         # the post-mix the seed XPU draft never applied (mapping/README.md#seed-bugs bug 3)
         return hc_post(f, x, post, comb).flatten(1)
 

@@ -135,8 +135,9 @@ def parity_verdict(
 ) -> tuple[bool, str]:
     """(passed, one line saying why) for a smoke report with the reference's figures
     (model/smoke.py): hidden states and logits within max_rel_diff of the reference's
-    largest value, top-1 agreement up to near-ties at least min_top1, and every routing
-    disagreement a near-tie."""
+    largest value, top-1 agreement up to near-ties at least min_top1, every routing
+    disagreement a near-tie, and (V4.1's drafter) every confidence within max_rel_diff of the
+    reference's (an absolute difference: they are probabilities)."""
     hidden = report["hidden_max_abs_diff"] / max(report["hidden_max_abs"], 1e-30)
     logits = report["logits_max_abs_diff"] / max(report["logits_max_abs"], 1e-30)
     top1 = report["top1_agreement_up_to_ties"]
@@ -148,6 +149,9 @@ def parity_verdict(
     )
     if "draft_tokens" in report:
         said += f", draft tokens {report['draft_tokens']} vs the reference's {report['reference_draft_tokens']}"
+    confidence = report.get("confidence_max_abs_diff", 0.0)  # V4.1's: probabilities, so an absolute difference
+    if "confidence_max_abs_diff" in report:
+        said += f", confidence max|diff| {confidence:.2%}"
     if decisive:
         d = max(decisive, key=lambda d: d["margin"])
         said += (
@@ -165,6 +169,8 @@ def parity_verdict(
         and math.isfinite(logits)
         and hidden <= max_rel_diff
         and logits <= max_rel_diff
+        and math.isfinite(confidence)
+        and confidence <= max_rel_diff
         and top1 >= min_top1
         and not decisive
     )

@@ -105,7 +105,8 @@ class QuantLayer(nn.Module):
 
 
 class Fp8Linear(QuantLayer):
-    """y = x @ W.T with W stored FP8 e4m3 [out, in] and 128x128 block scales `weight_scale_inv`.
+    """y = x @ W.T with W stored FP8 e4m3 [out, in] and block scales `weight_scale_inv`, one per
+    `block` (quantization_config's weight_block_size: 128x128 in V4, 32x32 in V4.1).
 
     `parts` lists the row counts of tensors concatenated on dim 0 (fused_wqa_wkv, gate_up_proj):
     each part's scale grid starts on its own block boundary, so the scale rows are the sum of

@@ -183,7 +183,7 @@ class NativeReference:
         cfg = self.cfg
         s = F.softplus(x.float() @ self.w("ffn.gate.weight").float().T).sqrt()
         selection = s + self.w("ffn.gate.bias")
-        _, idx = selection.topk(cfg.num_experts_per_tok, dim=-1)
+        _, idx = selection.topk(cfg.draft_experts_per_tok, dim=-1)
         if self.routing_log is not None:  # logged for the comparison with the model (model/parity.py)
             idx = self.routing_log(selection, idx)
         wts = s.gather(-1, idx)
@@ -191,20 +191,26 @@ class NativeReference:
             wts = wts / wts.sum(-1, keepdim=True)
         wts = wts * cfg.routed_scaling_factor
         y = self._expert(x, "ffn.shared_experts", cfg.swiglu_limit).float()
-        for e in range(cfg.n_routed_experts):
+        for e in range(cfg.draft_routed_experts):
             rows, slots = (idx == e).nonzero(as_tuple=True)
             if rows.numel():
                 out = self._expert(x[rows], f"ffn.experts.{e}", cfg.swiglu_limit, cfg.expert_dtype).float()
                 y.index_add_(0, rows, out * wts[rows, slots, None])
         return y.to(x.dtype)
 
-    def _sublayer(self, X: torch.Tensor, sub: str, positions: torch.Tensor) -> torch.Tensor:
+    def _sublayer(
+        self, X: torch.Tensor, sub: str, positions: torch.Tensor, carried: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Streams -> (streams after sublayer `sub`, its pre-mix). V4 weighs the streams into the
+        sublayer by that pre-mix; V4.1 by the previous sublayer's, `carried`, and takes the first
+        stream where there is none (the first DSpark stage)."""
         pre, post, comb = self._hc_weights(X, sub)
-        u = (X.float() * pre[..., None]).sum(1).to(X.dtype)
+        weights = carried if self.cfg.is_v41 else pre
+        u = X[:, 0] if weights is None else (X.float() * weights[..., None]).sum(1).to(X.dtype)
         u = _norm(u, self.w(f"{sub}_norm.weight"), self.cfg.rms_norm_eps)
         f = self._attention(u, positions) if sub == "attn" else self._moe(u)
         out = post[..., None] * f.float()[:, None, :] + torch.einsum("tjk,tjh->tkh", comb, X.float())
-        return out.to(X.dtype)
+        return out.to(X.dtype), pre
 
     @torch.no_grad()
     def forward(
@@ -217,8 +223,8 @@ class NativeReference:
         e = _norm(e, self.w("enorm.weight"), cfg.rms_norm_eps)
         h = _norm(previous_hidden_states.view(T, n, H).to(e.dtype), self.w("hnorm.weight"), cfg.rms_norm_eps)
         X = self._linear(h, "h_proj") + self._linear(e, "e_proj")[:, None, :]
-        X = self._sublayer(X, "attn", positions)
-        X = self._sublayer(X, "ffn", positions)
+        X, _ = self._sublayer(X, "attn", positions)
+        X, _ = self._sublayer(X, "ffn", positions)
         return X.reshape(T, n * H)
 
     @torch.no_grad()

@@ -295,26 +295,26 @@ def run_dspark_smoke(
         context_tokens=feats.shape[0], anchor=anchor, block_positions=positions.tolist(), stages=cfg.dspark_stages
     )
 
-    def heads(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        base = model.base_logits(h)
-        return (base, *model.markov_decode(base, anchor))
-
     model_routing = RoutingLog()  # the warm run's, compared with the reference's
     for run in ("first", "warm"):
         with logging_routing(_moe_layers(model), model_routing if run == "warm" else RoutingLog()):
             h, report[f"hidden_{run}_ms"] = _timed(dev, lambda: model.hidden_states(feats, ctx, ids, positions))
-        (base, logits, tokens), report[f"logits_{run}_ms"] = _timed(dev, lambda h=h: heads(h))
+        block, report[f"logits_{run}_ms"] = _timed(dev, lambda h=h: model.heads(h, anchor))
     B = cfg.dspark_block_size
-    report["hidden_shape"], report["logits_shape"] = list(h.shape), list(logits.shape)
-    report["draft_tokens"] = tokens.tolist()
-    _require_a_finite_block(out_dir, cfg, DraftBlock(h, base, logits, tokens))
+    report["hidden_shape"], report["logits_shape"] = list(h.shape), list(block.logits.shape)
+    report["draft_tokens"] = block.draft_tokens.tolist()
+    if block.confidence is not None:
+        report["confidence"] = block.confidence.tolist()
+    _require_a_finite_block(out_dir, model, block)
 
     if reference_dir is not None:
         # one side at a time, as run_smoke: the model's mapped shards go before the reference maps the native ones
         del model
         gc.collect()
         report.update(
-            _dspark_compared_alone(load_model, dev, reference_dir, (feats, ctx, anchor), (h, base), model_routing)
+            _dspark_compared_alone(
+                load_model, dev, reference_dir, (feats, ctx, anchor), (h, block.base_logits), model_routing
+            )
         )
         same = [a == b for a, b in zip(report["draft_tokens"], report["reference_draft_tokens"], strict=True)]
         # greedy drafting conditions each token on the one before: after a first disagreement
@@ -358,20 +358,28 @@ def _dspark_compared_alone(
     return report
 
 
-def _require_a_finite_block(out_dir: str | Path, cfg: ModelConfig, block: DraftBlock) -> None:
-    """smoke_output naming `out_dir` unless the drafted block has the shapes of `cfg` and finite values."""
-    h, base, logits, tokens = block
+def _require_a_finite_block(out_dir: str | Path, model: DSparkDraft, block: DraftBlock) -> None:
+    """smoke_output naming `out_dir` unless the drafted block has the shapes of `model`'s config and
+    finite values (V4.1: its confidences too)."""
+    h, base, logits, tokens, confidence = block
+    cfg, width = model.config, model.hidden_width
     B = cfg.dspark_block_size
-    if tuple(h.shape) != (B, cfg.hc_dim) or tuple(logits.shape) != (B, cfg.vocab_size) or tuple(tokens.shape) != (B,):
+    shapes = [tuple(h.shape), tuple(logits.shape), tuple(tokens.shape)]
+    want = [(B, width), (B, cfg.vocab_size), (B,)]
+    if confidence is not None:
+        shapes.append(tuple(confidence.shape))
+        want.append((B,))
+    if shapes != want:
         raise LoadError(
-            f"{out_dir}: the draft returned hidden {list(h.shape)}, logits {list(logits.shape)}, tokens "
-            f"{list(tokens.shape)}; expected {[B, cfg.hc_dim]}, {[B, cfg.vocab_size]}, {[B]}",
+            f"{out_dir}: the draft returned hidden, logits, tokens (and confidence) of shapes "
+            f"{[list(s) for s in shapes]}; expected {[list(s) for s in want]}",
             kind="smoke_output",
             path=str(out_dir),
         )
-    if not (torch.isfinite(h).all() and torch.isfinite(base).all() and torch.isfinite(logits).all()):
+    values = (h, base, logits) if confidence is None else (h, base, logits, confidence)
+    if not all(torch.isfinite(v).all() for v in values):
         raise LoadError(
-            f"{out_dir}: non-finite values in the draft's hidden states or logits",
+            f"{out_dir}: non-finite values in the draft's hidden states, logits or confidences",
             kind="smoke_output",
             path=str(out_dir),
         )
@@ -404,12 +412,17 @@ def _teacher_forced(
     _, tokens = model.markov_decode(base, anchor)
     prev = torch.tensor([anchor, *expected.draft_tokens.tolist()[:-1]], device=base.device)
     logits = torch.stack([base[k] + model.model.markov_head.bias(prev[k]) for k in range(base.shape[0])])
-    return DraftBlock(h, base, logits, tokens)
+    return DraftBlock(h, base, logits, tokens, model.confidence(h, prev))
 
 
 def dspark_parity(mine: DraftBlock, expected: ReferenceBlock, routing: list[dict[str, Any]]) -> dict[str, Any]:
-    """The figures model/parity.py's verdict reads, from dspark_against_reference's result."""
+    """The figures model/parity.py's verdict reads, from dspark_against_reference's result (V4.1: the
+    largest confidence difference too)."""
+    confidence = {}
+    if mine.confidence is not None and expected.confidence is not None:
+        confidence["confidence_max_abs_diff"] = (mine.confidence - expected.confidence).abs().max().item()
     return {
+        **confidence,
         "routing_disagreements": routing,
         "hidden_max_abs_diff": (mine.hidden_states.float() - expected.hidden_states.float()).abs().max().item(),
         "hidden_max_abs": expected.hidden_states.float().abs().max().item(),

@@ -28,7 +28,6 @@ from dsv4.mapping.targets import (
 )
 from dsv4.model.checkpoint import ShardHeaders
 from dsv4.model.config import ModelConfig
-from dsv4.model.layout import bundled_model_absent
 from dsv4.model.record import (
     ABSENT,
     CONVERSION_RECORD,
@@ -98,9 +97,10 @@ def layout_target(ctx: Context) -> tuple[str, Target]:
 
 
 def _unrecorded_target(ctx: Context) -> Target:
-    """The layout of a directory whose records name none: the bundled model's, or for a drafter it
-    has no model of (DeepSeek V4.1) the one serving target, which holds the native names."""
-    if ctx.cfg is not None and bundled_model_absent(ctx.cfg) is not None:
+    """The layout of a directory whose records name none: the bundled model's, or for a drafter the
+    bundled target does not convert (DeepSeek V4.1: mapping/targets/draft.toml) the one serving
+    target, which holds the native names."""
+    if ctx.cfg is not None and ctx.cfg.is_v41:
         (serving,) = serving_targets()
         return require_target(serving)
     return bundled_target()

@@ -198,6 +198,8 @@ def _print_smoke(report: dict[str, Any], native: Path | None, quiet: bool) -> No
             f"  draft tokens {report['draft_tokens']} (anchor {report['anchor']}, block positions "
             f"{report['block_positions'][0]}..{report['block_positions'][-1]})"
         )
+    if "confidence" in report:  # V4.1's confidence head
+        click.echo(f"  confidence {', '.join(f'{c:.3f}' for c in report['confidence'])}")
     if not quiet:
         if dspark:
             click.echo(
@@ -225,6 +227,8 @@ def _print_smoke(report: dict[str, Any], native: Path | None, quiet: bool) -> No
             f"agreement {report['draft_token_agreement']:.3f} "
             f"(equal up to position {report['draft_tokens_agree_to']}), "
         )
+    if "confidence_max_abs_diff" in report:
+        diffs += f"confidence max|diff| {report['confidence_max_abs_diff']:.4g}, "
     click.echo(
         diffs + f"top-1 agreement {report['top1_agreement']:.3f} "
         f"({report['top1_agreement_up_to_ties']:.3f} counting near-ties)"

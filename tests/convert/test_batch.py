@@ -492,7 +492,7 @@ def test_batch_target_draft_converts_each_drafter_once_and_names_its_table(
     r = run_cli("batch", str(manifest), env=env)
     assert r.returncode == 0, r.stderr
     rep = report_of(report)
-    assert rep["target"] == "draft" and rep["tables"] == {"draft": "1", "draft_dspark": "1"}
+    assert rep["target"] == "draft" and rep["tables"] == {"draft": "1", "draft_dspark": "1", "draft_dspark_v41": "1"}
     assert [(e["repo"], e["table"]) for e in rep["converted"]] == list(DRAFTERS.items())
     assert all(
         e["check"] not in ("disabled", "unavailable") for e in rep["converted"]

@@ -228,6 +228,15 @@ EXPECTED = [
         "runtime_class": "DSparkDeepseekV4ForCausalLM",
         "family": None,
     },
+    {
+        "target": "xpu",
+        "table": "xpu_dspark_v41",
+        "drafter": "dspark",
+        "table_version": "1",
+        "runtime": "vLLM 0.33.0",
+        "runtime_class": "the bundled model only: vLLM has no XPU DeepSeek V4.1 model",
+        "family": "v41-dspark",
+    },
 ]
 
 
@@ -251,6 +260,8 @@ def test_targets_lists_each_table_with_its_drafter_version_and_runtime(monkeypat
         "                      v41-dspark      vLLM 0.33.0, SGLang 0.5.23",
         "xpu      xpu              drafter mtp     v1    vLLM 0.33.0 (DeepSeekV4MTP)",
         "xpu      xpu_dspark       drafter dspark  v1    vLLM 0.33.0 (DSparkDeepseekV4ForCausalLM)",
+        "xpu      xpu_dspark_v41   drafter dspark  v1    vLLM 0.33.0 (the bundled model only: vLLM has no XPU "
+        "DeepSeek V4.1 model) (family v41-dspark)",
     ]
 
 

@@ -1,7 +1,9 @@
 """DeepSeek V4.1's DSpark drafter to `--target draft` (mapping/draft_dspark_v41.toml): config.json
 nested and kept byte for byte, the 32x32 UE8M0 block scales kept as they are, and every way a
 source can differ from the drafter vLLM builds refused in one line naming the tensor (vLLM's
-loader would skip it, or leave a parameter uninitialised, without a word)."""
+loader would skip it, or leave a parameter uninitialised, without a word). The draft runs in the
+bundled model (model/dspark.py, through mapping/xpu_dspark_v41.toml in memory) and agrees with the
+independent reference on its source (model/dspark_reference.py)."""
 
 from __future__ import annotations
 
@@ -17,11 +19,15 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from dsv4.convert.batch.card import card_body
+from dsv4.convert.inmemory import bundled_plan, read_planned
 from dsv4.convert.pipeline import convert
+from dsv4.convert.sources.location import open_source
 from dsv4.convert.synth import write_checkpoint
 from dsv4.mapping.table import load_table
 from dsv4.mapping.targets import require_target
 from dsv4.model.checkpoint import INDEX_NAME, Checkpoint
+from dsv4.model.errors import LoadError
+from dsv4.model.loader import load_state
 from dsv4.model.storage import ceil_div
 
 Tensors = dict[str, torch.Tensor]
@@ -80,11 +86,76 @@ def test_a_v41_draft_is_the_drafter_vllm_builds(converted: Path) -> None:
     assert not [n for n in held if "hc_head" in n or "markov_w" in n]
 
 
-def test_check_verifies_a_v41_draft_and_says_it_has_no_smoke(converted: Path, monkeypatch, capsys) -> None:
-    code, out, _ = run_main(monkeypatch, capsys, "check", converted, "--smoke")
-    assert code == 0
+def test_check_runs_a_v41_draft_in_the_bundled_model_and_it_agrees_with_its_source(
+    v41: Path, converted: Path, monkeypatch, capsys
+) -> None:
+    code, out, _ = run_main(monkeypatch, capsys, "check", converted, "--native", v41, "--device", "cpu")
+    assert code == 0, out
     assert "PASS layout    all 171 tensors of the draft layout present with their shapes and dtypes" in out
-    assert "SKIP smoke     DeepSeek V4.1 has no bundled draft model yet" in out
+    assert "PASS smoke     strict load and one DSpark block (8-token context) on cpu: hidden [5, 256]" in out
+    assert f"PASS native    agrees with the reference on {v41}" in out and "confidence max|diff|" in out
+
+
+def test_smoke_drafts_a_v41_block_collapsed_to_one_stream_with_finite_confidences(
+    converted: Path, monkeypatch, capsys
+) -> None:
+    code, out, err = run_main(monkeypatch, capsys, "smoke", converted, "--device", "cpu", "--json")
+    assert (code, err) == (0, "")
+    report = json.loads(out)
+    # no hc_head: the hidden states leave the stages collapsed, [B, H] (vLLM deepseek_v41/nvidia/dspark.py:238-247)
+    assert report["hidden_shape"] == [5, 256] and report["logits_shape"] == [5, 512]
+    assert len(report["draft_tokens"]) == 5 and all(0 <= t < 512 for t in report["draft_tokens"])
+    assert len(report["confidence"]) == 5 and all(0.0 < c < 1.0 for c in report["confidence"])
+
+
+def test_smoke_native_fails_a_v41_draft_with_one_scale_byte_changed(
+    v41: Path, converted: Path, tmp_path: Path, monkeypatch, capsys
+) -> None:
+    broken = tmp_path / "broken"
+    shutil.copytree(converted, broken)
+    shard = broken / "model-00001-of-00001.safetensors"
+    tensors = load_file(shard)
+    scale = tensors["mtp.1.attn.wkv.scale"].view(torch.uint8).clone()
+    scale.view(-1)[0] += 1  # one 32x32 block of stage 1's wkv doubled
+    tensors["mtp.1.attn.wkv.scale"] = scale.view(torch.float8_e8m0fnu)
+    save_file(tensors, shard, metadata={"format": "pt"})
+    code, _, err = run_main(monkeypatch, capsys, "smoke", broken, "--device", "cpu", "--native", v41)
+    # the unchanged draft agrees (test_check_runs_a_v41_draft_in_the_bundled_model_and_it_agrees_with_its_source)
+    assert code == 55 and err.startswith(f"error: {broken}: differs from the reference on {v41}: "), err
+
+
+def _expert_count(state: Tensors) -> None:  # the main model's 8 experts in stage 0, not dspark_n_routed_experts
+    name = "model.layers.0.ffn.experts.routed_experts.w2_weight"
+    state[name] = state[name].repeat(2, 1, 1)
+
+
+@pytest.mark.parametrize(
+    ("edit", "kind", "tensor"),
+    [
+        (lambda state: state.pop("model.layers.1.ffn.gate.bias_vl"), "missing_key", "model.layers.1.ffn.gate.bias_vl"),
+        (
+            lambda state: state.pop("model.confidence_head.proj.weight"),
+            "missing_key",
+            "model.confidence_head.proj.weight",
+        ),
+        (
+            lambda state: state.setdefault("model.hc_head_scale", torch.zeros(1)),  # 0731's head: none in V4.1
+            "unexpected_key",
+            "model.hc_head_scale",
+        ),
+        (_expert_count, "shape_mismatch", "model.layers.0.ffn.experts.routed_experts.w2_weight"),
+    ],
+)
+def test_the_strict_loader_refuses_a_v41_state_unlike_the_model(
+    converted: Path, edit: Callable[[Tensors], object], kind: str, tensor: str
+) -> None:
+    plan = bundled_plan(converted)
+    with open_source(converted) as source:
+        state = read_planned(plan, source.reader)
+    edit(state)
+    with pytest.raises(LoadError) as refused:
+        load_state(plan.model_config, state, "cpu")
+    assert (refused.value.kind, refused.value.tensor) == (kind, tensor) and "\n" not in str(refused.value)
 
 
 def test_check_names_what_a_v41_draft_lacks_adds_or_reshapes(

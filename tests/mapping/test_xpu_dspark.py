@@ -224,11 +224,12 @@ def test_a_rule_for_a_tensor_of_another_stage_is_a_dead_rule(tmp_path: Path, old
 @pytest.mark.parametrize("name", ["../xpu", "nope", "/work/x"])
 def test_an_include_is_named_never_a_path(tmp_path: Path, name: str) -> None:
     # two includes are installed since --target draft (v4_block_native: the block in native names),
-    # three since the DSpark tables share their skips and refusals (dspark_skip_refuse)
+    # three since the DSpark tables share their skips and refusals (dspark_skip_refuse), four since the
+    # V4.1 tables share theirs (dspark_v41_skip_refuse)
     with pytest.raises(
         mapping_errors.TableError,
         match=rf"\[\[include\]\] file '{re.escape(name)}' is not an installed include \(installed: "
-        rf"dspark_skip_refuse, v4_block, v4_block_native\)",
+        rf"dspark_skip_refuse, dspark_v41_skip_refuse, v4_block, v4_block_native\)",
     ):
         load_table_file(dspark_table_with(tmp_path, 'file = "v4_block"', f'file = "{name}"'))
 
@@ -545,7 +546,7 @@ def test_batch_converts_mtp_and_dspark_repos_with_their_tables_and_skips_them_on
         assert r.returncode == 0, r.stderr
         report = json.loads((tmp_path / "out" / "batch-report.json").read_text())
         assert {e["repo"]: e["table"] for e in report["converted"]} == {"org/mtp": "xpu", "org/dspark": "xpu_dspark"}
-        assert report["tables"] == {"xpu": "1", "xpu_dspark": "1"}
+        assert report["tables"] == {"xpu": "1", "xpu_dspark": "1", "xpu_dspark_v41": "1"}
         assert all(": OK: " in e["check"] for e in report["converted"]), report["converted"]
         out = tmp_path / "out" / "dspark-xpu"
         assert json.loads((out / "conversion.json").read_text())["table"] == "xpu_dspark"

@@ -188,7 +188,7 @@ def test_the_draft_applies_the_final_hc_post(tiny_pairs):
         n,
     )
     with torch.no_grad():
-        f, streams, post, comb = layer.mtp_block(layer.h_proj(h_n) + layer.e_proj(e_n).unsqueeze(-2), positions)
+        f, streams, post, comb, _ = layer.mtp_block(layer.h_proj(h_n) + layer.e_proj(e_n).unsqueeze(-2), positions)
     assert f.shape == (T, H), "what the seed returned"
     assert out.shape == (T, n * H)
     assert torch.equal(out, hc_post(f, streams, post, comb).flatten(1))
