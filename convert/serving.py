@@ -33,7 +33,7 @@ from dsv4.convert.serving_target import QUANTIZATION, ServingTarget
 from dsv4.convert.sources.inventory import Inventory
 from dsv4.convert.verdict import Verdict, same_tensors, start
 from dsv4.mapping.targets import drafter_families, require_target
-from dsv4.model.errors import DSV4Error
+from dsv4.model.errors import CheckpointError, DSV4Error
 from dsv4.model.native import Layout, standalone_draft_layout
 from dsv4.model.record import sha256_hex
 from dsv4.model.strictjson import json_bytes, write_bytes
@@ -72,7 +72,17 @@ class Served:
 def _serve_inputs(inventory: Inventory, plan: Plan, serving: Serving) -> tuple[LayerMap, Layout]:
     """The draft's modules from the xpu plan of the native layout its config describes
     (route_load.native_plan, as `check --serve-with` takes them: no second classification of
-    the source's every key), and that layout, what the schemes derive their tensors from."""
+    the source's every key), and that layout, what the schemes derive their tensors from. A
+    DeepSeek V4.1 draft is refused: no quantised V4.1 serving target has been modelled (vLLM
+    builds its draft with the target's own V4.1 quantisation, models/deepseek_v41/quant_config.py)."""
+    if plan.model_config.is_v41:
+        raise CheckpointError(
+            f"{inventory.location}: --serve-with is not built for DeepSeek V4.1 drafts (no quantised V4.1 target "
+            "has been modelled); convert it without --serve-with: vLLM and SGLang serve that draft beside the V4.1 "
+            "model it comes from",
+            kind="unsupported_drafter",
+            path=str(inventory.location),
+        )
     serving.target.refuse_unless_fits(plan.config)
     native = standalone_draft_layout(plan.model_config)
     return layer_map(native_plan(plan.model_config, plan.config, inventory.location)), native

@@ -21,6 +21,7 @@ from dsv4.convert.serving_target import ServingTarget, first_difference, read_se
 from dsv4.mapping.targets import serving_targets
 from dsv4.model.checkpoint import CONFIG
 from dsv4.model.config import ModelConfig
+from dsv4.model.config_v41 import V41_MODEL_TYPE
 from dsv4.model.errors import DSV4Error
 from dsv4.model.native import standalone_draft_layout
 from dsv4.model.record import brief
@@ -113,6 +114,13 @@ def check_serve(ctx: Context, details: dict[str, Any]) -> str:
         )
     target = _target(ctx)
     where = target.where
+    if ctx.config.get("model_type") == V41_MODEL_TYPE:  # as convert's --serve-with refuses one (convert/serving.py)
+        raise SERVE_MISMATCH(
+            f"{ctx.root}: --serve-with is not built for DeepSeek V4.1 drafts (no quantised V4.1 target has been "
+            f"modelled), so whether it loads beside {where} is not known; vLLM and SGLang serve it beside the V4.1 "
+            "model it comes from",
+            path=str(ctx.root),
+        )
     # the draft's modules from the native layout its config describes, not from its tensors, which
     # a route has renamed (weight_scale, weight_packed) where the xpu table knows native names only
     try:

@@ -249,3 +249,21 @@ def test_the_model_card_of_a_v41_draft_serves_it_with_dspark_on_cuda_and_rocm() 
     assert "The DeepSeek V4.1 DSpark (model_type deepseek_v41, text_config nested) draft model" in body
     assert """# vLLM 0.33.0 (CUDA, ROCm)\nvllm serve org/v41 --speculative-config '{"method":"dspark",""" in body
     assert "--speculative-algorithm DSPARK --speculative-draft-model-path org/v41-draft" in body
+
+
+def test_serve_with_is_refused_for_a_v41_draft_in_one_line(tmp_path, monkeypatch, capsys) -> None:
+    """No quantised V4.1 serving target is modelled: `plan` and `convert` refuse before anything is
+    written, naming the source and what to do instead, and `check --serve-with` fails saying so (both
+    once failed on the nested config's num_hidden_layers)."""
+    src = write_checkpoint(tmp_path / "src", preset="tiny", variant="v41", seed=0)
+    (tmp_path / "t").mkdir()
+    (tmp_path / "t" / "config.json").write_bytes((src / "config.json").read_bytes())
+    for command in (("plan", src), (src, tmp_path / "out")):
+        code, _, err = run_main(monkeypatch, capsys, *command, "--target", "draft", "--serve-with", tmp_path / "t")
+        assert code == 35 and err.count("\n") == 1, err
+        assert f"{src}: --serve-with is not built for DeepSeek V4.1 drafts" in err
+        assert "convert it without --serve-with" in err
+    assert not (tmp_path / "out").exists()
+    convert(src, tmp_path / "draft", target="draft")
+    code, out, _ = run_main(monkeypatch, capsys, "check", tmp_path / "draft", "--fast", "--serve-with", tmp_path / "t")
+    assert code == 86 and "--serve-with is not built for DeepSeek V4.1 drafts" in out
